@@ -1,0 +1,32 @@
+"""Root pytest configuration: Hypothesis profiles shared by every suite.
+
+The profile is chosen with Hypothesis's own ``--hypothesis-profile`` option or, when that is not
+given, the ``FUZZ_PROFILE`` environment variable (default ``ci``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+# ci: fast and derandomized, so a pull request sees the same examples every run.
+settings.register_profile(
+    "ci",
+    max_examples=300,
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# nightly: a real search; failures print the blob that replays them with @reproduce_failure.
+settings.register_profile(
+    "nightly",
+    max_examples=10_000,
+    deadline=None,
+    print_blob=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=50, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("FUZZ_PROFILE", "ci"))
