@@ -1,0 +1,611 @@
+"""The flat parameter: one wrapped unit's original parameters in one padded 1-D buffer.
+
+A :class:`FlatParamHandle` owns, for one unit:
+
+- the *sharded* flat parameter (:class:`FlatParameter`, ``handle.flat_param`` after ``shard()``):
+  this rank's equal slice, the tensor the optimizer steps (or, with ``use_orig_params``, the
+  storage the original parameters are 1-D views into). It never changes identity after ``shard()``;
+- the *unsharded* flat parameter (``handle.unsharded_flat_param``): a separate autograd leaf in the
+  compute dtype on the compute device, sized for the all-gather output. Compute reads views into
+  it; gradients accumulate on it. Its storage is allocated for compute and freed afterwards, but
+  the tensor object persists so views and saved tensors stay valid across a re-gather
+  ([Note: one unsharded leaf, storage freed in place]).
+
+The layout arithmetic lives in :mod:`engine.layout` (pure, no tensors). Communication lives in the
+runtime; this module does no collective, so metadata for any world size can be computed in one
+process with a process-group test double that has only ``rank()`` and ``size()``.
+
+[Note: one unsharded leaf, storage freed in place]
+FSDP1 swaps ``flat_param.data`` between the shard and the unsharded buffer, so one object's meaning
+changes with the phase and state is inferred from ``data_ptr()`` comparisons. Here the two are
+different tensors with fixed meaning. Freeing resizes the unsharded leaf's *storage* to zero bytes
+and re-gathering resizes it back and writes through ``.data`` (a fresh version counter), so autograd
+tensors saved in forward — views of that storage — see the re-gathered values in backward without
+tripping the in-place-modification check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from enum import Enum, auto
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from engine.layout import FlatLayout, ParamEntry, ShardParamInfo, aligned_numel, build_layout
+
+__all__ = [
+    "FlatParameter",
+    "FlatParamHandle",
+    "FlatParamShardMetadata",
+    "HandleShardingStrategy",
+    "ParamInfo",
+    "SharedParamInfo",
+]
+
+
+class HandleShardingStrategy(Enum):
+    FULL_SHARD = auto()
+    SHARD_GRAD_OP = auto()
+    NO_SHARD = auto()
+    HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
+
+
+RESHARD_AFTER_FORWARD_STRATEGIES = (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.HYBRID_SHARD)
+NO_RESHARD_AFTER_FORWARD_STRATEGIES = (
+    HandleShardingStrategy.SHARD_GRAD_OP,
+    HandleShardingStrategy._HYBRID_SHARD_ZERO2,
+)
+
+
+class RankAndSize(Protocol):
+    """What the handle needs of a process group: a real one or a test double."""
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+
+class ParamInfo(NamedTuple):
+    """Where an original parameter is registered: ``getattr(module, param_name)``."""
+
+    param_name: str
+    module: nn.Module
+    module_name: str
+
+
+class SharedParamInfo(NamedTuple):
+    """A second (or later) registration of a parameter already in the flat parameter."""
+
+    param_name: str
+    module: nn.Module
+    module_name: str
+    prim_param_name: str
+    prim_module: nn.Module
+    prim_module_name: str
+
+
+class FlatParamShardMetadata(NamedTuple):
+    """This rank's shard, per original parameter it holds (padding never appears).
+
+    ``param_offsets`` are inclusive ``(start, end)`` in each original parameter's own flattened
+    element space.
+    """
+
+    param_names: tuple[str, ...]
+    param_shapes: tuple[torch.Size, ...]
+    param_strides: tuple[tuple[int, ...], ...]
+    param_contiguities: tuple[bool, ...]
+    param_numels: tuple[int, ...]
+    param_offsets: tuple[tuple[int, int], ...]
+
+
+class FlatParameter(nn.Parameter):
+    """The flat parameter of one handle: unsharded and padded until ``shard()``, then the local shard.
+
+    Its metadata is the handle's :class:`~engine.layout.FlatLayout`; the per-rank part is
+    ``_shard_param_infos`` (set by ``shard()``; tests may set it to probe other ranks' shards).
+    """
+
+    #: the layout this buffer follows (shared with the handle).
+    _layout: FlatLayout
+    #: what the current shard holds of each original parameter.
+    _shard_param_infos: tuple[ShardParamInfo, ...]
+    #: right padding of this rank's shard.
+    _shard_numel_padded: int
+
+    def __new__(cls, data: Tensor, requires_grad: bool = True) -> "FlatParameter":
+        return super().__new__(cls, data, requires_grad)  # type: ignore[arg-type]
+
+    # Read-only views of the layout, named as torch FSDP1's attributes so tools that inspect a
+    # flat parameter (checkpoint converters, the seeds) read ours the same way.
+    @property
+    def _fqns(self) -> tuple[str, ...]:
+        return tuple(p.fqn for p in self._layout.params)
+
+    @property
+    def _shapes(self) -> tuple[torch.Size, ...]:
+        return tuple(torch.Size(p.shape) for p in self._layout.params)
+
+    @property
+    def _strides(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(p.stride for p in self._layout.params)
+
+    @property
+    def _contiguities(self) -> tuple[bool, ...]:
+        return tuple(p.contiguous for p in self._layout.params)
+
+    @property
+    def _numels(self) -> tuple[int, ...]:
+        return tuple(p.numel for p in self._layout.params)
+
+    @property
+    def _numels_with_padding(self) -> tuple[int, ...]:
+        return self._layout.numels_with_padding
+
+    @property
+    def _is_padding_mask(self) -> tuple[bool, ...]:
+        return self._layout.is_padding_mask
+
+    @property
+    def _num_params(self) -> int:
+        return len(self._layout.params)
+
+
+def _is_truly_contiguous(t: Tensor) -> bool:
+    # 1x1 channels-last conv weights report both contiguities; only a unit last stride makes a
+    # plain ``view`` of the flat segment reproduce the original strides.
+    return t.dim() == 0 or (t.stride(-1) == 1 and t.is_contiguous())
+
+
+def _flat_view(t: Tensor) -> Tensor:
+    """The parameter's elements in storage order (what the flat buffer holds)."""
+    t = t.detach()
+    return t.reshape(-1) if _is_truly_contiguous(t) else t.as_strided((t.numel(),), (1,))
+
+
+def _set_tensor_attr(module: nn.Module, name: str, value: Tensor) -> None:
+    """Register ``value`` as a plain tensor attribute, removing a parameter of that name."""
+    module._parameters.pop(name, None)
+    setattr(module, name, value)
+
+
+def _set_param_attr(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    if name in module.__dict__:
+        delattr(module, name)
+    module._parameters[name] = param
+
+
+class FlatParamHandle:
+    """Flattens, shards and unflattens one unit's parameters; owns both flat buffers.
+
+    Arguments and their names are torch FSDP1's, so code written against its ``FlatParamHandle``
+    constructs ours unchanged. ``process_group`` needs only ``rank()`` and ``size()``.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter | Tensor],
+        fully_sharded_module: nn.Module,
+        device: torch.device,
+        sharding_strategy: HandleShardingStrategy,
+        offload_params: bool,
+        mp_param_dtype: torch.dtype | None,
+        mp_reduce_dtype: torch.dtype | None,
+        keep_low_precision_grads: bool,
+        process_group: RankAndSize,
+        use_orig_params: bool,
+        *,
+        fsdp_extension: Any = None,
+    ) -> None:
+        params = list(params)
+        if not params:
+            raise ValueError("Cannot construct a FlatParamHandle with an empty parameter list")
+        if fsdp_extension is not None:
+            raise ValueError(
+                "FlatParamHandle(fsdp_extension=...) is not supported by this engine: pass None "
+                "(tensor-parallel extensions are out of scope)"
+            )
+        if not isinstance(sharding_strategy, HandleShardingStrategy):
+            raise ValueError(
+                f"sharding_strategy={sharding_strategy!r} must be a HandleShardingStrategy member"
+            )
+        #: compute device: where the unsharded parameter lives during forward and backward.
+        self.device = torch.device(device)
+        self.process_group = process_group
+        self.rank = process_group.rank()
+        self.world_size = process_group.size()
+        self._sharding_strategy = sharding_strategy
+        self._offload_params = offload_params
+        self._use_orig_params = use_orig_params
+        self._keep_low_precision_grads = keep_low_precision_grads
+        self._fully_sharded_module = fully_sharded_module
+
+        dtype, requires_grad, _ = self._validate_params(params, fully_sharded_module)
+        #: dtype of the full-precision (master) parameters.
+        self._orig_param_dtype = dtype
+        self._init_param_reduce_dtypes(mp_param_dtype, mp_reduce_dtype)
+        # Alignment is in the dtype that is communicated and computed in (FSDP1 aligns only
+        # with use_orig_params, where the original parameters are exposed to the compiler).
+        align = aligned_numel(torch.empty((), dtype=self._fwd_bwd_param_dtype).element_size())
+        self._aligned_numel = align if use_orig_params else 0
+
+        param_infos, shared_infos, unique, shared = self._walk_module_tree(params, fully_sharded_module)
+        #: original parameters (unique, in flat order) and their later registrations.
+        self._param_infos: tuple[ParamInfo, ...] = tuple(param_infos)
+        self._shared_param_infos: tuple[SharedParamInfo, ...] = tuple(shared_infos)
+        # The original Parameter objects are kept with use_orig_params: the optimizer holds them,
+        # so they must survive as views into the flat parameter.
+        self._orig_params: tuple[nn.Parameter, ...] = tuple(unique)
+        self._shared_orig_params: tuple[nn.Parameter, ...] = tuple(shared)
+        self._param_requires_grad: tuple[bool, ...] = tuple(p.requires_grad for p in unique)
+
+        entries = [
+            ParamEntry(
+                fqn=f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name,
+                shape=tuple(p.shape),
+                stride=tuple(p.stride()),
+                contiguous=_is_truly_contiguous(p),
+                numel=p.numel(),
+            )
+            for p, info in zip(unique, param_infos)
+        ]
+        self.layout: FlatLayout = build_layout(entries, self.world_size, self._aligned_numel)
+        self.flat_param: FlatParameter = self._flatten(unique, requires_grad)
+        self._is_sharded = False
+        #: the compute-side leaf; created by ``init_unsharded_flat_param()`` at lazy init so that a
+        #: ``module.to(dtype)`` between construction and the first forward is honoured.
+        self.unsharded_flat_param: Tensor | None = None
+        self.use_unsharded_views(as_params=False, source=self.flat_param)
+
+    # ------------------------------------------------------------------ construction
+    def _validate_params(self, params: list[Tensor], module: nn.Module) -> tuple[torch.dtype, bool, torch.device]:
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        first = params[0]
+        for p in params:
+            name = names.get(id(p), "<not registered in the module>")
+            if isinstance(p, FlatParameter):
+                raise ValueError(
+                    f"Cannot flatten parameter {name!r}: it is already a FlatParameter; wrap the "
+                    "original module instead of an already-wrapped one"
+                )
+            if not p.is_floating_point():
+                raise ValueError(
+                    f"Cannot flatten parameter {name!r} of integer dtype {p.dtype}: only floating-point "
+                    "parameters can be sharded; register it as a buffer or use ignored_modules"
+                )
+            if p.dim() == 0:
+                raise ValueError(
+                    f"Cannot flatten scalar (0-dim) parameter {name!r}: reshape it to shape (1,) "
+                    "or register it as a buffer"
+                )
+            if p.dtype != first.dtype:
+                raise ValueError(
+                    f"Must flatten tensors with uniform dtype but parameter {name!r} has {p.dtype} "
+                    f"and others {first.dtype}: cast the module to one dtype (mixed precision is set "
+                    "with MixedPrecision, not per parameter)"
+                )
+            if p.device != first.device:
+                raise ValueError(
+                    f"Must flatten tensors on the same device but parameter {name!r} is on {p.device} "
+                    f"and others on {first.device}: move the module to one device before wrapping"
+                )
+            if not self._use_orig_params and p.requires_grad != first.requires_grad:
+                raise ValueError(
+                    f"Must flatten tensors with uniform requires_grad when use_orig_params=False but "
+                    f"parameter {name!r} has requires_grad={p.requires_grad}: wrap frozen and trainable "
+                    "parameters in separate units or pass use_orig_params=True"
+                )
+        return first.dtype, any(p.requires_grad for p in params), first.device
+
+    @staticmethod
+    def _walk_module_tree(
+        params: list[Tensor], module: nn.Module
+    ) -> tuple[list[ParamInfo], list[SharedParamInfo], list[nn.Parameter], list[nn.Parameter]]:
+        wanted = {id(p) for p in params}
+        first_seen: dict[int, tuple[nn.Module, str, str]] = {}
+        infos: list[ParamInfo] = []
+        shared_infos: list[SharedParamInfo] = []
+        unique: list[nn.Parameter] = []
+        shared: list[nn.Parameter] = []
+        for module_name, submodule in module.named_modules(remove_duplicate=False):
+            for param_name, param in list(submodule._parameters.items()):
+                if param is None or id(param) not in wanted:
+                    continue
+                if id(param) in first_seen:
+                    prim_module, prim_module_name, prim_name = first_seen[id(param)]
+                    shared_infos.append(
+                        SharedParamInfo(param_name, submodule, module_name, prim_name, prim_module, prim_module_name)
+                    )
+                    shared.append(param)
+                else:
+                    first_seen[id(param)] = (submodule, module_name, param_name)
+                    infos.append(ParamInfo(param_name, submodule, module_name))
+                    unique.append(param)
+        missing = wanted - set(first_seen)
+        if missing:
+            raise ValueError(
+                f"{len(missing)} of the parameters to flatten are not registered in "
+                f"{type(module).__name__}'s module tree: pass only that module's parameters"
+            )
+        return infos, shared_infos, unique, shared
+
+    @torch.no_grad()
+    def _flatten(self, tensors: Sequence[Tensor], requires_grad: bool) -> FlatParameter:
+        """Copy ``tensors`` into a new unsharded flat parameter following the layout."""
+        dtype, device = tensors[0].dtype, tensors[0].device
+        flat = torch.zeros(self.layout.total_numel, dtype=dtype, device=device)
+        for t, start in zip(tensors, self.layout.param_offsets()):
+            flat.narrow(0, start, t.numel()).copy_(_flat_view(t))
+        flat_param = FlatParameter(flat, requires_grad=requires_grad)
+        flat_param._layout = self.layout
+        flat_param._shard_param_infos = self.layout.shard_param_infos(0, max(self.layout.total_numel - 1, 0))
+        flat_param._shard_numel_padded = 0
+        return flat_param
+
+    def flatten_tensors(self, tensors: Sequence[Tensor]) -> Tensor:
+        """Lay ``tensors`` (one per original parameter, in order) out as the unsharded flat buffer.
+
+        Used for anything shaped like the parameters: gradients, optimizer state, checkpoints.
+        """
+        if len(tensors) != len(self.layout.params):
+            raise ValueError(
+                f"flatten_tensors got {len(tensors)} tensors but this handle has "
+                f"{len(self.layout.params)} parameters ({', '.join(self.flat_param._fqns)})"
+            )
+        out = torch.zeros(self.layout.total_numel, dtype=tensors[0].dtype, device=tensors[0].device)
+        for t, entry, start in zip(tensors, self.layout.params, self.layout.param_offsets()):
+            if t.numel() != entry.numel:
+                raise ValueError(
+                    f"flatten_tensors: {entry.fqn} has {entry.numel} elements but got a tensor of shape {tuple(t.shape)}"
+                )
+            out.narrow(0, start, t.numel()).copy_(_flat_view(t))
+        return out
+
+    def _init_param_reduce_dtypes(self, mp_param_dtype: torch.dtype | None, mp_reduce_dtype: torch.dtype | None) -> None:
+        # FSDP1's rule: a param dtype without a reduce dtype reduces in the param dtype.
+        self._low_prec_param_dtype_specified = mp_param_dtype is not None
+        self._low_prec_reduce_dtype_specified = mp_reduce_dtype is not None
+        if mp_param_dtype is not None and mp_reduce_dtype is None:
+            self._fwd_bwd_param_dtype = mp_param_dtype
+            self._reduce_dtype = mp_param_dtype
+        else:
+            self._fwd_bwd_param_dtype = mp_param_dtype or self._orig_param_dtype
+            self._reduce_dtype = mp_reduce_dtype or self._orig_param_dtype
+
+    # ------------------------------------------------------------------ sharding & metadata
+    @property
+    def uses_sharded_strategy(self) -> bool:
+        return self._sharding_strategy != HandleShardingStrategy.NO_SHARD
+
+    @property
+    def is_sharded(self) -> bool:
+        return self._is_sharded
+
+    @torch.no_grad()
+    def shard(self) -> None:
+        """Replace the flat parameter's data by this rank's shard (once, at construction).
+
+        After this, ``flat_param`` is the local shard for good; with ``use_orig_params`` the
+        original parameters become 1-D views into it.
+        """
+        if self._is_sharded:
+            raise RuntimeError(f"{self!r} is already sharded: shard() runs once per handle")
+        flat_param = self.flat_param
+        if self.uses_sharded_strategy:
+            start, end, numel_padded = self.layout.shard_bounds(self.rank)
+            local = torch.zeros(self.layout.shard_numel, dtype=flat_param.dtype, device=flat_param.device)
+            real = self.layout.shard_numel - numel_padded
+            if real > 0:
+                local[:real].copy_(flat_param.data[start : start + real])
+            flat_param.data = local
+        else:
+            start, end, numel_padded = 0, max(self.layout.total_numel - 1, 0), 0
+        if self._offload_params:
+            flat_param.data = flat_param.data.cpu()
+        flat_param._shard_param_infos = self._get_shard_metadata(start, end)
+        flat_param._shard_numel_padded = numel_padded
+        self._is_sharded = True
+        if self._use_orig_params:
+            self.use_sharded_views()
+
+    def _get_shard_metadata(self, unsharded_start_idx: int, unsharded_end_idx: int) -> tuple[ShardParamInfo, ...]:
+        """Shard metadata for the inclusive range ``[start, end]`` of the unsharded flat parameter."""
+        return self.layout.shard_param_infos(unsharded_start_idx, unsharded_end_idx)
+
+    def shard_metadata(self) -> FlatParamShardMetadata:
+        """What this rank's shard (``flat_param._shard_param_infos``) holds, per original parameter."""
+        rows = [
+            (entry, info)
+            for entry, info in zip(self.layout.params, self.flat_param._shard_param_infos)
+            if info.in_shard
+        ]
+        return FlatParamShardMetadata(
+            param_names=tuple(e.fqn for e, _ in rows),
+            param_shapes=tuple(torch.Size(e.shape) for e, _ in rows),
+            param_strides=tuple(e.stride for e, _ in rows),
+            param_contiguities=tuple(e.contiguous for e, _ in rows),
+            param_numels=tuple(e.numel for e, _ in rows),
+            param_offsets=tuple((i.intra_param_start_idx, i.intra_param_end_idx) for _, i in rows),
+        )
+
+    # ------------------------------------------------------------------ unsharded buffer
+    def init_unsharded_flat_param(self) -> Tensor:
+        """Create the compute-side leaf (storage freed); call once, at lazy init."""
+        if self.unsharded_flat_param is not None:
+            return self.unsharded_flat_param
+        numel = self.layout.padded_unsharded_numel if self.uses_sharded_strategy else self.layout.total_numel
+        leaf = torch.empty(numel, dtype=self._fwd_bwd_param_dtype, device=self.device)
+        leaf.requires_grad_(self.flat_param.requires_grad)
+        self.unsharded_flat_param = leaf
+        self._free_storage(leaf)
+        return leaf
+
+    @property
+    def unsharded_allocated(self) -> bool:
+        leaf = self.unsharded_flat_param
+        return leaf is not None and leaf.untyped_storage().size() > 0
+
+    def alloc_unsharded_flat_param(self) -> Tensor:
+        """Give the unsharded leaf its storage back; returns a ``.data`` alias to write into
+        without bumping the leaf's version counter."""
+        leaf = self.unsharded_flat_param
+        if leaf is None:
+            raise RuntimeError(f"{self!r}: call init_unsharded_flat_param() before allocating it")
+        nbytes = leaf.numel() * leaf.element_size()
+        if leaf.untyped_storage().size() != nbytes:
+            leaf.untyped_storage().resize_(nbytes)
+        return leaf.data
+
+    def free_unsharded_flat_param(self) -> None:
+        if self.unsharded_flat_param is not None:
+            self._free_storage(self.unsharded_flat_param)
+
+    @staticmethod
+    def _free_storage(t: Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.size() > 0:
+            storage.resize_(0)
+
+    # ------------------------------------------------------------------ views
+    def unflat_views(self, flat: Tensor) -> list[Tensor]:
+        """Views into ``flat`` (an unsharded flat tensor, padded or not) shaped like each original
+        parameter. Differentiable when ``flat`` requires grad."""
+        if flat.numel() < self.layout.total_numel:
+            raise ValueError(
+                f"unflat_views needs an unsharded tensor of at least {self.layout.total_numel} elements, "
+                f"got {flat.numel()}"
+            )
+        views = []
+        for entry, start in zip(self.layout.params, self.layout.param_offsets()):
+            segment = flat.narrow(0, start, entry.numel)
+            views.append(segment.view(entry.shape) if entry.contiguous else segment.as_strided(entry.shape, entry.stride))
+        return views
+
+    def use_unsharded_views(self, as_params: bool, source: Tensor | None = None) -> None:
+        """Point every original parameter's module attribute at a view of the unsharded buffer.
+
+        ``as_params=False`` (compute) registers plain ``Tensor`` views so autograd flows into the
+        unsharded leaf; ``as_params=True`` (``summon_full_params``) registers ``nn.Parameter``s,
+        the original objects when ``use_orig_params`` so optimizer references stay valid.
+        """
+        source = self.unsharded_flat_param if source is None else source
+        if source is None:
+            raise RuntimeError(f"{self!r}: no unsharded flat parameter to take views of")
+        with torch.enable_grad():
+            views = self.unflat_views(source)
+        for i, (view, info) in enumerate(zip(views, self._param_infos)):
+            if as_params and self._use_orig_params:
+                param = self._orig_params[i]
+                param.data = view.detach()
+                _set_param_attr(info.module, info.param_name, param)
+            elif as_params:
+                _set_param_attr(
+                    info.module, info.param_name, nn.Parameter(view.detach(), requires_grad=self._param_requires_grad[i])
+                )
+            else:
+                _set_tensor_attr(info.module, info.param_name, view)
+        for j, info in enumerate(self._shared_param_infos):
+            prim = getattr(info.prim_module, info.prim_param_name)
+            if as_params and self._use_orig_params:
+                shared = self._shared_orig_params[j]
+                shared.data = prim.data
+                _set_param_attr(info.module, info.param_name, shared)
+            elif as_params:
+                _set_param_attr(info.module, info.param_name, prim)
+            else:
+                _set_tensor_attr(info.module, info.param_name, prim)
+
+    @torch.no_grad()
+    def use_sharded_views(self) -> None:
+        """Make each original parameter a 1-D view of its part of the local shard (``use_orig_params``).
+
+        A parameter with nothing in this shard gets a size-0 tensor; the ``Parameter`` objects are
+        the originals, so optimizers built over them keep stepping the shard.
+        """
+        if not self._use_orig_params:
+            raise RuntimeError(f"{self!r}: sharded views exist only with use_orig_params=True")
+        if not self.uses_sharded_strategy:
+            for i, (view, info) in enumerate(zip(self.unflat_views(self.flat_param), self._param_infos)):
+                self._orig_params[i].data = view
+                _set_param_attr(info.module, info.param_name, self._orig_params[i])
+            self._register_shared_orig_params()
+            return
+        flat = self.flat_param.data
+        empty = flat.new_empty(0)
+        for param, info, sinfo in zip(self._orig_params, self._param_infos, self.flat_param._shard_param_infos):
+            param.data = flat[sinfo.offset_in_shard : sinfo.offset_in_shard + sinfo.numel_in_shard] if sinfo.in_shard else empty
+            _set_param_attr(info.module, info.param_name, param)
+        self._register_shared_orig_params()
+
+    def _register_shared_orig_params(self) -> None:
+        for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
+            prim = getattr(info.prim_module, info.prim_param_name)
+            shared.data = prim.data
+            _set_param_attr(info.module, info.param_name, shared)
+
+    def shard_views(self, shard: Tensor) -> list[Tensor | None]:
+        """For a tensor shaped like the local shard (its gradient, say), each original parameter's
+        1-D part of it, or None where the parameter is not in this shard."""
+        return [
+            shard[i.offset_in_shard : i.offset_in_shard + i.numel_in_shard] if i.in_shard else None
+            for i in self.flat_param._shard_param_infos
+        ]
+
+    @torch.no_grad()
+    def use_sharded_grad_views(self) -> None:
+        """Expose ``flat_param.grad`` through the original parameters' ``.grad`` (``use_orig_params``)."""
+        grad = self.flat_param.grad
+        views = self.shard_views(grad) if (grad is not None and self.uses_sharded_strategy) else None
+        if grad is not None and not self.uses_sharded_strategy:
+            views = self.unflat_views(grad)
+        for i, param in enumerate(self._orig_params):
+            view = None if views is None else views[i]
+            if view is None or not param.requires_grad:
+                param.grad = None
+            elif view.dtype != param.dtype:
+                # Low-precision gradients (keep_low_precision_grads) on full-precision parameters:
+                # autograd forbids the dtype mismatch through ``.grad =``, so go through ``.data``.
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                param.grad.data = view.view(param.shape)
+            else:
+                param.grad = view.view(param.shape)
+        for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
+            shared.grad = getattr(info.prim_module, info.prim_param_name).grad
+
+    @contextlib.contextmanager
+    def unflatten_as_params(self) -> Iterator[None]:
+        """Within the context, original parameters are ``nn.Parameter`` views of the unsharded buffer."""
+        self.use_unsharded_views(as_params=True)
+        try:
+            yield
+        finally:
+            if self._use_orig_params and self._is_sharded:
+                self.use_sharded_views()
+            else:
+                self.use_unsharded_views(as_params=False)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of compute (and of the all-gather)."""
+        return self._fwd_bwd_param_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self._reduce_dtype
+
+    def param_module_names(self) -> Iterator[tuple[str, str]]:
+        for info in self._param_infos:
+            yield info.param_name, info.module_name
+
+    def shared_param_module_names(self) -> Iterator[tuple[str, str]]:
+        for info in self._shared_param_infos:
+            yield info.param_name, info.module_name
+
+    def __repr__(self) -> str:
+        return f"FlatParamHandle(flat_param.fqns={list(self.flat_param._fqns)})"
