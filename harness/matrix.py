@@ -1,0 +1,368 @@
+"""The case matrix: axes, the rules that rule combinations out, and three generators.
+
+Pure logic over plain data: nothing here runs a case. ``generate("full")`` is the cartesian product
+of the axes minus the invalid combinations; ``generate("pairwise")`` is a covering array (every pair of
+values of every two axes that can occur in a valid case occurs in at least one generated case) built by
+a deterministic AETG-style greedy; ``generate("smoke")`` is a handful of cases that touch the main
+features of every engine.
+
+Axis values are the ``Literal`` values of ``harness.case``; case ids are ``CaseConfig.case_id`` (qualified
+by ``full_id`` where engines and references are mixed).
+
+[Note: invalid versus uncovered]
+A combination is *invalid* when an engine cannot express it or raises on it by design (a rule below,
+each with its reason). Invalid combinations are left out of every generator. A *pair* of axis values is
+*feasible* when at least one valid case holds both; the pairwise generator must cover exactly the feasible
+pairs. Feasibility is decided by search over the axes that some rule reads (the other axes never make a
+case invalid), so it stays exact when rules interact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from harness.case import CaseConfig, EngineName, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
+
+GeneratorName = Literal["full", "pairwise", "smoke"]
+
+#: One axis value: ``("precision", "bf16")``.
+AxisValue = tuple[str, Any]
+#: An unordered pair of values of two different axes, stored in ``AXES`` order.
+Pair = tuple[AxisValue, AxisValue]
+
+#: The default axes and their values, in the order ids and generators use. The first value of each axis
+#: is its baseline (what smoke cases keep unless they exercise that axis).
+AXES: dict[str, list[Any]] = {
+    "engine": list(get_args(EngineName)),
+    "reference": list(get_args(ReferenceName)),
+    # Names from ``harness.models.MODELS``; override with ``axes={"model": [...]}``.
+    "model": ["nested", "transformer"],
+    "sharding_strategy": list(get_args(ShardingName)),
+    "precision": list(get_args(PrecisionName)),
+    "backward_prefetch": list(get_args(PrefetchName)),
+    "forward_prefetch": [False, True],
+    "cpu_offload": [False, True],
+    "use_orig_params": [False, True],
+    "init_mode": list(get_args(InitModeName)),
+    # Hybrid strategies need 4 ranks (see RULES); 2 keeps everything else cheap.
+    "world_size": [2, 4],
+    # Steps deepen a case rather than change its behaviour: one value by default.
+    "steps": [5],
+}
+
+_HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A constraint: every combination it matches is invalid, for ``reason``."""
+
+    #: short identifier, for tests and for filtering rules.
+    name: str
+    #: the ``CaseConfig`` fields it reads; it is evaluated once all of them are known.
+    axes: tuple[str, ...]
+    #: one line: why an engine cannot run such a case.
+    reason: str
+    #: True when the case (a mapping holding at least ``axes``) is invalid.
+    matches: Callable[[Mapping[str, Any]], bool]
+
+
+#: The constraints a PyTorch FSDP user runs into. Each reason names the behaviour that makes it invalid.
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "offload_after_wrap",
+        ("cpu_offload", "init_mode"),
+        "CPU offload with the model moved to the GPU after wrapping puts offloaded parameters on the GPU; "
+        "FSDP raises ('CPU offloading enabled has parameters on cuda')",
+        lambda c: c["cpu_offload"] and c["init_mode"] == "after",
+    ),
+    Rule(
+        "hybrid_world_size",
+        ("sharding_strategy", "world_size"),
+        "hybrid strategies shard within a group and replicate across groups; both need >= 2 ranks, so "
+        "the world size must be >= 4 and even",
+        lambda c: c["sharding_strategy"] in _HYBRID and (c["world_size"] < 4 or c["world_size"] % 2 != 0),
+    ),
+    Rule(
+        "fsdp2_has_no_flat_params",
+        ("engine", "use_orig_params"),
+        "FSDP2 has no flat parameters: it always exposes the original parameters (as DTensors), so "
+        "use_orig_params=False does not exist there",
+        lambda c: c["engine"] == "torch-fsdp2" and not c["use_orig_params"],
+    ),
+    Rule(
+        "fsdp2_backward_prefetch",
+        ("engine", "backward_prefetch"),
+        "FSDP2 always prefetches the next all-gather before a module's backward (BACKWARD_PRE); it can "
+        "neither turn that off nor prefetch after the gradient computation (BACKWARD_POST)",
+        lambda c: c["engine"] == "torch-fsdp2" and c["backward_prefetch"] != "pre",
+    ),
+)
+
+_FIELDS = {f.name for f in dataclasses.fields(CaseConfig)}
+_DEFAULTS: dict[str, Any] = {f.name: getattr(CaseConfig(), f.name) for f in dataclasses.fields(CaseConfig)}
+
+
+def _as_mapping(case: CaseConfig | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(case, CaseConfig):
+        return {name: getattr(case, name) for name in _FIELDS}
+    return {**_DEFAULTS, **case}
+
+
+def invalid_reasons(case: CaseConfig | Mapping[str, Any], rules: Sequence[Rule] = RULES) -> list[str]:
+    """The reason of every rule the case breaks; a mapping is completed with ``CaseConfig`` defaults."""
+    values = _as_mapping(case)
+    return [rule.reason for rule in rules if rule.matches(values)]
+
+
+def invalid_reason(case: CaseConfig | Mapping[str, Any]) -> str | None:
+    """Why no engine run should be made of this case, or None when it is valid."""
+    reasons = invalid_reasons(case)
+    return "; ".join(reasons) if reasons else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Axes
+
+
+def resolve_axes(axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+    """The axes to vary and the fixed field values every case shares.
+
+    ``axes`` overrides the values of the named axes of ``AXES`` (the others keep their defaults); a
+    keyword in ``fixed`` pins a field, which removes it from the axes.
+    """
+    merged = {name: list(values) for name, values in AXES.items()}
+    for name, values in (axes or {}).items():
+        if name not in AXES:
+            raise ValueError(
+                f"axes: unknown axis {name!r}; axes are {list(AXES)} (pin other CaseConfig fields as keywords)"
+            )
+        values = list(values)
+        if not values:
+            raise ValueError(f"axes[{name!r}] is empty; give at least one value or pin it as a keyword")
+        if len(set(values)) != len(values):
+            raise ValueError(f"axes[{name!r}]={values} repeats a value")
+        merged[name] = values
+    for name, value in fixed.items():
+        if name not in _FIELDS:
+            raise ValueError(f"generate: {name!r} is not a CaseConfig field; fields are {sorted(_FIELDS)}")
+        if axes and name in axes:
+            raise ValueError(f"generate: {name!r} is both an axis and pinned to {value!r}; give it only once")
+        merged.pop(name, None)
+    for name, values in merged.items():
+        for value in values:
+            CaseConfig(**{name: value})  # the contract's own validation names the bad value
+    base = {**_DEFAULTS, **fixed}
+    CaseConfig(**base)
+    return merged, base
+
+
+class _Space:
+    """The varying axes over a fixed base, with the feasibility search the generators share."""
+
+    def __init__(self, axes: dict[str, list[Any]], base: dict[str, Any], rules: Sequence[Rule] = RULES) -> None:
+        self.axes = axes
+        self.base = base
+        self.rules = tuple(rules)
+        self.order = list(axes)
+        #: axes some rule reads: only these can make a case invalid, so only these are searched.
+        self.constrained = [a for a in self.order if any(a in r.axes for r in self.rules)]
+        #: feasibility of partial assignments to constrained axes, keyed by their sorted items.
+        self._memo: dict[tuple[AxisValue, ...], dict[str, Any] | None] = {}
+
+    def violates(self, assign: Mapping[str, Any]) -> bool:
+        """True if a rule whose axes are all known (assigned or fixed) matches."""
+        known = {**self.base, **assign}
+        for rule in self.rules:
+            if all(a in assign or a not in self.axes for a in rule.axes) and rule.matches(known):
+                return True
+        return False
+
+    def complete(self, assign: Mapping[str, Any]) -> dict[str, Any] | None:
+        """A valid full assignment extending ``assign``, preferring earlier values; None if none exists."""
+        if self.violates(assign):
+            return None
+        key = tuple((a, assign[a]) for a in self.constrained if a in assign)
+        if key not in self._memo:
+            self._memo[key] = self._search(dict(key))
+        found = self._memo[key]
+        if found is None:
+            return None
+        # Unconstrained axes take their first value unless given.
+        return {a: assign.get(a, found.get(a, self.axes[a][0])) for a in self.order}
+
+    def _search(self, assign: dict[str, Any]) -> dict[str, Any] | None:
+        free = [a for a in self.constrained if a not in assign]
+        if not free:
+            return assign
+        # Most constrained first: an axis sharing a rule with an assigned one fails fastest.
+        def pressure(a: str) -> int:
+            return -sum(1 for r in self.rules if a in r.axes and any(b in assign for b in r.axes))
+
+        axis = min(free, key=lambda a: (pressure(a), self.order.index(a)))
+        for value in self.axes[axis]:
+            trial = {**assign, axis: value}
+            if not self.violates(trial):
+                found = self._search(trial)
+                if found is not None:
+                    return found
+        return None
+
+    def pairs(self) -> list[Pair]:
+        """Every feasible pair, in axis order then value order."""
+        out: list[Pair] = []
+        for i, a in enumerate(self.order):
+            for b in self.order[i + 1 :]:
+                for va in self.axes[a]:
+                    for vb in self.axes[b]:
+                        if self.complete({a: va, b: vb}) is not None:
+                            out.append(((a, va), (b, vb)))
+        return out
+
+    def case(self, assign: Mapping[str, Any]) -> CaseConfig:
+        return CaseConfig(**{**self.base, **assign})
+
+
+def _pairs_of(assign: Mapping[str, Any], order: Sequence[str]) -> Iterable[Pair]:
+    present = [a for a in order if a in assign]
+    for i, a in enumerate(present):
+        for b in present[i + 1 :]:
+            yield ((a, assign[a]), (b, assign[b]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generators
+
+
+def _full(space: _Space) -> list[CaseConfig]:
+    cases = []
+    for values in itertools.product(*(space.axes[a] for a in space.order)):
+        assign = dict(zip(space.order, values))
+        if not space.violates(assign):
+            cases.append(space.case(assign))
+    return cases
+
+
+def _pairwise(space: _Space) -> list[CaseConfig]:
+    """AETG-style greedy: each new case starts from the most-needed uncovered pair, then fills the other
+    axes one at a time with the value covering the most uncovered pairs, keeping the case completable.
+
+    Every loop covers at least its seed pair (feasible by construction), so it terminates; ties break
+    by axis and value order, so the result never depends on hashing.
+    """
+    order = space.order
+    rank = {pair: i for i, pair in enumerate(space.pairs())}
+    uncovered = set(rank)
+    cases: list[CaseConfig] = []
+    while uncovered:
+        # How many uncovered pairs each axis value still takes part in.
+        need: dict[AxisValue, int] = {}
+        for pair in uncovered:
+            for av in pair:
+                need[av] = need.get(av, 0) + 1
+        seed = min(uncovered, key=lambda p: (-(need[p[0]] + need[p[1]]), rank[p]))
+        assign = dict(seed)
+        rest = sorted(
+            (a for a in order if a not in assign),
+            key=lambda a: (-sum(need.get((a, v), 0) for v in space.axes[a]), order.index(a)),
+        )
+        for axis in rest:
+            best: tuple[int, int] | None = None
+            choice = None
+            for vi, value in enumerate(space.axes[axis]):
+                trial = {**assign, axis: value}
+                if space.complete(trial) is None:
+                    continue
+                gain = sum(
+                    1 for other in assign
+                    if _ordered_pair(order, (other, assign[other]), (axis, value)) in uncovered
+                )
+                score = (gain, need.get((axis, value), 0))
+                if best is None or score > best:
+                    best, choice = score, value
+            assert best is not None, "a completable partial case has a completable value on every axis"
+            assign[axis] = choice
+        uncovered.difference_update(_pairs_of(assign, order))
+        cases.append(space.case(assign))
+    return cases
+
+
+def _ordered_pair(order: Sequence[str], x: AxisValue, y: AxisValue) -> Pair:
+    return (x, y) if order.index(x[0]) < order.index(y[0]) else (y, x)
+
+
+#: What each smoke case exercises on top of the baseline (the first value of every axis). Other axes are
+#: moved off the baseline only where an engine needs it (e.g. FSDP2 always uses original parameters).
+SMOKE_VARIANTS: tuple[dict[str, Any], ...] = (
+    {},
+    {"sharding_strategy": "shard_grad_op", "precision": "bf16", "backward_prefetch": "pre", "use_orig_params": True},
+    {"sharding_strategy": "no_shard", "precision": "fp16", "forward_prefetch": True},
+    {"precision": "reduce_only", "cpu_offload": True, "backward_prefetch": "post", "init_mode": "never"},
+)
+
+
+def _smoke(space: _Space) -> list[CaseConfig]:
+    cases: dict[str, CaseConfig] = {}
+    engines = space.axes.get("engine", [None])
+    for engine in engines:
+        for variant in SMOKE_VARIANTS:
+            wanted = {k: v for k, v in variant.items() if k in space.axes}
+            if any(v not in space.axes[k] for k, v in wanted.items()):
+                continue  # this run's axes leave the variant out
+            if any(k not in space.axes and space.base[k] != v for k, v in variant.items()):
+                continue  # a pinned field contradicts the variant
+            assign = _closest_valid(space, wanted, engine)
+            if assign is not None:
+                case = space.case(assign)
+                cases.setdefault(case.full_id, case)
+    return list(cases.values())
+
+
+def _closest_valid(space: _Space, wanted: dict[str, Any], engine: Any) -> dict[str, Any] | None:
+    """``wanted`` on ``engine`` with as few of its values dropped as validity needs (e.g. FSDP2 has no
+    BACKWARD_POST, but its offload case is still worth running); the rest stays at the baseline."""
+    keys = list(wanted)
+    for n_dropped in range(len(keys) + 1):
+        for dropped in itertools.combinations(keys, n_dropped):
+            trial = {k: v for k, v in wanted.items() if k not in dropped}
+            if engine is not None:
+                trial["engine"] = engine
+            assign = space.complete(trial)
+            if assign is not None:
+                return assign
+    return None
+
+
+_GENERATORS: dict[str, Callable[[_Space], list[CaseConfig]]] = {
+    "full": _full, "pairwise": _pairwise, "smoke": _smoke,
+}
+
+
+def generate(name: GeneratorName, axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) -> list[CaseConfig]:
+    """The cases of generator ``name`` over ``AXES`` (values overridden by ``axes``; keywords pin fields).
+
+    Deterministic: the same arguments give the same cases in the same order.
+    """
+    if name not in _GENERATORS:
+        raise ValueError(f"generate: name={name!r} is not one of {list(_GENERATORS)}")
+    space = _Space(*resolve_axes(axes, **fixed))
+    return _GENERATORS[name](space)
+
+
+def feasible_pairs(axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) -> set[Pair]:
+    """Every pair of values of two axes that occurs in at least one valid case."""
+    return set(_Space(*resolve_axes(axes, **fixed)).pairs())
+
+
+def pairs_uncovered(cases: Iterable[CaseConfig], axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) -> set[Pair]:
+    """The feasible pairs (same ``axes``/keywords as ``generate``) that no valid case in ``cases`` holds."""
+    space = _Space(*resolve_axes(axes, **fixed))
+    uncovered = set(space.pairs())
+    for case in cases:
+        if invalid_reason(case) is None:
+            uncovered.difference_update(_pairs_of({a: getattr(case, a) for a in space.order}, space.order))
+    return uncovered

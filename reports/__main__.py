@@ -1,0 +1,59 @@
+"""``python -m reports build RESULTS... --out DIR`` and ``python -m reports diff OLD NEW``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from reports import api, render
+from reports.diff import RATIO_FACTOR, RATIO_FLOOR
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m reports", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build a report directory from results files")
+    b.add_argument("results", nargs="+", type=Path, help="results files (JSON Lines) or report directories")
+    b.add_argument("--out", required=True, type=Path, help="report directory to write")
+
+    d = sub.add_parser("diff", help="compare two results; exits 1 on a regression")
+    d.add_argument("old", type=Path, help="report directory or results file")
+    d.add_argument("new", type=Path, help="report directory or results file")
+    d.add_argument("--ratio-factor", type=float, default=RATIO_FACTOR,
+                   help=f"a worst ratio grown more than this many times regresses (default {RATIO_FACTOR})")
+    d.add_argument("--ratio-floor", type=float, default=RATIO_FLOOR,
+                   help=f"... if it is now at least this (default {RATIO_FLOOR})")
+    d.add_argument("--md", type=Path, help="also write the diff as Markdown here")
+    d.add_argument("--json", type=Path, help="also write the diff as JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "build":
+            summary = api.build(args.results, args.out)
+            v = summary.verdicts
+            print(f"{summary.cases} cases ({', '.join(f'{k} {n}' for k, n in v.items() if n) or 'none'}) "
+                  f"-> {args.out}/: {', '.join(summary.files)}")
+            for bad in summary.bad_lines:
+                print(f"warning: unreadable line {bad}", file=sys.stderr)
+            return 0
+        result = api.diff(args.old, args.new, ratio_factor=args.ratio_factor, ratio_floor=args.ratio_floor)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"python -m reports {args.command}: {e}", file=sys.stderr)
+        return 2
+    text = render.diff_markdown(result, str(args.old), str(args.new))
+    print(text, end="")
+    if args.md:
+        args.md.write_text(text, encoding="utf-8")
+    if args.json:
+        args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""``reports.build``: tables, every output, cut results files, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pandas as pd
+import pytest
+from conftest import write_results
+from synthetic_records import RUN, mixed_records, record
+
+import reports
+from harness.case import CaseConfig
+from harness.collector import read_records
+from reports.__main__ import main
+from reports.matrix import CellStats, cell_label, latest, marginals, parity_matrices, records_frame
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cell_cases(n: int, **axes) -> list[CaseConfig]:
+    """``n`` distinct cases of one matrix cell (they differ in axes a cell aggregates over)."""
+    variants = [dict(forward_prefetch=f, use_orig_params=o, init_mode=i)
+                for i in ("before", "never") for f in (False, True) for o in (False, True)]
+    return [CaseConfig(**axes, **variants[k]) for k in range(n)]
+
+
+# --- tables ------------------------------------------------------------------------------------------
+
+
+def test_a_cell_counts_passes_over_cases_that_ran_and_keeps_the_worst_ratio() -> None:
+    a, b, c, d, e = cell_cases(5, precision="bf16")
+    frame = records_frame([
+        record(a, "pass", 0.2), record(b, "pass", 0.7), record(c, "fail", 12.0),
+        record(d, "unsupported", None), record(e, "pass", None),
+    ])
+    (m,) = parity_matrices(frame)
+    stats = m.cell("full_shard", "bf16", "none")
+    assert (stats.passed, stats.failed, stats.total, stats.unsupported) == (3, 1, 4, 1)
+    assert stats.worst_ratio == 12.0 and stats.status == "fail"
+    assert cell_label(stats) == "3/4 · 12 +1u"
+    assert m.cell("no_shard", "bf16", "none").status == "empty"
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "status", "label"),
+    [
+        (["pass", "fail", "timeout"], "error", "1/3 · timeout"),
+        (["crash", "error"], "error", "0/2 · crash"),
+        (["unsupported", "unsupported"], "unsupported", "unsupported (2)"),
+        (["pass", "pass"], "pass", "2/2 · 0.5"),
+    ],
+)
+def test_cell_status_takes_the_worst_verdict(verdicts: list[str], status: str, label: str) -> None:
+    cases = cell_cases(len(verdicts))
+    frame = records_frame([record(c, v, 0.5 if v in ("pass", "fail") else None) for c, v in zip(cases, verdicts)])
+    stats = CellStats.of(frame)
+    assert stats.status == status
+    assert cell_label(stats) == label
+
+
+def test_matrices_split_by_engine_reference_and_model_in_display_order() -> None:
+    records = [
+        record(CaseConfig(engine=e, reference=r, model=mo, use_orig_params=True, backward_prefetch="pre"))
+        for mo in ("transformer", "nested") for r in ("local", "ddp") for e in ("torch-fsdp2", "builtin")
+    ]
+    titles = [m.title for m in parity_matrices(records_frame(records))]
+    assert titles == [
+        "builtin vs ddp · nested", "builtin vs ddp · transformer", "builtin vs local · nested",
+        "builtin vs local · transformer", "torch-fsdp2 vs ddp · nested", "torch-fsdp2 vs ddp · transformer",
+        "torch-fsdp2 vs local · nested", "torch-fsdp2 vs local · transformer",
+    ]
+
+
+def test_matrix_table_has_strategy_rows_and_precision_by_prefetch_columns() -> None:
+    records = [
+        record(CaseConfig(sharding_strategy=s, precision=p, backward_prefetch=b))
+        for s in ("no_shard", "full_shard") for p in ("fp16", "fp32") for b in ("post", "none")
+    ]
+    (m,) = parity_matrices(records_frame(records))
+    table = m.table()
+    assert list(table.index) == ["full_shard", "no_shard"]
+    assert list(table.columns) == [("fp32", "none"), ("fp32", "post"), ("fp16", "none"), ("fp16", "post")]
+    assert table.loc["no_shard", ("fp16", "post")] == "1/1 · 0.2"
+
+
+def test_marginals_show_a_failure_shared_by_one_axis_value() -> None:
+    records = [
+        record(CaseConfig(engine=e, cpu_offload=off, precision=p), "fail" if off else "pass", 3.0 if off else 0.1)
+        for e in ("builtin", "torch-fsdp") for off in (False, True) for p in ("fp32", "bf16")
+    ]
+    tables = marginals(records_frame(records))
+    offload = tables["cpu_offload"]
+    assert offload.loc[True, "builtin"] == "0/2" and offload.loc[False, "torch-fsdp"] == "2/2"
+    assert offload.loc[True, "worst ratio"] == "3"
+    assert "engine" not in tables and "model" not in tables, "single-valued axes say nothing"
+
+
+def test_latest_record_of_a_case_wins() -> None:
+    case = CaseConfig()
+    frame = records_frame([record(case, "fail", 5.0, time=2.0), record(case, "pass", 0.1, time=3.0),
+                           record(CaseConfig(steps=2), time=1.0)])
+    kept, superseded = latest(frame)
+    assert superseded == 1
+    assert kept.set_index("full_id").loc[case.full_id, "verdict"] == "pass"
+
+
+# --- outputs -----------------------------------------------------------------------------------------
+
+
+def test_build_writes_every_output(built) -> None:
+    mixed_results, out, summary = built
+    records, _ = read_records(mixed_results)
+    engines = sorted({r.case["engine"] for r in records})
+    assert len(summary.matrices) == len(engines)
+    pngs = sorted(p.name for p in out.glob("heatmap_*.png"))
+    assert pngs == sorted(m.heatmap for m in summary.matrices)
+    for name in pngs:
+        image = matplotlib.image.imread(out / name)
+        assert image.shape[0] > 200 and image.shape[1] > 400
+    assert set(summary.files) == {"matrix.md", "matrix.html", "results.csv", "summary.json", *pngs}
+    assert all((out / f).stat().st_size > 0 for f in summary.files)
+
+    assert summary.cases == len(records)
+    for verdict in ("pass", "fail", "timeout", "crash", "error", "unsupported"):
+        assert summary.verdicts[verdict] == sum(r.verdict == verdict for r in records), verdict
+    assert not summary.ok
+
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["verdicts"] == summary.verdicts and on_disk["ok"] is False
+    assert [m["heatmap"] for m in on_disk["matrices"]] == [m.heatmap for m in summary.matrices]
+
+    csv = pd.read_csv(out / "results.csv")
+    assert sorted(csv["full_id"]) == sorted(f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records)
+
+    md = (out / "matrix.md").read_text()
+    for m in summary.matrices:
+        assert f"## {m.engine} vs {m.reference} · {m.model}" in md
+    html = (out / "matrix.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "<script" not in html and "http" not in html
+
+
+def test_a_failing_cell_opens_its_failing_cases_in_html(tmp_path: Path) -> None:
+    bad, good = cell_cases(2, precision="fp16")
+    results = write_results(tmp_path / "r.jsonl", [
+        record(bad, "fail", 40.0, reason="grad mismatch <script>alert(1)</script>"),
+        record(good, "pass", 0.1),
+        record(CaseConfig(sharding_strategy="no_shard"), "pass", 0.1),
+    ])
+    reports.build(results, tmp_path / "out")
+    html = (tmp_path / "out" / "matrix.html").read_text()
+    assert html.count("<details>") == 1
+    assert f"<code>{bad.case_id}</code>" in html and f"<code>{good.case_id}</code>" not in html
+    assert "&lt;script&gt;" in html and "<script>" not in html
+
+
+def test_cut_results_file_still_builds_and_reports_the_cut_record(small_results: Path, tmp_path: Path) -> None:
+    records, _ = read_records(small_results)
+    cut = json.dumps(record(CaseConfig(steps=7), "pass").to_dict())[:57]
+    with open(small_results, "a") as f:
+        f.write(cut)  # a run killed in the middle of writing its last record
+    summary = reports.build(small_results, tmp_path / "out")
+    assert summary.cases == len(records)
+    (bad,) = summary.bad_lines
+    assert bad.line == len(records) + 1 and bad.head == cut
+    out = tmp_path / "out"
+    for name in ("matrix.md", "matrix.html"):
+        text = (out / name).read_text()
+        assert "1 unreadable result line" in text and f"{bad.line}" in text, name
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["bad_lines"] == [bad.to_dict()]
+
+
+def test_report_directory_reads_back_like_its_results(built) -> None:
+    mixed_results, out, _ = built
+    from_file = reports.load(mixed_results).frame.set_index("full_id").sort_index()
+    from_dir = reports.load(out).frame.set_index("full_id").sort_index()
+    key = ["engine", "precision", "cpu_offload", "world_size", "verdict", "reason"]
+    pd.testing.assert_frame_equal(from_file[key], from_dir[key])
+    assert all(
+        (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b)
+        for a, b in zip(from_file["worst_ratio"], from_dir["worst_ratio"])
+    )
+
+
+def test_rebuild_drops_heatmaps_of_matrices_that_are_gone(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    reports.build(write_results(tmp_path / "a.jsonl", [record(CaseConfig(engine="builtin"))]), out)
+    reports.build(write_results(tmp_path / "b.jsonl", [record(CaseConfig(engine="torch-fsdp"))]), out)
+    assert [p.name for p in out.glob("heatmap_*.png")] == ["heatmap_torch-fsdp_vs_ddp_nested.png"]
+
+
+def test_empty_results_build_an_empty_report(tmp_path: Path) -> None:
+    (tmp_path / "r.jsonl").write_text("")
+    summary = reports.build(tmp_path / "r.jsonl", tmp_path / "out")
+    assert summary.cases == 0 and summary.matrices == [] and summary.ok
+    assert "no cases" in (tmp_path / "out" / "matrix.md").read_text()
+
+
+def test_cli_build_in_process(small_results: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["build", str(small_results), "--out", str(tmp_path / "out")]) == 0
+    assert "matrix.md" in capsys.readouterr().out
+    assert main(["build", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o2")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_python_dash_m_reports_build(tmp_path: Path) -> None:
+    results = write_results(tmp_path / "one.jsonl", [record(CaseConfig())])
+    proc = subprocess.run(
+        [sys.executable, "-m", "reports", "build", str(results), "--out", str(tmp_path / "out")],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "matrix.html").exists()
+
+
+def test_run_info_reaches_the_report(built) -> None:
+    _, out, summary = built
+    assert summary.runs == [{**RUN.__dict__}]
+    assert f"run `{RUN.run_id}`" in (out / "matrix.md").read_text()
+
+
+def test_mixed_records_cover_every_cell_status() -> None:
+    """The synthetic data the build tests use exercises every colour of the report."""
+    frame = records_frame(mixed_records())
+    statuses = {stats.status for m in parity_matrices(frame) for stats in m.cells.values()}
+    assert statuses == {"pass", "fail", "error", "unsupported"}

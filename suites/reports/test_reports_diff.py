@@ -1,0 +1,135 @@
+"""``reports.diff``: what regresses, the order changes are listed in, and the exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import write_results
+from synthetic_records import record
+
+import reports
+from harness.case import CaseConfig
+from reports.__main__ import main
+from reports.diff import diff_frames
+from reports.matrix import latest, records_frame
+
+
+def frame(records):
+    return latest(records_frame(records))[0]
+
+
+C = [CaseConfig(steps=s) for s in range(1, 13)]  # twelve distinct cases of one cell
+
+
+def kinds_and_whats(result) -> list[tuple[str, str, str]]:
+    return [(c.kind, c.what, c.full_id) for c in result.changes]
+
+
+def test_changes_are_ordered_regressions_first_worst_first() -> None:
+    old = frame([
+        record(C[0], "pass", 0.1), record(C[1], "pass", 0.1), record(C[2], "pass", 0.1),
+        record(C[3], "pass", 0.1), record(C[4], "fail", 9.0), record(C[5], "pass", 0.1),
+        record(C[6], "pass", 0.1), record(C[7], "fail", 3.0), record(C[8], "pass", 0.1),
+        record(C[9], "pass", 0.02),
+    ])
+    new = frame([
+        record(C[0], "pass", 0.5),           # ratio x5: regression, listed after verdict regressions
+        record(C[1], "fail", 4.0),           # pass -> fail
+        record(C[2], "crash", None),         # new crash: worst
+        record(C[3], "timeout", None),       # new timeout
+        record(C[4], "pass", 0.2),           # fix
+        record(C[5], "error", None),         # pass -> error
+        record(C[6], "unsupported", None),   # coverage lost
+        record(C[7], "error", None),         # fail -> error: other change
+        # C[8] removed
+        record(C[9], "pass", 0.03),          # x1.5: not a change
+        record(C[10], "fail", 2.0),          # new case that fails: new, not a regression
+        record(C[11], "timeout", None),      # new case that hangs: regression
+    ])
+    result = diff_frames(old, new)
+    got = [(c.kind, c.what) for c in result.changes]
+    assert got == [
+        ("regression", "new crash (was pass)"),
+        ("regression", "new timeout (was pass)"),
+        ("regression", "new timeout (new case)"),
+        ("regression", "pass → error"),
+        ("regression", "pass → fail"),
+        ("regression", "pass → unsupported"),
+        ("regression", "ratio ×5 (0.1 → 0.5)"),
+        ("fix", "fail → pass"),
+        ("new", "new case, fail"),
+        ("removed", "removed (was pass)"),
+        ("changed", "fail → error"),
+    ]
+    assert [c.full_id for c in result.changes][:3] == [C[2].full_id, C[3].full_id, C[11].full_id]
+    assert result.exit_code == 1
+    assert result.new_cells == []  # every case is in the one cell both sides have
+
+
+@pytest.mark.parametrize(
+    ("old_ratio", "new_ratio", "regressed"),
+    [
+        (0.1, 0.21, True),    # more than 2x and above the floor
+        (0.1, 0.19, False),   # less than 2x
+        (0.001, 0.01, False),  # 10x but far below tolerance: noise
+        (0.0, 0.3, True),     # bitwise equal before, drifted now
+        (2.0, 5.0, True),     # a failing case failing worse
+    ],
+)
+def test_error_ratio_growth(old_ratio: float, new_ratio: float, regressed: bool) -> None:
+    verdict = "fail" if old_ratio > 1 else "pass"
+    result = diff_frames(frame([record(C[0], verdict, old_ratio)]),
+                         frame([record(C[0], "fail" if new_ratio > 1 else "pass", new_ratio)]))
+    assert bool(result.regressions) is regressed
+    assert result.exit_code == int(regressed)
+
+
+def test_ratio_thresholds_are_parameters() -> None:
+    old, new = frame([record(C[0], "pass", 0.1)]), frame([record(C[0], "pass", 0.16)])
+    assert not diff_frames(old, new).regressions
+    assert diff_frames(old, new, ratio_factor=1.5).regressions
+    with pytest.raises(ValueError, match="ratio_factor"):
+        diff_frames(old, new, ratio_factor=0.5)
+
+
+def test_fixes_and_new_cells_alone_exit_zero() -> None:
+    old = frame([record(C[0], "fail", 3.0)])
+    new = frame([record(C[0], "pass", 0.2), record(CaseConfig(precision="bf16"), "fail", 9.0)])
+    result = diff_frames(old, new)
+    assert [c.kind for c in result.changes] == ["fix", "new"]
+    assert result.new_cells == ["torch-fsdp vs ddp · nested · full_shard · bf16 · bwd none"]
+    assert result.exit_code == 0
+
+
+def test_identical_results_have_no_changes(tmp_path: Path) -> None:
+    records = [record(c, "pass", 0.1 * i) for i, c in enumerate(C)]
+    result = reports.diff(write_results(tmp_path / "a.jsonl", records), write_results(tmp_path / "b.jsonl", records))
+    assert result.changes == [] and result.exit_code == 0
+
+
+def test_cli_diff_report_dir_against_results_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = write_results(tmp_path / "old.jsonl", [record(C[0], "fail", 3.0), record(C[1], "pass", 0.1)])
+    reports.build(old, tmp_path / "old_report")
+    new = write_results(tmp_path / "new.jsonl", [record(C[0], "pass", 0.1), record(C[1], "fail", 7.0)])
+    with open(new, "a") as f:
+        f.write('{"case": {"engine": "builtin"')  # a cut line on the new side is reported
+    code = main(["diff", str(tmp_path / "old_report"), str(new), "--json", str(tmp_path / "d.json"),
+                 "--md", str(tmp_path / "d.md")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert out.index("## Regressions") < out.index("## Fixes")
+    assert "1 unreadable result line" in out
+    assert (tmp_path / "d.md").read_text() == out
+    written = json.loads((tmp_path / "d.json").read_text())
+    assert written["exit_code"] == 1 and written["counts"]["regression"] == 1 and len(written["bad_lines"]) == 1
+    assert [c["what"] for c in written["changes"]] == ["pass → fail", "fail → pass"]
+
+
+def test_cli_diff_without_regressions_exits_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = write_results(tmp_path / "old.jsonl", [record(C[0], "fail", 3.0)])
+    new = write_results(tmp_path / "new.jsonl", [record(C[0], "pass", 0.1)])
+    assert main(["diff", str(old), str(new)]) == 0
+    assert "0 regression(s), 1 fix(es)" in capsys.readouterr().out
+    assert main(["diff", str(old), str(tmp_path / "nope")]) == 2
