@@ -1,0 +1,1 @@
+"""Test suites (a package so that ``python -m suites.flat_param.campaign`` resolves)."""
