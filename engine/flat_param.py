@@ -43,6 +43,7 @@ __all__ = [
     "HandleShardingStrategy",
     "ParamInfo",
     "SharedParamInfo",
+    "WritebackResult",
 ]
 
 
@@ -101,6 +102,13 @@ class FlatParamShardMetadata(NamedTuple):
     param_contiguities: tuple[bool, ...]
     param_numels: tuple[int, ...]
     param_offsets: tuple[tuple[int, int], ...]
+
+
+class WritebackResult(NamedTuple):
+    """What :meth:`FlatParamHandle.writeback_orig_params` copied into the flat buffers."""
+
+    params: bool
+    grads: bool
 
 
 class FlatParameter(nn.Parameter):
@@ -401,7 +409,11 @@ class FlatParamHandle:
             real = self.layout.shard_numel - numel_padded
             if real > 0:
                 local[:real].copy_(flat_param.data[start : start + real])
+            unsharded = flat_param.data
             flat_param.data = local
+            # The module attributes still view the unsharded buffer: free its storage, or every
+            # rank would keep the whole unit resident (the views are re-pointed before use).
+            self._free_storage(unsharded)
         else:
             start, end, numel_padded = 0, max(self.layout.total_numel - 1, 0), 0
         if self._offload_params:
@@ -433,10 +445,25 @@ class FlatParamHandle:
         )
 
     # ------------------------------------------------------------------ unsharded buffer
-    def init_unsharded_flat_param(self) -> Tensor:
-        """Create the compute-side leaf (storage freed); call once, at lazy init."""
+    def init_unsharded_flat_param(self, alias_flat_param: bool = False) -> Tensor:
+        """Create the compute-side leaf (storage freed); call once, at lazy init.
+
+        ``alias_flat_param`` (NO_SHARD computing in the flat parameter's own dtype and device):
+        the leaf shares the flat parameter's storage instead of holding a copy, so it is never
+        freed and needs no gather; the optimizer's in-place steps are what compute sees.
+        """
         if self.unsharded_flat_param is not None:
             return self.unsharded_flat_param
+        if alias_flat_param:
+            if self.uses_sharded_strategy or self.flat_param.dtype != self._fwd_bwd_param_dtype:
+                raise RuntimeError(
+                    f"{self!r}: only a NO_SHARD handle computing in the parameter dtype can alias "
+                    "its flat parameter"
+                )
+            leaf = self.flat_param.detach()
+            leaf.requires_grad_(self.flat_param.requires_grad)
+            self.unsharded_flat_param = leaf
+            return leaf
         numel = self.layout.padded_unsharded_numel if self.uses_sharded_strategy else self.layout.total_numel
         leaf = torch.empty(numel, dtype=self._fwd_bwd_param_dtype, device=self.device)
         leaf.requires_grad_(self.flat_param.requires_grad)
@@ -575,7 +602,197 @@ class FlatParamHandle:
             else:
                 param.grad = view.view(param.shape)
         for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
-            shared.grad = getattr(info.prim_module, info.prim_param_name).grad
+            prim = getattr(info.prim_module, info.prim_param_name)
+            if shared is not prim:
+                shared.grad = prim.grad
+
+    # ------------------------------------------------------------------ runtime views
+    def param_needs_grad(self, i: int) -> bool:
+        """Whether original parameter ``i`` is trainable now (with ``use_orig_params`` a user may
+        freeze a parameter after wrapping)."""
+        if self._use_orig_params:
+            return self._orig_params[i].requires_grad
+        return self.flat_param.requires_grad
+
+    def _use_unsharded_views(self, as_params: bool) -> None:
+        """The runtime's switch to compute views of the unsharded leaf (``as_params=False``).
+
+        Compute views are plain ``Tensor``s (autograd flows into the leaf); frozen parameters'
+        views are detached so no gradient is computed for them. With ``use_orig_params`` the
+        views are registered in ``module._parameters`` so ``named_parameters()`` inside forward
+        yields the original names and shapes. The views are remembered
+        (``compute_views``) so a change between forward and backward can be detected.
+        """
+        if as_params:
+            self.use_unsharded_views(as_params=True)
+            return
+        leaf = self.unsharded_flat_param
+        if leaf is None:
+            raise RuntimeError(f"{self!r}: no unsharded flat parameter to take views of")
+        with torch.enable_grad():
+            views = self.unflat_views(leaf)
+        registered: list[Tensor] = []
+        for i, (view, info) in enumerate(zip(views, self._param_infos)):
+            if not self.param_needs_grad(i):
+                view = view.detach()
+            self._set_compute_attr(info.module, info.param_name, view)
+            registered.append(view)
+        for info in self._shared_param_infos:
+            prim = getattr(info.prim_module, info.prim_param_name)
+            self._set_compute_attr(info.module, info.param_name, prim)
+            registered.append(prim)
+        #: the tensors registered for compute, in param then shared-param order.
+        self.compute_views: tuple[Tensor, ...] = tuple(registered)
+
+    def _set_compute_attr(self, module: nn.Module, name: str, view: Tensor) -> None:
+        if self._use_orig_params:
+            module.__dict__.pop(name, None)
+            module._parameters[name] = view  # type: ignore[assignment]
+        else:
+            _set_tensor_attr(module, name, view)
+
+    def compute_views_changed(self) -> list[str]:
+        """FQNs whose registered tensor is no longer the compute view set by
+        ``_use_unsharded_views`` (replaced, or its ``.data`` swapped)."""
+        views = getattr(self, "compute_views", ())
+        leaf = self.unsharded_flat_param
+        leaf_ptr = leaf.untyped_storage().data_ptr() if leaf is not None else None
+        infos = [(i.module, i.param_name, i.module_name) for i in self._param_infos] + [
+            (i.module, i.param_name, i.module_name) for i in self._shared_param_infos
+        ]
+        changed = []
+        for (module, name, module_name), view in zip(infos, views):
+            current = module._parameters.get(name, module.__dict__.get(name))
+            fqn = f"{module_name}.{name}" if module_name else name
+            if current is not view or (view.numel() > 0 and view.untyped_storage().data_ptr() != leaf_ptr):
+                changed.append(fqn)
+        return changed
+
+    @torch.no_grad()
+    def use_unsharded_grad_views(self, grad: Tensor) -> None:
+        """Expose an unsharded gradient (accumulated under ``no_sync()``) through the original
+        parameters' ``.grad``, each shaped like its parameter.
+
+        Between iterations a parameter's data is its sharded (1-D, full-precision, maybe CPU)
+        view, so the gradient view can differ in shape, dtype and device; ``.grad =`` refuses
+        that, so such gradients are installed through ``.grad.data`` (as torch FSDP1 does).
+        """
+        if not self._use_orig_params:
+            return
+        views = self.unflat_views(grad)
+        for i, (param, view) in enumerate(zip(self._orig_params, views)):
+            if not param.requires_grad:
+                param.grad = None
+            elif param.shape != view.shape or param.dtype != view.dtype or param.device != view.device:
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                param.grad.data = view
+            else:
+                param.grad = view
+        for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
+            prim = getattr(info.prim_module, info.prim_param_name)
+            if shared is not prim:
+                shared.grad = prim.grad
+
+    # ------------------------------------------------------------------ writeback
+    def _orig_param_segments(self) -> list[tuple[int, int, torch.Size]]:
+        """Per original parameter: ``(offset, numel, expected shape)`` of its part of
+        ``flat_param`` (the local shard, or the whole buffer for NO_SHARD)."""
+        if not self.uses_sharded_strategy:
+            return [
+                (start, e.numel, torch.Size(e.shape))
+                for e, start in zip(self.layout.params, self.layout.param_offsets())
+            ]
+        return [
+            (i.offset_in_shard, i.numel_in_shard, torch.Size([i.numel_in_shard])) if i.in_shard else (0, 0, torch.Size([0]))
+            for i in self.flat_param._shard_param_infos
+        ]
+
+    def reset_flat_grad_if_all_none(self) -> bool:
+        """``flat_param.grad = None`` when every original parameter's ``.grad`` is None (the
+        optimizer zeroed them with ``set_to_none``); the cheap part of gradient writeback that
+        runs even when the writeback check is skipped. Returns whether it reset."""
+        if not self._use_orig_params or self.flat_param.grad is None:
+            return False
+        if all(p.grad is None for p in self._orig_params):
+            self.flat_param.grad = None
+            return True
+        return False
+
+    @torch.no_grad()
+    def writeback_orig_params(self, check_grads: bool = True, check_params: bool = True) -> "WritebackResult":
+        """Adopt user changes to the original parameters (``.data`` swapped, ``Parameter``
+        replaced) and to their ``.grad`` into ``flat_param`` and ``flat_param.grad``
+        (``use_orig_params``; call while the sharded views are registered).
+
+        Returns what was written (parameters, gradients). A changed shape raises ``RuntimeError``: the flat
+        layout is fixed at construction. ``check_params=False`` (between forward and backward,
+        when the module attributes are compute views) looks only at the gradients of the
+        ``Parameter`` objects the optimizer holds.
+        """
+        if not self._use_orig_params:
+            return WritebackResult(False, False)
+        flat = self.flat_param
+        flat_ptr = flat.untyped_storage().data_ptr()
+        wrote_params = wrote_grads = False
+        orig = list(self._orig_params)
+        grad_none = []
+        for i, ((offset, numel, shape), info) in enumerate(zip(self._orig_param_segments(), self._param_infos)):
+            fqn = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
+            current = info.module._parameters.get(info.param_name) if check_params else orig[i]
+            if not isinstance(current, nn.Parameter):
+                raise RuntimeError(
+                    f"Original parameter {fqn} is no longer an nn.Parameter registered on its module "
+                    f"(found {type(current).__name__}): assign an nn.Parameter to change it"
+                )
+            moved = numel > 0 and (current.numel() == 0 or current.untyped_storage().data_ptr() != flat_ptr)
+            if check_params and (current is not orig[i] or moved or current.shape != shape):
+                if current.shape != shape:
+                    raise RuntimeError(
+                        f"Cannot writeback when the parameter shape changes\nExpects {shape} but got "
+                        f"{current.shape} for {fqn}: keep the (sharded) shape the parameter has between "
+                        "iterations, or change it inside summon_full_params()"
+                    )
+                segment = flat.data[offset : offset + numel]
+                if numel > 0:
+                    segment.copy_(current.detach().reshape(-1) if self.uses_sharded_strategy else _flat_view(current))
+                    current.data = self.unflat_views(flat.data)[i] if not self.uses_sharded_strategy else segment
+                orig[i] = current
+                wrote_params = True
+            if not check_grads:
+                continue
+            grad = current.grad
+            flat_grad = flat.grad
+            if grad is None:
+                grad_none.append(True)
+                if flat_grad is not None and numel > 0:
+                    flat_grad[offset : offset + numel].zero_()
+                continue
+            grad_none.append(False)
+            same = (
+                flat_grad is not None
+                and grad.numel() > 0
+                and grad.untyped_storage().data_ptr() == flat_grad.untyped_storage().data_ptr()
+            )
+            if same or numel == 0:
+                continue
+            if grad.shape != shape:
+                raise RuntimeError(
+                    f"Cannot writeback when the gradient shape changes\nExpects {shape} but got "
+                    f"{grad.shape} for the gradient of {fqn}: assign a gradient shaped like the parameter"
+                )
+            if flat_grad is None:
+                flat_grad = torch.zeros_like(flat)
+                flat.grad = flat_grad
+            flat_grad[offset : offset + numel].copy_(grad.detach().reshape(-1))
+            wrote_grads = True
+        self._orig_params = tuple(orig)
+        if check_grads and flat.grad is not None and grad_none and all(grad_none):
+            # Every original gradient was set to None (``zero_grad()``): so is the flat one.
+            flat.grad = None
+        elif check_grads and (wrote_params or wrote_grads):
+            self.use_sharded_grad_views()
+        return WritebackResult(wrote_params, wrote_grads)
 
     @contextlib.contextmanager
     def unflatten_as_params(self) -> Iterator[None]:
@@ -600,7 +817,8 @@ class FlatParamHandle:
         return self._reduce_dtype
 
     def param_module_names(self) -> Iterator[tuple[str, str]]:
-        for info in self._param_infos:
+        # Every registration, shared ones last (as FSDP1): state dicts need each name of a tied weight.
+        for info in (*self._param_infos, *self._shared_param_infos):
             yield info.param_name, info.module_name
 
     def shared_param_module_names(self) -> Iterator[tuple[str, str]]:

@@ -1,0 +1,126 @@
+"""Public enums and configuration dataclasses, with torch FSDP1's names and members.
+
+Users and the seeds speak FSDP1's API, so these mirror it exactly; they are our own classes (the
+engine never imports ``torch.distributed.fsdp``), so code that checks ``isinstance`` against
+torch's classes will not accept ours and vice versa.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from engine.flat_param import HandleShardingStrategy
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "StateDictType",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "LocalStateDictConfig",
+    "to_handle_strategy",
+]
+
+
+class ShardingStrategy(Enum):
+    """How parameters, gradients and optimizer state are split across ranks."""
+
+    #: parameters, gradients and optimizer state sharded; parameters re-gathered for backward.
+    FULL_SHARD = auto()
+    #: gradients and optimizer state sharded; parameters stay unsharded from forward to backward.
+    SHARD_GRAD_OP = auto()
+    #: nothing sharded: DDP semantics, gradients all-reduced.
+    NO_SHARD = auto()
+    #: FULL_SHARD inside a shard group, replicated (all-reduced) across the replicate group.
+    HYBRID_SHARD = auto()
+    #: SHARD_GRAD_OP inside a shard group, replicated across the replicate group.
+    _HYBRID_SHARD_ZERO2 = auto()
+
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def to_handle_strategy(strategy: ShardingStrategy) -> HandleShardingStrategy:
+    return HandleShardingStrategy[strategy.name]
+
+
+class BackwardPrefetch(Enum):
+    """When to issue the next unit's all-gather during backward."""
+
+    #: before the current unit's gradient computation (more overlap, more memory).
+    BACKWARD_PRE = auto()
+    #: after the current unit's gradient computation (its unsharded parameters are freed first).
+    BACKWARD_POST = auto()
+
+
+@dataclass
+class CPUOffload:
+    """Keep sharded parameters and gradients on CPU; the optimizer steps there."""
+
+    #: True: parameters move to the compute device only for forward and backward.
+    offload_params: bool = False
+
+
+@dataclass
+class MixedPrecision:
+    """Dtypes for compute, gradient reduction and buffers (FSDP1's fields).
+
+    ``param_dtype`` and ``reduce_dtype`` are wired through the runtime (all-gather in
+    ``param_dtype``, reduce in ``reduce_dtype``); the remaining fields are accepted and stored so
+    that configurations written for torch's FSDP construct unchanged.
+    """
+
+    #: dtype of parameters during forward and backward (and of the all-gather); None: unchanged.
+    param_dtype: torch.dtype | None = None
+    #: dtype of gradient reduction; None: ``param_dtype`` if given, else the parameter dtype.
+    reduce_dtype: torch.dtype | None = None
+    #: dtype buffers are cast to for forward; None: unchanged.
+    buffer_dtype: torch.dtype | None = None
+    #: True: gradients stay in ``param_dtype`` after reduction instead of the parameter dtype.
+    keep_low_precision_grads: bool = False
+    #: True: every unit casts its floating-point forward inputs to ``param_dtype``.
+    cast_forward_inputs: bool = False
+    #: True: the root unit casts its floating-point forward inputs to ``param_dtype``.
+    cast_root_forward_inputs: bool = True
+    #: module classes the auto-wrap gives their own full-precision unit.
+    _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
+
+
+class StateDictType(Enum):
+    """Which state dict ``state_dict()`` returns (selected with ``FSDP.state_dict_type``)."""
+
+    FULL_STATE_DICT = auto()
+    LOCAL_STATE_DICT = auto()
+    SHARDED_STATE_DICT = auto()
+
+
+@dataclass
+class StateDictConfig:
+    """Base of the state-dict configurations."""
+
+    #: True: tensors are copied to CPU.
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    #: True: only rank 0 materializes the full state dict (others get an empty dict).
+    rank0_only: bool = False
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    pass

@@ -1,0 +1,198 @@
+"""Stateless communication for the runtime: all-gather parameters, reduce gradients.
+
+Every function takes the group, the stream to run on (None on CPU, where everything is
+synchronous) and the tensors, and returns a result record whose CUDA event marks completion on
+that stream; the caller makes its compute stream wait on the event before using the result.
+
+The collectives are looked up on the ``torch.distributed`` module at call time
+(``dist.all_gather_into_tensor`` ...), so a test or the harness can patch them there to trace
+which ops run, on which dtypes and sizes.
+
+[Note: stream ordering]
+- The communication stream first waits for the stream that produced the input (the current
+  stream when the function is called), so it never reads a shard the optimizer is still writing.
+- Tensors allocated on one stream and consumed on another are passed through ``record_stream``
+  so the caching allocator does not hand their memory out before the consumer is done.
+- NCCL collectives issued under ``torch.cuda.stream(s)`` are ordered with ``s``: a synchronous
+  collective makes ``s`` wait on NCCL's internal stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "AllGatherResult",
+    "ReduceResult",
+    "all_gather_flat",
+    "copy_flat",
+    "reduce_scatter_grad",
+    "all_reduce_grad",
+    "predivide_factor",
+    "stream_context",
+]
+
+# torch 2.13 deprecates reduce_scatter_tensor/all_gather_into_tensor in favour of *_single, which
+# torch 2.11 lacks; the deprecated names are the ones both versions have.
+warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor).* is deprecated")
+
+
+class AllGatherResult(NamedTuple):
+    """The unsharded buffer after the gather and the event that marks it complete (None on CPU)."""
+
+    output: Tensor
+    event: torch.cuda.Event | None
+
+
+class ReduceResult(NamedTuple):
+    """This rank's reduced gradient (in the reduce dtype) and the event that marks it complete."""
+
+    grad: Tensor
+    event: torch.cuda.Event | None
+
+
+@contextlib.contextmanager
+def stream_context(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the body on ``stream`` after it waits for the current stream; no-op for None (CPU)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def predivide_factor(world_size: int) -> float:
+    """FSDP1's split of the gradient average into a division before and after the reduction
+    (keeps low-precision sums from overflowing); the post factor is ``world_size / pre``."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)
+
+
+def _prepare_shard(shard: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The shard on the compute device in the compute dtype (a copy only when it must move or cast)."""
+    if shard.device == device and shard.dtype == dtype:
+        return shard
+    return shard.to(device=device, dtype=dtype, non_blocking=True)
+
+
+def all_gather_flat(
+    shard: Tensor,
+    alloc_output: Callable[[], Tensor],
+    group: dist.ProcessGroup,
+    stream: torch.cuda.Stream | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> AllGatherResult:
+    """All-gather every rank's equal ``shard`` into the buffer ``alloc_output()`` returns.
+
+    ``alloc_output`` runs on ``stream`` so the unsharded storage is allocated there; the shard is
+    moved to ``device`` and cast to ``dtype`` on the way (CPU offload, mixed precision).
+    """
+    with stream_context(stream):
+        local = _prepare_shard(shard.detach(), device, dtype)
+        output = alloc_output()
+        world_size = dist.get_world_size(group)
+        if output.numel() != local.numel() * world_size:
+            raise RuntimeError(
+                f"all-gather output has {output.numel()} elements but {world_size} shards of "
+                f"{local.numel()} need {local.numel() * world_size}"
+            )
+        dist.all_gather_into_tensor(output, local, group=group)
+        event = _record_event(stream)
+    return AllGatherResult(output, event)
+
+
+def copy_flat(
+    flat: Tensor,
+    alloc_output: Callable[[], Tensor],
+    stream: torch.cuda.Stream | None,
+) -> AllGatherResult:
+    """The unsharded buffer of a NO_SHARD unit that computes in another dtype or device: a copy."""
+    with stream_context(stream):
+        output = alloc_output()
+        output.copy_(flat.detach(), non_blocking=True)
+        event = _record_event(stream)
+    return AllGatherResult(output, event)
+
+
+def _div_(t: Tensor, factor: float) -> None:
+    if factor > 1:
+        t.div_(factor)
+
+
+def reduce_scatter_grad(
+    unsharded_grad: Tensor,
+    group: dist.ProcessGroup,
+    replicate_group: dist.ProcessGroup | None,
+    reduce_dtype: torch.dtype,
+    stream: torch.cuda.Stream | None,
+) -> ReduceResult:
+    """Average ``unsharded_grad`` (padded to ``world_size`` equal chunks) over the data-parallel
+    ranks and return this rank's chunk.
+
+    With ``replicate_group`` (hybrid sharding) the reduce-scattered chunk is then all-reduced
+    across replicas; the average is over shard x replicate ranks.
+    """
+    world_size = dist.get_world_size(group)
+    dp_size = world_size * (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
+    pre = predivide_factor(dp_size)
+    post = dp_size / pre
+    with stream_context(stream):
+        grad = unsharded_grad.detach()
+        if stream is not None:
+            # Produced on the compute stream, consumed here.
+            grad.record_stream(stream)
+        # The caller hands the unsharded gradient over: dividing it in place saves a copy.
+        grad = grad.to(reduce_dtype)
+        if grad.numel() % world_size:
+            raise RuntimeError(
+                f"reduce-scatter input of {grad.numel()} elements is not padded to a multiple of "
+                f"world_size={world_size}"
+            )
+        _div_(grad, pre)
+        output = grad.new_empty(grad.numel() // world_size)
+        dist.reduce_scatter_tensor(output, grad, group=group)
+        if replicate_group is not None:
+            dist.all_reduce(output, group=replicate_group)
+        _div_(output, post)
+        event = _record_event(stream)
+    return ReduceResult(output, event)
+
+
+def all_reduce_grad(
+    grad: Tensor,
+    group: dist.ProcessGroup,
+    reduce_dtype: torch.dtype,
+    stream: torch.cuda.Stream | None,
+) -> ReduceResult:
+    """Average ``grad`` over ``group`` (NO_SHARD); returns a new tensor in the reduce dtype."""
+    world_size = dist.get_world_size(group)
+    pre = predivide_factor(world_size)
+    post = world_size / pre
+    with stream_context(stream):
+        src = grad.detach()
+        if stream is not None:
+            src.record_stream(stream)
+        out = src.to(reduce_dtype)
+        _div_(out, pre)
+        dist.all_reduce(out, group=group)
+        _div_(out, post)
+        event = _record_event(stream)
+    return ReduceResult(out, event)

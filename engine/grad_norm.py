@@ -1,0 +1,65 @@
+"""``clip_grad_norm_`` over sharded gradients: the norm of the full gradient, from every shard.
+
+Sharded units hold disjoint parts of the gradient, so their ``sum |g|^p`` (or max for ``inf``)
+is all-reduced over the shard group; replicated gradients (NO_SHARD units, parameters no unit
+manages) are identical on every rank and are counted once, locally.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from engine.context import RootContext
+
+if TYPE_CHECKING:
+    from engine.fully_sharded import FullyShardedDataParallel
+
+__all__ = ["clip_grad_norm"]
+
+
+def _norm_stat(grads: list[Tensor], p: float, device: torch.device) -> Tensor:
+    """``sum |g|^p`` (``max |g|`` for ``inf``) in float32 over ``grads``."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), p).to(device) for g in grads])
+    return norms.max() if math.isinf(p) else norms.pow(p).sum()
+
+
+def clip_grad_norm(root: "FullyShardedDataParallel", ctx: RootContext, max_norm: float, norm_type: float) -> Tensor:
+    p = float(norm_type)
+    if p <= 0 and not math.isinf(p):
+        raise ValueError(f"norm_type={norm_type} must be positive or inf")
+    sharded: list[Tensor] = []
+    replicated: list[Tensor] = []
+    managed: set[int] = set()
+    for unit in ctx.units:
+        handle = unit.handle
+        managed.add(id(handle.flat_param))
+        managed.update(id(q) for q in handle._orig_params)
+        if handle._use_orig_params:
+            grads = [q.grad for q in handle._orig_params if q.grad is not None]
+        else:
+            grads = [handle.flat_param.grad] if handle.flat_param.grad is not None else []
+        (sharded if handle.uses_sharded_strategy else replicated).extend(grads)
+    for q in root.parameters():
+        if id(q) not in managed and q.grad is not None:
+            replicated.append(q.grad)
+    device = ctx.device
+    local = _norm_stat(sharded, p, device)
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    dist.all_reduce(local, op=op, group=root.process_group)
+    rest = _norm_stat(replicated, p, device)
+    if math.isinf(p):
+        total = torch.maximum(local, rest)
+    else:
+        total = (local + rest).pow(1.0 / p)
+    clip_coef = max_norm / (total + 1e-6)
+    if clip_coef.item() < 1.0:
+        for g in sharded + replicated:
+            g.detach().mul_(clip_coef.to(g.device, g.dtype))
+    return total

@@ -1,0 +1,203 @@
+"""``summon_full_params``: full-precision, unsharded ``nn.Parameter``s for inspection or edits.
+
+Each unit gathers its flat parameter in full precision into a temporary buffer (never the
+compute leaf, which may be in the low-precision dtype and may be in use by a pending backward),
+registers the original parameters as ``nn.Parameter`` views of it, and on exit writes this
+rank's part back into the shard (``writeback=True``) and restores whatever the module attributes
+were before: sharded views, or the compute views a pending backward expects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from engine import collectives, runtime
+from engine.flat_param import _flat_view
+from engine.unit import FsdpUnit, ShardedState, TrainingState, ViewState
+
+if TYPE_CHECKING:
+    from engine.fully_sharded import FullyShardedDataParallel
+
+__all__ = ["summon_full_params"]
+
+_FLAT_PARAM = "_flat_param"
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    return getattr(type(module), "_is_fsdp_unit", False)
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    if rank0_only and writeback:
+        raise ValueError(
+            "summon_full_params(rank0_only=True, writeback=True) is not supported: other ranks have "
+            "nothing to write back from; pass writeback=False"
+        )
+    states = [m for m in module.modules() if _is_fsdp(m)]
+    if not states:
+        yield
+        return
+    if not recurse:
+        inside: set[int] = set()
+        top = []
+        for s in states:
+            if id(s) not in inside:
+                top.append(s)
+                inside.update(id(sub) for sub in s.modules())
+        states = top
+    for s in states:
+        if s._is_root is None:
+            runtime.lazy_init(s)
+    for s in states:
+        busy = s._unit is not None and s._unit.training_state != TrainingState.IDLE
+        if busy or s._training_state != TrainingState.IDLE:
+            raise RuntimeError(
+                f"summon_full_params cannot be entered during forward or backward or while already "
+                f"summoned (unit wrapping {type(s.module).__name__}): call it between iterations"
+            )
+    with contextlib.ExitStack() as stack:
+        for s in states:
+            stack.enter_context(_summon_state(s, writeback, rank0_only, offload_to_cpu, with_grads))
+        yield
+
+
+@contextlib.contextmanager
+def _state_summoning(state: "FullyShardedDataParallel") -> Iterator[None]:
+    state._training_state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        yield
+    finally:
+        state._training_state = TrainingState.IDLE
+
+
+def _gather_full(unit: FsdpUnit, flat: Tensor) -> Tensor:
+    """The unsharded (padded) flat tensor in ``flat``'s dtype; ``flat`` itself for NO_SHARD."""
+    handle = unit.handle
+    if not handle.uses_sharded_strategy:
+        return flat
+    out = torch.empty(handle.layout.padded_unsharded_numel, dtype=flat.dtype, device=unit.device)
+    collectives.all_gather_flat(flat, lambda: out, unit.process_group, None, unit.device, flat.dtype)
+    return out
+
+
+@contextlib.contextmanager
+def _summon_state(
+    state: "FullyShardedDataParallel",
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    unit = state._unit
+    if unit is None:
+        with _state_summoning(state):
+            yield
+        return
+    handle = unit.handle
+    flat = handle.flat_param
+    state._training_state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        with torch.no_grad():
+            unit.writeback()
+            prior_views = unit.view_state
+            snapshot = _snapshot_attrs(handle)
+            full = _gather_full(unit, flat.data)
+            full_grad = None
+            if with_grads:
+                grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
+                full_grad = _gather_full(unit, grad.data)
+            if offload_to_cpu and full.device.type != "cpu":
+                full = full.cpu()
+                full_grad = full_grad.cpu() if full_grad is not None else None
+            show = not rank0_only or dist.get_rank() == 0
+            wrapped = state.module
+            flat_registered = wrapped._parameters.pop(_FLAT_PARAM, None)
+            if show:
+                handle.use_unsharded_views(as_params=True, source=full)
+                if full_grad is not None:
+                    for param, view in zip(_registered_params(handle), handle.unflat_views(full_grad)):
+                        param.grad = view if param.requires_grad else None
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                if show and writeback:
+                    _write_back(unit, full)
+                if flat_registered is not None:
+                    wrapped._parameters[_FLAT_PARAM] = flat_registered
+                _restore_views(unit, prior_views, snapshot)
+    finally:
+        state._training_state = TrainingState.IDLE
+
+
+def _registered_params(handle) -> list[nn.Parameter]:
+    return [info.module._parameters[info.param_name] for info in handle._param_infos]
+
+
+def _write_back(unit: FsdpUnit, full: Tensor) -> None:
+    """Copy edits made inside the context into this rank's shard."""
+    handle = unit.handle
+    full_ptr = full.untyped_storage().data_ptr()
+    for param, start, entry in zip(_registered_params(handle), handle.layout.param_offsets(), handle.layout.params):
+        if param.numel() > 0 and param.untyped_storage().data_ptr() != full_ptr:
+            # ``.data`` (or the Parameter) was replaced inside the context.
+            if tuple(param.shape) != entry.shape:
+                raise RuntimeError(
+                    f"Cannot writeback when the parameter shape changes\nExpects {torch.Size(entry.shape)} "
+                    f"but got {param.shape} for {entry.fqn}"
+                )
+            full.narrow(0, start, entry.numel).copy_(_flat_view(param))
+    flat = handle.flat_param
+    if handle.uses_sharded_strategy:
+        start, _, _ = handle.layout.shard_bounds(handle.rank)
+        flat.data.copy_(full[start : start + flat.numel()])
+    elif full.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+        flat.data.copy_(full[: flat.numel()])
+    if not unit.aliased and unit.sharded_state != ShardedState.SHARDED and unit.view_state == ViewState.SHARDED:
+        # A prefetched unsharded copy is stale now; the next unshard gathers the edits. (With
+        # compute views a pending backward still needs the copy its forward used.)
+        unit.reshard_stale()
+
+
+def _snapshot_attrs(handle) -> list[tuple[nn.Module, str, bool, object]]:
+    """``(module, name, registered as parameter, object)`` of every original parameter attribute."""
+    infos = [(i.module, i.param_name) for i in handle._param_infos] + [
+        (i.module, i.param_name) for i in handle._shared_param_infos
+    ]
+    out = []
+    for module, name in infos:
+        if name in module._parameters:
+            out.append((module, name, True, module._parameters[name]))
+        else:
+            out.append((module, name, False, module.__dict__.get(name)))
+    return out
+
+
+def _restore_views(unit: FsdpUnit, prior: ViewState, snapshot: list[tuple[nn.Module, str, bool, object]]) -> None:
+    handle = unit.handle
+    if prior == ViewState.SHARDED and handle._use_orig_params:
+        handle.use_sharded_views()
+        return
+    # Compute views a pending backward expects, or (use_orig_params=False) the plain attributes
+    # viewing the leaf: put the very same objects back.
+    for module, name, as_param, obj in snapshot:
+        module._parameters.pop(name, None)
+        module.__dict__.pop(name, None)
+        if as_param:
+            module._parameters[name] = obj
+        elif obj is not None:
+            module.__dict__[name] = obj

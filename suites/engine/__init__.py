@@ -1,0 +1,1 @@
+"""Engine runtime suites (a package so spawned rank processes can import the checks)."""

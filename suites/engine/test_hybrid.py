@@ -1,0 +1,81 @@
+"""HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 4 CPU ranks (2 replicas x 2 shards), against the
+all-data local reference and DDP, with groups passed as a pair and built from a 2-D mesh."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from engine import FSDP, BackwardPrefetch, ShardingStrategy
+from suites.engine import parity
+from suites.engine.models import NestedWrapped
+from suites.engine.ranks import session_tests
+
+CPU = torch.device("cpu")
+HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
+
+
+def _pair_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Shard groups {0,1} {2,3}, replicate groups {0,2} {1,3} (every rank creates all)."""
+    rank = dist.get_rank()
+    shard = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    replicate = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    return shard, replicate
+
+
+def check_hybrid_parity_group_pair(rank: int, world_size: int) -> None:
+    groups = _pair_groups()
+    combos = itertools.product(HYBRID, [False, True], [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST])
+    for i, (strategy, orig, prefetch) in enumerate(combos):
+        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig, backward_prefetch=prefetch, process_group=groups)
+        parity.train_parity("nested", kwargs, CPU, reference="ddp" if i % 2 else "local")
+        parity.train_parity("transformer", kwargs, CPU, reference="local" if i % 2 else "ddp")
+
+
+def check_hybrid_parity_device_mesh(rank: int, world_size: int) -> None:
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for strategy, orig in itertools.product(HYBRID, [False, True]):
+        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig, device_mesh=mesh, forward_prefetch=True)
+        parity.train_parity("nested", kwargs, CPU)
+
+
+def check_hybrid_shards_within_group(rank: int, world_size: int) -> None:
+    model = FSDP(NestedWrapped(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=_pair_groups())
+    flat = model.module._flat_param
+    total = sum(p.numel() for p in NestedWrapped().parameters())
+    assert flat.numel() == -(-total // 2), f"sharded over the 2-rank shard group, got {flat.numel()} of {total}"
+
+
+def check_hybrid_no_sync_and_clip(rank: int, world_size: int) -> None:
+    groups = _pair_groups()
+    for strategy in HYBRID:
+        parity.accumulation_parity("nested", dict(sharding_strategy=strategy, process_group=groups), CPU, use_no_sync=True)
+        ref = NestedWrapped()
+        model = NestedWrapped().wrap(FSDP, sharding_strategy=strategy, process_group=groups)
+        NestedWrapped.loss(model(*NestedWrapped.input(0, rank, CPU))).backward()
+        NestedWrapped.loss(ref(*parity._all_data(NestedWrapped, 0, world_size, CPU))).backward()
+        assert_close(model.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
+
+
+def check_hybrid_sync_module_states(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)
+    module = torch.nn.Linear(5, 3)
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(5, 3)
+    model = FSDP(module, sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=_pair_groups(), sync_module_states=True)
+    with FSDP.summon_full_params(model):
+        assert_close(model.module.weight, expected.weight)
+        assert_close(model.module.bias, expected.bias)
+
+
+CHECKS = [
+    check_hybrid_parity_group_pair,
+    check_hybrid_parity_device_mesh,
+    check_hybrid_shards_within_group,
+    check_hybrid_no_sync_and_clip,
+    check_hybrid_sync_module_states,
+]
+session, test_check = session_tests(CHECKS, world_size=4, timeout_s=400)

@@ -1,0 +1,341 @@
+"""no_sync, gradient accumulation, summon_full_params, clip_grad_norm_, attribute forwarding,
+fsdp_modules and misuse errors, on 2 CPU ranks (one spawned session)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.testing import assert_close
+
+from engine import FSDP, BackwardPrefetch, ShardingStrategy
+from suites.engine import parity
+from suites.engine.models import NestedWrapped
+from suites.engine.ranks import session_tests
+
+CPU = torch.device("cpu")
+STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+
+
+def _expect(exc: type[BaseException], match: str):
+    return pytest.raises(exc, match=match)
+
+
+def check_no_sync_parity(rank: int, world_size: int) -> None:
+    for strategy, orig in itertools.product(STRATEGIES, [False, True]):
+        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
+        parity.accumulation_parity("nested", kwargs, CPU, use_no_sync=True)
+        parity.accumulation_parity("transformer", kwargs, CPU, use_no_sync=True, micro_steps=3)
+
+
+def check_accumulation_without_zero_grad(rank: int, world_size: int) -> None:
+    for strategy, orig in itertools.product(STRATEGIES, [False, True]):
+        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
+        parity.accumulation_parity("nested", kwargs, CPU, use_no_sync=False)
+
+
+def _trained_pair(kwargs: dict, norm_type: float, max_norm: float):
+    ref = NestedWrapped()
+    model = NestedWrapped().wrap(FSDP, **kwargs)
+    data = parity._all_data(NestedWrapped, 0, dist.get_world_size(), CPU)
+    NestedWrapped.loss(model(*NestedWrapped.input(0, dist.get_rank(), CPU))).backward()
+    NestedWrapped.loss(ref(*data)).backward()
+    total = model.clip_grad_norm_(max_norm, norm_type)
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+    return model, ref, total, ref_total
+
+
+def check_clip_grad_norm(rank: int, world_size: int) -> None:
+    for strategy, orig, norm_type in itertools.product(STRATEGIES, [False, True], [2.0, 1.0, math.inf]):
+        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
+        model, ref, total, ref_total = _trained_pair(kwargs, norm_type, max_norm=0.05)
+        assert_close(total, ref_total, msg=lambda m: f"{kwargs} norm {norm_type}: {m}")
+        assert ref_total > 0.05, "the test must actually clip"
+        # Clipped gradients give the same step.
+        opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
+        opt.step()
+        ref_opt.step()
+        parity.assert_params_match(model, ref, f"clip {kwargs} {norm_type}")
+
+
+def check_clip_grad_norm_no_clip_when_small(rank: int, world_size: int) -> None:
+    model, ref, total, ref_total = _trained_pair({}, 2.0, max_norm=1e6)
+    assert_close(total, ref_total)
+    with FSDP.summon_full_params(model, with_grads=True):
+        grads = {n: p.grad for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():
+        assert_close(grads[n], p.grad, msg=lambda m: f"{n}: {m}")
+
+
+def check_summon_writeback(rank: int, world_size: int) -> None:
+    for strategy, orig in itertools.product(STRATEGIES, [False, True]):
+        model = NestedWrapped().wrap(FSDP, sharding_strategy=strategy, use_orig_params=orig)
+        x = NestedWrapped.input(0, 0, CPU)
+        with FSDP.summon_full_params(model), torch.no_grad():
+            model.module.inp.weight.fill_(0.5)
+            model.module.out.weight.data = torch.full_like(model.module.out.weight, 0.25)
+        with FSDP.summon_full_params(model, writeback=False), torch.no_grad():
+            assert torch.all(model.module.inp.weight == 0.5), f"{strategy} orig={orig}: writeback lost"
+            assert torch.all(model.module.out.weight == 0.25), f"{strategy} orig={orig}: .data writeback lost"
+            model.module.inp.weight.fill_(3.0)
+        with FSDP.summon_full_params(model), torch.no_grad():
+            if strategy != ShardingStrategy.NO_SHARD:
+                # NO_SHARD summons the flat parameter itself, so writes always persist (FSDP1).
+                assert torch.all(model.module.inp.weight == 0.5), f"{strategy}: writeback=False persisted"
+            model.module.inp.weight.fill_(0.5)
+        # Forward sees the edit.
+        ref = NestedWrapped()
+        with torch.no_grad():
+            ref.inp.weight.fill_(0.5)
+            ref.out.weight.fill_(0.25)
+        assert_close(model(*x), ref(*x))
+
+
+def check_summon_options(rank: int, world_size: int) -> None:
+    model = NestedWrapped().wrap(FSDP, use_orig_params=True)
+    ref = NestedWrapped()
+    with _expect(ValueError, "rank0_only=True, writeback=True"):
+        with FSDP.summon_full_params(model, rank0_only=True, writeback=True):
+            pass
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False):
+        w = model.module.inp.weight
+        if rank == 0:
+            assert w.shape == ref.inp.weight.shape
+            assert_close(w, ref.inp.weight)
+        else:
+            assert w.dim() == 1, "other ranks keep their sharded view"
+    with FSDP.summon_full_params(model, offload_to_cpu=True):
+        assert model.module.inp.weight.device.type == "cpu"
+    with FSDP.summon_full_params(model, recurse=False):
+        assert model.module.inp.weight.shape == ref.inp.weight.shape, "the root's own parameters are full"
+        assert model.module.out.module.weight.dim() == 1, "nested units stay sharded without recurse"
+    # Clean names inside, FSDP-prefixed outside (FSDP1).
+    with FSDP.summon_full_params(model):
+        names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()], names
+    assert all(n.startswith("_fsdp_wrapped_module.") for n, _ in model.named_parameters())
+
+
+def check_summon_between_forward_and_backward(rank: int, world_size: int) -> None:
+    for strategy, orig in itertools.product(STRATEGIES, [False, True]):
+        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
+        ref = NestedWrapped()
+        model = NestedWrapped().wrap(FSDP, **kwargs)
+        loss = NestedWrapped.loss(model(*NestedWrapped.input(0, rank, CPU)))
+        with FSDP.summon_full_params(model, writeback=False):
+            pass
+        loss.backward()
+        NestedWrapped.loss(ref(*parity._all_data(NestedWrapped, 0, world_size, CPU))).backward()
+        with FSDP.summon_full_params(model, with_grads=True):
+            for (n, p), (rn, rp) in zip(model.named_parameters(), ref.named_parameters()):
+                assert n == rn
+                assert_close(p.grad, rp.grad, msg=lambda m: f"{kwargs} {n}: {m}")
+
+
+def check_summon_inside_forward_raises(rank: int, world_size: int) -> None:
+    class Summoner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.outer: nn.Module | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with FSDP.summon_full_params(self.outer):
+                pass
+            return self.lin(x)
+
+    inner = Summoner()
+    model = FSDP(inner)
+    inner.outer = model
+    with _expect(RuntimeError, "during forward or backward"):
+        model(torch.randn(2, 3))
+
+
+def check_forward_inside_summon_raises(rank: int, world_size: int) -> None:
+    model = NestedWrapped().wrap(FSDP)
+    x = NestedWrapped.input(0, rank, CPU)
+    model(*x)
+    with FSDP.summon_full_params(model):
+        with _expect(RuntimeError, "forward inside summon_full_params"):
+            model(*x)
+    model(*x)
+
+
+def check_attribute_forwarding_and_fsdp_modules(rank: int, world_size: int) -> None:
+    seq = FSDP(nn.Sequential(FSDP(nn.Linear(3, 4)), nn.ReLU(), FSDP(nn.Linear(4, 2))))
+    assert isinstance(seq[1], nn.ReLU)
+    assert isinstance(seq[0], FSDP)
+    model = NestedWrapped().wrap(FSDP)
+    assert model.inp is model.module.inp
+    assert model.input is NestedWrapped.input
+    assert len(FSDP.fsdp_modules(model)) == 5
+    assert FSDP.fsdp_modules(model, root_only=True) == [model]
+    with _expect(AttributeError, "no_such_attribute"):
+        model.no_such_attribute
+
+
+def check_misuse_errors(rank: int, world_size: int) -> None:
+    model = NestedWrapped().wrap(FSDP)
+    model(*NestedWrapped.input(0, rank, CPU))
+    inner = model.module.out
+    with _expect(RuntimeError, "root FSDP instance.*nested unit wrapping Linear"):
+        with inner.no_sync():
+            pass
+    with _expect(RuntimeError, "root FSDP instance.*nested unit wrapping Linear"):
+        inner.clip_grad_norm_(1.0)
+
+    class Scalar(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+    with _expect(ValueError, "scalar.*'scale'"):
+        FSDP(Scalar())
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
+    with _expect(ValueError, "both process_group and device_mesh"):
+        FSDP(nn.Linear(2, 2), process_group=dist.group.WORLD, device_mesh=mesh)
+    with _expect(ValueError, "hybrid"):
+        FSDP(nn.Linear(2, 2), process_group=(dist.group.WORLD, dist.group.WORLD))
+
+
+def check_divergent_forward_surfaces_as_timeout(rank: int, world_size: int) -> None:
+    """A rank that skips a unit's forward leaves its peer alone in that unit's all-gather: the
+    peer gets the process group's timeout error instead of hanging (runtime.py's note)."""
+    from datetime import timedelta
+
+    group = dist.new_group(timeout=timedelta(seconds=5))
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(3, 3)
+            self.second = nn.Linear(3, 3)
+            self.skip_second = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.first(x)
+            return x if self.skip_second else self.second(x)
+
+    module = Branchy()
+    module.second = FSDP(module.second, process_group=group)
+    model = FSDP(module, process_group=group)
+    module.skip_second = rank == 1
+    dist.barrier(group)  # arrive together: only the divergence may time out
+    if rank == 0:
+        with _expect(RuntimeError, "[Tt]imed out|[Tt]imeout|closed|Connection"):
+            model(torch.randn(2, 3))
+    else:
+        model(torch.randn(2, 3))
+    dist.barrier()
+
+
+def _traced_iteration(model: nn.Module, linears: list[nn.Module]) -> list[tuple[str, int]]:
+    """One forward/backward, traced: ("AG"|"RS", unit index) per collective, ("F", i) per compute."""
+    from unittest import mock
+
+    trace: list[tuple[str, int]] = []
+    index = {}
+    for i, lin in enumerate(linears):
+        n = sum(p.numel() for p in lin.parameters()) if not isinstance(lin, FSDP) else lin._flat_param.numel()
+        index[n] = i
+    orig_ag, orig_rs = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+
+    def ag(out, inp, *a, **k):
+        trace.append(("AG", index[inp.numel()]))
+        return orig_ag(out, inp, *a, **k)
+
+    def rs(out, inp, *a, **k):
+        trace.append(("RS", index[out.numel()]))
+        return orig_rs(out, inp, *a, **k)
+
+    hooks = [lin.module.register_forward_pre_hook(lambda m, a, i=i: trace.append(("F", i))) for i, lin in enumerate(linears)]
+    with mock.patch("torch.distributed.all_gather_into_tensor", ag), mock.patch("torch.distributed.reduce_scatter_tensor", rs):
+        model(torch.randn(2, 4)).sum().backward()
+    for h in hooks:
+        h.remove()
+    return trace
+
+
+def check_prefetch_follows_recorded_order(rank: int, world_size: int) -> None:
+    from engine.wrap import ModuleWrapPolicy
+
+    def build(**kwargs):
+        model = FSDP(
+            nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 6), nn.Linear(6, 7), nn.Linear(7, 8)),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            **kwargs,
+        )
+        return model, list(model.module)
+
+    model, linears = build(forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+    first = _traced_iteration(model, linears)
+    # First iteration: no order yet, so each unit gathers right before its own compute.
+    for i in range(3):
+        assert first.index(("F", i)) < first.index(("AG", i + 1)), first
+    second = _traced_iteration(model, linears)
+    for i in range(3):
+        assert second.index(("AG", i + 1)) < second.index(("F", i)), f"forward prefetch missing: {second}"
+    backward = second[second.index(("F", 3)) + 1 :]
+    for i in range(3, 0, -1):
+        assert backward.index(("AG", i - 1)) < backward.index(("RS", i)), f"BACKWARD_PRE prefetch missing: {backward}"
+    model, linears = build(forward_prefetch=False, backward_prefetch=None)
+    _traced_iteration(model, linears)
+    plain = _traced_iteration(model, linears)
+    for i in range(3):
+        assert plain.index(("F", i)) < plain.index(("AG", i + 1)), f"prefetched without forward_prefetch: {plain}"
+
+
+def check_device_mesh(rank: int, world_size: int) -> None:
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
+    ref = NestedWrapped()
+    model = FSDP(NestedWrapped(), device_mesh=mesh)
+    x = NestedWrapped.input(0, rank, CPU)
+    assert_close(model(*x), ref(*x))
+
+
+def check_eval_forward_after_training(rank: int, world_size: int) -> None:
+    for strategy in STRATEGIES:
+        model = NestedWrapped().wrap(FSDP, sharding_strategy=strategy, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+        opt = parity._optim(model.parameters())
+        x = NestedWrapped.input(0, rank, CPU)
+        NestedWrapped.loss(model(*x)).backward()
+        opt.step()
+        model.eval()
+        out = model(*x)
+        with torch.no_grad():
+            out_ng = model(*x)
+        assert_close(out, out_ng)
+        # A step after a forward that had no backward must be seen by the next forward.
+        opt.step()
+        with torch.no_grad():
+            after = model(*x)
+        plain = NestedWrapped()
+        plain.load_state_dict(parity.full_params(model))
+        with torch.no_grad():
+            expected = plain(*x)
+        assert_close(after, expected, msg=lambda m: f"{strategy}: stale unsharded parameters: {m}")
+
+
+CHECKS = [
+    check_no_sync_parity,
+    check_accumulation_without_zero_grad,
+    check_clip_grad_norm,
+    check_clip_grad_norm_no_clip_when_small,
+    check_summon_writeback,
+    check_summon_options,
+    check_summon_between_forward_and_backward,
+    check_summon_inside_forward_raises,
+    check_forward_inside_summon_raises,
+    check_attribute_forwarding_and_fsdp_modules,
+    check_misuse_errors,
+    check_prefetch_follows_recorded_order,
+    check_device_mesh,
+    check_eval_forward_after_training,
+    # Last: its peer timeout must not take other checks down with it.
+    check_divergent_forward_surfaces_as_timeout,
+]
+session, test_check = session_tests(CHECKS)

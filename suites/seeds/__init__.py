@@ -1,0 +1,1 @@
+"""Ports of the seed behaviours (torch FSDP test files) onto our engine."""

@@ -1,0 +1,149 @@
+"""Seed behaviours of torch's test_fsdp_flatten_params.py that need the runtime (the layout and
+metadata ones live in suites/flat_param): partial flattening, flattening nothing, an empty
+module, numel, forward output and the parameter norm after a step with shared parameters, each
+in full and half precision, on CPU with a one-rank gloo group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.testing import assert_close
+
+from engine import FSDP, FlatParamHandle, HandleShardingStrategy
+from suites.engine.ranks import session_tests
+
+CPU = torch.device("cpu")
+
+
+def _transformer(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    module = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, dropout=0.1)
+    module.register_buffer("dummy_buffer", torch.tensor(1.0))
+    return module
+
+
+def _shared_transformer(seed: int = 0) -> nn.Module:
+    module = _transformer(seed)
+    for enc, dec in zip(module.encoder.layers, module.decoder.layers):
+        dec.linear1.weight = enc.linear1.weight
+        dec.linear2.weight = enc.linear2.weight
+    return module
+
+
+def _input(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # Seeded right before forward so dropout draws the same masks in both runs.
+    torch.manual_seed(1)
+    return torch.rand(6, 3, 16, dtype=dtype), torch.rand(4, 3, 16, dtype=dtype)
+
+
+def _output(module: nn.Module) -> torch.Tensor:
+    dtype = next(module.parameters()).dtype
+    return module(*_input(dtype))
+
+
+def _handle_kwargs() -> dict:
+    return dict(
+        device=CPU,
+        sharding_strategy=HandleShardingStrategy.FULL_SHARD,
+        offload_params=False,
+        mp_param_dtype=None,
+        mp_reduce_dtype=None,
+        keep_low_precision_grads=False,
+        process_group=dist.group.WORLD,
+        use_orig_params=False,
+        fsdp_extension=None,
+    )
+
+
+def check_partial_flattening(rank: int, world_size: int) -> None:
+    for half in (False, True):
+        module = _transformer()
+        if half:
+            module = module.half()
+        numel = sum(p.numel() for p in module.parameters())
+        enc1 = list(module.encoder.layers[1].parameters())
+        dec0 = list(module.decoder.layers[0].parameters())
+        module.encoder.layers[1] = FSDP(module.encoder.layers[1])
+        module.decoder.layers[0] = FSDP(module.decoder.layers[0])
+        flat_params = [module.encoder.layers[1]._flat_param, module.decoder.layers[0]._flat_param]
+        assert sum(fp.numel() for fp in flat_params) == sum(p.numel() for p in enc1 + dec0)
+        assert sum(p.numel() for p in module.parameters()) == numel
+        assert len(list(module.encoder.layers[1].parameters())) == 1
+        assert len(list(module.decoder.layers[0].parameters())) == 1
+        assert len(list(module.encoder.layers[0].parameters())) == len(enc1)
+        assert len(list(module.decoder.layers[1].parameters())) == len(dec0)
+        orig_dtype = enc1[0].dtype
+        new_dtype = torch.float32 if orig_dtype == torch.float16 else torch.float16
+        assert all(fp.dtype == orig_dtype for fp in flat_params)
+        module = module.to(dtype=new_dtype)
+        assert all(fp.dtype == new_dtype for fp in flat_params), "module.to() reaches the flat parameters"
+        assert all(p.dtype == new_dtype for p in module.encoder.layers[0].parameters())
+
+
+def check_flatten_nothing(rank: int, world_size: int) -> None:
+    for half in (False, True):
+        module = _transformer().half() if half else _transformer()
+        try:
+            FlatParamHandle([], module, **_handle_kwargs())
+        except ValueError as e:
+            assert "Cannot construct a FlatParamHandle with an empty parameter list" in str(e)
+        else:
+            raise AssertionError("flattening nothing must raise ValueError")
+
+
+def check_empty_module(rank: int, world_size: int) -> None:
+    class Empty(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    x = torch.rand(1)
+    fsdp = FSDP(Empty())
+    assert len(list(fsdp.parameters())) == 0
+    assert fsdp._flat_param is None
+    assert_close(fsdp(x), x + 1)
+
+
+def check_numel(rank: int, world_size: int) -> None:
+    for build in (_transformer, _shared_transformer):
+        for half in (False, True):
+            module = build().half() if half else build()
+            ref_numel = sum(p.numel() for p in module.parameters())
+            handle = FlatParamHandle(list(module.parameters()), module, **_handle_kwargs())
+            assert handle.flat_param.numel() == ref_numel, (build.__name__, half)
+
+
+def check_output(rank: int, world_size: int) -> None:
+    for build in (_transformer, _shared_transformer):
+        for half in (False, True):
+            module = build().half() if half else build()
+            ref = _output(module)
+            out = _output(FSDP(module))
+            assert_close(out, ref, msg=lambda m: f"{build.__name__} half={half}: {m}")
+
+
+def _pnorm_after_step(module: nn.Module) -> torch.Tensor:
+    optim = torch.optim.SGD(module.parameters(), lr=0.01)
+    _output(module).sum().backward()
+    optim.step()
+    return torch.norm(torch.stack([p.detach().float().norm() for p in module.parameters()]))
+
+
+def check_pnorm_after_step_with_shared_params(rank: int, world_size: int) -> None:
+    for half in (False, True):
+        ref_module = _shared_transformer().half() if half else _shared_transformer()
+        ref = _pnorm_after_step(ref_module)
+        module = _shared_transformer().half() if half else _shared_transformer()
+        got = _pnorm_after_step(FSDP(module))
+        assert_close(got, ref, msg=lambda m: f"half={half}: {m}")
+
+
+CHECKS = [
+    check_partial_flattening,
+    check_flatten_nothing,
+    check_empty_module,
+    check_numel,
+    check_output,
+    check_pnorm_after_step_with_shared_params,
+]
+session, test_check = session_tests(CHECKS, world_size=1)

@@ -1,0 +1,55 @@
+"""Fixtures for the wrap suites: the recording wrapper's log and the rank pools."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+from harness.pool import PoolConfig, RankPool
+from wrap_models import RecordingUnit
+
+#: the seed runs its multi-rank tests on two GPUs; the CPU lane runs them on two gloo ranks.
+GPU_WORLD = 2
+
+
+@pytest.fixture(autouse=True)
+def recorded() -> Iterator[list[RecordingUnit]]:
+    """The units :class:`RecordingUnit` constructs during the test, in construction order."""
+    RecordingUnit.constructed = []
+    yield RecordingUnit.constructed
+    RecordingUnit.constructed = []
+
+
+def _pool(config: PoolConfig) -> Iterator[RankPool]:
+    with RankPool(config) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def cpu_pair() -> Iterator[RankPool]:
+    """Two gloo ranks on CPU, started once for the module."""
+    yield from _pool(PoolConfig(world_size=2, backend="gloo", case_timeout_s=120.0))
+
+
+@pytest.fixture(scope="module")
+def cpu_single() -> Iterator[RankPool]:
+    """One gloo rank on CPU: the seed's world-size-1 default group."""
+    yield from _pool(PoolConfig(world_size=1, backend="gloo", case_timeout_s=120.0))
+
+
+@pytest.fixture(scope="module")
+def gpu_pair() -> Iterator[RankPool]:
+    """Two NCCL ranks on GPUs 0 and 1."""
+    if torch.cuda.device_count() < GPU_WORLD:
+        pytest.skip(f"needs {GPU_WORLD} CUDA GPUs, found {torch.cuda.device_count()}")
+    yield from _pool(PoolConfig(world_size=2, backend="nccl", devices=(0, 1), case_timeout_s=120.0))
+
+
+@pytest.fixture(scope="module")
+def gpu_single() -> Iterator[RankPool]:
+    """One NCCL rank on GPU 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    yield from _pool(PoolConfig(world_size=1, backend="nccl", devices=(0,), case_timeout_s=120.0))

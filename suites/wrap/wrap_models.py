@@ -1,0 +1,192 @@
+"""Models and a recording wrapper shared by the wrap suites.
+
+The models mirror the seed's (``test_wrap.py``) in structure, kept small for a 2-core CPU lane.
+:class:`RecordingUnit` stands in for the real wrapper where only the wrapping structure matters:
+it runs auto wrapping exactly as the runtime's constructor does and records what it was given.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from engine.wrap import auto_wrap
+
+
+class RecordingUnit(nn.Module):
+    """A wrapper double: ``RecordingUnit(module, **kwargs)`` auto-wraps like the runtime would.
+
+    It carries no unit marker, so nested-wrapping detection must come from ``isinstance``.
+    """
+
+    #: every unit constructed, in construction order (reset by the ``recorded`` fixture).
+    constructed: ClassVar[list["RecordingUnit"]] = []
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        auto_wrap_policy: Any = None,
+        ignored_modules: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        ignored = set(ignored_modules or ())
+        ignored_params = {p for m in ignored for p in m.parameters()}
+        if auto_wrap_policy is not None:
+            root_kwargs = {"auto_wrap_policy": auto_wrap_policy, **kwargs}
+            auto_wrap(module, auto_wrap_policy, type(self), ignored, ignored_params, root_kwargs)
+        self.module = module
+        #: the constructor kwargs this unit received (what a real unit would be configured with).
+        self.kwargs = kwargs
+        type(self).constructed.append(self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getitem__(self, idx: int) -> nn.Module:
+        return self.module[idx]  # type: ignore[index]
+
+
+class MarkedUnit(nn.Module):
+    """Another wrapper class, recognised as a unit only through the marker attribute."""
+
+    _is_fsdp_unit = True
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+
+
+def nested_sequential() -> nn.Sequential:
+    """Two Linear(5, 5) then a Sequential of two more: 30 numel each, 120 in all."""
+    return nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5)))
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(10, 10, bias=False)
+        self.bn1 = nn.BatchNorm1d(10)
+        self.bn2 = nn.BatchNorm2d(10)
+        self.bn3 = nn.BatchNorm3d(10)
+        self.sync_bn = nn.SyncBatchNorm(10)
+
+
+class BatchNormContainer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn_container = BatchNormNet()
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.nested_lin = nn.Linear(1, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.nested_lin(x)
+
+
+class FourLinears(nn.Module):
+    """The seed's main-wrap-API model: three Linear(1, 1) and one nested in a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(1, 1, bias=False)
+        self.lin2 = nn.Linear(1, 1, bias=False)
+        self.lin3 = nn.Linear(1, 1, bias=False)
+        self.lin4 = Nested()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin4(self.lin3(self.lin2(self.lin1(x))))
+
+
+class SharedParamsTransformer(nn.Module):
+    """A small encoder-decoder with the input embedding tied to the output projection, and a BN.
+
+    Stands in for the seed's ``TransformerWithSharedParams``: 2 encoder and 2 decoder layers.
+    """
+
+    def __init__(self, d_model: int = 8, vocab: int = 12) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d_model)
+        self.transformer = nn.Transformer(
+            d_model=d_model,
+            nhead=2,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            dim_feedforward=8,
+            dropout=0.0,
+            batch_first=True,
+        )
+        self.output_proj = nn.Linear(d_model, vocab)
+        self.output_proj.weight = self.embed_tokens.weight
+        self.bn = nn.BatchNorm1d(vocab)
+
+    def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
+        src, tgt = self.embed_tokens(src_ids), self.embed_tokens(tgt_ids)
+        x = self.output_proj(self.transformer(src, tgt))
+        return self.bn(x.flatten(0, -2))
+
+
+class LoraAttention(nn.Module):
+    """Frozen projections with trainable low-rank adapters: a mixed unit if wrapped whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(32, 32, bias=False)
+        self.lora_A = nn.Linear(32, 8, bias=False)
+        self.lora_B = nn.Linear(8, 32, bias=False)
+        self.k_proj = nn.Linear(32, 32, bias=False)
+        self.v_proj = nn.Linear(32, 32, bias=False)
+        self.o_proj = nn.Linear(32, 32, bias=False)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            proj.weight.requires_grad_(False)
+
+
+class LoraMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj1 = nn.Linear(32, 128, bias=False)
+        self.proj2 = nn.Linear(128, 32, bias=False)
+        self.proj1.weight.requires_grad_(False)
+        self.proj2.weight.requires_grad_(False)
+
+
+class LoraDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = LoraAttention()
+        self.mlp = LoraMLP()
+        self.inp_layernorm = nn.LayerNorm(32)
+        self.post_attn_layernorm = nn.LayerNorm(32)
+        for norm in (self.inp_layernorm, self.post_attn_layernorm):
+            norm.requires_grad_(False)
+
+
+class LoraModel(nn.Module):
+    """A toy LoRA decoder: everything frozen but the adapters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(100, 32)
+        self.layers = nn.ModuleList([LoraDecoder() for _ in range(4)])
+        self.norm = nn.LayerNorm(32)
+        self.embed_tokens.requires_grad_(False)
+        self.norm.requires_grad_(False)
+
+
+class DummyProcessGroup:
+    """A process-group test double: only ``rank()`` and ``size()``, no communication."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
