@@ -1,0 +1,668 @@
+"""One interface over the engines under test and the references they are compared against.
+
+An *engine adapter* turns a neutral ``CaseConfig`` into the engine's native options, wraps a zoo
+model with them and hands back an ``EngineTrainee``: the wrapped module plus the engine-specific ways of
+reading its gradients and parameters as ``ParamSlice`` s (pieces of the original parameters, by
+canonical name and flat offset), so a shard of rank 1 is compared with exactly the elements of the
+reference it claims to hold.
+
+- ``FSDP1Adapter``: any engine with torch FSDP1's public API, parametrized by the namespace that
+  provides ``FullyShardedDataParallel``, ``ShardingStrategy``, ``BackwardPrefetch``, ``CPUOffload``
+  and ``MixedPrecision``: ``torch.distributed.fsdp`` for ``torch-fsdp``, the ``engine`` package for
+  ``builtin``. Units are wrapped by hand, bottom-up (only the constructor is needed, no wrap policy).
+- ``FSDP2Adapter``: ``fully_shard`` per unit, then on the root. FULL_SHARD and SHARD_GRAD_OP map to
+  ``reshard_after_forward`` True/False, the hybrid strategies to a 2-D (replicate, shard) mesh;
+  what FSDP2 cannot express is ``unsupported`` with the reason.
+- References: ``build_ddp`` (torch DDP, rank-local parameters ignored) and ``LocalReference`` (one
+  process computing every rank's batch on an unsharded model, with the precision casts the engine
+  makes, see [Note: local reference]).
+
+[Note: local reference]
+For every rank ``r`` the local reference runs rank ``r``'s batch through a model holding rank
+``r``'s view of the parameters (the shared ones are the same tensors for all ranks; rank-local ones
+are ``r``'s own) with ``torch.func.functional_call``: parameters cast to the compute dtype, floating
+buffers to the buffer dtype and floating inputs to the compute dtype (what FSDP does to the root's
+inputs). Each rank's gradient is cast to the reduce dtype, divided by the pre-divide factor, summed
+over ranks, divided by the post-divide factor (FSDP1's split of ``1/world_size``) and cast to the
+full precision of the master weights, which an SGD-with-momentum optimizer then updates. A
+rank-local parameter's gradient is its own rank's, unreduced. The result equals DDP's averaged
+gradient in full precision and emulates the engine's rounding in mixed precision.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from harness.case import CaseConfig, PrecisionSpec
+from harness.models import ZooModel, build_model
+from harness.pool import RankContext, default_shard_size
+
+__all__ = [
+    "ENGINES",
+    "EngineAdapter",
+    "FSDP1Adapter",
+    "FSDP1Namespace",
+    "FSDP2Adapter",
+    "LocalReference",
+    "ParamSlice",
+    "ReferenceRun",
+    "TRUTH_SPEC",
+    "EngineTrainee",
+    "build_ddp",
+    "canonical_name",
+    "dtype_of",
+    "get_engine",
+    "has_float_buffers",
+    "prepare_inputs",
+    "rank_local_param_names",
+]
+
+_WRAPPER_SEGMENT = re.compile(r"^_\w*wrapped_module$")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name with wrapper segments (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``
+    ...) removed, so engine and reference name a parameter alike."""
+    return ".".join(part for part in name.split(".") if not _WRAPPER_SEGMENT.match(part))
+
+
+def dtype_of(name: str | None) -> torch.dtype | None:
+    """``"bfloat16"`` -> ``torch.bfloat16``; None stays None."""
+    if name is None:
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype name {name!r} is not a torch dtype")
+    return dtype
+
+
+@dataclass
+class ParamSlice:
+    """A contiguous piece of one original parameter, flattened: elements ``[start, start + numel)``."""
+
+    name: str
+    start: int
+    #: 1-D, on CPU, detached.
+    value: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return self.value.numel()
+
+    @classmethod
+    def full(cls, name: str, tensor: torch.Tensor) -> "ParamSlice":
+        return cls(name, 0, tensor.detach().reshape(-1).cpu().clone())
+
+
+@dataclass
+class EngineFacts:
+    """What an engine did with its parameters, for the knob checks."""
+
+    #: device types the engine keeps its sharded parameters on.
+    param_devices: set[str]
+    #: True when ``module.parameters()`` yields flat parameters (FSDP1 with ``use_orig_params=False``);
+    #: None when the notion does not apply.
+    exposes_flat_params: bool | None
+
+
+def has_float_buffers(model: nn.Module) -> bool:
+    return any(b.is_floating_point() for b in model.buffers())
+
+
+def rank_local_param_names(model: ZooModel) -> set[str]:
+    local = {id(p) for m in model.rank_local_modules() for p in m.parameters()}
+    return {name for name, p in model.named_parameters() if id(p) in local}
+
+
+def prepare_inputs(inputs: Iterable[torch.Tensor], device: torch.device, float_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Move a batch to the device; floating tensors take the master dtype (fp64 cases train in fp64)."""
+    return tuple(t.to(device=device, dtype=float_dtype if t.is_floating_point() else t.dtype) for t in inputs)
+
+
+def _post_order_units(model: ZooModel) -> list[nn.Module]:
+    """The model's wrap units, deepest first, so a unit is wrapped after the units inside it."""
+    depth = {id(m): name.count(".") + 1 if name else 0 for name, m in model.named_modules()}
+    units = model.wrap_units()
+    return sorted(units, key=lambda m: -depth[id(m)])
+
+
+def _parent_slots(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    slots: dict[int, tuple[nn.Module, str]] = {}
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            slots.setdefault(id(child), (parent, child_name))
+    return slots
+
+
+def _hybrid(strategy: str) -> bool:
+    return strategy in ("hybrid_shard", "hybrid_shard_zero2")
+
+
+def _ignored_option(case: CaseConfig) -> str | None:
+    """The engine option a ``("fault", "ignore_option:<name>")`` case tells the adapter to drop.
+
+    Fault injection for the knob checks: an adapter that silently drops a setting must make the
+    case fail.
+    """
+    fault = str(case.extra.get("fault", ""))
+    return fault.split(":", 1)[1] if fault.startswith("ignore_option:") else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Engines
+
+
+class EngineAdapter(ABC):
+    """Maps a neutral case to one engine and wraps models with it."""
+
+    #: the ``CaseConfig.engine`` value.
+    name: str
+
+    @abstractmethod
+    def unsupported_reason(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
+        """Why the engine cannot run this case here (one line), or None."""
+
+    def effective_precision(self, case: CaseConfig, model: ZooModel) -> PrecisionSpec:
+        """The casts the engine actually makes for this case (what the local reference emulates)."""
+        return case.precision_spec
+
+    def supports_prefetch_baseline(self, case: CaseConfig) -> bool:
+        """Whether ``backward_prefetch='none'`` can run, as the baseline a prefetch setting must differ from."""
+        return True
+
+    @abstractmethod
+    def build(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> "EngineTrainee":
+        """Wrap a fresh zoo model (float32, CPU) for this case on this rank."""
+
+
+@dataclass
+class EngineTrainee:
+    """A wrapped engine model with its readers."""
+
+    module: nn.Module
+    zoo: ZooModel
+    read_grads: Callable[[], list[ParamSlice]]
+    read_params: Callable[[], list[ParamSlice]]
+    read_facts: Callable[[], EngineFacts]
+    #: remarks for the record (e.g. parameters compared as shards for want of ``summon_full_params``).
+    notes: list[str] = field(default_factory=list)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def grad_slices(self) -> list[ParamSlice]:
+        return self.read_grads()
+
+    def final_params(self) -> list[ParamSlice]:
+        return self.read_params()
+
+    def facts(self) -> EngineFacts:
+        return self.read_facts()
+
+
+@dataclass(frozen=True)
+class FSDP1Namespace:
+    """The five public names of an FSDP1-API engine."""
+
+    FullyShardedDataParallel: Any
+    ShardingStrategy: Any
+    BackwardPrefetch: Any
+    CPUOffload: Any
+    MixedPrecision: Any
+
+    @classmethod
+    def load(cls, module_name: str) -> "FSDP1Namespace":
+        module = importlib.import_module(module_name)
+        names = [f for f in cls.__dataclass_fields__]
+        missing = [n for n in names if not hasattr(module, n)]
+        if missing:
+            raise AttributeError(
+                f"module {module_name!r} does not export {missing}; an FSDP1-API engine must export "
+                f"{names} at package level"
+            )
+        return cls(**{n: getattr(module, n) for n in names})
+
+
+_FSDP1_STRATEGY = {
+    "full_shard": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "no_shard": "NO_SHARD",
+    "hybrid_shard": "HYBRID_SHARD",
+    "hybrid_shard_zero2": "_HYBRID_SHARD_ZERO2",
+}
+_FSDP1_PREFETCH = {"none": None, "pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
+
+
+class FSDP1Adapter(EngineAdapter):
+    """An engine with torch FSDP1's public API, from the namespace ``module_name``."""
+
+    def __init__(self, name: str, module_name: str, *, offload_needs_accelerator: bool = False) -> None:
+        self.name = name
+        self.module_name = module_name
+        #: torch FSDP1 pins the offloaded shards' host memory, which needs an accelerator.
+        self.offload_needs_accelerator = offload_needs_accelerator
+        self._ns: FSDP1Namespace | None = None
+
+    @property
+    def ns(self) -> FSDP1Namespace:
+        if self._ns is None:
+            self._ns = FSDP1Namespace.load(self.module_name)
+        return self._ns
+
+    def unsupported_reason(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
+        self.ns  # an engine that cannot be imported is an error, not unsupported: raise here
+        if case.cpu_offload and self.offload_needs_accelerator and ctx.device_type == "cpu":
+            return f"{self.name}: CPU offload pins host memory, which needs an accelerator; this rank runs on CPU"
+        return None
+
+    def options(self, case: CaseConfig, ctx: RankContext) -> dict[str, Any]:
+        """The constructor keywords every unit shares (the process group is chosen per unit)."""
+        ns = self.ns
+        spec = case.precision_spec
+        kwargs: dict[str, Any] = {
+            "sharding_strategy": getattr(ns.ShardingStrategy, _FSDP1_STRATEGY[case.sharding_strategy]),
+            "backward_prefetch": (
+                None if _FSDP1_PREFETCH[case.backward_prefetch] is None
+                else getattr(ns.BackwardPrefetch, _FSDP1_PREFETCH[case.backward_prefetch])
+            ),
+            "forward_prefetch": case.forward_prefetch,
+            "cpu_offload": ns.CPUOffload(offload_params=case.cpu_offload),
+            "use_orig_params": case.use_orig_params,
+        }
+        if spec.is_mixed:
+            kwargs["mixed_precision"] = ns.MixedPrecision(
+                param_dtype=dtype_of(spec.param), reduce_dtype=dtype_of(spec.reduce), buffer_dtype=dtype_of(spec.buffer)
+            )
+        # FSDP1 refuses CPU modules without a device_id on CPU-only hosts; "never" leaves the move to it.
+        if ctx.device_type == "cpu" or case.init_mode == "never":
+            kwargs["device_id"] = ctx.device
+        ignored = _ignored_option(case)
+        if ignored is not None:
+            kwargs.pop(ignored, None)
+        return kwargs
+
+    def build(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
+        ns = self.ns
+        fsdp = ns.FullyShardedDataParallel
+        kwargs = self.options(case, ctx)
+        if _hybrid(case.sharding_strategy):
+            group: Any = ctx.hybrid_groups(int(case.extra.get("shard_size", default_shard_size(ctx.world_size, ctx.local_world_size))))
+        else:
+            group = ctx.world_group()
+        if case.init_mode == "before":
+            model.to(ctx.device)
+        local_units = {id(m) for m in model.rank_local_modules()}
+        slots = _parent_slots(model)
+        for unit in _post_order_units(model):
+            parent, slot = slots[id(unit)]
+            if id(unit) in local_units:
+                # A rank-local unit: a one-rank group, nothing to shard or reduce.
+                unit_kwargs = {**kwargs, "sharding_strategy": ns.ShardingStrategy.NO_SHARD}
+                wrapped = fsdp(unit, process_group=ctx.singleton_group(), **unit_kwargs)
+            else:
+                wrapped = fsdp(unit, process_group=group, **kwargs)
+            setattr(parent, slot, wrapped)
+        root = fsdp(model, process_group=group, **kwargs)
+        if case.init_mode == "after":
+            root.to(ctx.device)
+        notes: list[str] = []
+        return EngineTrainee(
+            root, model,
+            read_grads=lambda: _fsdp1_slices(root, "grad", case.use_orig_params),
+            read_params=lambda: self._final_params(root, notes),
+            read_facts=lambda: _fsdp1_facts(root),
+            notes=notes,
+        )
+
+    def _final_params(self, root: nn.Module, notes: list[str]) -> list[ParamSlice]:
+        summon = getattr(self.ns.FullyShardedDataParallel, "summon_full_params", None)
+        if summon is None:
+            notes.append("parameters compared as shards: the engine has no summon_full_params")
+            return _fsdp1_slices(root, "param")
+        with summon(root, writeback=False):
+            return [ParamSlice.full(canonical_name(n), p) for n, p in root.named_parameters()]
+
+
+def _flat_params(root: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(prefix, flat parameter)`` of every unit, duck-typed on FSDP1's ``_fqns`` and ``_shard_param_infos``.
+
+    A unit's flat parameter is found registered on a module, in a module attribute, or one or two
+    attributes deep (``_handle.flat_param`` in torch, a unit object's ``handle.flat_param``): with
+    ``use_orig_params=True`` it is not registered. ``_fqns`` are relative to the wrapped module, whose
+    path is ``prefix`` up to wrapper segments, which ``canonical_name`` removes.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+
+    def is_flat(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and hasattr(t, "_fqns") and hasattr(t, "_shard_param_infos")
+
+    def candidates(module: nn.Module) -> Iterator[Any]:
+        yield from module._parameters.values()
+        for value in vars(module).values():
+            if isinstance(value, (nn.Module, dict, list, tuple)) or value is None:
+                continue
+            yield value
+            holder = getattr(value, "handle", None)
+            yield getattr(value, "flat_param", None)
+            if holder is not None:
+                yield getattr(holder, "flat_param", None)
+
+    for name, module in root.named_modules():
+        for flat in candidates(module):
+            if is_flat(flat) and id(flat) not in seen:
+                seen.add(id(flat))
+                found.append((name, flat))
+    return found
+
+
+def _fsdp1_slices(root: nn.Module, kind: str, use_orig_params: bool = False) -> list[ParamSlice]:
+    """This rank's pieces of every original parameter (``kind="param"``) or gradient (``"grad"``).
+
+    The flat parameters' shard metadata says which elements of which original parameter the local
+    shard holds. Gradients are read where the optimizer reads them: the flat parameter's ``.grad``,
+    or with ``use_orig_params=True`` each original parameter's ``.grad`` (a view of its piece).
+    """
+    originals = {canonical_name(n): p for n, p in root.named_parameters()} if use_orig_params else {}
+    slices: list[ParamSlice] = []
+    for prefix, flat in _flat_params(root):
+        data = flat.grad if kind == "grad" else flat.detach()
+        data = None if data is None else data.detach().reshape(-1).cpu()
+        for fqn, info in zip(flat._fqns, flat._shard_param_infos):
+            if not info.in_shard or not info.numel_in_shard:
+                continue
+            name = canonical_name(f"{prefix}.{fqn}" if prefix else fqn)
+            start, numel = int(info.intra_param_start_idx), int(info.numel_in_shard)
+            if kind == "grad" and use_orig_params:
+                grad = getattr(originals.get(name), "grad", None)
+                if grad is None:
+                    continue
+                grad = grad.detach().reshape(-1).cpu()
+                # A sharded view holds just the piece; an unsharded one (NO_SHARD) the whole parameter.
+                piece = grad if grad.numel() == numel else grad[start : start + numel]
+            elif data is None:
+                continue
+            else:
+                piece = data[info.offset_in_shard : info.offset_in_shard + numel]
+            slices.append(ParamSlice(name, start, piece.clone()))
+    return slices
+
+
+def _fsdp1_facts(root: nn.Module) -> EngineFacts:
+    flats = _flat_params(root)
+    registered = {id(p) for p in root.parameters()}
+    return EngineFacts(
+        param_devices={flat.device.type for _, flat in flats},
+        exposes_flat_params=any(id(flat) in registered for _, flat in flats) if flats else None,
+    )
+
+
+class FSDP2Adapter(EngineAdapter):
+    """torch's ``fully_shard`` (FSDP2)."""
+
+    name = "torch-fsdp2"
+
+    @staticmethod
+    def api() -> Any:
+        try:
+            from torch.distributed import fsdp as module
+
+            module.fully_shard  # noqa: B018 - 2.6+ exports it here
+        except (ImportError, AttributeError):
+            from torch.distributed._composable import fsdp as module  # type: ignore[no-redef]
+        return module
+
+    def unsupported_reason(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
+        spec = case.precision_spec
+        if case.sharding_strategy == "no_shard":
+            return "torch-fsdp2: fully_shard always shards; NO_SHARD has no equivalent (use DDP or replicate)"
+        if case.backward_prefetch != "pre":
+            return (
+                f"torch-fsdp2: backward prefetch is always BACKWARD_PRE (one module ahead); "
+                f"backward_prefetch={case.backward_prefetch!r} cannot be expressed"
+            )
+        if not case.use_orig_params:
+            return "torch-fsdp2: parameters are always the original ones (DTensors); use_orig_params=False does not exist"
+        if spec.buffer is not None and spec.buffer != spec.full and has_float_buffers(model):
+            return f"torch-fsdp2: MixedPrecisionPolicy has no buffer dtype; this model has floating buffers (buffer={spec.buffer})"
+        if model.rank_local_modules() and _hybrid(case.sharding_strategy):
+            return "torch-fsdp2: rank-local modules on a one-rank mesh inside a 2-D hybrid mesh are not supported"
+        return None
+
+    def effective_precision(self, case: CaseConfig, model: ZooModel) -> PrecisionSpec:
+        # FSDP2 leaves buffers alone (unsupported_reason refused models where that matters).
+        return replace(case.precision_spec, buffer=None)
+
+    def supports_prefetch_baseline(self, case: CaseConfig) -> bool:
+        return False
+
+    def build(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
+        api = self.api()
+        spec = case.precision_spec
+        if _hybrid(case.sharding_strategy):
+            shard = int(case.extra.get("shard_size", default_shard_size(ctx.world_size, ctx.local_world_size)))
+            mesh = ctx.mesh((ctx.world_size // shard, shard), ("replicate", "shard"))
+        else:
+            mesh = ctx.mesh((ctx.world_size,), ("shard",))
+        kwargs: dict[str, Any] = {
+            "reshard_after_forward": case.sharding_strategy in ("full_shard", "hybrid_shard"),
+        }
+        if spec.is_mixed:
+            kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=dtype_of(spec.param), reduce_dtype=dtype_of(spec.reduce))
+        if case.cpu_offload:
+            kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda")
+        ignored = _ignored_option(case)
+        if ignored is not None:
+            kwargs.pop(ignored, None)
+        if case.init_mode == "before":
+            model.to(ctx.device)
+        local_units = {id(m) for m in model.rank_local_modules()}
+        for unit in _post_order_units(model):
+            api.fully_shard(unit, mesh=ctx.singleton_mesh() if id(unit) in local_units else mesh, **kwargs)
+        api.fully_shard(model, mesh=mesh, **kwargs)
+        if case.forward_prefetch and ignored != "forward_prefetch":
+            # FSDP2 prefetches forward all-gathers only when told which module comes next.
+            order = [m for m in model.modules() if isinstance(m, api.FSDPModule)]
+            for current, following in zip(order, order[1:]):
+                current.set_modules_to_forward_prefetch([following])
+        if case.init_mode == "after" and not case.cpu_offload:
+            model.to(ctx.device)
+        return EngineTrainee(
+            model, model,
+            read_grads=lambda: _dtensor_slices(model, "grad"),
+            read_params=lambda: _fsdp2_full_params(model),
+            read_facts=lambda: EngineFacts(
+                {p.to_local().device.type if hasattr(p, "to_local") else p.device.type for p in model.parameters()},
+                None,
+            ),
+        )
+
+
+def _dtensor_rows(p: Any) -> tuple[int, int]:
+    """``(first row, rows)`` of dim 0 this rank's shard of a dim-0-sharded DTensor holds (torch.chunk)."""
+    placements = p.placements
+    mesh = p.device_mesh
+    dim0 = p.shape[0]
+    first, rows = 0, dim0
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard() and getattr(placement, "dim", 0) == 0:
+            n = mesh.size(mesh_dim)
+            chunk = math.ceil(rows / n) if rows else 0
+            start = min(coordinate[mesh_dim] * chunk, rows)
+            first, rows = first + start, min(chunk, rows - start)
+    return first, rows
+
+
+def _dtensor_slices(model: nn.Module, kind: str) -> list[ParamSlice]:
+    slices: list[ParamSlice] = []
+    for name, p in model.named_parameters():
+        tensor = p.grad if kind == "grad" else p
+        if tensor is None:
+            continue
+        if not hasattr(tensor, "to_local"):
+            slices.append(ParamSlice.full(canonical_name(name), tensor))
+            continue
+        local = tensor.to_local().detach().reshape(-1).cpu().clone()
+        first_row, _ = _dtensor_rows(tensor)
+        row_numel = math.prod(p.shape[1:])
+        slices.append(ParamSlice(canonical_name(name), first_row * row_numel, local))
+    return slices
+
+
+def _fsdp2_full_params(model: nn.Module) -> list[ParamSlice]:
+    out: list[ParamSlice] = []
+    shards: list[ParamSlice] | None = None
+    for name, p in model.named_parameters():
+        if hasattr(p, "full_tensor") and p.to_local().device.type == p.device_mesh.device_type:
+            out.append(ParamSlice.full(canonical_name(name), p.full_tensor()))
+        else:
+            # Offloaded shards live on CPU while the mesh is on the GPU: compare the shard itself.
+            shards = _dtensor_slices(model, "param") if shards is None else shards
+            out.extend(s for s in shards if s.name == canonical_name(name))
+    return out
+
+
+ENGINES: dict[str, EngineAdapter] = {
+    "builtin": FSDP1Adapter("builtin", "engine"),
+    "torch-fsdp": FSDP1Adapter("torch-fsdp", "torch.distributed.fsdp", offload_needs_accelerator=True),
+    "torch-fsdp2": FSDP2Adapter(),
+}
+
+
+def get_engine(name: str) -> EngineAdapter:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"engine={name!r} is not one of {sorted(ENGINES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# References
+
+
+def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
+    """torch DDP in the case's full precision; rank-local parameters are left out of its all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model.to(ctx.device)
+    ignored = sorted(rank_local_param_names(model))
+    if ignored:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device_type == "cuda" else None)
+
+    def grads() -> list[ParamSlice]:
+        return [ParamSlice.full(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+
+    def params() -> list[ParamSlice]:
+        return [ParamSlice.full(n, p) for n, p in model.named_parameters()]
+
+    return EngineTrainee(ddp, model, grads, params, lambda: EngineFacts({ctx.device_type}, None))
+
+
+def gradient_divide_factors(world_size: int) -> tuple[float, float]:
+    """FSDP1's split of ``1 / world_size`` into a pre-reduction and a post-reduction division."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor), world_size / factor
+
+
+@dataclass
+class ReferenceRun:
+    """What the local reference computed, as rank ``rank`` of the engine sees it."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    #: per step: full gradient of every trainable parameter (rank ``rank``'s view).
+    grads: list[dict[str, torch.Tensor]]
+    #: full parameters at the end.
+    params: dict[str, torch.Tensor]
+
+
+class LocalReference:
+    """One process, no collectives: every rank's batch on an unsharded model ([Note: local reference])."""
+
+    def __init__(self, case: CaseConfig, spec: PrecisionSpec, device: torch.device, world_size: int) -> None:
+        self.case = case
+        self.spec = spec
+        self.device = device
+        self.world_size = world_size
+        self.full = dtype_of(spec.full)
+        self.compute = dtype_of(spec.param) or self.full
+        self.reduce = dtype_of(spec.reduce) or self.compute
+        self.buffer = dtype_of(spec.buffer)
+        first = build_model(case.model, seed=case.seed, rank=0, world_size=world_size)
+        if first.rank_local_modules():
+            self.replicas = [first] + [
+                build_model(case.model, seed=case.seed, rank=r, world_size=world_size) for r in range(1, world_size)
+            ]
+        else:
+            self.replicas = [first] * world_size
+        for m in {id(m): m for m in self.replicas}.values():
+            m.to(device=device, dtype=self.full)
+        self.local_names = rank_local_param_names(first)
+        # Master weights: the shared ones from replica 0, the rank-local ones per rank.
+        self.shared = {n: p for n, p in first.named_parameters() if n not in self.local_names}
+        self.local = [
+            {n: p for n, p in replica.named_parameters() if n in self.local_names} for replica in self.replicas
+        ]
+        masters = [p for p in self.shared.values() if p.requires_grad]
+        for params in self.local:
+            masters += [p for p in params.values() if p.requires_grad]
+        self.optimizer = torch.optim.SGD(masters, lr=case.lr, momentum=case.momentum)
+
+    def _view(self, r: int) -> dict[str, nn.Parameter]:
+        return {**self.shared, **self.local[r]}
+
+    def _rank_step(self, r: int, step: int) -> tuple[float, dict[str, torch.Tensor]]:
+        model = self.replicas[r]
+        inputs = prepare_inputs(model.get_input(seed=self.case.seed, step=step, rank=r), self.device, self.full)
+        inputs = tuple(t.to(self.compute) if t.is_floating_point() else t for t in inputs)
+        compute = {n: p.detach().to(self.compute).requires_grad_(p.requires_grad) for n, p in self._view(r).items()}
+        buffers = {
+            n: b.to(self.buffer) if self.buffer is not None and b.is_floating_point() else b
+            for n, b in model.named_buffers()
+        }
+        output = torch.func.functional_call(model, {**compute, **buffers}, inputs)
+        loss = model.get_loss(inputs, output)
+        trainable = [n for n, p in compute.items() if p.requires_grad]
+        grads = torch.autograd.grad(loss, [compute[n] for n in trainable], allow_unused=True)
+        return float(loss.detach().double()), {
+            n: g if g is not None else torch.zeros_like(compute[n]) for n, g in zip(trainable, grads)
+        }
+
+    def run(self, rank: int) -> ReferenceRun:
+        pre, post = gradient_divide_factors(self.world_size)
+        out = ReferenceRun([], [], [], {})
+        for step in range(self.case.steps):
+            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(self.world_size)))
+            for n, p in self.shared.items():
+                if p.requires_grad:
+                    total = sum(g[n].to(self.reduce) / pre for g in per_rank)
+                    p.grad = (total / post).to(self.full)
+            for r, params in enumerate(self.local):
+                for n, p in params.items():
+                    if p.requires_grad:
+                        p.grad = per_rank[r][n].to(self.reduce).to(self.full)
+            view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
+            out.losses.append(losses[rank])
+            out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
+            out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
+        return out
+
+
+#: The same run in float64 throughout: the yardstick mixed-precision budgets are measured with.
+TRUTH_SPEC = PrecisionSpec(full="float64", param=None, reduce=None, buffer=None)

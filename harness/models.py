@@ -1,0 +1,479 @@
+"""The model zoo: small models with deterministic init, deterministic batches and declared wrap units.
+
+Every model is a :class:`ZooModel`. What the harness needs from one:
+
+- ``build_model(name, seed=, rank=, world_size=)``: the same parameters for the same ``seed`` on every
+  rank and every call (rank-local parameters, the experts of a mixture of experts, also depend on
+  ``rank``), built on CPU in float32 without touching the global RNG;
+- ``get_input(seed=, step=, rank=)``: the forward arguments of one rank at one step, a pure function
+  of ``(seed, step, rank)`` built on CPU (the caller moves and casts them);
+- ``get_loss(inputs, output)`` and ``run_backward(loss)``;
+- ``wrap_units()``: the submodules that become their own sharded unit (FSDP1-API engines wrap them
+  bottom-up, FSDP2 applies ``fully_shard`` to each), ``wrap_classes`` when the units are "every
+  instance of these classes" (a ``ModuleWrapPolicy``-style set);
+- ``rank_local_modules()``: submodules whose parameters belong to one rank and are never reduced
+  across ranks (the experts): engines put them in a one-rank group, DDP ignores them, and the
+  ``local`` reference keeps one copy per rank;
+- ``sleeps``: GPU sleeps before the gradient reduction, before the optimizer step and before the
+  experts' parameters are freed. They make races between the compute stream and the engine's
+  communication streams visible; on CPU there is no asynchronous queue to race, so they are no-ops.
+
+Deliberately the harness's own models (written for this project, shaped after the behaviours the
+seeds describe), so a change in PyTorch's test utilities never changes what a case means.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "SleepPlan",
+    "ZooModel",
+    "build_model",
+    "batch_generator",
+    "gpu_sleep",
+    "mix_seed",
+]
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers; stable across processes and Python versions (no ``hash()``)."""
+    digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def batch_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """The CPU generator one rank's batch of one step is drawn from."""
+    return torch.Generator().manual_seed(mix_seed(seed, step, rank, 0xBA7C4))
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    # Init must not depend on (or disturb) whatever the caller did with the global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def _cycles_per_ms(device_index: int) -> float:
+    # torch.cuda._sleep spins for a number of GPU clock cycles; measure how many make a millisecond.
+    with torch.cuda.device(device_index):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        return 1_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def gpu_sleep(ms: float, device: torch.device | None = None) -> None:
+    """Enqueue a sleep of ``ms`` on the current CUDA stream; nothing on CPU (see module docstring)."""
+    if ms <= 0 or not torch.cuda.is_available():
+        return
+    if device is not None and device.type != "cuda":
+        return
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    torch.cuda._sleep(int(ms * _cycles_per_ms(index)))
+
+
+@dataclass(frozen=True)
+class SleepPlan:
+    """Where a model asks for GPU sleeps (milliseconds; 0 = none)."""
+
+    #: before each gradient reduction collective of the backward pass (applied by the comm trace).
+    before_reduce_ms: float = 0.0
+    #: after backward, before the optimizer step (applied by the training loop).
+    before_step_ms: float = 0.0
+    #: after the rank-local modules' forward, before their unsharded parameters are freed
+    #: (a forward hook the model registers itself, so it runs inside the engine's unit).
+    before_free_ms: float = 0.0
+
+
+class ZooModel(nn.Module):
+    """Base of the zoo: the interface the harness drives a model through."""
+
+    #: classes whose instances are wrap units; empty when a model lists its units by hand.
+    wrap_classes: ClassVar[tuple[type[nn.Module], ...]] = ()
+    #: the GPU sleeps this model asks for.
+    sleeps: SleepPlan = SleepPlan()
+
+    def wrap_units(self) -> list[nn.Module]:
+        """Submodules that get their own unit, in pre-order (the root is always a unit too)."""
+        return [m for m in self.modules() if m is not self and isinstance(m, self.wrap_classes)]
+
+    def rank_local_modules(self) -> list[nn.Module]:
+        """Submodules whose parameters are one rank's own and never reduced; each is also a wrap unit."""
+        return []
+
+    def auto_wrap_policy(self) -> Callable[..., bool]:
+        """``wrap_units()`` as an FSDP1 callable auto-wrap policy (``policy(module, recurse, nonwrapped_numel)``).
+
+        For engines driven through ``auto_wrap_policy``; rank-local modules need their own process
+        group, which a policy cannot give, so the harness's adapters wrap by hand instead.
+        """
+        units = {id(m) for m in self.wrap_units()}
+
+        def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+            return True if recurse else id(module) in units
+
+        return policy
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Nested linears (units chosen by hand) and the same model with every submodule a unit
+
+
+class NestedModel(ZooModel):
+    """Four linears, two of them nested in a sequential; three hand-picked units plus the root.
+
+    The root unit keeps the first and last linear, so it holds parameters used at both ends of the
+    forward pass; the nested unit holds a unit of its own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Sequential(
+            nn.Linear(8, 4),
+            nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 16)),
+            nn.Linear(16, 4),
+            nn.Linear(4, 8),
+        )
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [self.module[1], self.module[1][0], self.module[2]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        return (torch.rand(4, 8, generator=batch_generator(seed, step, rank)),)
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return output.sum()
+
+
+class AlwaysWrapModel(NestedModel):
+    """The nested model with every submodule its own unit (``always_wrap_policy``)."""
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [m for m in self.modules() if m is not self]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Transformer with tied input and output embeddings
+
+
+class TransformerModel(ZooModel):
+    """Encoder-decoder transformer whose output projection shares the embedding's weight.
+
+    The tied weight lives in the root unit; the encoder and decoder layers are units. Two buffers
+    (a float and an integer one) check that engines leave buffers usable.
+    """
+
+    wrap_classes = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    vocab = 23
+    d_model = 16
+    batch = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(self.vocab, self.d_model)
+        # dropout=0: a parity case compares two runs element by element.
+        with warnings.catch_warnings():
+            # The nested-tensor fast path needs batch_first; it is an inference speed-up only.
+            warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+            self.transformer = nn.Transformer(
+                d_model=self.d_model, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
+                dim_feedforward=8, dropout=0.0,
+            )
+        self.output_proj = nn.Linear(self.d_model, self.vocab)
+        self.output_proj.weight = self.embed_tokens.weight
+        self.register_buffer("vocab_bias", torch.ones(self.d_model))
+        self.register_buffer("long_buffer", torch.zeros(self.d_model, dtype=torch.long))
+
+    def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
+        src = self.embed_tokens(src_ids) + self.vocab_bias + self.long_buffer.type_as(self.vocab_bias)
+        tgt = self.embed_tokens(tgt_ids)
+        return self.output_proj(self.transformer(src, tgt))
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        g = batch_generator(seed, step, rank)
+        src = torch.randint(self.vocab, (6, self.batch), generator=g)  # T x B
+        tgt = torch.randint(self.vocab, (4, self.batch), generator=g)
+        return (src, tgt)
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        _, tgt = inputs
+        return F.cross_entropy(output.view(-1, output.size(-1)), tgt.view(-1), reduction="sum")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixture of experts: the expert is rank-local and reduced by nobody
+
+
+class MixtureOfExpertsModel(ZooModel):
+    """A shared linear and a rank-local expert between two plain linears.
+
+    The expert's parameters differ per rank (seeded by rank) and its gradient is never reduced:
+    the model does its own expert reduction, which is none. The shared linear is an ordinary unit.
+    """
+
+    d_input, d_shared, d_expert = 8, 12, 23
+
+    def __init__(self, seed: int, rank: int, sleeps: SleepPlan = SleepPlan()) -> None:
+        super().__init__()
+        self.sleeps = sleeps
+        with _seeded(mix_seed(seed, 0xE4, rank)):
+            expert = nn.Linear(self.d_expert, self.d_shared)
+        # Everything else is the same on every rank (the caller seeded with ``seed``).
+        shared = nn.Linear(self.d_shared, self.d_expert)
+        self.module = nn.Sequential(
+            nn.Linear(self.d_input, self.d_shared), shared, expert, nn.Linear(self.d_shared, self.d_input)
+        )
+        if sleeps.before_free_ms > 0:
+            # A forward hook on the expert itself runs inside the engine's unit, after the expert's
+            # compute and before the engine's post-forward frees its unsharded parameters.
+            expert.register_forward_hook(self._sleep_before_free)
+
+    def _sleep_before_free(self, module: nn.Module, args: object, output: torch.Tensor) -> None:
+        gpu_sleep(self.sleeps.before_free_ms, output.device)
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [self.module[1], self.module[2]]
+
+    def rank_local_modules(self) -> list[nn.Module]:
+        return [self.module[2]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        return (torch.rand(4, self.d_input, generator=batch_generator(seed, step, rank)),)
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return output.sum()
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA-style: frozen base weights, trainable low-rank adapters
+
+
+class LoraAdapter(nn.Module):
+    """The trainable low-rank update ``B @ A``."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.lora_a = nn.Linear(dim, rank, bias=False)
+        self.lora_b = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lora_b(self.lora_a(x))
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear plus a trainable adapter."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.adapter = LoraAdapter(dim, rank)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.adapter(x)
+
+
+class LoraModel(ZooModel):
+    """A partly frozen model; every unit holds only frozen or only trainable parameters.
+
+    ``use_orig_params=False`` needs that (one flat parameter has one ``requires_grad``): the frozen
+    input projection stays in the root, each frozen base linear is the direct content of its
+    ``LoraLinear`` unit, each adapter and the trainable head are units of their own.
+    """
+
+    wrap_classes = (LoraLinear, LoraAdapter)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(8, 16)
+        self.proj_in.requires_grad_(False)
+        self.blocks = nn.Sequential(LoraLinear(16, 2), nn.ReLU(), LoraLinear(16, 2))
+        self.head = nn.Linear(16, 4)
+
+    def wrap_units(self) -> list[nn.Module]:
+        return super().wrap_units() + [self.head]
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.proj_in(x)))
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        g = batch_generator(seed, step, rank)
+        return (torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, inputs[1].to(output.dtype), reduction="sum")
+
+
+# ---------------------------------------------------------------------------------------------------
+# BatchNorm
+
+
+class BatchNormModel(ZooModel):
+    """Linear, BatchNorm, ReLU, linear; the BatchNorm is its own unit.
+
+    In training mode BatchNorm normalizes with the batch's statistics, so each rank's output
+    depends only on its own batch; the running statistics (buffers) differ per rank and are not
+    compared.
+    """
+
+    wrap_classes = (nn.BatchNorm1d,)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.bn(self.fc1(x))))
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        g = batch_generator(seed, step, rank)
+        return (torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g))
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, inputs[1].to(output.dtype), reduction="sum")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tiny GPT with tied embeddings
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm block: causal self-attention and an MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(ZooModel):
+    """Token and position embeddings, two blocks, final norm, LM head tied to the token embedding."""
+
+    wrap_classes = (GPTBlock,)
+    vocab, dim, heads, layers, seq, batch = 32, 16, 2, 2, 8, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(self.vocab, self.dim)
+        self.pos_emb = nn.Embedding(self.seq, self.dim)
+        self.blocks = nn.ModuleList(GPTBlock(self.dim, self.heads) for _ in range(self.layers))
+        self.ln_f = nn.LayerNorm(self.dim)
+        self.lm_head = nn.Linear(self.dim, self.vocab, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        tokens = torch.randint(self.vocab, (self.batch, self.seq + 1), generator=batch_generator(seed, step, rank))
+        return (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, self.vocab), inputs[1].reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registry
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One entry of the zoo."""
+
+    #: the ``CaseConfig.model`` value.
+    name: str
+    #: one line for listings and reports.
+    description: str
+    #: builds the model; called under ``torch.manual_seed(seed)`` by ``build_model``.
+    factory: Callable[[int, int, int], ZooModel]
+
+
+#: Sleep length of the ``moe_sleep_*`` models: long next to the microseconds the kernels of these
+#: models take, so a missing stream wait shows, short enough for a matrix run.
+SLEEP_MS = 50.0
+
+
+def _moe(sleeps: SleepPlan) -> Callable[[int, int, int], ZooModel]:
+    return lambda seed, rank, world_size: MixtureOfExpertsModel(seed, rank, sleeps)
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("nested", "four linears, three hand-picked nested units", lambda s, r, w: NestedModel()),
+        ModelSpec("always_wrap", "the nested model with every submodule a unit", lambda s, r, w: AlwaysWrapModel()),
+        ModelSpec("transformer", "encoder-decoder transformer, output projection tied to the embedding",
+                  lambda s, r, w: TransformerModel()),
+        ModelSpec("moe", "mixture of experts: rank-local expert, never reduced", _moe(SleepPlan())),
+        ModelSpec("moe_sleep_reduce", "moe with a GPU sleep before each gradient reduction",
+                  _moe(SleepPlan(before_reduce_ms=SLEEP_MS))),
+        ModelSpec("moe_sleep_step", "moe with a GPU sleep before the optimizer step",
+                  _moe(SleepPlan(before_step_ms=SLEEP_MS))),
+        ModelSpec("moe_sleep_free", "moe with a GPU sleep before the expert's parameters are freed",
+                  _moe(SleepPlan(before_free_ms=SLEEP_MS))),
+        ModelSpec("lora", "LoRA-style: frozen base linears, trainable adapters and head", lambda s, r, w: LoraModel()),
+        ModelSpec("batchnorm", "linear, BatchNorm (its own unit), linear", lambda s, r, w: BatchNormModel()),
+        ModelSpec("gpt", "tiny GPT, LM head tied to the token embedding", lambda s, r, w: TinyGPT()),
+    )
+}
+
+
+def build_model(name: str, *, seed: int = 0, rank: int = 0, world_size: int = 1) -> ZooModel:
+    """Build zoo model ``name`` on CPU in float32, deterministically in ``seed`` (and ``rank`` for
+    rank-local parameters), leaving the global RNG as it was."""
+    try:
+        spec = MODELS[name]
+    except KeyError:
+        raise ValueError(f"model={name!r} is not in harness.models.MODELS; choose one of {sorted(MODELS)}") from None
+    with _seeded(mix_seed(seed, 0x5EED)):
+        return spec.factory(seed, rank, world_size)

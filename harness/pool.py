@@ -1,0 +1,704 @@
+"""A persistent pool of rank processes: spawned and joined into a process group once, reused per case.
+
+PyTorch's own harness spawns the ranks again for every test method, and pays process start, imports
+and process-group set-up (seconds) each time. Here ``RankPool`` starts ``world_size`` processes once;
+a case is a picklable job ``fn(ctx, payload)`` sent to every rank over a pipe, every rank answers
+with its own result, and the parent decides for all of them.
+
+The parent is the watchdog (a hung collective never returns, so a rank cannot time itself out):
+
+- every rank answered: ``ok``; some raised: ``error`` (after the others answer too, or are stuck);
+- no answer by the case timeout: ``timeout``; every rank's Python stack is taken (faulthandler on
+  SIGUSR1, which works while a thread is blocked inside a collective), the pool is killed and is
+  respawned before the next case;
+- a rank process died: ``crash``, with its exit code or signal and the end of its stderr.
+
+After a case in which a rank raised, the pool compares the collective sequence numbers of every
+process group across ranks: a rank that left a collective unmatched would pair the next case's
+collectives wrongly, so a mismatch respawns the pool too.
+
+Ranks ignore SIGINT (Ctrl-C reaches the parent, whose ``close()`` kills them), die with the parent
+(``PR_SET_PDEATHSIG`` on Linux), and write stderr to a per-rank file whose tail a crash reports.
+Rendezvous is a TCPStore the parent owns on a free port of 127.0.0.1, so concurrent pools (pytest-xdist
+workers) never collide. GPUs: one per rank (``devices``); ``assign_devices`` gives each xdist worker a
+disjoint set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+from multiprocessing.reduction import ForkingPickler
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "PoolConfig",
+    "PoolOutcome",
+    "PoolStartError",
+    "RankContext",
+    "RankError",
+    "RankPool",
+    "assign_devices",
+    "default_backend",
+    "default_shard_size",
+    "xdist_worker",
+]
+
+Backend = Literal["gloo", "nccl"]
+OutcomeStatus = Literal["ok", "error", "timeout", "crash"]
+
+#: characters of a rank's stderr a crash keeps.
+STDERR_TAIL = 4000
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plain data
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How to start a pool and how long to wait for it."""
+
+    #: number of rank processes (one process group over all of them).
+    world_size: int = 2
+    #: ``gloo`` (CPU, or GPUs without NCCL) or ``nccl`` (one GPU per rank, ``devices`` required).
+    backend: Backend = "gloo"
+    #: CUDA device index of each rank (``len == world_size``); None runs on CPU (gloo only).
+    devices: tuple[int, ...] | None = None
+    #: a case with no answer from every rank after this many seconds is a ``timeout``.
+    case_timeout_s: float = 300.0
+    #: starting the processes and joining the process group must finish within this.
+    start_timeout_s: float = 180.0
+    #: after one rank raised, how long the others get to answer before they count as stuck.
+    error_grace_s: float = 10.0
+    #: how long to wait for the stack dumps of a timeout.
+    stack_wait_s: float = 3.0
+    #: intra-op threads per rank on CPU; None divides the cores among the ranks.
+    threads_per_rank: int | None = None
+    #: the process group's own timeout; far above ``case_timeout_s`` so the watchdog acts first.
+    pg_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"PoolConfig.world_size={self.world_size} must be at least 1")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"PoolConfig.backend={self.backend!r} must be 'gloo' or 'nccl'")
+        if self.devices is not None and len(self.devices) != self.world_size:
+            raise ValueError(
+                f"PoolConfig.devices={self.devices} must name one device per rank (world_size={self.world_size})"
+            )
+        if self.backend == "nccl" and self.devices is None:
+            raise ValueError("PoolConfig.backend='nccl' needs devices (one CUDA device index per rank)")
+
+
+@dataclass
+class RankError:
+    """An exception a rank raised, as plain data."""
+
+    rank: int
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> "RankError":
+        return cls(rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)))
+
+    def line(self) -> str:
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"rank {self.rank}: {self.type}: {first}" if first else f"rank {self.rank}: {self.type}"
+
+
+@dataclass
+class PoolOutcome:
+    """What one job produced on the pool's ranks."""
+
+    status: OutcomeStatus
+    #: each rank's return value; None where the rank raised or never answered.
+    values: list[Any]
+    #: one line: why it is not ``ok``.
+    reason: str = ""
+    #: ranks that raised.
+    errors: dict[int, RankError] = field(default_factory=dict)
+    #: Python stacks of every rank still alive when a timeout, crash or stuck error was declared.
+    stacks: dict[int, str] = field(default_factory=dict)
+    #: ranks that died: exit code (negative: killed by that signal).
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    #: end of the stderr each dead rank wrote during the job.
+    stderr_tails: dict[int, str] = field(default_factory=dict)
+    #: seconds from sending the job to deciding the outcome.
+    wall_s: float = 0.0
+    #: True when the pool was killed after this job and will be respawned.
+    pool_reset: bool = False
+
+
+class PoolStartError(RuntimeError):
+    """The rank processes could not be started or could not form a process group."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def xdist_worker(env: dict[str, str] | None = None) -> tuple[int, int]:
+    """``(index, count)`` of this pytest-xdist worker; ``(0, 1)`` outside xdist."""
+    env = dict(os.environ) if env is None else env
+    worker = env.get("PYTEST_XDIST_WORKER", "")
+    if not worker:
+        return 0, 1
+    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    return index, max(int(env.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+
+
+def assign_devices(world_size: int, n_devices: int, worker_index: int = 0, n_workers: int = 1) -> tuple[int, ...]:
+    """The GPUs one pool takes: worker ``i`` of ``n`` gets ``[i * world_size, (i + 1) * world_size)``.
+
+    Disjoint between workers, so concurrent pools never share a GPU.
+    """
+    first = worker_index * world_size
+    if first + world_size > n_devices:
+        raise ValueError(
+            f"assign_devices: worker {worker_index} of {n_workers} needs GPUs {first}..{first + world_size - 1} "
+            f"for world_size={world_size}, but only {n_devices} are visible; run fewer xdist workers "
+            f"(at most {n_devices // world_size}) or a smaller world size"
+        )
+    return tuple(range(first, first + world_size))
+
+
+def default_backend(world_size: int, n_workers: int = 1) -> Backend:
+    """``nccl`` when there are enough GPUs for one per rank (per xdist worker), else ``gloo`` on CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size * n_workers:
+        return "nccl"
+    return "gloo"
+
+
+def default_shard_size(world_size: int, local_world_size: int | None = None) -> int:
+    """Shard-group size of the hybrid strategies: a node when there are several, else half the world.
+
+    On one host FSDP1's default (shard within the node) would make hybrid sharding the same as full
+    sharding, so a single host splits the world in two replicas instead.
+    """
+    if local_world_size and local_world_size < world_size and world_size % local_world_size == 0:
+        return local_world_size
+    if world_size >= 4 and world_size % 2 == 0:
+        return world_size // 2
+    return world_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rank side
+
+
+@dataclass
+class RankContext:
+    """What a job sees on its rank: identity, device, and process groups cached for the pool's life.
+
+    Groups are created collectively (every rank, same order), so jobs ask for them through this
+    object rather than calling ``new_group`` per case, which would leak a communicator per case.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def world_group(self) -> dist.ProcessGroup:
+        return dist.distributed_c10d._get_default_group()
+
+    def singleton_group(self) -> dist.ProcessGroup:
+        """A group of this rank alone (every rank creates every rank's, in order)."""
+        if "singletons" not in self._cache:
+            self._cache["singletons"] = [dist.new_group([r]) for r in range(self.world_size)]
+        return self._cache["singletons"][self.rank]
+
+    def hybrid_groups(self, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """``(shard group, replicate group)`` of this rank for a shard-group size, as FSDP1 takes them."""
+        if self.world_size % shard_size:
+            raise ValueError(f"hybrid shard_size={shard_size} does not divide world_size={self.world_size}")
+        key = ("hybrid", shard_size)
+        if key not in self._cache:
+            replicas = self.world_size // shard_size
+            shard_groups = [dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)]
+            replicate_groups = [dist.new_group(list(range(j, self.world_size, shard_size))) for j in range(shard_size)]
+            self._cache[key] = (shard_groups[self.rank // shard_size], replicate_groups[self.rank % shard_size])
+        return self._cache[key]
+
+    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+        """A device mesh over all ranks (``init_device_mesh``), cached by shape."""
+        key = ("mesh", shape, names)
+        if key not in self._cache:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._cache[key] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return self._cache[key]
+
+    def singleton_mesh(self) -> Any:
+        """A one-rank device mesh over ``singleton_group()``."""
+        if "singleton_mesh" not in self._cache:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._cache["singleton_mesh"] = DeviceMesh.from_group(self.singleton_group(), self.device_type)
+        return self._cache["singleton_mesh"]
+
+    def sequence_numbers(self) -> dict[str, int]:
+        """Collective sequence number of every multi-rank group this rank holds.
+
+        Keyed by what the group is and which global ranks it holds, so every member of a group
+        reports it under the same key.
+        """
+        groups: list[tuple[str, dist.ProcessGroup]] = [("world", self.world_group())]
+        for key, value in self._cache.items():
+            if isinstance(key, tuple) and key[0] == "hybrid":
+                groups += [(f"hybrid{key[1]}-shard", value[0]), (f"hybrid{key[1]}-replicate", value[1])]
+            elif isinstance(key, tuple) and key[0] == "mesh":
+                groups += [(f"mesh{key[1]}-{name}", value.get_group(dim)) for dim, name in enumerate(key[2])]
+        numbers: dict[str, int] = {}
+        for label, group in groups:
+            ranks = dist.get_process_group_ranks(group)
+            if len(ranks) > 1:
+                numbers[f"{label}{ranks}"] = group._get_sequence_number_for_group()
+        return numbers
+
+
+@dataclass(frozen=True)
+class _Boot:
+    """Everything a rank process needs to start (picklable)."""
+
+    rank: int
+    config: PoolConfig
+    store_host: str
+    store_port: int
+    store_prefix: str
+    stderr_path: str
+    stacks_path: str
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _rank_main(boot: _Boot, conn: mp_connection.Connection) -> None:
+    """Entry point of a rank process: join the group, then run jobs until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    # fd-level redirect so C++ (gloo, NCCL) messages land in the file too.
+    err_fd = os.open(boot.stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(err_fd, 2)
+    stacks = open(boot.stacks_path, "a", buffering=1)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+
+    cfg = boot.config
+    if cfg.devices is not None:
+        device = torch.device("cuda", cfg.devices[boot.rank])
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.world_size))
+    store = dist.TCPStore(
+        boot.store_host, boot.store_port, is_master=False, timeout=timedelta(seconds=cfg.start_timeout_s)
+    )
+    init_kwargs: dict[str, Any] = {}
+    if cfg.backend == "nccl":
+        init_kwargs["device_id"] = device  # eager init: sub-groups split from the world communicator
+    dist.init_process_group(
+        cfg.backend,
+        store=dist.PrefixStore(boot.store_prefix, store),
+        rank=boot.rank,
+        world_size=cfg.world_size,
+        timeout=timedelta(seconds=cfg.pg_timeout_s),
+        **init_kwargs,
+    )
+    ctx = RankContext(boot.rank, cfg.world_size, boot.rank, cfg.world_size, cfg.backend, device)
+    conn.send(("ready", boot.rank, os.getpid()))
+    serve(ctx, conn)
+    # No destroy_process_group: a peer may already be gone, and the parent kills stragglers anyway.
+    os._exit(0)
+
+
+def serve(ctx: RankContext, conn: mp_connection.Connection) -> None:
+    """The rank's job loop: ``("run", seq, fn, payload)``, ``("health", seq)`` or ``("stop",)``."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        kind = msg[0]
+        if kind == "stop":
+            return
+        seq = msg[1]
+        if kind == "health":
+            try:
+                conn.send(("health", seq, ctx.sequence_numbers()))
+            except Exception as exc:  # a backend without sequence numbers: the parent respawns
+                conn.send(("raised", seq, RankError.from_exception(ctx.rank, exc)))
+            continue
+        _, _, fn, payload = msg
+        try:
+            value = fn(ctx, payload)
+            conn.send(("ok", seq, value))
+        except BaseException as exc:  # noqa: BLE001 - every failure of a job is a result
+            try:
+                conn.send(("raised", seq, RankError.from_exception(ctx.rank, exc)))
+            except Exception as send_exc:  # e.g. an unpicklable return value
+                conn.send(("raised", seq, RankError.from_exception(ctx.rank, send_exc)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parent side
+
+
+def _read_from(path: Path, offset: int, limit: int | None = None) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return text[-limit:] if limit else text
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+_pool_ids = itertools.count()
+
+
+class RankPool:
+    """``world_size`` rank processes in one process group, reused for every job.
+
+    Use as a context manager (or call ``close()``). Starts lazily on the first ``run``; after a
+    timeout, crash or unhealthy error it is killed and respawned lazily before the next job.
+    """
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        #: how many times the ranks were (re)started.
+        self.starts = 0
+        self._procs: list[Any] = []
+        self._conns: list[mp_connection.Connection] = []
+        self._seq = 0
+        self._dir = Path(tempfile.mkdtemp(prefix="harness-pool-"))
+        self._store: dist.TCPStore | None = None
+        self._id = f"{os.getpid()}-{next(_pool_ids)}"
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _paths(self, rank: int) -> tuple[Path, Path]:
+        return self._dir / f"rank{rank}.stderr", self._dir / f"rank{rank}.stacks"
+
+    def start(self) -> None:
+        """Spawn the ranks and wait until they formed the process group."""
+        if self._procs:
+            self._kill()
+        cfg = self.config
+        if self._store is None:
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        prefix = f"pool{self._id}/gen{self.starts}"
+        self.starts += 1
+        context = mp.get_context("spawn")
+        for rank in range(cfg.world_size):
+            stderr_path, stacks_path = self._paths(rank)
+            boot = _Boot(rank, cfg, "127.0.0.1", self._store.port, prefix, str(stderr_path), str(stacks_path))
+            parent_conn, child_conn = context.Pipe()
+            proc = context.Process(target=_rank_main, args=(boot, child_conn), daemon=True, name=f"harness-rank{rank}")
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        deadline = time.monotonic() + cfg.start_timeout_s
+        waiting = set(range(cfg.world_size))
+        while waiting:
+            remaining = deadline - time.monotonic()
+            ready = mp_connection.wait(
+                [self._conns[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
+                timeout=max(remaining, 0),
+            )
+            if not ready:
+                self._fail_start(f"ranks {sorted(waiting)} did not join the process group within {cfg.start_timeout_s:.0f} s")
+            for r in list(waiting):
+                conn = self._conns[r]
+                if conn in ready or conn.poll():
+                    try:
+                        conn.recv()
+                    except (EOFError, OSError):
+                        self._fail_start(f"rank {r} exited during start-up")
+                    waiting.discard(r)
+                elif self._procs[r].sentinel in ready:
+                    self._fail_start(f"rank {r} exited during start-up with code {self._procs[r].exitcode}")
+
+    def _fail_start(self, why: str) -> None:
+        tails = {r: _read_from(self._paths(r)[0], 0, STDERR_TAIL) for r in range(self.config.world_size)}
+        self._kill()
+        detail = "\n".join(f"--- rank {r} stderr ---\n{t}" for r, t in tails.items() if t.strip())
+        raise PoolStartError(f"RankPool: {why}\n{detail}")
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force) and remove the pool's files."""
+        for conn in self._conns:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for proc in self._procs:
+            proc.join(timeout=max(deadline - time.monotonic(), 0))
+        self._kill()
+        self._store = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- jobs -----------------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[[RankContext, Any], Any], payload: Any, timeout_s: float | None = None) -> PoolOutcome:
+        """Run ``fn(ctx, payload)`` on every rank; ``fn`` must be a module-level function (pickled by name)."""
+        if not self.alive:
+            self.start()
+        cfg = self.config
+        ws = cfg.world_size
+        timeout = cfg.case_timeout_s if timeout_s is None else timeout_s
+        self._seq += 1
+        seq = self._seq
+        offsets = {r: _size(self._paths(r)[0]) for r in range(ws)}
+        start = time.monotonic()
+        values: list[Any] = [None] * ws
+        errors: dict[int, RankError] = {}
+        died: set[int] = set()
+        try:
+            # Pickled once, before anything is sent: either every rank gets the job or none does.
+            message = ForkingPickler.dumps(("run", seq, fn, payload))
+        except Exception as exc:
+            raise TypeError(
+                f"RankPool.run: fn={fn!r} and its payload must be picklable (fn a module-level function): {exc}"
+            ) from exc
+        for r, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(message)
+            except (BrokenPipeError, OSError):
+                died.add(r)
+        pending = set(range(ws)) - died
+        deadline = start + timeout
+        first_error_at: float | None = None
+        while pending and not died:
+            now = time.monotonic()
+            limit = deadline if first_error_at is None else min(deadline, first_error_at + cfg.error_grace_s)
+            if now >= limit:
+                break
+            ready = mp_connection.wait(
+                [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending], timeout=limit - now
+            )
+            for r in list(pending):
+                conn = self._conns[r]
+                if conn in ready or conn.poll():
+                    try:
+                        kind, msg_seq, value = conn.recv()
+                    except (EOFError, OSError):
+                        died.add(r)
+                        pending.discard(r)
+                        continue
+                    if msg_seq != seq:
+                        continue  # a late answer to an earlier job; cannot happen after a reset
+                    pending.discard(r)
+                    if kind == "ok":
+                        values[r] = value
+                    else:
+                        errors[r] = value
+                        first_error_at = first_error_at or time.monotonic()
+                elif self._procs[r].sentinel in ready:
+                    died.add(r)
+                    pending.discard(r)
+        wall = time.monotonic() - start
+
+        if died:
+            return self._crash(died, values, errors, offsets, wall)
+        if pending:
+            stuck = sorted(pending)
+            stacks = self._dump_stacks()
+            self._kill()
+            if errors:
+                first = errors[min(errors)]
+                reason = f"{first.line()} (ranks {stuck} then stuck, presumably in a collective)"
+                return PoolOutcome("error", values, reason, errors, stacks, wall_s=wall, pool_reset=True)
+            where = _innermost_frame(stacks.get(stuck[0], ""))
+            reason = f"no answer from rank(s) {stuck} within {timeout:g} s" + (f"; rank {stuck[0]} at {where}" if where else "")
+            return PoolOutcome("timeout", values, reason, errors, stacks, wall_s=wall, pool_reset=True)
+        if errors:
+            reset = not self._healthy()
+            if reset:
+                self._kill()
+            first = errors[min(errors)]
+            return PoolOutcome("error", values, first.line(), errors, wall_s=wall, pool_reset=reset)
+        return PoolOutcome("ok", values, wall_s=wall)
+
+    def _crash(
+        self, died: set[int], values: list[Any], errors: dict[int, RankError], offsets: dict[int, int], wall: float
+    ) -> PoolOutcome:
+        # Give the dead a moment to be reaped so their exit codes are known.
+        for r in died:
+            self._procs[r].join(timeout=2.0)
+        alive = [r for r, p in enumerate(self._procs) if p.is_alive()]
+        stacks = self._dump_stacks(alive) if alive else {}
+        exit_codes = {r: self._procs[r].exitcode if self._procs[r].exitcode is not None else -999 for r in sorted(died)}
+        tails = {r: _read_from(self._paths(r)[0], offsets[r], STDERR_TAIL) for r in sorted(died)}
+        self._kill()
+        first = min(died)
+        reason = f"rank {first} {_describe_exit(exit_codes[first])}"
+        last = _last_line(tails[first])
+        if last:
+            reason += f": {last}"
+        return PoolOutcome("crash", values, reason, errors, stacks, exit_codes, tails, wall_s=wall, pool_reset=True)
+
+    def _dump_stacks(self, ranks: list[int] | None = None) -> dict[int, str]:
+        """Every (given) live rank's Python stacks, via faulthandler on SIGUSR1."""
+        ranks = [r for r, p in enumerate(self._procs) if p.is_alive()] if ranks is None else ranks
+        sizes = {r: _size(self._paths(r)[1]) for r in ranks}
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.config.stack_wait_s
+        last: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            now = {r: _size(self._paths(r)[1]) for r in ranks}
+            if all(now[r] > sizes[r] for r in ranks) and now == last:
+                break  # every rank wrote, and nothing grew since the last look
+            last = now
+            time.sleep(0.05)
+        return {r: _read_from(self._paths(r)[1], sizes[r]) for r in ranks}
+
+    def _healthy(self) -> bool:
+        """True when every rank answers and agrees on every group's collective sequence number."""
+        self._seq += 1
+        seq = self._seq
+        answers: dict[int, dict[str, int]] = {}
+        try:
+            for conn in self._conns:
+                conn.send(("health", seq))
+            deadline = time.monotonic() + max(self.config.error_grace_s, 1.0)
+            for r, conn in enumerate(self._conns):
+                while True:
+                    if not conn.poll(max(deadline - time.monotonic(), 0)):
+                        return False
+                    kind, msg_seq, value = conn.recv()
+                    if msg_seq == seq:
+                        break
+                if kind != "health":
+                    return False
+                answers[r] = value
+        except (EOFError, OSError):
+            return False
+        merged: dict[str, int] = {}
+        for numbers in answers.values():
+            for key, number in numbers.items():
+                if merged.setdefault(key, number) != number:
+                    return False
+        return True
+
+
+def _describe_exit(code: int) -> str:
+    if code == -999:
+        return "died (exit code unknown)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+_TELLING = re.compile(r"Error|error|what\(\)|Fatal|Exception|Assert|Segmentation|injected")
+
+
+def _last_line(text: str) -> str:
+    """The line of a crashed rank's stderr that best says why: the last one naming an error."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    telling = [line for line in lines if _TELLING.search(line)]
+    chosen = telling[-1] if telling else lines[-1] if lines else ""
+    return chosen[:200]
+
+
+def _frame_text(frame: str) -> str:
+    match = re.match(r'File "(.*)", line (\d+) in (.*)', frame)
+    return f"{Path(match[1]).name}:{match[2]} in {match[3]}" if match else frame
+
+
+def _innermost_frame(stack: str) -> str:
+    """Where the signalled thread of a faulthandler dump is: its innermost frame, and the innermost
+    frame outside torch and the standard library (the code that made the call)."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in stack.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            blocks.append((line, []))
+        elif line.strip().startswith("File ") and blocks:
+            blocks[-1][1].append(line.strip())
+    if not blocks:
+        return ""
+    # The signal lands on the main thread, which faulthandler calls the current one.
+    _, frames = next((b for b in blocks if b[0].startswith("Current thread")), blocks[-1])
+    if not frames:
+        return ""
+    # faulthandler prints the innermost frame first.
+    where = _frame_text(frames[0])
+    library = (os.sep + "torch" + os.sep, os.sep + "multiprocessing" + os.sep, "<string>")
+    caller = next((f for f in frames if not any(part in f for part in library)), None)
+    if caller is not None and caller != frames[0]:
+        where += f", called from {_frame_text(caller)}"
+    return where

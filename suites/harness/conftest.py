@@ -1,0 +1,35 @@
+"""Fixtures of the harness suites: rank pools for parity cases and for fault injection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from harness_jobs import FAULT_TIMEOUT_S
+
+from harness.pool import PoolConfig, RankPool, assign_devices, default_backend, xdist_worker
+
+
+def parity_config(world_size: int = 2) -> PoolConfig:
+    """NCCL with one GPU per rank where this xdist worker has enough GPUs, else gloo on CPU."""
+    worker, workers = xdist_worker()
+    backend = default_backend(world_size, workers)
+    devices = assign_devices(world_size, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
+    return PoolConfig(world_size=world_size, backend=backend, devices=devices, case_timeout_s=180.0)
+
+
+@pytest.fixture(scope="session")
+def parity_pool() -> Iterator[RankPool]:
+    """Two ranks for parity cases, started once for the whole harness suite."""
+    with RankPool(parity_config()) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def fault_pool() -> Iterator[RankPool]:
+    """Two gloo CPU ranks with a short case timeout, for cases that hang, crash or raise."""
+    config = PoolConfig(world_size=2, backend="gloo", case_timeout_s=FAULT_TIMEOUT_S, error_grace_s=2.0, stack_wait_s=2.0)
+    with RankPool(config) as pool:
+        yield pool

@@ -1,0 +1,59 @@
+"""Rank-side jobs of the harness suites (module-level, pickled by name by ``RankPool``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.pool import RankContext
+from harness.trace import CommTrace
+
+#: The fault pool's case timeout: short, so the hang and crash tests stay fast, long enough for a
+#: tiny case on a loaded two-core machine.
+FAULT_TIMEOUT_S = 5.0
+
+
+def identity(ctx: RankContext, payload: Any) -> dict[str, Any]:
+    """Who this rank is, and the sum of all ranks over the process group."""
+    t = torch.tensor([float(ctx.rank)], device=ctx.device)
+    dist.all_reduce(t)
+    return {"rank": ctx.rank, "world_size": ctx.world_size, "pid": os.getpid(), "sum": float(t), "payload": payload}
+
+
+def raise_everywhere(ctx: RankContext, payload: Any) -> None:
+    raise ValueError(f"raised on purpose by rank {ctx.rank}")
+
+
+def sleep_forever(ctx: RankContext, payload: Any) -> None:
+    """A hang in Python, without any collective."""
+    while True:
+        time.sleep(1)
+
+
+def trace_collectives(ctx: RankContext, payload: Any) -> dict[str, Any]:
+    """Collectives of each kind under a ``CommTrace``, some paused, one after it ends."""
+    ws = ctx.world_size
+    original = dist.all_reduce
+    with CommTrace() as trace:
+        patched = dist.all_reduce is not original and dist.distributed_c10d.all_reduce is not original
+        trace.phase, trace.step = "forward", 0
+        dist.all_gather_into_tensor(torch.empty(2 * ws), torch.ones(2))
+        trace.phase = "backward"
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * ws))
+        dist.all_reduce(torch.ones(3, dtype=torch.float64))
+        with trace.paused():
+            dist.all_reduce(torch.ones(1))
+        dist.all_gather([torch.empty(4) for _ in range(ws)], torch.ones(4))
+        trace.phase, trace.step = "step", 1
+        dist.broadcast(torch.ones(5, dtype=torch.bfloat16), src=0)
+    dist.all_reduce(torch.ones(1))
+    return {
+        "events": [asdict(e) for e in trace.events],
+        "patched_inside": patched,
+        "restored": dist.all_reduce is original and dist.distributed_c10d.all_reduce is original,
+    }

@@ -1,0 +1,137 @@
+"""``python -m harness``: a smoke run on the pool and resuming it, the overhead benchmark, and the same
+run under ``torchrun`` (the ranks are torchrun's, rank 0 records)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.cli import main
+from harness.collector import read_records
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the warm-pool overhead target on CPU with two gloo ranks.
+CPU_TARGET_MS = 100.0
+
+
+#: the warm-pool overhead target on two GPUs with NCCL.
+GPU_TARGET_MS = 50.0
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def _harness(
+    *args: str, launcher: tuple[str, ...] = ("-m", "harness"), timeout: float = 240, gpus: bool = False
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("PYTEST_XDIST_WORKER", None)  # the subprocess is not an xdist worker
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU lane, even on a GPU machine
+    return subprocess.run(
+        [sys.executable, *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _listed(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
+    assert main(["list", *args]) == 0
+    return capsys.readouterr().out.split()
+
+
+def test_list_names_the_selected_cases(capsys: pytest.CaptureFixture[str]) -> None:
+    ids = _listed(capsys, "--matrix", "smoke", "--engines", "torch-fsdp", "--references", "ddp,local")
+    assert ids and all(i.startswith("torch-fsdp:") for i in ids)
+    assert {i.split(":")[1] for i in ids} == {"ddp", "local"}
+    assert all(i.endswith("-steps2") for i in _listed(capsys, "--engines", "torch-fsdp2", "--steps", "2"))
+
+
+def test_a_bad_selection_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["list", "--models", "resnet"])
+    assert exit_info.value.code == 2 and "harness.models.MODELS" in capsys.readouterr().err
+
+
+def test_smoke_run_records_every_case_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "smoke.jsonl"
+    args = ("--matrix", "smoke", "--engines", "torch-fsdp,torch-fsdp2", "--out", str(out), "--no-progress")
+    done = _harness("run", *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, bad = read_records(out)
+    assert not bad
+    listed = _listed(capsys, "--matrix", "smoke", "--engines", "torch-fsdp,torch-fsdp2")
+    assert [f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records] == listed
+    verdicts = {r.verdict for r in records}
+    assert verdicts <= {"pass", "unsupported"} and "pass" in verdicts
+    assert all(r.run is not None and r.run.backend == "gloo" for r in records)
+    assert "cases in" in done.stdout
+
+    again = _harness("run", *args, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert f"{len(records)} of {len(records)} cases already recorded" in again.stderr
+    assert len(read_records(out)[0]) == len(records)
+
+
+def test_a_run_refuses_to_mix_into_an_existing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "taken.jsonl"
+    out.write_text('{"not": "a record"}\n')
+    assert main(["run", "--engines", "torch-fsdp", "--limit", "1", "--out", str(out), "--no-progress"]) == 2
+    assert "resume=True" in capsys.readouterr().err
+    assert out.read_text() == '{"not": "a record"}\n'
+
+
+def test_bench_warm_pool_beats_the_target_and_spawning(tmp_path: Path) -> None:
+    done = _harness("bench", "--world-size", "2", "--backend", "gloo", "--warm-cases", "30", "--spawn-cases", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"meets the target of < {CPU_TARGET_MS:g} ms" in done.stdout
+    assert "warm pool" in done.stdout and "spawn per case" in done.stdout
+
+
+@pytest.mark.parametrize("nproc", [2])
+def test_torchrun_runs_the_same_cases_and_rank0_records(tmp_path: Path, nproc: int) -> None:
+    out = tmp_path / "torchrun.jsonl"
+    done = _harness(
+        "--standalone", "--nproc-per-node", str(nproc), "-m", "harness", "run", "--matrix", "smoke",
+        "--engines", "torch-fsdp,torch-fsdp2", "--references", "local", "--limit", "3", "--out", str(out), "--no-progress",
+        launcher=("-m", "torch.distributed.run"),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, bad = read_records(out)
+    assert not bad and len(records) == 3
+    assert all(r.case["world_size"] == nproc and r.case["reference"] == "local" for r in records)
+    assert [r.verdict for r in records] == ["pass"] * 3, [r.reason for r in records]
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_bench_on_two_gpus() -> None:
+    done = _harness("bench", "--world-size", "2", "--backend", "nccl", "--warm-cases", "50", "--spawn-cases", "2", gpus=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"meets the target of < {GPU_TARGET_MS:g} ms" in done.stdout
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("launcher", ["pool", "torchrun"])
+def test_smoke_run_on_two_gpus(tmp_path: Path, launcher: str) -> None:
+    out = tmp_path / f"{launcher}.jsonl"
+    run = ("run", "--matrix", "smoke", "--engines", "torch-fsdp,torch-fsdp2", "--references", "ddp,local",
+           "--out", str(out), "--no-progress")
+    if launcher == "torchrun":
+        done = _harness("--standalone", "--nproc-per-node", "2", "-m", "harness", *run,
+                        launcher=("-m", "torch.distributed.run"), gpus=True, timeout=600)
+    else:
+        done = _harness(*run, "--backend", "nccl", gpus=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, bad = read_records(out)
+    assert records and not bad
+    assert all(r.run is not None and r.run.backend == "nccl" and r.run.gpu for r in records)
+    assert {r.verdict for r in records} <= {"pass", "unsupported"}
+    # On GPUs CPU offload runs, and its knob check must see the parameters on CPU.
+    offloaded = [r for r in records if r.case["cpu_offload"] and r.verdict == "pass"]
+    assert offloaded and all(
+        k["status"] == "ok" for r in offloaded for k in r.detail["knobs"] if k["knob"] == "cpu_offload"
+    )

@@ -1,0 +1,137 @@
+"""The model zoo: deterministic init and batches, declared units, the properties each model promises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness.adapters import rank_local_param_names
+from harness.models import MODELS, MixtureOfExpertsModel, build_model, mix_seed
+
+ALL = sorted(MODELS)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_init_is_deterministic_in_seed_and_leaves_global_rng_alone(name: str) -> None:
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    a = _state(build_model(name, seed=7, rank=1, world_size=2))
+    assert torch.equal(torch.rand(3), before), "build_model consumed the global RNG"
+    b = _state(build_model(name, seed=7, rank=1, world_size=2))
+    c = _state(build_model(name, seed=8, rank=1, world_size=2))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_batches_depend_on_seed_step_and_rank_only(name: str) -> None:
+    model = build_model(name)
+    x = model.get_input(seed=0, step=1, rank=1)
+    assert all(torch.equal(p, q) for p, q in zip(x, model.get_input(seed=0, step=1, rank=1)))
+    for other in ({"seed": 0, "step": 1, "rank": 0}, {"seed": 0, "step": 2, "rank": 1}, {"seed": 1, "step": 1, "rank": 1}):
+        y = model.get_input(**other)
+        assert any(not torch.equal(p, q) for p, q in zip(x, y)), f"batch did not change with {other}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_forward_loss_backward(name: str) -> None:
+    model = build_model(name)
+    inputs = model.get_input(seed=0, step=0, rank=0)
+    loss = model.get_loss(inputs, model(*inputs))
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    model.run_backward(loss)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None for p in trainable)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_units_are_proper_submodules_and_rank_local_modules_are_units(name: str) -> None:
+    model = build_model(name)
+    units = model.wrap_units()
+    submodules = [m for m in model.modules() if m is not model]
+    assert units, "every zoo model has units besides the root"
+    assert all(any(u is m for m in submodules) for u in units)
+    assert len({id(u) for u in units}) == len(units)
+    assert all(any(m is u for u in units) for m in model.rank_local_modules())
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_unit_holds_only_frozen_or_only_trainable_parameters(name: str) -> None:
+    # FSDP1 with use_orig_params=False builds one flat parameter per unit, with one requires_grad.
+    model = build_model(name)
+    names = {id(m): n for n, m in model.named_modules()}
+    units = sorted([model] + model.wrap_units(), key=lambda u: -1 if u is model else names[id(u)].count("."))
+    owner = {}
+    for unit in units:  # shallow first: a deeper unit takes its parameters over
+        for p in unit.parameters():
+            owner[id(p)] = unit
+    for unit in units:
+        own = [p for p in unit.parameters() if owner[id(p)] is unit]
+        assert len({p.requires_grad for p in own}) <= 1, f"{type(unit).__name__} mixes frozen and trainable"
+
+
+def test_lora_is_partly_frozen() -> None:
+    model = build_model("lora")
+    flags = {p.requires_grad for p in model.parameters()}
+    assert flags == {True, False}
+
+
+@pytest.mark.parametrize("name,first,second", [
+    ("transformer", "embed_tokens", "output_proj"),
+    ("gpt", "tok_emb", "lm_head"),
+])
+def test_tied_embeddings(name: str, first: str, second: str) -> None:
+    model = build_model(name)
+    assert getattr(model, first).weight is getattr(model, second).weight
+
+
+def test_moe_experts_differ_per_rank_and_everything_else_is_shared() -> None:
+    a = build_model("moe", seed=0, rank=0, world_size=2)
+    b = build_model("moe", seed=0, rank=1, world_size=2)
+    local = rank_local_param_names(a)
+    assert local == {"module.2.weight", "module.2.bias"}
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q) != (name in local), name
+
+
+def test_sleep_models_differ_only_in_sleeps() -> None:
+    plans = {name: build_model(name).sleeps for name in ALL if name.startswith("moe")}
+    assert plans["moe"].before_reduce_ms == plans["moe"].before_step_ms == plans["moe"].before_free_ms == 0
+    assert plans["moe_sleep_reduce"].before_reduce_ms > 0
+    assert plans["moe_sleep_step"].before_step_ms > 0
+    assert plans["moe_sleep_free"].before_free_ms > 0
+    base = _state(build_model("moe"))
+    for name in plans:
+        other = _state(build_model(name))
+        assert all(torch.equal(base[k], other[k]) for k in base)
+    assert isinstance(build_model("moe_sleep_free"), MixtureOfExpertsModel)
+
+
+def test_unknown_model_names_the_registry() -> None:
+    with pytest.raises(ValueError, match="harness.models.MODELS"):
+        build_model("resnet")
+
+
+def test_mix_seed_is_stable() -> None:
+    # Stable across processes and versions (no hash randomization): the value is part of the contract.
+    assert mix_seed(0, 1, 2) == mix_seed(0, 1, 2)
+    assert mix_seed(0, 1, 2) != mix_seed(0, 2, 1)
+    assert 0 <= mix_seed(5) < 2**63
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_auto_wrap_policy_selects_exactly_the_units(name: str) -> None:
+    model = build_model(name)
+    policy = model.auto_wrap_policy()
+    units = {id(u) for u in model.wrap_units()}
+    for module in model.modules():
+        assert policy(module=module, recurse=True, nonwrapped_numel=0)
+        assert policy(module=module, recurse=False, nonwrapped_numel=0) == (id(module) in units)

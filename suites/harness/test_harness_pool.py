@@ -1,0 +1,204 @@
+"""The rank pool: reuse, the watchdog (hang -> timeout with every rank's stack, dead rank -> crash),
+errors, respawn, Ctrl-C, and the communication trace running inside it.
+
+The hang and crash cases are parity cases with an injected fault, so they travel the same path
+as every real case; the case after each must pass on the respawned pool.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import harness_jobs
+import pytest
+from harness_jobs import FAULT_TIMEOUT_S
+
+from harness.case import CaseConfig
+from harness.parity import record_from_outcome, run_case_on_rank
+from harness.pool import PoolConfig, RankPool
+
+#: a small healthy case, run after each fault to prove the pool recovered.
+HEALTHY = CaseConfig(engine="torch-fsdp", reference="ddp", model="nested", steps=2)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fault(name: str) -> CaseConfig:
+    return HEALTHY.replace(extras=(("fault", name),))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose; only the parent's reaping would remove it.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _assert_healthy_case(pool: RankPool) -> None:
+    record = record_from_outcome(HEALTHY, pool.run(run_case_on_rank, HEALTHY))
+    assert record.verdict == "pass", record.reason
+
+
+def test_ranks_are_reused_and_answer_per_rank(fault_pool: RankPool) -> None:
+    first = fault_pool.run(harness_jobs.identity, "a")
+    second = fault_pool.run(harness_jobs.identity, "b")
+    assert first.status == second.status == "ok"
+    assert [v["rank"] for v in first.values] == [0, 1]
+    assert all(v["sum"] == 1.0 and v["world_size"] == 2 for v in first.values)
+    assert [v["pid"] for v in first.values] == [v["pid"] for v in second.values], "the pool respawned between cases"
+    assert [v["payload"] for v in second.values] == ["b", "b"]
+
+
+def test_an_unpicklable_job_is_refused_before_any_rank_sees_it(fault_pool: RankPool) -> None:
+    with pytest.raises(TypeError, match="picklable"):
+        fault_pool.run(lambda ctx, payload: None, None)
+    assert fault_pool.run(harness_jobs.identity, None).status == "ok"
+
+
+def test_a_skipped_collective_is_a_timeout_with_every_rank_stack(fault_pool: RankPool) -> None:
+    starts = fault_pool.starts
+    case = _fault("skip_collective_on_rank1")
+    t0 = time.monotonic()
+    outcome = fault_pool.run(run_case_on_rank, case)
+    elapsed = time.monotonic() - t0
+    record = record_from_outcome(case, outcome)
+    assert record.verdict == "timeout", record.reason
+    assert FAULT_TIMEOUT_S <= elapsed < FAULT_TIMEOUT_S + 8, elapsed
+    # Rank 1 went on to the case's next collective, which rank 0 never reaches: both hang.
+    assert "rank(s) [0, 1]" in record.reason and "all_reduce, called from parity.py" in record.reason
+    stacks = record.detail["stacks"]
+    assert set(stacks) == {"0", "1"}
+    assert "_inject_fault" in stacks["0"]  # rank 0 hangs in the collective rank 1 skipped
+    assert "run_case_on_rank" in stacks["1"] and "_inject_fault" not in stacks["1"]
+    _assert_healthy_case(fault_pool)
+    assert fault_pool.starts == starts + 1
+
+
+def test_a_rank_that_exits_is_a_crash_with_its_exit_code_and_stderr(fault_pool: RankPool) -> None:
+    case = _fault("exit_rank1")
+    record = record_from_outcome(case, fault_pool.run(run_case_on_rank, case))
+    assert record.verdict == "crash"
+    assert record.reason.startswith("rank 1 exited with code 3")
+    assert record.detail["exit_codes"] == {"1": 3}
+    assert "injected fault exit_rank1" in record.detail["stderr_tails"]["1"]
+    _assert_healthy_case(fault_pool)
+
+
+def test_a_segfault_is_a_crash_with_the_signal_and_the_fault_stack(fault_pool: RankPool) -> None:
+    case = _fault("segfault_rank1")
+    record = record_from_outcome(case, fault_pool.run(run_case_on_rank, case))
+    assert record.verdict == "crash"
+    assert "killed by SIGSEGV" in record.reason
+    assert "Segmentation fault" in record.detail["stderr_tails"]["1"]
+    assert "_inject_fault" in record.detail["stderr_tails"]["1"]  # faulthandler's stack of the dying rank
+    assert fault_pool.run(harness_jobs.identity, None).status == "ok"
+
+
+def test_one_rank_raising_while_the_other_waits_is_an_error_and_resets_the_pool(fault_pool: RankPool) -> None:
+    starts = fault_pool.starts
+    case = _fault("raise_rank1")
+    outcome = fault_pool.run(run_case_on_rank, case)
+    record = record_from_outcome(case, outcome)
+    assert record.verdict == "error"
+    assert record.reason.startswith("rank 1: RuntimeError: injected fault raise_rank1")
+    assert "then stuck" in record.reason and outcome.pool_reset
+    assert "raise_rank1" in record.detail["tracebacks"]["1"]
+    assert "0" in record.detail["stacks"]
+    _assert_healthy_case(fault_pool)
+    assert fault_pool.starts == starts + 1
+
+
+def test_every_rank_raising_is_an_error_and_keeps_the_pool(fault_pool: RankPool) -> None:
+    pids = [v["pid"] for v in fault_pool.run(harness_jobs.identity, None).values]
+    outcome = fault_pool.run(harness_jobs.raise_everywhere, None)
+    assert outcome.status == "error" and not outcome.pool_reset
+    assert outcome.reason == "rank 0: ValueError: raised on purpose by rank 0"
+    assert set(outcome.errors) == {0, 1}
+    assert [v["pid"] for v in fault_pool.run(harness_jobs.identity, None).values] == pids
+
+
+def test_a_hang_outside_collectives_times_out_too(fault_pool: RankPool) -> None:
+    outcome = fault_pool.run(harness_jobs.sleep_forever, None, timeout_s=1.0)
+    assert outcome.status == "timeout" and outcome.pool_reset
+    assert all("sleep_forever" in outcome.stacks[r] for r in (0, 1))
+    assert fault_pool.run(harness_jobs.identity, None).status == "ok"
+
+
+def test_the_trace_records_each_collective_once_and_restores_torch(fault_pool: RankPool) -> None:
+    outcome = fault_pool.run(harness_jobs.trace_collectives, None)
+    assert outcome.status == "ok", outcome.reason
+    for value in outcome.values:
+        assert value["patched_inside"] and value["restored"]
+        seen = [(e["op"], e["numel"], e["dtype"], e["phase"], e["step"], e["group_size"]) for e in value["events"]]
+        assert seen == [
+            ("all_gather", 4, "float32", "forward", 0, 2),
+            ("reduce_scatter", 4, "float32", "backward", 0, 2),
+            ("all_reduce", 3, "float64", "backward", 0, 2),
+            ("all_gather", 8, "float32", "backward", 0, 2),
+            ("broadcast", 5, "bfloat16", "step", 1, 2),
+        ]
+        assert value["events"][2]["nbytes"] == 24
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys
+    sys.path[:0] = {paths!r}
+    import harness_jobs
+    from harness.pool import PoolConfig, RankPool
+
+    if __name__ == "__main__":
+        pool = RankPool(PoolConfig(world_size=2, case_timeout_s=600))
+        try:
+            pids = [v["pid"] for v in pool.run(harness_jobs.identity, None).values]
+            print(" ".join(map(str, pids)), flush=True)
+            pool.run(harness_jobs.sleep_forever, None)
+        finally:
+            pool.close()
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_ctrl_c_or_a_killed_parent_leaves_no_rank_behind(tmp_path: Path, how: str) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD.format(paths=[str(ROOT), str(Path(__file__).parent)]))
+    # A parent killed with SIGKILL cannot remove the pool's directory: keep it under tmp_path.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, f"child printed {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), f"ranks {[p for p in pids if _alive(p)]} outlived the parent ({how})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_pool_config_validates() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        PoolConfig(world_size=0)
+    with pytest.raises(ValueError, match="one device per rank"):
+        PoolConfig(world_size=2, devices=(0,))
+    with pytest.raises(ValueError, match="nccl"):
+        PoolConfig(world_size=2, backend="nccl")
