@@ -197,6 +197,10 @@ def post_backward_hook(state: "FullyShardedDataParallel", leaf: Tensor) -> None:
     unit.training_state = TrainingState.POST_BACKWARD
     unit.ran_post_backward = True
     unit.reshard(ctx)
+    # BACKWARD_POST issues the next all-gather as soon as this unit's parameters are freed and
+    # before its reduce-scatter (as FSDP1), so the gather overlaps the reduction.
+    if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+        _prefetch_backward(ctx, unit)
     if not state._sync_gradients:
         # no_sync(): keep accumulating the unsharded gradient; reduce at the next synced backward.
         if unit.use_orig_params:
@@ -205,8 +209,6 @@ def post_backward_hook(state: "FullyShardedDataParallel", leaf: Tensor) -> None:
         unit.reduce_grad(ctx)
         if not unit.offload_params or ctx.streams.post_backward is None:
             unit.expose_grads()
-    if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
-        _prefetch_backward(ctx, unit)
 
 
 @torch.no_grad()
