@@ -12,6 +12,7 @@ from engine.api import (
 )
 from engine.flat_param import FlatParameter, FlatParamHandle, HandleShardingStrategy
 from engine.fully_sharded import FSDP, FullyShardedDataParallel
+from engine.grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BackwardPrefetch",
@@ -24,6 +25,7 @@ __all__ = [
     "HandleShardingStrategy",
     "LocalStateDictConfig",
     "MixedPrecision",
+    "ShardedGradScaler",
     "ShardedStateDictConfig",
     "ShardingStrategy",
     "StateDictType",

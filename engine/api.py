@@ -71,26 +71,31 @@ class CPUOffload:
 
 @dataclass
 class MixedPrecision:
-    """Dtypes for compute, gradient reduction and buffers (FSDP1's fields).
+    """Dtypes for compute, gradient reduction and buffers, with FSDP1's fields and semantics.
 
-    ``param_dtype`` and ``reduce_dtype`` are wired through the runtime (all-gather in
-    ``param_dtype``, reduce in ``reduce_dtype``); the remaining fields are accepted and stored so
-    that configurations written for torch's FSDP construct unchanged.
+    The sharded parameters (and the optimizer) stay in their own, full-precision dtype. Before
+    each all-gather the local shard is copied to ``param_dtype`` (the copy is freed once gathered),
+    compute runs on the gathered low-precision parameters, and gradients are reduced in
+    ``reduce_dtype`` and cast back to the full-precision dtype. A unit's own setting applies to
+    the modules it manages; ``FSDP_USE_FULL_PREC_IN_EVAL=1`` turns it off in eval mode (see
+    ``engine.precision``).
     """
 
     #: dtype of parameters during forward and backward (and of the all-gather); None: unchanged.
     param_dtype: torch.dtype | None = None
     #: dtype of gradient reduction; None: ``param_dtype`` if given, else the parameter dtype.
     reduce_dtype: torch.dtype | None = None
-    #: dtype buffers are cast to for forward; None: unchanged.
+    #: dtype floating-point buffers are cast to at the root's first forward; None: unchanged.
+    #: State dicts still save buffers in their original dtype.
     buffer_dtype: torch.dtype | None = None
     #: True: gradients stay in ``param_dtype`` after reduction instead of the parameter dtype.
     keep_low_precision_grads: bool = False
-    #: True: every unit casts its floating-point forward inputs to ``param_dtype``.
+    #: True: every unit (with parameters) casts its floating-point forward inputs to ``param_dtype``.
     cast_forward_inputs: bool = False
-    #: True: the root unit casts its floating-point forward inputs to ``param_dtype``.
+    #: True: the root casts its floating-point forward inputs to ``param_dtype`` (integer
+    #: inputs, e.g. token ids, are never cast).
     cast_root_forward_inputs: bool = True
-    #: module classes the auto-wrap gives their own full-precision unit.
+    #: module classes an auto-wrap policy gives their own full-precision unit (with a warning).
     _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
 
 

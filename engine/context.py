@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from engine.fully_sharded import FullyShardedDataParallel
+    from engine.precision import BufferPrecision
     from engine.unit import FsdpUnit
 
 __all__ = ["AllGatherLimiter", "ExecOrder", "RootContext", "Streams"]
@@ -117,3 +119,7 @@ class RootContext:
     final_callback_queued: bool = False
     #: number of root forwards so far (the exec order freezes at the second).
     forward_count: int = 0
+    #: every FSDP instance in the root's tree (root first), including those without parameters.
+    states: list["FullyShardedDataParallel"] = field(default_factory=list)
+    #: the floating-point buffers of the tree with their original and compute dtypes.
+    buffers: "BufferPrecision | None" = None

@@ -265,8 +265,14 @@ class FlatParamHandle:
         self.flat_param: FlatParameter = self._flatten(unique, requires_grad)
         self._is_sharded = False
         #: the compute-side leaf; created by ``init_unsharded_flat_param()`` at lazy init so that a
-        #: ``module.to(dtype)`` between construction and the first forward is honoured.
+        #: ``module.to(dtype)`` between construction and the first forward is honoured. With
+        #: parameter mixed precision it is one of ``_compute_leaves``, chosen by ``set_full_precision``.
         self.unsharded_flat_param: Tensor | None = None
+        #: one leaf per compute dtype: the low-precision one, and the full-precision one created
+        #: the first time full precision in eval is used ([Note: full precision in eval]).
+        self._compute_leaves: dict[torch.dtype, Tensor] = {}
+        #: True while this unit ignores its mixed precision (``FSDP_USE_FULL_PREC_IN_EVAL``).
+        self._force_full_precision = False
         self.use_unsharded_views(as_params=False, source=self.flat_param)
 
     # ------------------------------------------------------------------ construction
@@ -464,12 +470,58 @@ class FlatParamHandle:
             leaf.requires_grad_(self.flat_param.requires_grad)
             self.unsharded_flat_param = leaf
             return leaf
-        numel = self.layout.padded_unsharded_numel if self.uses_sharded_strategy else self.layout.total_numel
-        leaf = torch.empty(numel, dtype=self._fwd_bwd_param_dtype, device=self.device)
-        leaf.requires_grad_(self.flat_param.requires_grad)
+        leaf = self._new_compute_leaf(self.param_dtype)
         self.unsharded_flat_param = leaf
-        self._free_storage(leaf)
         return leaf
+
+    def _new_compute_leaf(self, dtype: torch.dtype) -> Tensor:
+        numel = self.layout.padded_unsharded_numel if self.uses_sharded_strategy else self.layout.total_numel
+        leaf = torch.empty(numel, dtype=dtype, device=self.device)
+        leaf.requires_grad_(self.flat_param.requires_grad)
+        self._free_storage(leaf)
+        self._compute_leaves[dtype] = leaf
+        return leaf
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def uses_param_mixed_precision(self) -> bool:
+        """Whether compute (and the all-gather) run in another dtype than the parameters."""
+        return self._fwd_bwd_param_dtype != self._orig_param_dtype
+
+    @property
+    def uses_reduce_mixed_precision(self) -> bool:
+        return self._reduce_dtype != self._orig_param_dtype
+
+    @property
+    def force_full_precision(self) -> bool:
+        return self._force_full_precision
+
+    def set_full_precision(self, full: bool) -> Tensor | None:
+        """Compute, gather and reduce in the full-precision dtype (``full=True``) or in the
+        mixed-precision dtypes; a no-op for a handle without mixed precision.
+
+        Must be called while the unsharded leaf holds no storage (the caller reshards first).
+        Returns the full-precision leaf when this call created it, so the caller can register its
+        hooks on it; None otherwise.
+        """
+        full = full and (self.uses_param_mixed_precision or self.uses_reduce_mixed_precision)
+        if full == self._force_full_precision:
+            return None
+        if self.uses_param_mixed_precision and self.unsharded_allocated:
+            raise RuntimeError(
+                f"{self!r}: cannot switch to {'full' if full else 'mixed'} precision while the "
+                "unsharded parameters are allocated; reshard first"
+            )
+        self._force_full_precision = full
+        if not self.uses_param_mixed_precision or self.unsharded_flat_param is None:
+            return None
+        dtype = self.param_dtype
+        leaf = self._compute_leaves.get(dtype)
+        created = leaf is None
+        if leaf is None:
+            leaf = self._new_compute_leaf(dtype)
+        self.unsharded_flat_param = leaf
+        return leaf if created else None
 
     @property
     def unsharded_allocated(self) -> bool:
@@ -809,12 +861,13 @@ class FlatParamHandle:
     # ------------------------------------------------------------------ introspection
     @property
     def param_dtype(self) -> torch.dtype:
-        """dtype of compute (and of the all-gather)."""
-        return self._fwd_bwd_param_dtype
+        """dtype of compute (and of the all-gather) now: full precision while forced."""
+        return self._orig_param_dtype if self._force_full_precision else self._fwd_bwd_param_dtype
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self._reduce_dtype
+        """dtype of the gradient reduction now: full precision while forced."""
+        return self._orig_param_dtype if self._force_full_precision else self._reduce_dtype
 
     def param_module_names(self) -> Iterator[tuple[str, str]]:
         # Every registration, shared ones last (as FSDP1): state dicts need each name of a tied weight.

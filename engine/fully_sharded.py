@@ -29,6 +29,7 @@ from engine.api import (
 )
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
+from engine.precision import full_prec_in_eval_from_env, managed_buffers
 from engine.unit import FsdpUnit, TrainingState
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
@@ -319,6 +320,8 @@ class FullyShardedDataParallel(nn.Module):
         self._compute_device = compute_device
         self._limit_all_gathers = limit_all_gathers
         self._mixed_precision = mixed_precision
+        #: FSDP_USE_FULL_PREC_IN_EVAL=1 at construction: in eval mode, ignore mixed precision.
+        self._use_full_prec_in_eval = full_prec_in_eval_from_env()
         self._sharding_strategy = strategy
         self._use_orig_params = use_orig_params
         self._cpu_offload = cpu_offload
@@ -366,6 +369,7 @@ class FullyShardedDataParallel(nn.Module):
                 forward_prefetch=forward_prefetch,
                 keep_low_precision_grads=mp.keep_low_precision_grads,
             )
+        self._register_state_dict_hook(_buffers_in_original_dtype)
 
     @staticmethod
     def _ignored(
@@ -392,6 +396,10 @@ class FullyShardedDataParallel(nn.Module):
         for m in mods:
             params.update(m.parameters())
         return mods, params
+
+    def _own_buffers(self, ignored_modules: set[nn.Module]) -> list[Tensor]:
+        """Buffers of the modules this unit manages (not those of nested units or ignored modules)."""
+        return managed_buffers(_managed_modules(self._fsdp_wrapped_module, ignored_modules))
 
     # ------------------------------------------------------------------ module protocol
     @property
@@ -545,6 +553,21 @@ class FullyShardedDataParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"sharding_strategy={self._sharding_strategy.name}, use_orig_params={self._use_orig_params}"
+
+
+def _buffers_in_original_dtype(
+    module: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """State-dict hook: buffers are saved in the dtype they were created with (FSDP1), whatever
+    ``buffer_dtype`` they compute in; the module's own buffers are not touched."""
+    ctx = module._ctx
+    if ctx is None or ctx.buffers is None:
+        return
+    for name, buf in module.named_buffers():
+        key = prefix + name
+        original = ctx.buffers.original_dtype(buf)
+        if original is not None and key in state_dict and state_dict[key].dtype != original:
+            state_dict[key] = state_dict[key].to(original)
 
 
 FSDP = FullyShardedDataParallel

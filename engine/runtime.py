@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from engine.api import BackwardPrefetch
 from engine.context import AllGatherLimiter, RootContext, Streams
+from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
 from engine.unit import FsdpUnit, ShardedState, TrainingState, ViewState
 
 if TYPE_CHECKING:
@@ -78,21 +79,50 @@ def lazy_init(root: "FullyShardedDataParallel") -> None:
         units=[s._unit for s in states if s._unit is not None],
     )
     ctx.root = root  # type: ignore[attr-defined]
+    ctx.states = states
     for state in states:
         state._ctx = ctx
         if state._unit is not None:
             state._unit.lazy_init(functools.partial(post_backward_hook, state))
+    ctx.buffers = _buffer_precision(states, device)
+    ctx.buffers.to_compute()
 
 
-def _cast_inputs(args: Any, kwargs: Any, device: torch.device | None, dtype: torch.dtype | None) -> tuple[Any, Any]:
-    def convert(t: Tensor) -> Tensor:
-        if device is not None and t.device != device:
-            t = t.to(device)
-        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)
-        return t
+def _buffer_precision(states: list["FullyShardedDataParallel"], device: torch.device) -> BufferPrecision:
+    """Each unit's buffers with its ``buffer_dtype``, innermost unit first (its setting wins)."""
+    ignored: set[torch.nn.Module] = set()
+    for state in states:
+        ignored |= state._ignored_modules
+    owned = []
+    for state in reversed(states):
+        mp = state._mixed_precision
+        owned.append((state._own_buffers(ignored), mp.buffer_dtype if mp is not None else None))
+    return BufferPrecision(owned, device)
 
-    return tree_map_only(Tensor, convert, (args, kwargs))
+
+def _move_inputs(args: Any, kwargs: Any, device: torch.device) -> tuple[Any, Any]:
+    def move(t: Tensor) -> Tensor:
+        return t.to(device) if t.device != device else t
+
+    return tree_map_only(Tensor, move, (args, kwargs))
+
+
+def _select_precision(ctx: RootContext) -> None:
+    """Decide this iteration's precision per unit and put the buffers in the matching dtype.
+
+    See [Note: full precision in eval] in :mod:`engine.precision`.
+    """
+    for state in ctx.states:
+        if state._unit is not None:
+            state._unit.set_full_precision(state._use_full_prec_in_eval and not state.module.training)
+    buffers = ctx.buffers
+    if buffers is None:
+        return
+    if any(u.full_precision for u in ctx.units):
+        if buffers.state != BufferState.ORIGINAL:
+            buffers.to_original()
+    elif buffers.state != BufferState.COMPUTE:
+        buffers.to_compute()
 
 
 def root_pre_forward(root: "FullyShardedDataParallel", args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -110,16 +140,22 @@ def root_pre_forward(root: "FullyShardedDataParallel", args: Any, kwargs: Any) -
                 unit.reshard(ctx)
         for unit in ctx.units:
             unit.writeback()
+        _select_precision(ctx)
+    args, kwargs = _move_inputs(args, kwargs, ctx.device)
     mp = root._mixed_precision
-    dtype = mp.param_dtype if (mp is not None and mp.cast_root_forward_inputs) else None
-    return _cast_inputs(args, kwargs, ctx.device, dtype)
+    # Root inputs follow the root's training flag even when the root has no parameters (FSDP1).
+    full_precision = root._use_full_prec_in_eval and not root.training
+    if mp is not None and mp.cast_root_forward_inputs and not full_precision:
+        args, kwargs = cast_floating_tensors((args, kwargs), mp.param_dtype)
+    return args, kwargs
 
 
 def pre_forward(state: "FullyShardedDataParallel", args: Any, kwargs: Any) -> tuple[Any, Any]:
     mp = state._mixed_precision
-    if not state._is_root and mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
-        args, kwargs = _cast_inputs(args, kwargs, None, mp.param_dtype)
     unit = state._unit
+    # Only units with parameters cast (FSDP1): a parameterless unit has nothing to match.
+    if unit is not None and not unit.full_precision and mp is not None and mp.cast_forward_inputs:
+        args, kwargs = cast_floating_tensors((args, kwargs), mp.param_dtype)
     if unit is None:
         return args, kwargs
     ctx = state._ctx

@@ -99,7 +99,10 @@ class FsdpUnit:
         #: offloaded gradient copied device-to-host on the post-backward stream, accumulated
         #: into ``flat_param.grad`` by the final callback once the copy is known complete.
         self._pending_cpu_grad: Tensor | None = None
-        self._post_backward_hook: torch.utils.hooks.RemovableHandle | None = None
+        #: post-accumulate-grad hooks, one per compute leaf (a second leaf appears the first time
+        #: full precision in eval is used).
+        self._post_backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._post_backward_fn: Callable[[Tensor], None] | None = None
 
     # ------------------------------------------------------------------ lazy init
     @property
@@ -137,8 +140,35 @@ class FsdpUnit:
         leaf = handle.init_unsharded_flat_param(alias_flat_param=self.aliased)
         if self.aliased:
             self.sharded_state = ShardedState.UNSHARDED
-        if leaf.requires_grad:
-            self._post_backward_hook = leaf.register_post_accumulate_grad_hook(post_backward)
+        self._post_backward_fn = post_backward
+        self._hook_leaf(leaf)
+
+    def _hook_leaf(self, leaf: Tensor) -> None:
+        if leaf.requires_grad and self._post_backward_fn is not None:
+            self._post_backward_hooks.append(leaf.register_post_accumulate_grad_hook(self._post_backward_fn))
+
+    @property
+    def _post_backward_hook(self) -> torch.utils.hooks.RemovableHandle | None:
+        """The hook on the first compute leaf (None before lazy init or for a frozen unit)."""
+        return self._post_backward_hooks[0] if self._post_backward_hooks else None
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def full_precision(self) -> bool:
+        """True while this unit ignores its mixed precision ([Note: full precision in eval])."""
+        return self.handle.force_full_precision
+
+    def set_full_precision(self, full: bool) -> None:
+        """Compute, gather and reduce in full precision from the next unshard on (or not).
+
+        Only a resharded unit switches (its next all-gather is in the new dtype); a unit still
+        holding unsharded parameters keeps its current precision.
+        """
+        if self.sharded_state != ShardedState.SHARDED and not self.aliased:
+            return
+        created = self.handle.set_full_precision(full)
+        if created is not None:
+            self._hook_leaf(created)
 
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self, ctx: RootContext) -> None:
@@ -297,7 +327,13 @@ class FsdpUnit:
                     f"accumulate a reduced gradient of shape {tuple(grad.shape)}; zero the gradients "
                     "(optimizer.zero_grad()) after changing the sharding"
                 )
-            flat.grad += grad.to(flat.grad.dtype)
+            if flat.grad.dtype == grad.dtype == flat.dtype:
+                flat.grad += grad
+            else:
+                # A low-precision gradient (keep_low_precision_grads): FSDP1 accumulates in the
+                # parameter dtype and rounds the sum once to the dtype of the newest gradient.
+                total = flat.grad.to(flat.dtype) + grad.to(flat.dtype)
+                flat.grad.data = total.to(grad.dtype)
 
     def finish_offloaded_grad(self) -> None:
         """Accumulate the offloaded gradient (the caller has synchronized the device)."""

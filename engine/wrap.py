@@ -264,9 +264,10 @@ def auto_wrap(
     if overridden:
         warnings.warn(
             "Both mixed precision and an auto_wrap_policy were specified, and the model has "
-            f"submodules of type {sorted(c.__name__ for c in overridden)}: these are wrapped as "
-            "separate units with mixed precision disabled (set MixedPrecision._module_classes_to_ignore "
-            "to change which classes)",
+            f"submodules of type {sorted(c.__name__ for c in overridden)}. These modules will be "
+            "wrapped as separate FSDP units with mixed precision disabled (set "
+            "MixedPrecision._module_classes_to_ignore to change which classes)",
+            UserWarning,
             stacklevel=2,
         )
     _validate_frozen_params(root_module, set(targets), ignored_params, bool(kwargs.get("use_orig_params", False)))

@@ -1,0 +1,263 @@
+"""Models for the mixed-precision suites (ours, shaped after what the seed exercises).
+
+Every model builds identically on every rank (seeded by the caller) and is small enough for two
+CPU ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+#: dtype of the probe buffers: different from every parameter dtype, so a cast is visible.
+BUFFER_ORIG_DTYPE = torch.float64
+
+
+@dataclass
+class Expectation:
+    """What a :class:`PrecisionProbe` must see inside forward (travels through forward untouched:
+    it is not a tensor, so no input cast reaches it)."""
+
+    #: dtype of the inputs and of the weights compute sees.
+    param: torch.dtype
+    #: dtype of the probe's buffer during forward.
+    buffer: torch.dtype
+    #: dtype of every sharded (flat) parameter.
+    full: torch.dtype
+    #: the wrapped root, whose units are inspected; None skips the unit checks.
+    root: nn.Module | None = None
+    #: at least one unit must hold unsharded parameters while a probe runs (sharded, world > 1).
+    expect_active_unit: bool = True
+
+
+class PrecisionProbe(nn.Module):
+    """A linear layer that checks, in forward, the dtypes mixed precision promises.
+
+    Forward takes and returns ``(x, expectation)`` so probes chain in an ``nn.Sequential``.
+    """
+
+    def __init__(self, full_dtype: torch.dtype, buffer_name: str = "buffer", run_checks: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(10, 10, bias=False).to(full_dtype)
+        # Distinct buffer names per probe: a prefix bug in buffer handling would hide behind one name.
+        self.buffer_name = buffer_name
+        self.register_buffer(buffer_name, torch.randn((1, 2), dtype=BUFFER_ORIG_DTYPE))
+        self.run_checks = run_checks
+
+    def forward(self, packet: tuple[Tensor, Expectation]) -> tuple[Tensor, Expectation]:
+        x, expect = packet
+        if self.run_checks:
+            check_probe(self, x, expect)
+        return self.lin(x), expect
+
+
+def check_probe(probe: PrecisionProbe, x: Tensor, expect: Expectation) -> None:
+    from engine import FSDP  # the unit checks need the engine; the models themselves do not
+    from engine.unit import ShardedState
+
+    problems = []
+    if x.dtype != expect.param:
+        problems.append(f"input {x.dtype} != {expect.param}")
+    if probe.lin.weight.dtype != expect.param:
+        problems.append(f"compute weight {probe.lin.weight.dtype} != {expect.param}")
+    buf = getattr(probe, probe.buffer_name)
+    if buf.dtype != expect.buffer:
+        problems.append(f"buffer {probe.buffer_name} {buf.dtype} != {expect.buffer}")
+    if expect.root is not None:
+        active = 0
+        for state in FSDP.fsdp_modules(expect.root):
+            unit = state._unit
+            if unit is None:
+                continue
+            if unit.handle.flat_param.dtype != expect.full:
+                problems.append(f"sharded parameter of {unit.module_name} is {unit.handle.flat_param.dtype}")
+            sharded = unit.handle.uses_sharded_strategy and state.world_size > 1
+            if sharded and unit.sharded_state == ShardedState.UNSHARDED and unit.handle.unsharded_allocated:
+                active += 1
+                leaf = unit.handle.unsharded_flat_param
+                if leaf.dtype != expect.param:
+                    problems.append(f"unsharded parameter of active unit {unit.module_name} is {leaf.dtype}")
+        if expect.expect_active_unit and active == 0:
+            problems.append("no unit holds unsharded parameters during forward")
+    if problems:
+        raise AssertionError(f"{probe.buffer_name}: " + "; ".join(problems))
+
+
+class SaveForwardInputsModule(nn.Module):
+    """Records its input; with ``cast_forward_inputs`` it casts the input to its weight's dtype itself."""
+
+    def __init__(self, forward_inputs: dict[Any, Tensor], cast_forward_inputs: bool, width: int = 16) -> None:
+        super().__init__()
+        self.l = nn.Linear(width, width)
+        self.forward_inputs = forward_inputs
+        self.cast_forward_inputs = cast_forward_inputs
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.forward_inputs[self] = x
+        return self.l(x.to(self.l.weight.dtype) if self.cast_forward_inputs else x)
+
+
+class SaveForwardInputsModel(nn.Module):
+    """``c2(c1(x))``, recording the input of the model and of each child."""
+
+    def __init__(self, forward_inputs: dict[Any, Tensor], cast_forward_inputs: bool, width: int = 16) -> None:
+        super().__init__()
+        self.c1 = SaveForwardInputsModule(forward_inputs, cast_forward_inputs, width)
+        self.c2 = SaveForwardInputsModule(forward_inputs, cast_forward_inputs, width)
+        self.forward_inputs = forward_inputs
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.forward_inputs[self] = x
+        return self.c2(self.c1(x))
+
+
+class SharedParamsTransformer(nn.Module):
+    """Token embedding tied to the output projection around a small ``nn.Transformer``.
+
+    Has a float buffer added to the embeddings, an integer buffer (never cast) and a batch norm on
+    the target embeddings (a ``_module_classes_to_ignore`` class), so buffer and batch-norm
+    handling are exercised together with integer inputs.
+    """
+
+    vocab = 23
+    d_model = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(self.vocab, self.d_model)
+        self.transformer = nn.Transformer(
+            d_model=self.d_model, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=8, dropout=0.0
+        )
+        self.output_proj = nn.Linear(self.d_model, self.vocab)
+        self.output_proj.weight = self.embed_tokens.weight  # tied
+        self.register_buffer("vocab_bias", torch.ones(self.d_model))
+        self.register_buffer("long_buffer", torch.zeros(self.d_model, dtype=torch.long))
+        self.bn = nn.BatchNorm1d(self.d_model)
+
+    def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+        src = self.embed_tokens(src_ids) + self.vocab_bias + self.long_buffer.type_as(self.vocab_bias)
+        tgt = self.embed_tokens(tgt_ids)
+        tgt = self.bn(tgt.transpose(1, 2)).transpose(1, 2)
+        return self.output_proj(self.transformer(src, tgt))
+
+    @classmethod
+    def get_input(cls, device: torch.device, seed: int = 0) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        src = torch.randint(0, cls.vocab, (5, 4), generator=g)
+        tgt = torch.randint(0, cls.vocab, (6, 4), generator=g)
+        return src.to(device), tgt.to(device)
+
+    @staticmethod
+    def get_loss(inputs: tuple[Tensor, Tensor], output: Tensor) -> Tensor:
+        """Cross entropy in the output's dtype (so the loss dtype shows the compute dtype)."""
+        _, tgt = inputs
+        return F.cross_entropy(output.reshape(-1, output.size(-1)), tgt.reshape(-1), reduction="sum")
+
+
+class BatchNormNet(nn.Module):
+    """Linear -> BatchNorm1d -> Linear -> LayerNorm -> Linear -> softmax (the seed's batch-norm net)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 40, bias=False)
+        self.bn = nn.BatchNorm1d(4)
+        self.fc2 = nn.Linear(40, 4, bias=False)
+        self.ln = nn.LayerNorm(4)
+        self.fc3 = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.reshape(self.fc1(x), (-1, 4, 10))
+        x = torch.reshape(self.bn(x), (-1, 40))
+        return F.softmax(self.fc3(self.ln(self.fc2(x))), dim=1)
+
+
+class IgnoredLinear(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.l = nn.Linear(width, width)
+        self.register_buffer("scale", torch.ones(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l(x) * self.scale
+
+
+class ModelWithIgnoredModule(nn.Module):
+    """``l2(ignored(l1(x)))``; ``cast_for_ignored`` makes the model cast around the ignored module."""
+
+    def __init__(self, width: int = 32, cast_for_ignored: bool = False) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(width, width)
+        self.ignored = IgnoredLinear(width)
+        self.l2 = nn.Linear(width, width)
+        self.register_buffer("offset", torch.zeros(width))
+        self.cast_for_ignored = cast_for_ignored
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x) + self.offset.to(x.dtype)
+        if self.cast_for_ignored:
+            return self.l2(self.ignored(h.to(self.ignored.l.weight.dtype)).to(h.dtype))
+        return self.l2(self.ignored(h))
+
+
+class TransformerWithEMA(nn.Module):
+    """A transformer trained in train mode and an exponential moving average of it used in eval."""
+
+    def __init__(self, d_model: int = 16) -> None:
+        super().__init__()
+
+        def make() -> nn.Transformer:
+            return nn.Transformer(
+                d_model=d_model, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16, dropout=0.0
+            )
+
+        self.module = make()
+        self.ema_module = AveragedModel(make(), multi_avg_fn=get_ema_multi_avg_fn(), use_buffers=True)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.module(*args, **kwargs) if self.training else self.ema_module(*args, **kwargs)
+
+
+class ParityNet(nn.Module):
+    """Linear -> LayerNorm -> (Linear -> ReLU -> Linear) -> gain buffer -> Linear.
+
+    The float buffer ``gain`` scales activations (cast to the activation dtype by the model, as
+    real code does), so ``buffer_dtype`` changes the numbers, not only the dtype. Wrapped as four
+    units: ``block[0]``, ``block[2]``, ``block`` and the root. Every parameter's numel is a
+    multiple of 8, so every original parameter starts 16-byte aligned inside the flat parameter,
+    as it does standalone in the reference (GPU GEMM libraries pick kernels by alignment).
+    """
+
+    def __init__(self, width: int = 24) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.norm = nn.LayerNorm(width)
+        self.block = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+        self.out = nn.Linear(width, 8)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.norm(self.inp(x)))
+        h = self.block(h) * self.gain.to(h.dtype)
+        return self.out(h)
+
+    def wrap(self, fsdp: Any, **kwargs: Any) -> nn.Module:
+        self.block[0] = fsdp(self.block[0], **kwargs)
+        self.block[2] = fsdp(self.block[2], **kwargs)
+        self.block = fsdp(self.block, **kwargs)
+        return fsdp(self, **kwargs)
+
+    @staticmethod
+    def input(step: int, rank: int) -> tuple[Tensor, ...]:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return (torch.randn(6, 8, generator=g),)
+
+    @staticmethod
+    def loss(out: Tensor) -> Tensor:
+        """Mean squared output, in at least float32 (the same user code on both sides)."""
+        return out.to(torch.promote_types(out.dtype, torch.float32)).pow(2).mean()

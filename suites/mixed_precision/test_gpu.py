@@ -1,0 +1,101 @@
+"""The mixed-precision suites on two GPUs with NCCL: every CPU job again (float16 as in the seed),
+plus what needs CUDA: SyncBatchNorm's forward and ResNet-50 with size-based wrapping.
+
+Run on a machine with 2 GPUs (about a minute on two H200s)::
+
+    python -m pytest suites/mixed_precision -m gpu -q
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from harness.case import PRECISIONS
+from harness.pool import RankPool
+from suites.mixed_precision import jobs
+from suites.mixed_precision.cases import (
+    E2E_RUNS,
+    EMBEDDING_CONFIGS,
+    SCALER_CASES,
+    check_parity_records,
+    check_scaler_agreement,
+    parity_payload,
+)
+from suites.mixed_precision.jobs import MP_CONFIGS, assert_ok
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs 2 CUDA GPUs (NCCL); this machine has "
+        f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}",
+    ),
+]
+
+
+@pytest.mark.parametrize("mp", list(MP_CONFIGS))
+def test_e2e_full_shard(gpu_pair: RankPool, mp: str) -> None:
+    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, {"mp": mp, "strategy": "FULL_SHARD"})) == [E2E_RUNS] * 2
+
+
+@pytest.mark.parametrize("mp", list(MP_CONFIGS))
+def test_e2e_no_reshard_after_forward(gpu_pair: RankPool, mp: str) -> None:
+    payload_ = {"mp": mp, "strategy": "SHARD_GRAD_OP", "full": ["float64"], "scaler": [False], "prefetch": [(False, "none")]}
+    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, payload_)) == [2, 2]
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "FULL_SHARD"])
+def test_e2e_unsharded(gpu_pair: RankPool, strategy: str) -> None:
+    payload_ = {"mp": "mp_diff_buffer_reduce", "strategy": strategy, "world": 1, "offload": [True], "full": ["float64"],
+                "scaler": [False], "prefetch": [(False, "none")]}
+    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, payload_)) == [1, 1]
+
+
+@pytest.mark.parametrize("convert_sync_bn", [False, True])
+def test_mp_batchnorm(gpu_pair: RankPool, convert_sync_bn: bool) -> None:
+    assert_ok(gpu_pair.run(jobs.mp_batchnorm, {"convert_sync_bn": convert_sync_bn}))
+
+
+def test_mixed_precision_resnet(gpu_pair: RankPool) -> None:
+    pytest.importorskip("torchvision", reason="ResNet-50 comes from torchvision, which is not installed")
+    values = assert_ok(gpu_pair.run(jobs.resnet50, {"size": 1000}))
+    assert values[0] == values[1] == 53  # ResNet-50's batch norms, each its own unit
+
+
+@pytest.mark.parametrize("config", list(EMBEDDING_CONFIGS))
+def test_mp_embedding(gpu_pair: RankPool, config: str) -> None:
+    assert_ok(gpu_pair.run(jobs.embedding_table, {"mps": {config: EMBEDDING_CONFIGS[config]}}))
+
+
+SIMPLE_JOBS = [
+    (jobs.grads_reduced_precision, {"world": 2}),
+    (jobs.grads_reduced_precision, {"world": 1}),
+    (jobs.eval_root_cast_inputs, {}),
+    (jobs.full_precision_in_eval, {}),
+    (jobs.full_precision_in_eval_buffers, {}),
+    (jobs.full_precision_in_eval_comm, {}),
+    (jobs.input_grads_with_param_mp, {}),
+    (jobs.no_sync_mixed_precision, {}),
+    (jobs.ignored_modules, {}),
+    (jobs.submodule_precision, {}),
+    (jobs.submodule_external_inputs, {}),
+    (jobs.train_ema_eval, {"d_model": 64}),
+]
+
+
+@pytest.mark.parametrize("job,job_payload", SIMPLE_JOBS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_job(gpu_pair: RankPool, job: Any, job_payload: dict[str, Any]) -> None:
+    assert_ok(gpu_pair.run(job, job_payload))
+
+
+@pytest.mark.parametrize("case", list(SCALER_CASES))
+def test_sharded_grad_scaler(gpu_pair: RankPool, case: str) -> None:
+    check_scaler_agreement(assert_ok(gpu_pair.run(jobs.grad_scaler_agreement, SCALER_CASES[case])), case)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_parity_with_emulating_reference(gpu_pair: RankPool, precision: str, record_property: Any) -> None:
+    check_parity_records(assert_ok(gpu_pair.run(jobs.parity_precision, parity_payload(precision))), record_property)
