@@ -19,12 +19,15 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.case import CaseConfig
 from harness.records import CaseRecord
+
+if TYPE_CHECKING:
+    from harness.pool import RankPool
 
 #: verdicts that make ``run`` exit with status 1.
 BAD_VERDICTS = ("fail", "error", "timeout", "crash")
@@ -59,8 +62,39 @@ def select_cases(args: argparse.Namespace, world_sizes: Sequence[int]) -> list[C
         raise SelectionError(str(exc)) from exc
 
 
-def _select_cases(args: argparse.Namespace, world_sizes: Sequence[int]) -> list[CaseConfig]:
+def generate_cases(
+    matrix: str,
+    world_sizes: Sequence[int],
+    references: Sequence[str] | None = None,
+    axes: Mapping[str, Sequence[Any]] | None = None,
+    **fixed: Any,
+) -> list[CaseConfig]:
+    """The cases of generator ``matrix`` (``harness.matrix.generate`` over ``axes``, keywords pinned) for
+    every world size and reference, each pinned in turn, without duplicates, in generator order.
+
+    Shared by ``harness run`` and the generated pytest suites (``harness.pytest_cases``). References
+    are pinned in turn because a generator that keeps an axis at its first value (smoke) would
+    otherwise never show the second one; None keeps the matrix's reference axis.
+    """
     from harness.matrix import generate
+
+    found: dict[str, CaseConfig] = {}
+    for ws in world_sizes:
+        for reference in references or [None]:
+            pinned = {**fixed, "world_size": ws, **({"reference": reference} if reference else {})}
+            for case in generate(matrix, axes=axes, **pinned):  # type: ignore[arg-type]
+                found.setdefault(case.full_id, case)
+    return list(found.values())
+
+
+def run_case(pool: "RankPool", case: CaseConfig) -> CaseRecord:
+    """Run one case on a started (or lazily starting) pool and decide its all-rank record."""
+    from harness.parity import record_from_outcome, run_case_on_rank
+
+    return record_from_outcome(case, pool.run(run_case_on_rank, case))
+
+
+def _select_cases(args: argparse.Namespace, world_sizes: Sequence[int]) -> list[CaseConfig]:
     from harness.models import MODELS
 
     unknown = [m for m in args.models or [] if m not in MODELS]
@@ -77,16 +111,7 @@ def _select_cases(args: argparse.Namespace, world_sizes: Sequence[int]) -> list[
         fixed["steps"] = args.steps
     if args.check_determinism:
         fixed["check_determinism"] = True
-    # Each requested reference is pinned in turn: a generator that keeps an axis at its first value
-    # (smoke) would otherwise never show the second one.
-    references = args.references or [None]
-    found: dict[str, CaseConfig] = {}
-    for ws in world_sizes:
-        for reference in references:
-            pinned = {**fixed, "world_size": ws, **({"reference": reference} if reference else {})}
-            for case in generate(args.matrix, axes=axes or None, **pinned):
-                found.setdefault(case.full_id, case)
-    cases = list(found.values())
+    cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None, **fixed)
     if args.filter:
         cases = [c for c in cases if any(f in c.full_id for f in args.filter)]
     if args.limit is not None:
@@ -143,7 +168,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     import torch
 
     from harness.collector import ResultWriter, run_info
-    from harness.parity import record_from_outcome, run_case_on_rank
     from harness.pool import PoolConfig, PoolStartError, RankPool, assign_devices, default_backend, xdist_worker
 
     world_sizes = args.world_size or [2]
@@ -174,7 +198,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 config = PoolConfig(world_size=ws, backend=backend, devices=devices, case_timeout_s=args.timeout)
                 with RankPool(config) as pool:
                     for case in group:
-                        record = record_from_outcome(case, pool.run(run_case_on_rank, case))
+                        record = run_case(pool, case)
                         writer.append(record)
                         progress.update(record, case.full_id)
         except PoolStartError as exc:
@@ -356,6 +380,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="per-case overhead: warm pool against spawning the ranks per case")
     add_arguments(bench)
     bench.set_defaults(fn=cmd_bench)
+
+    from harness import nightly as nightly_module, perf as perf_module
+
+    nightly = sub.add_parser("nightly", help="the nightly: full matrix, fuzz campaign, report and diff into one directory")
+    _add_selection(nightly)
+    nightly_module.add_arguments(nightly)
+    nightly.set_defaults(fn=nightly_module.main)
+
+    perf = sub.add_parser("perf", help="training-step benchmark: our engine against torch FSDP1 (and DDP, FSDP2)")
+    perf_module.add_arguments(perf)
+    perf.set_defaults(fn=perf_module.main)
     return parser
 
 

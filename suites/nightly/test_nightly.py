@@ -1,0 +1,167 @@
+"""``python -m harness nightly`` end to end on CPU with a tiny selection: every product in the out
+directory, the diff against a previous nightly deciding the exit status, the time budget, and a
+killed nightly resumed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.case import CaseConfig
+from harness.cli import select_cases
+from harness.collector import ResultWriter, read_records
+from harness.records import CaseRecord, RunInfo
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the tiny selection the CPU tests run: smoke cases of torch FSDP1 against the local reference.
+TINY = ("--matrix", "smoke", "--engines", "torch-fsdp", "--references", "local", "--no-progress")
+
+
+def _env(gpus: bool = False) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _nightly(*args: str, timeout: float = 240, gpus: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "harness", "nightly", *args], cwd=ROOT, env=_env(gpus),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _tiny_cases() -> list[CaseConfig]:
+    selection = argparse.Namespace(matrix="smoke", engines=["torch-fsdp"], references=["local"], models=None,
+                                   steps=None, check_determinism=False, filter=[], limit=None)
+    return select_cases(selection, [2])
+
+
+def _write_results(path: Path, records: list[CaseRecord]) -> None:
+    with ResultWriter(path, RunInfo("earlier", "host", torch.__version__, "gloo")) as writer:
+        for record in records:
+            writer.append(record)
+
+
+def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) -> None:
+    # torch FSDP1 refuses CPU offload on a CPU rank (unsupported): a previous nightly where that case
+    # passed makes this one a "pass -> unsupported" regression.
+    offload = next(c for c in _tiny_cases() if c.cpu_offload)
+    previous = tmp_path / "2026-01-01"
+    _write_results(previous / "results.jsonl", [CaseRecord(offload.to_dict(), offload.case_id, "pass")])
+    later = tmp_path / "2026-01-03"  # sorts after this nightly: must not be the baseline
+    _write_results(later / "results.jsonl", [CaseRecord(offload.to_dict(), offload.case_id, "unsupported")])
+    out = tmp_path / "2026-01-02"
+
+    done = _nightly("--out", str(out), *TINY, "--fuzz-max-examples", "20")
+    assert done.returncode == 1, done.stdout + done.stderr
+
+    for name in ("results.jsonl", "fuzz.txt", "matrix.md", "matrix.html", "results.csv", "summary.json",
+                 "diff.md", "diff.json", "nightly.json"):
+        assert (out / name).is_file(), name
+    assert not (out / "not_run.txt").exists()
+    records, bad = read_records(out / "results.jsonl")
+    assert not bad and len(records) == len(_tiny_cases())
+    state = json.loads((out / "nightly.json").read_text())
+    assert state["complete"] and state["exit_code"] == 1
+    assert state["cases"]["selected"] == state["cases"]["recorded"] == len(records) and state["cases"]["not_run"] == 0
+    counts = {v: sum(r.verdict == v for r in records) for v in state["verdicts"]}
+    assert state["verdicts"] == counts and counts["unsupported"] == 1
+    assert state["exit_reasons"] == ["1 regression(s) against the previous nightly"]
+
+    diff = json.loads((out / "diff.json").read_text())
+    assert state["diff"]["previous"] == str(previous / "results.jsonl")
+    [regression] = [c for c in diff["changes"] if c["kind"] == "regression"]
+    assert regression["full_id"] == offload.full_id and regression["what"] == "pass → unsupported"
+    assert "Regressions (1)" in (out / "diff.md").read_text()
+
+    fuzz = state["fuzz"]
+    assert fuzz["exit_code"] == 0 and fuzz["max_examples"] == 20
+    assert fuzz["examples"] >= 20 and fuzz["examples_per_s"] > 0
+    assert "examples/s" in (out / "fuzz.txt").read_text()
+    assert "nightly" in done.stdout and "regression" in done.stdout
+
+    # Resumed after it finished: nothing to run again, the finished campaign is kept, the verdict stands.
+    again = _nightly("--out", str(out), *TINY, "--fuzz-max-examples", "20", "--resume")
+    assert again.returncode == 1, again.stdout + again.stderr
+    state = json.loads((out / "nightly.json").read_text())
+    assert state["cases"]["already_recorded"] == len(records) and state["cases"]["recorded"] == 0
+    assert state["fuzz"]["resumed_from_earlier_attempt"] and state["fuzz"]["examples"] == fuzz["examples"]
+    assert len(read_records(out / "results.jsonl")[0]) == len(records)
+
+
+def test_a_spent_time_budget_lists_every_case_not_run(tmp_path: Path) -> None:
+    cases = _tiny_cases()
+    elsewhere = tmp_path / "baselines" / "last-week"  # --previous: any nightly, not only a sibling
+    _write_results(elsewhere / "results.jsonl", [CaseRecord(cases[0].to_dict(), cases[0].case_id, "pass")])
+    out = tmp_path / "budget"
+    done = _nightly("--out", str(out), *TINY, "--fuzz-profile", "none", "--time-budget-s", "0", "--previous", str(elsewhere))
+    assert done.returncode == 0, done.stdout + done.stderr
+    listed = (out / "not_run.txt").read_text().splitlines()
+    assert [line.split("\t")[0] for line in listed] == [c.full_id for c in cases]
+    assert all("time budget" in line for line in listed)
+    state = json.loads((out / "nightly.json").read_text())
+    assert state["cases"]["not_run"] == len(cases) and state["cases"]["recorded"] == 0
+    assert state["fuzz"]["skipped"] == "--fuzz-profile none" and not (out / "fuzz.txt").exists()
+    assert sum(state["verdicts"].values()) == 0 and (out / "matrix.md").is_file()
+    assert f"{len(cases)} not run" in done.stdout
+    # A case left out by the budget is "removed" in the diff, not a regression.
+    assert state["diff"]["previous"] == str(elsewhere / "results.jsonl")
+    assert state["diff"]["counts"]["removed"] == 1 and state["diff"]["counts"]["regression"] == 0
+
+
+def _record_count(path: Path) -> int:
+    return len(read_records(path)[0]) if path.exists() else 0
+
+
+def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "killed"
+    args = ("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--references", "ddp,local",
+            "--limit", "8", "--fuzz-profile", "none", "--no-progress")
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "nightly", *args], cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while _record_count(out / "results.jsonl") < 1 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the nightly ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)  # no clean-up of any kind; its ranks die with it
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    kept = _record_count(out / "results.jsonl")
+    assert 1 <= kept < 8
+
+    refused = _nightly(*args)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    resumed = _nightly(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    records, _ = read_records(out / "results.jsonl")
+    ids = [f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records]
+    assert len(ids) == len(set(ids)) == 8
+    state = json.loads((out / "nightly.json").read_text())
+    assert state["resumed"] and state["cases"]["already_recorded"] == kept
+    assert state["cases"]["recorded"] == 8 - kept and state["complete"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nightly_on_the_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    done = _nightly("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--fuzz-profile", "none",
+                    "--no-progress", gpus=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    state = json.loads((out / "nightly.json").read_text())
+    assert state["cases"]["backend"] == "nccl" and state["cases"]["not_run"] == 0
+    pairs = [lane for lane in state["cases"]["lanes"] if lane["world_size"] == 2]
+    assert len(pairs) == torch.cuda.device_count() // 2  # every GPU pair runs cases side by side
