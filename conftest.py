@@ -1,7 +1,11 @@
-"""Root pytest configuration: Hypothesis profiles shared by every suite.
+"""Root pytest configuration: the project's plugin and the Hypothesis profiles shared by every suite.
 
-The profile is chosen with Hypothesis's own ``--hypothesis-profile`` option or, when that is not
-given, the ``FUZZ_PROFILE`` environment variable (default ``ci``).
+``harness.pytest_plugin`` adds the parity options (``--engine``, ``--reference``, ``--matrix``,
+``--world-size``, ``--backend``, ``--case-timeout``, ``--results``), the generated parity cases, the
+``fsdp_api`` parametrization of the seed suites and the shared rank pools; see its docstring.
+
+The Hypothesis profile is chosen with Hypothesis's own ``--hypothesis-profile`` option or, when that is
+not given, the ``FUZZ_PROFILE`` environment variable (default ``ci``).
 """
 
 from __future__ import annotations
@@ -9,6 +13,9 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, Phase, settings
+
+# pytester: the plugin's own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py).
+pytest_plugins = ["harness.pytest_plugin", "pytester"]
 
 # ci: fast and derandomized, so a pull request sees the same examples every run.
 settings.register_profile(

@@ -38,6 +38,13 @@ def _uses_nccl(group: dist.ProcessGroup | None) -> bool:
 def unscale_and_check_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place; set ``found_inf`` to 1
     if any element is inf or nan (the fused op of the base scaler, which has CPU kernels)."""
+    if grads and grads[0].dtype == torch.bfloat16 and grads[0].device.type == "cuda":
+        # The fused CUDA kernel has no bfloat16 instantiation (torch 2.11-2.13); check and
+        # unscale with plain ops, which keep the same semantics (inf/nan flag, in-place multiply).
+        for g in grads:
+            found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(g)).any().to(found_inf.dtype)))
+            g.mul_(inv_scale.to(g.dtype))
+        return
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 

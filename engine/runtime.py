@@ -199,10 +199,10 @@ def _prefetch(ctx: RootContext, unit: FsdpUnit | None) -> None:
 
 def _prefetch_backward(ctx: RootContext, unit: FsdpUnit) -> None:
     target = ctx.exec_order.next_backward(unit)
-    if target is None or target.ran_post_backward:
-        return
-    leaf = target.handle.unsharded_flat_param
-    if leaf is None or not leaf.requires_grad:
+    # Frozen units are prefetched too: their parameters are still needed in backward to carry the
+    # gradient to their inputs (LoRA bases). One whose backward never runs is resharded by the
+    # final callback.
+    if target is None or target.ran_post_backward or target.handle.unsharded_flat_param is None:
         return
     _prefetch(ctx, target)
 

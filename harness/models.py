@@ -214,7 +214,11 @@ class TransformerModel(ZooModel):
         self.register_buffer("long_buffer", torch.zeros(self.d_model, dtype=torch.long))
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
-        src = self.embed_tokens(src_ids) + self.vocab_bias + self.long_buffer.type_as(self.vocab_bias)
+        emb = self.embed_tokens(src_ids)
+        # Buffers join the activations in the activations' dtype, as real models do: a buffer dtype
+        # other than the compute dtype (fp16 parameters, bf16 buffers) then rounds the buffer instead
+        # of promoting every later matmul input to fp32.
+        src = emb + self.vocab_bias.to(emb.dtype) + self.long_buffer.to(emb.dtype)
         tgt = self.embed_tokens(tgt_ids)
         return self.output_proj(self.transformer(src, tgt))
 

@@ -1,11 +1,12 @@
-"""Seed behaviours of torch's test_fsdp_core.py on our engine, 2 CPU ranks (gloo): parity with
-DDP (nested, always-wrap nested, tied transformer, mixture of experts) over strategy x offload x
-prefetch x use_orig_params, parameter change after init, pre-backward hook registration (also
-after a state-dict round trip), eval output equals no_grad output, unsharded parameters are
-Tensor views during compute even with prefetching.
+"""Seed behaviours of torch's test_fsdp_core.py, as conformance checks run against every engine with
+torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 CPU ranks (gloo): parity with DDP
+(nested, always-wrap nested, tied transformer, mixture of experts) over strategy x prefetch x
+use_orig_params, with and without CPU offload, parameter change after init, pre-backward hook
+registration (also after a state-dict round trip), eval output equals no_grad output, unsharded
+parameters are Tensor views during compute even with prefetching.
 
 The seed's delayed variants (GPU sleeps) are in suites/engine/test_gpu.py; its CUDA init modes
-have no CPU meaning (the full product is in suites/engine/test_parity.py).
+have no CPU meaning (the full product is in suites/engine/test_parity.py and suites/parity/).
 """
 
 from __future__ import annotations
@@ -21,42 +22,57 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
-from engine import FSDP, BackwardPrefetch, CPUOffload, FlatParamHandle, MixedPrecision, ShardingStrategy
-from engine.wrap import ModuleWrapPolicy, always_wrap_policy
-from suites.engine import parity
 from suites.engine.models import NestedWrapped, SharedTransformer
-from suites.engine.ranks import session_tests
+from suites.engine.ranks import api_session_tests
+from suites.seeds.api import FSDPApi, assert_params_match, load_api, optim, train_parity
 
 CPU = torch.device("cpu")
-STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
-PREFETCH = [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]
 
 
-def _subtests():
-    """Every strategy x offload, each with every prefetch x forward-prefetch x use_orig_params
-    value at least once (a Latin square instead of the full product)."""
-    for (strategy, offload), i in zip(itertools.product(STRATEGIES, [False, True]), itertools.count()):
-        for j, (bwd, orig) in enumerate(itertools.product(PREFETCH, [False, True])):
+def _strategies(api: FSDPApi) -> list:
+    return [api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.NO_SHARD]
+
+
+def _prefetches(api: FSDPApi) -> list:
+    return [None, api.BackwardPrefetch.BACKWARD_PRE, api.BackwardPrefetch.BACKWARD_POST]
+
+
+def _subtests(api: FSDPApi, offload: bool) -> Iterator[dict]:
+    """Every strategy, each with every backward prefetch x use_orig_params value and forward prefetch
+    alternating (a Latin square instead of the full product)."""
+    for i, strategy in enumerate(_strategies(api)):
+        for j, (bwd, orig) in enumerate(itertools.product(_prefetches(api), [False, True])):
             yield dict(
                 sharding_strategy=strategy,
-                cpu_offload=CPUOffload(offload),
+                cpu_offload=api.CPUOffload(offload),
                 backward_prefetch=bwd,
-                forward_prefetch=bool((i + j) % 2),
+                forward_prefetch=bool((i + j + offload) % 2),
                 use_orig_params=orig,
             )
 
 
-def check_parity_nested_wrapped_model(rank: int, world_size: int) -> None:
-    for kwargs in _subtests():
-        parity.train_parity("nested", kwargs, CPU, reference="ddp")
+def _parity_nested(api: FSDPApi, offload: bool) -> None:
+    api.require_offload(offload)
+    for kwargs in _subtests(api, offload):
+        train_parity(api, "nested", kwargs, CPU, reference="ddp")
 
 
-def check_parity_nested_always_wrap_model(rank: int, world_size: int) -> None:
-    for kwargs in _subtests():
+def check_parity_nested_wrapped_model(api: FSDPApi, rank: int, world_size: int) -> None:
+    _parity_nested(api, offload=False)
+
+
+def check_parity_nested_wrapped_model_offload(api: FSDPApi, rank: int, world_size: int) -> None:
+    _parity_nested(api, offload=True)
+
+
+def _parity_always_wrap(api: FSDPApi, offload: bool) -> None:
+    api.require_offload(offload)
+    rank = dist.get_rank()
+    for kwargs in _subtests(api, offload):
         ref = DDP(NestedWrapped())
-        model = FSDP(NestedWrapped(), auto_wrap_policy=always_wrap_policy, **kwargs)
-        assert len(FSDP.fsdp_modules(model)) == 7
-        opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
+        model = api.wrap(NestedWrapped(), auto_wrap_policy=api.policy("always_wrap_policy"), **kwargs)
+        assert len(api.FSDP.fsdp_modules(model)) == 7
+        opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
         for step in range(4):
             x = NestedWrapped.input(step, rank, CPU)
             losses = []
@@ -67,24 +83,44 @@ def check_parity_nested_always_wrap_model(rank: int, world_size: int) -> None:
                 o.zero_grad()
                 losses.append(loss)
             assert_close(losses[0], losses[1], msg=lambda msg: f"{kwargs} step {step}: {msg}")
-        parity.assert_params_match(model, ref.module, f"always-wrap {kwargs}")
+        assert_params_match(api, model, ref.module, f"always-wrap {kwargs}")
 
 
-def check_parity_transformer(rank: int, world_size: int) -> None:
-    for kwargs in _subtests():
-        parity.train_parity("transformer", kwargs, CPU, reference="ddp")
+def check_parity_nested_always_wrap_model(api: FSDPApi, rank: int, world_size: int) -> None:
+    _parity_always_wrap(api, offload=False)
 
 
-def check_parity_mixture_of_experts(rank: int, world_size: int) -> None:
-    for kwargs in _subtests():
-        parity.train_parity("moe", kwargs, CPU)
+def check_parity_nested_always_wrap_model_offload(api: FSDPApi, rank: int, world_size: int) -> None:
+    _parity_always_wrap(api, offload=True)
 
 
-def check_param_change_after_init(rank: int, world_size: int) -> None:
-    for mp in (None, MixedPrecision()):
+def check_parity_transformer(api: FSDPApi, rank: int, world_size: int) -> None:
+    for kwargs in _subtests(api, offload=False):
+        train_parity(api, "transformer", kwargs, CPU, reference="ddp")
+
+
+def check_parity_transformer_offload(api: FSDPApi, rank: int, world_size: int) -> None:
+    api.require_offload(True)
+    for kwargs in _subtests(api, offload=True):
+        train_parity(api, "transformer", kwargs, CPU, reference="ddp")
+
+
+def check_parity_mixture_of_experts(api: FSDPApi, rank: int, world_size: int) -> None:
+    for kwargs in _subtests(api, offload=False):
+        train_parity(api, "moe", kwargs, CPU)
+
+
+def check_parity_mixture_of_experts_offload(api: FSDPApi, rank: int, world_size: int) -> None:
+    api.require_offload(True)
+    for kwargs in _subtests(api, offload=True):
+        train_parity(api, "moe", kwargs, CPU)
+
+
+def check_param_change_after_init(api: FSDPApi, rank: int, world_size: int) -> None:
+    for mp in (None, api.MixedPrecision()):
         x = SharedTransformer.input(0, rank, CPU)
-        ref_out = SharedTransformer().wrap(FSDP, mixed_precision=mp)(*x)
-        model = SharedTransformer().wrap(FSDP, mixed_precision=mp)
+        ref_out = SharedTransformer().wrap(api.wrap, mixed_precision=mp)(*x)
+        model = SharedTransformer().wrap(api.wrap, mixed_precision=mp)
         nn.init.normal_(next(model.parameters()).data)
         assert not torch.allclose(model(*x), ref_out), "new output did not reflect the change after init"
 
@@ -100,13 +136,13 @@ def _check_pre_backward_hook_registration(model: nn.Module) -> None:
     assert len(out._backward_hooks) == 1
 
 
-def check_pre_backward_hook_registration(rank: int, world_size: int) -> None:
-    _check_pre_backward_hook_registration(SharedTransformer().wrap(FSDP))
+def check_pre_backward_hook_registration(api: FSDPApi, rank: int, world_size: int) -> None:
+    _check_pre_backward_hook_registration(SharedTransformer().wrap(api.wrap))
 
 
-def check_pre_backward_hook_registration_after_state_dict(rank: int, world_size: int) -> None:
-    model = SharedTransformer().wrap(FSDP)
-    opt = parity._optim(model.parameters())
+def check_pre_backward_hook_registration_after_state_dict(api: FSDPApi, rank: int, world_size: int) -> None:
+    model = SharedTransformer().wrap(api.wrap)
+    opt = optim(model.parameters())
     for step in range(2):
         SharedTransformer.loss(model(*SharedTransformer.input(step, rank, CPU))).backward()
         opt.step()
@@ -115,10 +151,12 @@ def check_pre_backward_hook_registration_after_state_dict(rank: int, world_size:
     _check_pre_backward_hook_registration(model)
 
 
-def check_register_functions_called(rank: int, world_size: int) -> None:
+def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
+    """Our engine registers the pre-backward hooks on the outputs in ``runtime.post_forward`` and keeps
+    each unit's post-backward hook handle on the unit."""
     import engine.runtime as runtime
 
-    model = SharedTransformer().wrap(FSDP)
+    model = SharedTransformer().wrap(api.wrap)
     calls = {"pre_backward_registered": 0}
     orig_post_forward = runtime.post_forward
 
@@ -132,15 +170,36 @@ def check_register_functions_called(rank: int, world_size: int) -> None:
     with mock.patch.object(runtime, "post_forward", counting_post_forward):
         model(*SharedTransformer.input(0, rank, CPU))
     assert calls["pre_backward_registered"] > 0
-    units = [m._unit for m in FSDP.fsdp_modules(model) if m._unit is not None]
+    units = [m._unit for m in api.FSDP.fsdp_modules(model) if m._unit is not None]
     assert units and all(u._post_backward_hook is not None for u in units), "post-backward hooks registered"
 
 
-def check_transformer_eval_equals_no_grad(rank: int, world_size: int) -> None:
+def _hooks_registered_torch(api: FSDPApi, rank: int) -> None:
+    """torch FSDP1 registers them in ``_runtime_utils`` (as the seed checks, by patching)."""
+    import torch.distributed.fsdp._runtime_utils as runtime_utils
+
+    model = SharedTransformer().wrap(api.wrap)
+    with mock.patch.object(
+        runtime_utils, "_register_pre_backward_hooks", wraps=runtime_utils._register_pre_backward_hooks
+    ) as pre, mock.patch.object(
+        runtime_utils, "_register_post_backward_hook", wraps=runtime_utils._register_post_backward_hook
+    ) as post:
+        model(*SharedTransformer.input(0, rank, CPU))
+    assert pre.call_count > 0, "pre-backward hooks registered"
+    assert post.call_count > 0, "post-backward hooks registered"
+
+
+def check_register_functions_called(api: FSDPApi, rank: int, world_size: int) -> None:
+    # The functions that register the hooks are internals, named differently in each engine.
+    (_hooks_registered_torch if api.is_torch else _hooks_registered_builtin)(api, rank)
+
+
+def check_transformer_eval_equals_no_grad(api: FSDPApi, rank: int, world_size: int) -> None:
     # bfloat16 stands in for the seed's float16 (CPU kernels).
-    for mp in (None, MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)):
-        model = SharedTransformer().wrap(FSDP, mixed_precision=mp)
-        opt = parity._optim(model.parameters())
+    bf16 = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    for mp in (None, bf16):
+        model = SharedTransformer().wrap(api.wrap, mixed_precision=mp)
+        opt = optim(model.parameters())
         SharedTransformer.loss(model(*SharedTransformer.input(0, rank, CPU))).backward()
         opt.step()
         x = SharedTransformer.input(1, rank, CPU)
@@ -159,39 +218,42 @@ def check_transformer_eval_equals_no_grad(rank: int, world_size: int) -> None:
 
 
 @contextlib.contextmanager
-def _assert_tensor_views() -> Iterator[None]:
-    orig = FlatParamHandle._use_unsharded_views
+def _assert_tensor_views(api: FSDPApi) -> Iterator[None]:
+    handle_cls = api.FlatParamHandle
+    orig = handle_cls._use_unsharded_views
 
-    def as_tensors_only(self: FlatParamHandle, as_params: bool) -> None:
+    def as_tensors_only(self, as_params: bool) -> None:
         assert not as_params, "Expects to use Tensor views but using parameter views"
         return orig(self, as_params)
 
-    with mock.patch.object(FlatParamHandle, "_use_unsharded_views", as_tensors_only):
+    with mock.patch.object(handle_cls, "_use_unsharded_views", as_tensors_only):
         yield
 
 
-def check_unshard_params_as_tensors(rank: int, world_size: int) -> None:
+def check_unshard_params_as_tensors(api: FSDPApi, rank: int, world_size: int) -> None:
     combos = itertools.product(
-        [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP], [False, True], [False, True], PREFETCH
+        [api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP], [False, True], [False, True], _prefetches(api)
     )
     for strategy, orig, fwd, bwd in combos:
-        model = FSDP(
+        model = api.wrap(
             nn.Sequential(*[nn.Linear(3, 3) for _ in range(5)]),
             sharding_strategy=strategy,
             use_orig_params=orig,
             forward_prefetch=fwd,
             backward_prefetch=bwd,
-            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            auto_wrap_policy=api.policy("ModuleWrapPolicy")({nn.Linear}),
         )
-        assert len(FSDP.fsdp_modules(model)) == 6
+        assert len(api.FSDP.fsdp_modules(model)) == 6
         seen: list[type] = []
 
         def record(module: nn.Module, args: tuple) -> None:
             seen.append(type(module.weight))
 
-        handles = [lin.register_forward_pre_hook(record) for lin in model.module if isinstance(lin, FSDP) for lin in [lin.module]]
+        handles = [
+            unit.module.register_forward_pre_hook(record) for unit in model.module if isinstance(unit, api.FSDP)
+        ]
         for _ in range(3):
-            with _assert_tensor_views():
+            with _assert_tensor_views(api):
                 model(torch.randn(2, 3)).sum().backward()
         for h in handles:
             h.remove()
@@ -200,9 +262,13 @@ def check_unshard_params_as_tensors(rank: int, world_size: int) -> None:
 
 CHECKS = [
     check_parity_nested_wrapped_model,
+    check_parity_nested_wrapped_model_offload,
     check_parity_nested_always_wrap_model,
+    check_parity_nested_always_wrap_model_offload,
     check_parity_transformer,
+    check_parity_transformer_offload,
     check_parity_mixture_of_experts,
+    check_parity_mixture_of_experts_offload,
     check_param_change_after_init,
     check_pre_backward_hook_registration,
     check_pre_backward_hook_registration_after_state_dict,
@@ -210,4 +276,4 @@ CHECKS = [
     check_transformer_eval_equals_no_grad,
     check_unshard_params_as_tensors,
 ]
-session, test_check = session_tests(CHECKS, timeout_s=400)
+session, test_check = api_session_tests(CHECKS, load_api, timeout_s=400)

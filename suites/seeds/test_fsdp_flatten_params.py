@@ -1,6 +1,7 @@
 """Seed behaviours of torch's test_fsdp_flatten_params.py that need the runtime (the layout and
-metadata ones live in suites/flat_param): partial flattening, flattening nothing, an empty
-module, numel, forward output and the parameter norm after a step with shared parameters, each
+metadata ones live in suites/flat_param), as conformance checks run against every engine with torch
+FSDP1's API (``fsdp_api``: our engine and torch FSDP1): partial flattening, flattening nothing, an
+empty module, numel, forward output and the parameter norm after a step with shared parameters, each
 in full and half precision, on CPU with a one-rank gloo group."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.testing import assert_close
 
-from engine import FSDP, FlatParamHandle, HandleShardingStrategy
-from suites.engine.ranks import session_tests
+from suites.engine.ranks import api_session_tests
+from suites.seeds.api import FSDPApi, load_api
 
 CPU = torch.device("cpu")
 
@@ -42,10 +43,10 @@ def _output(module: nn.Module) -> torch.Tensor:
     return module(*_input(dtype))
 
 
-def _handle_kwargs() -> dict:
+def _handle_kwargs(api: FSDPApi) -> dict:
     return dict(
         device=CPU,
-        sharding_strategy=HandleShardingStrategy.FULL_SHARD,
+        sharding_strategy=api.HandleShardingStrategy.FULL_SHARD,
         offload_params=False,
         mp_param_dtype=None,
         mp_reduce_dtype=None,
@@ -56,7 +57,7 @@ def _handle_kwargs() -> dict:
     )
 
 
-def check_partial_flattening(rank: int, world_size: int) -> None:
+def check_partial_flattening(api: FSDPApi, rank: int, world_size: int) -> None:
     for half in (False, True):
         module = _transformer()
         if half:
@@ -64,8 +65,8 @@ def check_partial_flattening(rank: int, world_size: int) -> None:
         numel = sum(p.numel() for p in module.parameters())
         enc1 = list(module.encoder.layers[1].parameters())
         dec0 = list(module.decoder.layers[0].parameters())
-        module.encoder.layers[1] = FSDP(module.encoder.layers[1])
-        module.decoder.layers[0] = FSDP(module.decoder.layers[0])
+        module.encoder.layers[1] = api.wrap(module.encoder.layers[1])
+        module.decoder.layers[0] = api.wrap(module.decoder.layers[0])
         flat_params = [module.encoder.layers[1]._flat_param, module.decoder.layers[0]._flat_param]
         assert sum(fp.numel() for fp in flat_params) == sum(p.numel() for p in enc1 + dec0)
         assert sum(p.numel() for p in module.parameters()) == numel
@@ -81,44 +82,44 @@ def check_partial_flattening(rank: int, world_size: int) -> None:
         assert all(p.dtype == new_dtype for p in module.encoder.layers[0].parameters())
 
 
-def check_flatten_nothing(rank: int, world_size: int) -> None:
+def check_flatten_nothing(api: FSDPApi, rank: int, world_size: int) -> None:
     for half in (False, True):
         module = _transformer().half() if half else _transformer()
         try:
-            FlatParamHandle([], module, **_handle_kwargs())
+            api.FlatParamHandle([], module, **_handle_kwargs(api))
         except ValueError as e:
             assert "Cannot construct a FlatParamHandle with an empty parameter list" in str(e)
         else:
             raise AssertionError("flattening nothing must raise ValueError")
 
 
-def check_empty_module(rank: int, world_size: int) -> None:
+def check_empty_module(api: FSDPApi, rank: int, world_size: int) -> None:
     class Empty(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + 1
 
     x = torch.rand(1)
-    fsdp = FSDP(Empty())
+    fsdp = api.wrap(Empty())
     assert len(list(fsdp.parameters())) == 0
     assert fsdp._flat_param is None
     assert_close(fsdp(x), x + 1)
 
 
-def check_numel(rank: int, world_size: int) -> None:
+def check_numel(api: FSDPApi, rank: int, world_size: int) -> None:
     for build in (_transformer, _shared_transformer):
         for half in (False, True):
             module = build().half() if half else build()
             ref_numel = sum(p.numel() for p in module.parameters())
-            handle = FlatParamHandle(list(module.parameters()), module, **_handle_kwargs())
+            handle = api.FlatParamHandle(list(module.parameters()), module, **_handle_kwargs(api))
             assert handle.flat_param.numel() == ref_numel, (build.__name__, half)
 
 
-def check_output(rank: int, world_size: int) -> None:
+def check_output(api: FSDPApi, rank: int, world_size: int) -> None:
     for build in (_transformer, _shared_transformer):
         for half in (False, True):
             module = build().half() if half else build()
             ref = _output(module)
-            out = _output(FSDP(module))
+            out = _output(api.wrap(module))
             assert_close(out, ref, msg=lambda m: f"{build.__name__} half={half}: {m}")
 
 
@@ -129,12 +130,12 @@ def _pnorm_after_step(module: nn.Module) -> torch.Tensor:
     return torch.norm(torch.stack([p.detach().float().norm() for p in module.parameters()]))
 
 
-def check_pnorm_after_step_with_shared_params(rank: int, world_size: int) -> None:
+def check_pnorm_after_step_with_shared_params(api: FSDPApi, rank: int, world_size: int) -> None:
     for half in (False, True):
         ref_module = _shared_transformer().half() if half else _shared_transformer()
         ref = _pnorm_after_step(ref_module)
         module = _shared_transformer().half() if half else _shared_transformer()
-        got = _pnorm_after_step(FSDP(module))
+        got = _pnorm_after_step(api.wrap(module))
         assert_close(got, ref, msg=lambda m: f"half={half}: {m}")
 
 
@@ -146,4 +147,4 @@ CHECKS = [
     check_output,
     check_pnorm_after_step_with_shared_params,
 ]
-session, test_check = session_tests(CHECKS, world_size=1)
+session, test_check = api_session_tests(CHECKS, load_api, world_size=1)

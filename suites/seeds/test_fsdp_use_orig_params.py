@@ -1,5 +1,7 @@
-"""Seed behaviours of torch's test_fsdp_use_orig_params.py on our engine, 2 CPU ranks (gloo):
-parameter groups with different hyperparameters, different trainability, multiple optimizers,
+"""Seed behaviours of torch's test_fsdp_use_orig_params.py, as conformance checks run against every
+engine with torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 CPU ranks (gloo):
+parameter groups with different hyperparameters (with and without CPU offload), different
+trainability, multiple optimizers,
 multiple forwards before backward, summon between two forwards, access after forward, parameter
 and gradient writeback (and shape mismatch), no-reshard changes between forward and backward,
 FQNs in forward, no_sync correctness and mixed-precision dtypes, non-uniform requires_grad.
@@ -20,18 +22,23 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
-from engine import FSDP, BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
-from engine.wrap import ModuleWrapPolicy
-from suites.engine import parity
 from suites.engine.models import SharedTransformer
-from suites.engine.ranks import session_tests
+from suites.engine.ranks import api_session_tests
+from suites.seeds.api import FSDPApi, accumulation_parity, clean as _clean, load_api
 
 CPU = torch.device("cpu")
-STRATEGIES = [ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD]
 
 
-def _clean(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "")
+def _strategies(api: FSDPApi) -> list:
+    return [api.ShardingStrategy.NO_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.FULL_SHARD]
+
+
+def _layer_policy(api: FSDPApi) -> object:
+    return api.policy("ModuleWrapPolicy")({nn.TransformerEncoderLayer})
+
+
+def _linear_policy(api: FSDPApi) -> object:
+    return api.policy("ModuleWrapPolicy")({nn.Linear})
 
 
 def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -49,13 +56,12 @@ def _sgd(groups: Any, foreach: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=5e-3, momentum=0.9, weight_decay=0.0, foreach=foreach)
 
 
-def _fsdp_transformer(**kwargs: Any) -> nn.Module:
-    policy = ModuleWrapPolicy({nn.TransformerEncoderLayer})
-    return FSDP(SharedTransformer(), auto_wrap_policy=policy, use_orig_params=True, **kwargs)
+def _fsdp_transformer(api: FSDPApi, **kwargs: Any) -> nn.Module:
+    return api.wrap(SharedTransformer(), auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
 
 
-def _check_param_parity(ddp: DDP, fsdp: nn.Module) -> None:
-    with FSDP.summon_full_params(fsdp):
+def _check_param_parity(api: FSDPApi, ddp: DDP, fsdp: nn.Module) -> None:
+    with api.FSDP.summon_full_params(fsdp):
         pairs = list(zip(ddp.module.named_parameters(), fsdp.named_parameters()))
         assert len(pairs) == len(list(ddp.module.parameters()))
         for (n1, p1), (n2, p2) in pairs:
@@ -63,7 +69,7 @@ def _check_param_parity(ddp: DDP, fsdp: nn.Module) -> None:
             assert_close(p1, p2, msg=lambda m: f"{n1}: {m}")
 
 
-def _train_parity(ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, set_to_none: bool, iters: int = 6) -> None:
+def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, set_to_none: bool, iters: int = 6) -> None:
     rank = dist.get_rank()
     for i in range(iters):
         losses = []
@@ -78,49 +84,57 @@ def _train_parity(ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, set_to_none: boo
             loss.backward()
             opt.step()
         assert_close(losses[0], losses[1], msg=lambda m: f"iter {i}: {m}")
-    _check_param_parity(ddp, fsdp)
+    _check_param_parity(api, ddp, fsdp)
 
 
-def check_diff_hyperparams(rank: int, world_size: int) -> None:
-    combos = itertools.product(
-        STRATEGIES, [False, True], [False, True], [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST], [False, True], [False, True]
-    )
-    for strategy, before_wrap, set_to_none, prefetch, skip_check, offload in combos:
+def _diff_hyperparams(api: FSDPApi, offload: bool) -> None:
+    api.require_offload(offload)
+    prefetches = [None, api.BackwardPrefetch.BACKWARD_PRE, api.BackwardPrefetch.BACKWARD_POST]
+    combos = itertools.product(_strategies(api), [False, True], [False, True], prefetches, [False, True])
+    for strategy, before_wrap, set_to_none, prefetch, skip_check in combos:
         if skip_check:
             os.environ["FSDP_SKIP_WRITEBACK_CHECK"] = "1"
         try:
             ddp = DDP(SharedTransformer())
             ddp_opt = _sgd(_param_groups(ddp), foreach=set_to_none)
-            kwargs = dict(sharding_strategy=strategy, backward_prefetch=prefetch, cpu_offload=CPUOffload(offload))
+            kwargs = dict(sharding_strategy=strategy, backward_prefetch=prefetch, cpu_offload=api.CPUOffload(offload))
             if before_wrap:
                 module = SharedTransformer()
                 fsdp_opt = _sgd(_param_groups(module), foreach=not set_to_none)
-                fsdp = FSDP(module, auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}), use_orig_params=True, **kwargs)
+                fsdp = api.wrap(module, auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
             else:
-                fsdp = _fsdp_transformer(**kwargs)
+                fsdp = _fsdp_transformer(api, **kwargs)
                 fsdp_opt = _sgd(_param_groups(fsdp), foreach=not set_to_none)
-            _train_parity(ddp, ddp_opt, fsdp, fsdp_opt, set_to_none)
+            _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none)
         finally:
             os.environ.pop("FSDP_SKIP_WRITEBACK_CHECK", None)
 
 
-def check_diff_trainability(rank: int, world_size: int) -> None:
-    for strategy, foreach in itertools.product(STRATEGIES, [False, True]):
+def check_diff_hyperparams(api: FSDPApi, rank: int, world_size: int) -> None:
+    _diff_hyperparams(api, offload=False)
+
+
+def check_diff_hyperparams_cpu_offload(api: FSDPApi, rank: int, world_size: int) -> None:
+    _diff_hyperparams(api, offload=True)
+
+
+def check_diff_trainability(api: FSDPApi, rank: int, world_size: int) -> None:
+    for strategy, foreach in itertools.product(_strategies(api), [False, True]):
         ddp = DDP(SharedTransformer(), find_unused_parameters=True)
         ddp_opt = _sgd(_param_groups(ddp), foreach)
-        fsdp = _fsdp_transformer(sharding_strategy=strategy)
+        fsdp = _fsdp_transformer(api, sharding_strategy=strategy)
         fsdp_opt = _sgd(_param_groups(fsdp), foreach)
         for model in (ddp, fsdp):
             for name, p in model.named_parameters():
                 if "bias" in name:
                     p.requires_grad_(False)
-        _train_parity(ddp, ddp_opt, fsdp, fsdp_opt, set_to_none=False)
+        _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none=False)
 
 
-def check_multiple_optimizers(rank: int, world_size: int) -> None:
-    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
+    for strategy in (api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP):
         ddp = DDP(SharedTransformer())
-        fsdp = _fsdp_transformer(sharding_strategy=strategy)
+        fsdp = _fsdp_transformer(api, sharding_strategy=strategy)
         opts = []
         for model in (ddp, fsdp):
             groups = _param_groups(model)
@@ -137,29 +151,31 @@ def check_multiple_optimizers(rank: int, world_size: int) -> None:
                 b.step()
                 losses.append(loss)
             assert_close(losses[0], losses[1])
-        _check_param_parity(ddp, fsdp)
+        _check_param_parity(api, ddp, fsdp)
 
 
-def _orig_and_flat_models(strategy: ShardingStrategy, offload: bool):
+def _orig_and_flat_models(api: FSDPApi, strategy: Any, offload: bool):
     models = []
     for orig in (False, True):
         model = SharedTransformer().wrap(
-            FSDP, sharding_strategy=strategy, cpu_offload=CPUOffload(offload), use_orig_params=orig
+            api.wrap, sharding_strategy=strategy, cpu_offload=api.CPUOffload(offload), use_orig_params=orig
         )
         models.append((model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)))
     return models
 
 
-def _fsdp_params_equal(a: nn.Module, b: nn.Module) -> None:
-    with FSDP.summon_full_params(a), FSDP.summon_full_params(b):
+def _fsdp_params_equal(api: FSDPApi, a: nn.Module, b: nn.Module) -> None:
+    with api.FSDP.summon_full_params(a), api.FSDP.summon_full_params(b):
         for (n1, p1), (n2, p2) in zip(a.named_parameters(), b.named_parameters()):
             assert n1 == n2
             assert_close(p1, p2)
 
 
-def check_multiple_forward(rank: int, world_size: int) -> None:
-    for strategy, offload in itertools.product(STRATEGIES, [False, True]):
-        (m1, o1), (m2, o2) = _orig_and_flat_models(strategy, offload)
+def _multiple_forward(api: FSDPApi, offload: bool) -> None:
+    api.require_offload(offload)
+    rank = dist.get_rank()
+    for strategy in _strategies(api):
+        (m1, o1), (m2, o2) = _orig_and_flat_models(api, strategy, offload)
         for i in range(3):
             inp1 = SharedTransformer.input(i, rank, CPU)
             inp2 = SharedTransformer.input(i + 100, rank, CPU)
@@ -171,19 +187,29 @@ def check_multiple_forward(rank: int, world_size: int) -> None:
                 opt.step()
                 results.append((l1, l2))
             assert_close(results[0], results[1], msg=lambda m: f"{strategy} offload={offload}: {m}")
-        _fsdp_params_equal(m1, m2)
+        _fsdp_params_equal(api, m1, m2)
 
 
-def check_summon_between_two_forwards(rank: int, world_size: int) -> None:
-    for strategy, offload in itertools.product(STRATEGIES, [False, True]):
-        (m1, o1), (m2, o2) = _orig_and_flat_models(strategy, offload)
+def check_multiple_forward(api: FSDPApi, rank: int, world_size: int) -> None:
+    _multiple_forward(api, offload=False)
+
+
+def check_multiple_forward_cpu_offload(api: FSDPApi, rank: int, world_size: int) -> None:
+    _multiple_forward(api, offload=True)
+
+
+def _summon_between_two_forwards(api: FSDPApi, offload: bool) -> None:
+    api.require_offload(offload)
+    rank = dist.get_rank()
+    for strategy in _strategies(api):
+        (m1, o1), (m2, o2) = _orig_and_flat_models(api, strategy, offload)
         for i in range(3):
             o1.zero_grad()
             o2.zero_grad()
             inp1 = SharedTransformer.input(i, rank, CPU)
             a1, b1 = SharedTransformer.loss(m1(*inp1)), SharedTransformer.loss(m2(*inp1))
             assert_close(a1, b1)
-            _fsdp_params_equal(m1, m2)
+            _fsdp_params_equal(api, m1, m2)
             inp2 = SharedTransformer.input(i + 100, rank, CPU)
             a2, b2 = SharedTransformer.loss(m1(*inp2)), SharedTransformer.loss(m2(*inp2))
             assert_close(a2, b2)
@@ -191,7 +217,15 @@ def check_summon_between_two_forwards(rank: int, world_size: int) -> None:
             (b1 + b2).backward()
             o1.step()
             o2.step()
-        _fsdp_params_equal(m1, m2)
+        _fsdp_params_equal(api, m1, m2)
+
+
+def check_summon_between_two_forwards(api: FSDPApi, rank: int, world_size: int) -> None:
+    _summon_between_two_forwards(api, offload=False)
+
+
+def check_summon_between_two_forwards_cpu_offload(api: FSDPApi, rank: int, world_size: int) -> None:
+    _summon_between_two_forwards(api, offload=True)
 
 
 class _Lin2(nn.Module):
@@ -210,16 +244,16 @@ class _Lin2(nn.Module):
         return (torch.randn((2, 5)).to(device),)
 
 
-def check_access_params_after_forward(rank: int, world_size: int) -> None:
-    for strategy in STRATEGIES:
+def check_access_params_after_forward(api: FSDPApi, rank: int, world_size: int) -> None:
+    for strategy in _strategies(api):
         ref = _Lin2()
-        model = FSDP(_Lin2(), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True)
+        model = api.wrap(_Lin2(), sharding_strategy=strategy, auto_wrap_policy=_linear_policy(api), use_orig_params=True)
         x = model.get_input(CPU)
         model(*x)
         for name in ("weight", "bias"):
             p = getattr(model.module.lin1, name)
             full = getattr(ref.lin1, name).detach().reshape(-1)
-            if strategy == ShardingStrategy.FULL_SHARD:
+            if strategy == api.ShardingStrategy.FULL_SHARD:
                 # Resharded: the sharded, flattened original parameter.
                 start = rank * p.numel() if rank == 0 else full.numel() - p.numel()
                 assert p.dim() == 1 and p.numel() <= full.numel()
@@ -229,23 +263,23 @@ def check_access_params_after_forward(rank: int, world_size: int) -> None:
                 assert_close(p.detach(), getattr(ref.lin1, name).detach())
 
 
-def check_param_writeback(rank: int, world_size: int) -> None:
+def check_param_writeback(api: FSDPApi, rank: int, world_size: int) -> None:
     def transform(p: nn.Parameter) -> nn.Parameter:
         return nn.Parameter(torch.ones_like(p) * 2)
 
     for first, change_data in itertools.product([True, False], [True, False]):
         ddp = DDP(_Lin2())
-        fsdp = FSDP(_Lin2(), use_orig_params=True)
+        fsdp = api.wrap(_Lin2(), use_orig_params=True)
         for m in (ddp.module, fsdp.module):
             lin = m.lin1 if first else m.lin2
             if change_data:
                 lin.weight.data = transform(lin.weight)
             else:
                 lin.weight = transform(lin.weight)
-        _check_param_parity(ddp, fsdp)
+        _check_param_parity(api, ddp, fsdp)
 
 
-def check_grad_writeback(rank: int, world_size: int) -> None:
+def check_grad_writeback(api: FSDPApi, rank: int, world_size: int) -> None:
     for first, change_data, set_to_none in itertools.product([False, True], [False, True], [False, True]):
         if change_data and set_to_none:
             continue
@@ -254,7 +288,7 @@ def check_grad_writeback(rank: int, world_size: int) -> None:
             return None if set_to_none else torch.ones_like(p) * 2
 
         ddp = DDP(_Lin2())
-        fsdp = FSDP(_Lin2(), use_orig_params=True)
+        fsdp = api.wrap(_Lin2(), use_orig_params=True)
         ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
         fsdp_opt = torch.optim.SGD(fsdp.parameters(), lr=1e-2, momentum=0.9)
         for step in range(2):
@@ -272,38 +306,38 @@ def check_grad_writeback(rank: int, world_size: int) -> None:
                         w.grad = transform(w)
             ddp_opt.step()
             fsdp_opt.step()
-            _check_param_parity(ddp, fsdp)
+            _check_param_parity(api, ddp, fsdp)
             # Gradients deliberately not zeroed: the next backward accumulates onto the writeback.
 
 
-def check_writeback_shape_mismatch(rank: int, world_size: int) -> None:
-    fsdp = FSDP(_Lin2(), use_orig_params=True)
+def check_writeback_shape_mismatch(api: FSDPApi, rank: int, world_size: int) -> None:
+    fsdp = api.wrap(_Lin2(), use_orig_params=True)
     lin = fsdp.module.lin1 if rank == 0 else fsdp.module.lin2
     shape = [d + 1 for d in lin.weight.shape]
     lin.weight = nn.Parameter(torch.randn(shape))
     lin.weight.grad = torch.randn(shape)
     with pytest.raises(RuntimeError, match="Cannot writeback when the parameter shape changes"):
-        with FSDP.summon_full_params(fsdp):
+        with api.FSDP.summon_full_params(fsdp):
             pass
-    fsdp = FSDP(_Lin2(), use_orig_params=True)
+    fsdp = api.wrap(_Lin2(), use_orig_params=True)
     lin = fsdp.module.lin1 if rank == 0 else fsdp.module.lin2
     # ``.grad =`` itself refuses another shape; ``.grad.data`` does not.
     lin.weight.grad = torch.zeros_like(lin.weight)
     lin.weight.grad.data = torch.randn([d + 1 for d in lin.weight.shape])
     with pytest.raises(RuntimeError, match="Cannot writeback when the gradient shape changes"):
-        with FSDP.summon_full_params(fsdp):
+        with api.FSDP.summon_full_params(fsdp):
             pass
 
 
-def check_writeback_between_fwd_and_bwd_for_no_reshard_raises(rank: int, world_size: int) -> None:
-    kwargs = dict(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True)
+def check_writeback_between_fwd_and_bwd_for_no_reshard_raises(api: FSDPApi, rank: int, world_size: int) -> None:
+    kwargs = dict(sharding_strategy=api.ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy=_linear_policy(api), use_orig_params=True)
     msg = "FSDP does not support changing the parameters between forward and backward"
-    fsdp = FSDP(_Lin2(), **kwargs)
+    fsdp = api.wrap(_Lin2(), **kwargs)
     loss = fsdp(*fsdp.get_input(CPU)).sum()
     fsdp.lin1.weight.data = fsdp.lin1.weight.clone()
     with pytest.raises(AssertionError, match=msg):
         loss.backward()
-    fsdp = FSDP(_Lin2(), **kwargs)
+    fsdp = api.wrap(_Lin2(), **kwargs)
     loss = fsdp(*fsdp.get_input(CPU)).sum()
     fsdp.lin1._fsdp_wrapped_module.weight = nn.Parameter(fsdp.lin1.weight.clone())
     with pytest.raises(AssertionError, match=msg):
@@ -311,7 +345,7 @@ def check_writeback_between_fwd_and_bwd_for_no_reshard_raises(rank: int, world_s
     # FSDP_SKIP_WRITEBACK_CHECK=1 turns the check off.
     os.environ["FSDP_SKIP_WRITEBACK_CHECK"] = "1"
     try:
-        fsdp = FSDP(_Lin2(), **kwargs)
+        fsdp = api.wrap(_Lin2(), **kwargs)
         loss = fsdp(*fsdp.get_input(CPU)).sum()
         fsdp.lin1.weight.data = fsdp.lin1.weight.clone()
         loss.backward()
@@ -319,17 +353,17 @@ def check_writeback_between_fwd_and_bwd_for_no_reshard_raises(rank: int, world_s
         os.environ.pop("FSDP_SKIP_WRITEBACK_CHECK")
 
 
-def check_no_reshard_and_mixed_precision(rank: int, world_size: int) -> None:
-    fsdp = FSDP(
+def check_no_reshard_and_mixed_precision(api: FSDPApi, rank: int, world_size: int) -> None:
+    fsdp = api.wrap(
         _Lin2(),
-        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
-        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        sharding_strategy=api.ShardingStrategy.SHARD_GRAD_OP,
+        auto_wrap_policy=_linear_policy(api),
+        mixed_precision=api.MixedPrecision(param_dtype=torch.bfloat16),
         use_orig_params=True,
     )
     x = fsdp.get_input(CPU)
     fsdp(*x)
-    with FSDP.summon_full_params(fsdp):
+    with api.FSDP.summon_full_params(fsdp):
         pass
     fsdp.train()
     fsdp(*x)
@@ -339,12 +373,12 @@ def check_no_reshard_and_mixed_precision(rank: int, world_size: int) -> None:
     fsdp(*x).sum().backward()
     fsdp.eval()
     fsdp(*x)
-    with FSDP.state_dict_type(fsdp, StateDictType.SHARDED_STATE_DICT):
+    with api.FSDP.state_dict_type(fsdp, api.StateDictType.SHARDED_STATE_DICT):
         fsdp.load_state_dict(fsdp.state_dict())
     fsdp(*x).sum().backward()
 
 
-def check_named_parameters_in_forward(rank: int, world_size: int) -> None:
+def check_named_parameters_in_forward(api: FSDPApi, rank: int, world_size: int) -> None:
     seen: list[tuple[list[str], list[torch.Size]]] = []
 
     class Model(nn.Module):
@@ -359,20 +393,20 @@ def check_named_parameters_in_forward(rank: int, world_size: int) -> None:
 
     model = Model()
     shapes = [model.lin.weight.shape, model.lin.bias.shape]
-    FSDP(model, use_orig_params=True)(torch.randn(2, 5))
+    api.wrap(model, use_orig_params=True)(torch.randn(2, 5))
     assert seen == [(["lin.weight", "lin.bias"], shapes)], seen
 
 
-def _no_sync_models(strategy: ShardingStrategy):
+def _no_sync_models(api: FSDPApi, strategy: Any):
     return [
         (m, torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9))
-        for m in (SharedTransformer().wrap(FSDP, sharding_strategy=strategy, use_orig_params=o) for o in (False, True))
+        for m in (SharedTransformer().wrap(api.wrap, sharding_strategy=strategy, use_orig_params=o) for o in (False, True))
     ]
 
 
-def check_no_sync_correctness(rank: int, world_size: int) -> None:
-    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
-        pairs = _no_sync_models(strategy)
+def check_no_sync_correctness(api: FSDPApi, rank: int, world_size: int) -> None:
+    for strategy in (api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.NO_SHARD):
+        pairs = _no_sync_models(api, strategy)
         for i in range(3):
             for model, opt in pairs:
                 with model.no_sync():
@@ -380,18 +414,18 @@ def check_no_sync_correctness(rank: int, world_size: int) -> None:
                 SharedTransformer.loss(model(*SharedTransformer.input(i + 50, rank, CPU))).backward()
                 opt.step()
                 opt.zero_grad()
-        _fsdp_params_equal(pairs[0][0], pairs[1][0])
+        _fsdp_params_equal(api, pairs[0][0], pairs[1][0])
         # And both equal the all-data reference.
-        parity.accumulation_parity("transformer", dict(sharding_strategy=strategy, use_orig_params=True), CPU, use_no_sync=True)
+        accumulation_parity(api, "transformer", dict(sharding_strategy=strategy, use_orig_params=True), CPU, use_no_sync=True)
 
 
-def check_no_sync_mixed_precision(rank: int, world_size: int) -> None:
+def check_no_sync_mixed_precision(api: FSDPApi, rank: int, world_size: int) -> None:
     low = torch.bfloat16  # CPU kernels: bfloat16 stands in for the seed's float16
-    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
-        model = FSDP(
+    for strategy in (api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.NO_SHARD):
+        model = api.wrap(
             nn.Linear(3, 3),
             sharding_strategy=strategy,
-            mixed_precision=MixedPrecision(param_dtype=low, reduce_dtype=torch.float32),
+            mixed_precision=api.MixedPrecision(param_dtype=low, reduce_dtype=torch.float32),
             use_orig_params=True,
         )
         x = torch.randn(2, 3)
@@ -405,23 +439,26 @@ def check_no_sync_mixed_precision(rank: int, world_size: int) -> None:
         assert grads and all(g.dtype == torch.float32 for g in grads), (strategy, [g.dtype for g in grads])
 
 
-def check_non_uniform_requires_grad(rank: int, world_size: int) -> None:
+def check_non_uniform_requires_grad(api: FSDPApi, rank: int, world_size: int) -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     model[0].bias.requires_grad = False
     model[1].bias.requires_grad = False
-    fsdp = FSDP(model, use_orig_params=True)
+    fsdp = api.wrap(model, use_orig_params=True)
     assert fsdp[0].weight.requires_grad and fsdp[1].weight.requires_grad
     assert not fsdp[0].bias.requires_grad and not fsdp[1].bias.requires_grad
     fsdp(torch.randn(2, 3)).sum().backward()
     assert fsdp[0].bias.grad is None and fsdp[1].bias.grad is None
 
 
-CHECKS: list[Callable[[int, int], None]] = [
+CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
     check_diff_hyperparams,
+    check_diff_hyperparams_cpu_offload,
     check_diff_trainability,
     check_multiple_optimizers,
     check_multiple_forward,
+    check_multiple_forward_cpu_offload,
     check_summon_between_two_forwards,
+    check_summon_between_two_forwards_cpu_offload,
     check_access_params_after_forward,
     check_param_writeback,
     check_grad_writeback,
@@ -433,4 +470,4 @@ CHECKS: list[Callable[[int, int], None]] = [
     check_no_sync_mixed_precision,
     check_non_uniform_requires_grad,
 ]
-session, test_check = session_tests(CHECKS, timeout_s=400)
+session, test_check = api_session_tests(CHECKS, load_api, timeout_s=400)

@@ -1,0 +1,397 @@
+"""pytest plugin of the project: options, hooks and fixtures of the generated parity suites.
+
+Loaded by the root ``conftest.py``. What it adds:
+
+- options ``--engine``, ``--reference``, ``--matrix`` (smoke | pairwise | full), ``--world-size``,
+  ``--backend``, ``--case-timeout``, ``--results`` (see ``pytest --help``, group "parity");
+- ``@pytest.mark.parity_matrix(SuiteMatrix(...))`` on a test that takes ``parity_case``: the test is
+  parametrized with the suite's cases for the chosen lane (``harness.pytest_cases``), each with its
+  ``CaseConfig.full_id`` as test id (``-k 'full_shard-bf16'`` selects), marked ``slow`` outside the
+  smoke lane and ``gpu`` where its ranks run on GPUs;
+- ``fsdp_api``: a test or fixture that takes it runs once per requested engine with torch FSDP1's API
+  (``builtin``, ``torch-fsdp``; the seed conformance suites);
+- fixtures ``parity_options``, ``parity_pools`` (one rank pool per world size, started once per pytest
+  process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
+  verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
+  with the details);
+- a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
+
+Under pytest-xdist every worker's pools take a disjoint block of the GPUs (``plan_pool``), every
+worker appends its records to its own file (``worker_results_path``) and the controller merges them
+into ``--results`` at the end of the session (no ``--results``: nothing is written). Under xdist each
+worker needs ``world_size`` GPUs of its own; on two GPUs run the generated suites without ``-n``.
+
+The terminal summary counts the generated cases by verdict, and says where the engines agree: every seed
+check (``fsdp_api``) and every generated case that ran on two engines, with each disagreement listed.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import pytest
+
+from harness.case import CaseConfig
+from harness.pytest_cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
+from harness.records import CaseRecord
+
+if TYPE_CHECKING:
+    from harness.collector import ResultWriter
+    from harness.pool import RankPool
+
+OPTIONS_KEY = pytest.StashKey[ParityOptions]()
+SESSION_KEY = pytest.StashKey["ParitySession"]()
+
+#: ``user_properties`` a generated case leaves on its report, read by the controller's summary.
+VERDICT_PROPERTY = "parity_verdict"
+WALL_PROPERTY = "parity_wall_s"
+#: ``user_properties`` that say which engine a test ran on and what it checked apart from the engine,
+#: for the agreement summary (seed checks under ``fsdp_api``, generated cases).
+ENGINE_PROPERTY = "conformance_engine"
+KEY_PROPERTY = "conformance_key"
+#: ``workerinput`` key that hands the controller's run id to every xdist worker.
+RUN_ID_INPUT = "parity_run_id"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Options
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("parity", "generated parity cases (harness.pytest_plugin)")
+    group.addoption("--engine", default="builtin,torch-fsdp,torch-fsdp2",
+                    help="comma list of engines under test (default: all three); the seed suites run the FSDP1-API ones")
+    group.addoption("--reference", default="ddp,local", help="comma list of references: ddp,local (default: both)")
+    group.addoption("--matrix", default="smoke", choices=("smoke", "pairwise", "full"),
+                    help="lane: how each generated suite walks its slice of the case matrix (default: smoke)")
+    group.addoption("--world-size", default="2",
+                    help="ranks per case, comma list for several (default 2); cases needing more GPUs than "
+                         "this process has are skipped with the reason")
+    group.addoption("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                    help="auto: NCCL with one GPU per rank where there are GPUs, else gloo on CPU")
+    group.addoption("--case-timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    group.addoption("--results", default=None, metavar="FILE",
+                    help="append every generated case's record to this JSON Lines file (default: none); "
+                         "xdist workers write FILE's per-worker siblings, merged into FILE at the end")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        options = ParityOptions.parse(
+            engine=config.getoption("engine"),
+            reference=config.getoption("reference"),
+            matrix=config.getoption("matrix"),
+            world_size=config.getoption("world_size"),
+            backend=config.getoption("backend"),
+            case_timeout=config.getoption("case_timeout"),
+            results=config.getoption("results"),
+        )
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[OPTIONS_KEY] = options
+    config.addinivalue_line(
+        "markers", "parity_matrix(suite): parametrize the test's parity_case with a harness.pytest_cases.SuiteMatrix"
+    )
+    session = ParitySession(config, options)
+    config.stash[SESSION_KEY] = session
+    config.pluginmanager.register(session, "parity-session")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation and markers
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    options = metafunc.config.stash[OPTIONS_KEY]
+    if "parity_case" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("parity_matrix")
+        if marker is None or not marker.args or not isinstance(marker.args[0], SuiteMatrix):
+            raise pytest.UsageError(
+                f"{metafunc.definition.nodeid} takes parity_case but has no "
+                "@pytest.mark.parity_matrix(SuiteMatrix(...)): say which slice of the matrix it runs"
+            )
+        suite: SuiteMatrix = marker.args[0]
+        marks = [pytest.mark.slow] if options.matrix != "smoke" else []
+        gpu = {ws: _plan(ws, options).backend == "nccl" for ws in options.world_sizes}
+        metafunc.parametrize(
+            "parity_case",
+            [
+                pytest.param(case, id=case.full_id, marks=[*marks, *([pytest.mark.gpu] if gpu[case.world_size] else [])])
+                for case in suite.cases(options)
+            ],
+        )
+    if "fsdp_api" in metafunc.fixturenames:
+        engines: list[Any] = list(options.fsdp1_engines) or [pytest.param(
+            None, id="no-fsdp1-engine",
+            marks=pytest.mark.skip(reason=f"--engine {','.join(options.engines)} names no engine with torch FSDP1's API "
+                                          "(builtin, torch-fsdp)"),
+        )]
+        # Module scope: a seed module spawns its ranks once per engine, not once per check.
+        metafunc.parametrize("fsdp_api", engines, scope="module")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    callspec = getattr(item, "callspec", None)
+    engine = callspec.params.get("fsdp_api") if callspec is not None else None
+    if engine is not None:
+        item.user_properties.append((ENGINE_PROPERTY, engine))
+        item.user_properties.append((KEY_PROPERTY, _key_without_engine(item, engine)))
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip_here("marked gpu: needs CUDA GPUs; torch.cuda.is_available() is False on this machine")
+
+
+def _key_without_engine(item: pytest.Item, engine: str) -> str:
+    """``test_fsdp_core.py::test_check[builtin-check_x]`` -> ``test_fsdp_core.py::test_check[check_x]``."""
+    ids = item.callspec.id.replace(engine, "", 1).replace("--", "-").strip("-")  # type: ignore[attr-defined]
+    name = getattr(item, "originalname", item.name)
+    return f"{item.path.name}::{name}" + (f"[{ids}]" if ids else "")
+
+
+def skip_here(reason: str) -> NoReturn:
+    """Skip the running test, reported at the test's own location rather than at this plugin's line
+    (what pytest does for skip markers and skipping fixtures)."""
+    raise pytest.skip.Exception(reason, _use_item_location=True)
+
+
+def _worker() -> tuple[int, int]:
+    from harness.pool import xdist_worker
+
+    return xdist_worker()
+
+
+def _plan(world_size: int, options: ParityOptions) -> PoolPlan:
+    import torch
+
+    worker, workers = _worker()
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return plan_pool(world_size, options.backend, n_gpus, worker, workers)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Session state: results file and verdict summary
+
+
+class ParitySession:
+    """This pytest process's share of the run: its results file, and (on the controller) the verdict counts.
+
+    Registered as a plugin object so its hook methods see every report, including those xdist
+    workers send to the controller.
+    """
+
+    def __init__(self, config: pytest.Config, options: ParityOptions) -> None:
+        self.config = config
+        self.options = options
+        #: the merged results file; None when ``--results`` is not given.
+        self.results = Path(options.results) if options.results else None
+        #: True in an xdist worker (which runs tests but reports to a controller).
+        self.is_worker = hasattr(config, "workerinput")
+        self.run_id = self._run_id()
+        #: opened on the first record, so a run without generated cases leaves no file.
+        self._writer: ResultWriter | None = None
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.case_wall_s = 0.0
+        #: the seed checks per FSDP1-API engine, and the generated cases per engine.
+        self.seed_agreement = Agreement()
+        self.case_agreement = Agreement()
+        if self.results is not None and not self.is_worker:
+            self._refuse_stale_results(self.results)
+
+    def _run_id(self) -> str:
+        if self.is_worker:
+            given = self.config.workerinput.get(RUN_ID_INPUT)  # type: ignore[attr-defined]
+            if given:
+                return str(given)
+        # Sortable by start time, marked as a pytest run; the suffix separates runs started in one second.
+        return f"pytest-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+    @staticmethod
+    def _refuse_stale_results(path: Path) -> None:
+        from harness.collector import worker_results_files
+
+        stale = [p for p in [path, *worker_results_files(path)] if p.exists() and p.stat().st_size > 0]
+        if stale:
+            raise pytest.UsageError(
+                f"--results {path}: {', '.join(str(p) for p in stale)} already hold results; "
+                "choose a new path or remove them (a killed xdist run leaves per-worker files to merge with "
+                "harness.collector.merge_results)"
+            )
+
+    # -- records --------------------------------------------------------------------------------------
+
+    def record(self, record: CaseRecord, node: pytest.Item) -> None:
+        """Append the record to this process's results file and leave its verdict on the test report."""
+        node.user_properties.append((VERDICT_PROPERTY, record.verdict))
+        node.user_properties.append((WALL_PROPERTY, record.wall_s))
+        case = record.case
+        name = getattr(node, "originalname", node.name)
+        node.user_properties.append((ENGINE_PROPERTY, case["engine"]))
+        node.user_properties.append((KEY_PROPERTY, f"{name}[{case['reference']}:{record.case_id}]"))
+        if self.results is None:
+            return
+        if self._writer is None:
+            from harness.collector import ResultWriter, run_info, worker_results_path
+
+            self._writer = ResultWriter(worker_results_path(self.results), run_info(self._backend_name(), self.run_id))
+        self._writer.append(record)
+
+    def _backend_name(self) -> str:
+        names = sorted({_plan(ws, self.options).backend or "none" for ws in self.options.world_sizes})
+        return ",".join(names)
+
+    # -- hooks ----------------------------------------------------------------------------------------
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        """xdist (controller): every worker records under the controller's run id."""
+        node.workerinput[RUN_ID_INPUT] = self.run_id
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.is_worker:
+            return
+        props = dict(report.user_properties)
+        if VERDICT_PROPERTY in props:
+            if report.when == "call":
+                self.counts[props[VERDICT_PROPERTY]] += 1
+                self.case_wall_s += float(props.get(WALL_PROPERTY, 0.0))
+                self.case_agreement.add(props[KEY_PROPERTY], props[ENGINE_PROPERTY], props[VERDICT_PROPERTY])
+        elif KEY_PROPERTY in props:
+            # A seed check: the worst of its phases (a failing session fixture fails at setup).
+            self.seed_agreement.add(props[KEY_PROPERTY], props[ENGINE_PROPERTY], report.outcome)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self.is_worker or self.results is None:
+            return
+        from harness.collector import merge_results, worker_results_files
+
+        parts = worker_results_files(self.results)
+        if parts:
+            merge_results(parts, self.results)
+            for part in parts:
+                part.unlink()
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.seed_agreement.compared():
+            terminalreporter.write_sep("-", "seed conformance: where the FSDP1-API engines agree")
+            terminalreporter.write_line(self.seed_agreement.render("seed check"))
+        if not self.counts:
+            return
+        terminalreporter.write_sep("-", "generated parity cases")
+        terminalreporter.write_line(verdict_table(self.counts, self.case_wall_s, self.options.matrix))
+        if self.case_agreement.compared():
+            terminalreporter.write_line(self.case_agreement.render("case"))
+        if self.results is not None and self.results.exists():
+            terminalreporter.write_line(f"records: {self.results}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pools and the runner
+
+
+class PoolRegistry:
+    """The rank pools of this pytest process: one per world size, started on first use, shared by every
+    generated case, closed at the end of the session."""
+
+    def __init__(self, options: ParityOptions) -> None:
+        self.options = options
+        self._pools: dict[int, RankPool] = {}
+        #: why a world size has no pool here: a plan that cannot run, or a start that failed once.
+        self._unavailable: dict[int, tuple[str, str]] = {}
+
+    def pool_for(self, world_size: int) -> "RankPool":
+        """The pool for ``world_size``; skips the test (no GPUs for it) or fails it (ranks did not start)."""
+        if world_size in self._unavailable:
+            action, reason = self._unavailable[world_size]
+            if action == "skip":
+                skip_here(reason)
+            pytest.fail(reason, pytrace=False)
+        if world_size not in self._pools:
+            plan = _plan(world_size, self.options)
+            if plan.skip_reason is not None:
+                self._unavailable[world_size] = ("skip", plan.skip_reason)
+                skip_here(plan.skip_reason)
+            from harness.pool import PoolConfig, PoolStartError, RankPool
+
+            pool = RankPool(PoolConfig(
+                world_size=world_size, backend=plan.backend, devices=plan.devices,  # type: ignore[arg-type]
+                case_timeout_s=self.options.case_timeout_s,
+            ))
+            try:
+                pool.start()
+            except PoolStartError as exc:
+                pool.close()
+                # Every later case of this size would wait for the same start-up to fail again.
+                self._unavailable[world_size] = ("fail", f"the {world_size} ranks did not start: {exc}")
+                pytest.fail(self._unavailable[world_size][1], pytrace=False)
+            self._pools[world_size] = pool
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+class ParityRunner:
+    """Runs one generated case for one test: on the shared pool, recorded, verdict mapped to pytest."""
+
+    def __init__(self, pools: PoolRegistry, session: ParitySession, node: pytest.Item) -> None:
+        self.pools = pools
+        self.session = session
+        self.node = node
+
+    def run(self, case: CaseConfig) -> CaseRecord:
+        """The case's record when it passed; otherwise skips (unsupported) or fails the test."""
+        from harness.cli import run_case
+
+        pool = self.pools.pool_for(case.world_size)
+        record = run_case(pool, case)
+        self.session.record(record, self.node)
+        outcome = outcome_of(record)
+        if outcome.action == "skip":
+            skip_here(outcome.message)
+        if outcome.action == "fail":
+            pytest.fail(outcome.message, pytrace=False)
+        return record
+
+
+@pytest.fixture(scope="session")
+def parity_options(pytestconfig: pytest.Config) -> ParityOptions:
+    """The parsed parity options of this run."""
+    return pytestconfig.stash[OPTIONS_KEY]
+
+
+@pytest.fixture(scope="session")
+def parity_pools(parity_options: ParityOptions) -> Iterator[PoolRegistry]:
+    """One rank pool per world size for the whole session (per xdist worker)."""
+    registry = PoolRegistry(parity_options)
+    try:
+        yield registry
+    finally:
+        registry.close()
+
+
+@pytest.fixture
+def parity_runner(parity_pools: PoolRegistry, pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> ParityRunner:
+    """Runs ``parity_case`` (or any case) on the shared pool and turns its verdict into the test's outcome."""
+    return ParityRunner(parity_pools, pytestconfig.stash[SESSION_KEY], request.node)
+
+
+__all__ = [
+    "ParityRunner",
+    "ParitySession",
+    "PoolRegistry",
+    "parity_options",
+    "parity_pools",
+    "parity_runner",
+]

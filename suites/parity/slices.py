@@ -1,0 +1,71 @@
+"""The slices of the case matrix the generated parity suites run (see ``harness.pytest_cases``).
+
+One ``SuiteMatrix`` per suite, kept together so their sizes per lane can be read and tested in one
+place (``test_parity_plugin_logic.py`` pins the counts). Every suite also crosses the engines,
+references and world sizes the options ask for. Strategies include the hybrid ones: the matrix's rules
+keep them to world sizes of at least 4 (``--world-size 4``).
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from harness.case import PrecisionName, ShardingName
+from harness.pytest_cases import SuiteMatrix
+
+STRATEGIES = list(get_args(ShardingName))
+
+#: Strategy x backward prefetch x CPU offload x use_orig_params on the seed's core models: the nested
+#: units (a unit inside a unit inside the root) and the transformer whose output projection is tied
+#: to its embedding. Forward prefetch lives in ORIG_PARAMS, precision in MIXED_PRECISION.
+CORE = SuiteMatrix(
+    "core",
+    axes={
+        "model": ["nested", "transformer"],
+        "sharding_strategy": STRATEGIES,
+        "backward_prefetch": ["none", "pre", "post"],
+        "cpu_offload": [False, True],
+        "use_orig_params": [False, True],
+    },
+    smoke_each=("model",),
+)
+
+#: Every precision config x strategy on a model with floating buffers (BatchNorm: the buffer dtype,
+#: and its own unit) and the tied-embedding transformer (a buffer and a LayerNorm).
+MIXED_PRECISION = SuiteMatrix(
+    "mixed_precision",
+    axes={
+        "model": ["batchnorm", "transformer"],
+        "sharding_strategy": STRATEGIES,
+        "precision": list(get_args(PrecisionName)),
+    },
+)
+
+#: Models whose units are cut differently: every submodule a unit, a rank-local expert over a one-rank
+#: group, frozen and trainable units (LoRA), BatchNorm as its own unit, a tied LM head (GPT); each
+#: with flat and original parameters and every backward prefetch (which unit is prefetched when
+#: depends on how the units are cut). The smoke lane shows every model.
+WRAP = SuiteMatrix(
+    "wrap",
+    axes={
+        "model": ["always_wrap", "moe", "lora", "batchnorm", "gpt"],
+        "sharding_strategy": STRATEGIES,
+        "use_orig_params": [False, True],
+        "backward_prefetch": ["none", "pre", "post"],
+    },
+    smoke_each=("model",),
+)
+
+#: use_orig_params against flat parameters where it matters most: frozen parameters (LoRA) and a tied
+#: LM head (GPT), crossed with strategy and forward prefetch.
+ORIG_PARAMS = SuiteMatrix(
+    "orig_params",
+    axes={
+        "model": ["lora", "gpt"],
+        "use_orig_params": [False, True],
+        "sharding_strategy": STRATEGIES,
+        "forward_prefetch": [False, True],
+    },
+)
+
+SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS)

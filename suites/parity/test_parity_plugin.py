@@ -1,0 +1,154 @@
+"""The pytest plugin end to end: a generated suite in a scratch directory, run by a real ``pytest``
+(a subprocess, so options, hooks and xdist behave as for a user). Small cases on 2 gloo CPU ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness.collector import read_records
+
+REPO = Path(__file__).resolve().parents[2]
+
+CONFTEST = '''
+pytest_plugins = ["harness.pytest_plugin"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs")
+    config.addinivalue_line("markers", "slow: long-running")
+'''
+
+#: torch FSDP1 only, 2 steps: a pass, an unsupported case (CPU offload on CPU), a failing one (a
+#: perturbed gradient) and a hang (a skipped collective; the case timeout makes it a timeout).
+SUITE = '''
+import pytest
+from harness.pytest_cases import SuiteMatrix
+
+OK = SuiteMatrix("ok", axes={"cpu_offload": [False, True]}, fixed={"steps": 2})
+PERTURBED = SuiteMatrix("perturbed", axes={}, fixed={"steps": 2, "extras": (("fault", "perturb_grad_rank1"),)})
+HANG = SuiteMatrix("hang", axes={}, fixed={"steps": 2, "extras": (("fault", "skip_collective_on_rank1"),)})
+
+
+@pytest.mark.parity_matrix(OK)
+def test_ok(parity_case, parity_runner):
+    parity_runner.run(parity_case)
+
+
+@pytest.mark.parity_matrix(PERTURBED)
+def test_perturbed(parity_case, parity_runner):
+    parity_runner.run(parity_case)
+
+
+@pytest.mark.parity_matrix(HANG)
+def test_hang(parity_case, parity_runner):
+    parity_runner.run(parity_case)
+
+
+def test_seed_engines(fsdp_api):
+    assert fsdp_api in ("builtin", "torch-fsdp")
+
+
+@pytest.mark.gpu
+def test_gpu_only():
+    raise AssertionError("must not run without CUDA")
+'''
+
+
+def pytest_in(tmp_path: Path, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST))
+    (tmp_path / "test_generated.py").write_text(textwrap.dedent(SUITE))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def outcomes(stdout: str) -> dict[str, str]:
+    """Test name -> PASSED / SKIPPED / FAILED, from the ``-v`` progress lines of an xdist run."""
+    return {
+        nodeid.split("::")[-1]: status
+        for status, nodeid in re.findall(r"\] (PASSED|FAILED|SKIPPED|ERROR) (\S+::\S+)", stdout)
+    }
+
+
+def collect(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """Collect the scratch suite in this process (no ranks start at collection)."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_generated=SUITE)
+    return pytester.runpytest_inprocess("--collect-only", "-q", "-p", "no:cacheprovider", *args)
+
+
+def test_ids_are_full_ids_and_the_options_choose_the_cases(pytester: pytest.Pytester) -> None:
+    done = collect(pytester, "--engine", "torch-fsdp,torch-fsdp2", "--reference", "ddp")
+    assert done.ret == 0, done.stdout.str()
+    ids = [line.split("::")[-1] for line in done.stdout.lines if "::" in line]
+    assert "test_ok[torch-fsdp:ddp:full_shard-fp32-bwd_none-nested-steps2]" in ids
+    assert "test_ok[torch-fsdp2:ddp:full_shard-fp32-bwd_pre-orig-nested-steps2]" in ids, "FSDP2 at its own baseline"
+    assert "test_seed_engines[torch-fsdp]" in ids and "test_seed_engines[builtin]" not in ids
+
+
+def test_k_selects_by_case_id(pytester: pytest.Pytester) -> None:
+    done = collect(pytester, "--engine", "torch-fsdp", "-k", "offload and local")
+    assert done.ret == 0, done.stdout.str()
+    assert [line for line in done.stdout.lines if "::" in line] == [
+        "test_generated.py::test_ok[torch-fsdp:local:full_shard-fp32-bwd_none-offload-nested-steps2]"
+    ]
+
+
+def test_larger_lanes_are_marked_slow(pytester: pytest.Pytester) -> None:
+    done = collect(pytester, "--matrix", "pairwise", "--engine", "builtin", "-m", "not slow")
+    assert done.ret == 0, done.stdout.str()
+    assert "test_seed_engines[builtin]" in done.stdout.str()
+    assert "test_ok[" not in done.stdout.str(), "cases of the pairwise and full lanes are marked slow"
+
+
+def test_bad_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    done = collect(pytester, "--engine=fsdp3")
+    assert done.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--engine: ['fsdp3'] not among" in done.stderr.str()
+
+
+def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_path: Path, pytester: pytest.Pytester) -> None:
+    """Two xdist workers (each its own pool): pass passes, unsupported skips with the reason, a wrong
+    gradient and a hang fail with their evidence; every case has one record in the merged file."""
+    results = tmp_path / "out" / "results.jsonl"
+    done = pytest_in(
+        tmp_path, "-n", "2", "-v", "--engine", "torch-fsdp", "--reference", "ddp", "--case-timeout", "8",
+        "--results", str(results),
+    )
+    seen = outcomes(done.stdout)
+    base = "torch-fsdp:ddp:full_shard-fp32-bwd_none-nested-steps2"
+    assert seen == {
+        f"test_ok[{base}]": "PASSED",
+        f"test_ok[{base.replace('-nested', '-offload-nested')}]": "SKIPPED",
+        f"test_perturbed[{base}]": "FAILED",
+        f"test_hang[{base}]": "FAILED",
+        "test_seed_engines[torch-fsdp]": "PASSED",
+        "test_gpu_only": "SKIPPED",
+    }, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "unsupported: torch-fsdp: CPU offload pins host memory" in done.stdout
+    assert re.search(r"fail: grad:\S+: max_abs", done.stdout), "the failing quantity is named"
+    assert "timeout: no answer from rank(s)" in done.stdout and "--- rank " in done.stdout, "the stuck ranks' stacks"
+    assert "marked gpu: needs CUDA GPUs" in done.stdout
+    assert "4 generated parity cases (--matrix smoke)" in done.stdout, done.stdout[-2000:]
+
+    records, bad = read_records(results)
+    assert not bad
+    assert sorted(r.verdict for r in records) == ["fail", "pass", "timeout", "unsupported"]
+    assert len({r.run.run_id for r in records}) == 1 and records[0].run.run_id.startswith("pytest-"), "one run id"
+    assert [p.name for p in results.parent.iterdir()] == ["results.jsonl"], "per-worker files merged away"
+
+    again = collect(pytester, "--results", str(results))
+    assert again.ret == pytest.ExitCode.USAGE_ERROR and "already hold results" in again.stderr.str(), (
+        "an old results file is never mixed with a new run"
+    )

@@ -1,0 +1,294 @@
+"""The pure logic of the generated suites (``harness.pytest_cases``), without processes: option parsing,
+suite slices per lane, where each xdist worker's ranks run, and what a record means to pytest."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from harness.case import CaseConfig
+from harness.matrix import invalid_reason, pairs_uncovered
+from harness.pytest_cases import (
+    Agreement,
+    ParityOptions,
+    SuiteMatrix,
+    describe_failure,
+    engine_baseline,
+    outcome_of,
+    plan_pool,
+)
+from harness.records import CaseRecord, QuantityError
+from suites.parity.slices import CORE, MIXED_PRECISION, ORIG_PARAMS, SUITES, WRAP
+
+ENGINES = ("builtin", "torch-fsdp", "torch-fsdp2")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Options
+
+
+def parse(**overrides: object) -> ParityOptions:
+    args = dict(engine="builtin,torch-fsdp,torch-fsdp2", reference="ddp,local", matrix="smoke", world_size="2",
+                backend="auto", case_timeout=300.0, results=None)
+    args.update(overrides)
+    return ParityOptions.parse(**args)  # type: ignore[arg-type]
+
+
+def test_default_options_are_every_engine_both_references_smoke_on_two_ranks() -> None:
+    options = parse()
+    assert options == ParityOptions()
+    assert options.engines == ENGINES and options.references == ("ddp", "local")
+    assert options.world_sizes == (2,) and options.matrix == "smoke"
+    assert options.fsdp1_engines == ("builtin", "torch-fsdp")
+
+
+def test_options_parse_lists() -> None:
+    options = parse(engine=" torch-fsdp2 , builtin", world_size="2,4", reference="local")
+    assert options.engines == ("torch-fsdp2", "builtin")
+    assert options.fsdp1_engines == ("builtin",)
+    assert options.world_sizes == (2, 4) and options.references == ("local",)
+
+
+@pytest.mark.parametrize(
+    "overrides, option",
+    [
+        ({"engine": "builtin,fsdp3"}, "--engine"),
+        ({"engine": ""}, "--engine"),
+        ({"reference": "ddp,ddp"}, "--reference"),
+        ({"world_size": "two"}, "--world-size"),
+        ({"world_size": "0"}, "--world-size"),
+        ({"matrix": "huge"}, "--matrix"),
+        ({"backend": "mpi"}, "--backend"),
+        ({"case_timeout": 0.0}, "--case-timeout"),
+    ],
+)
+def test_bad_options_name_the_option(overrides: dict, option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        parse(**overrides)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where the ranks run
+
+
+def test_cpu_host_runs_gloo_on_cpu() -> None:
+    plan = plan_pool(2, "auto", n_gpus=0)
+    assert (plan.backend, plan.devices, plan.skip_reason) == ("gloo", None, None)
+    assert plan_pool(4, "gloo", n_gpus=8).devices is None, "gloo runs on CPU even where there are GPUs"
+
+
+def test_nccl_without_gpus_skips_with_the_reason() -> None:
+    plan = plan_pool(2, "nccl", n_gpus=0)
+    assert plan.backend is None and "needs CUDA GPUs" in plan.skip_reason
+
+
+def test_more_ranks_than_gpus_is_a_skip_not_a_move_to_cpu() -> None:
+    plan = plan_pool(4, "auto", n_gpus=2)
+    assert plan.backend is None and plan.devices is None
+    assert "needs 4 GPUs" in plan.skip_reason and "2 visible" in plan.skip_reason
+
+
+@pytest.mark.parametrize("n_gpus, n_workers", [(g, w) for g in range(1, 9) for w in range(1, 5)])
+def test_xdist_workers_never_share_a_gpu(n_gpus: int, n_workers: int) -> None:
+    """Whatever world sizes each worker's pools have, two workers never hold the same GPU, and a pool that
+    does not fit its worker's block is skipped with the reason."""
+    owned: dict[int, set[int]] = {}
+    for worker, world_size in itertools.product(range(n_workers), range(1, 5)):
+        plan = plan_pool(world_size, "auto", n_gpus, worker, n_workers)
+        if world_size > n_gpus // n_workers:
+            assert plan.devices is None and plan.skip_reason and f"needs {world_size} GPUs" in plan.skip_reason
+            continue
+        assert plan.backend == "nccl" and plan.skip_reason is None
+        assert len(plan.devices) == world_size == len(set(plan.devices))
+        assert all(0 <= d < n_gpus for d in plan.devices)
+        owned.setdefault(worker, set()).update(plan.devices)
+    for a, b in itertools.combinations(owned, 2):
+        assert not owned[a] & owned[b], f"workers {a} and {b} share GPUs {owned[a] & owned[b]}"
+
+
+def test_two_gpus_one_worker_two_ranks_takes_both() -> None:
+    assert plan_pool(2, "auto", n_gpus=2).devices == (0, 1)
+    assert plan_pool(2, "auto", n_gpus=4, worker=1, n_workers=2).devices == (2, 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Suite slices
+
+
+def test_engine_baseline_moves_fsdp2_only_where_it_must() -> None:
+    assert engine_baseline("builtin")["use_orig_params"] is False
+    assert engine_baseline("builtin")["backward_prefetch"] == "none"
+    fsdp2 = engine_baseline("torch-fsdp2")
+    assert fsdp2["use_orig_params"] is True and fsdp2["backward_prefetch"] == "pre"
+    assert {k: v for k, v in fsdp2.items() if k not in ("engine", "use_orig_params", "backward_prefetch")} == {
+        k: v for k, v in engine_baseline("builtin").items() if k not in ("engine", "use_orig_params", "backward_prefetch")
+    }
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"axes": {"engine": ["builtin"]}}, "--engine"),
+        ({"axes": {}, "fixed": {"world_size": 4}}, "--world-size"),
+        ({"axes": {"colour": ["red"]}}, "unknown axes"),
+        ({"axes": {"precision": ["fp32"]}, "fixed": {"precision": "bf16"}}, "both varied and fixed"),
+        ({"axes": {"precision": ["fp32"]}, "smoke_each": ("model",)}, "smoke_each"),
+    ],
+)
+def test_bad_slices_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SuiteMatrix("bad", **kwargs)
+
+
+@pytest.mark.parametrize("matrix", ["smoke", "pairwise", "full"])
+@pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.name)
+def test_every_lane_gives_valid_unique_cases_for_every_engine(suite: SuiteMatrix, matrix: str) -> None:
+    options = ParityOptions(matrix=matrix)  # type: ignore[arg-type]
+    cases = suite.cases(options)
+    assert cases == suite.cases(options), "deterministic"
+    assert len({c.full_id for c in cases}) == len(cases)
+    assert all(invalid_reason(c) is None for c in cases)
+    assert {c.engine for c in cases} == set(ENGINES)
+    assert {c.reference for c in cases} == {"ddp", "local"}
+    for case in cases:
+        # Axes outside the slice stay at the engine's baseline.
+        base = engine_baseline(case.engine)
+        outside = [a for a in base if a not in suite.axes and a not in ("engine", "reference", "world_size")]
+        assert {a: getattr(case, a) for a in outside} == {a: base[a] for a in outside}, case.full_id
+
+
+@pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.name)
+def test_pairwise_covers_every_pair_of_the_slice_for_every_engine(suite: SuiteMatrix) -> None:
+    cases = suite.cases(ParityOptions(matrix="pairwise"))
+    for engine in ENGINES:
+        for reference in ("ddp", "local"):
+            mine = [c for c in cases if c.engine == engine and c.reference == reference]
+            pins = {a: v for a, v in engine_baseline(engine).items() if a not in suite.axes and a not in ("reference",)}
+            pins["reference"] = reference
+            assert not pairs_uncovered(mine, axes=suite.axes, **pins), (engine, reference)
+
+
+@pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.name)
+def test_full_is_the_product_of_the_slice_minus_invalid(suite: SuiteMatrix) -> None:
+    cases = suite.cases(ParityOptions(matrix="full", references=("ddp",)))
+    for engine in ENGINES:
+        mine = [c for c in cases if c.engine == engine]
+        base = engine_baseline(engine)
+        product = [
+            CaseConfig(**{**base, "reference": "ddp", **dict(zip(suite.axes, values))})
+            for values in itertools.product(*suite.axes.values())
+        ]
+        assert {c.full_id for c in mine} == {c.full_id for c in product if invalid_reason(c) is None}
+
+
+def test_smoke_shows_every_variant_through_the_slice() -> None:
+    cases = [c for c in CORE.cases(ParityOptions(references=("ddp",))) if c.engine == "builtin"]
+    assert {c.model for c in cases} == {"nested", "transformer"}, "smoke_each shows every model"
+    # The matrix's smoke variants, restricted to the axes CORE varies.
+    assert {(c.sharding_strategy, c.backward_prefetch, c.cpu_offload, c.use_orig_params) for c in cases if c.model == "nested"} == {
+        ("full_shard", "none", False, False),
+        ("shard_grad_op", "pre", False, True),
+        ("no_shard", "none", False, False),
+        ("full_shard", "post", True, False),
+    }
+    assert all(c.precision == "fp32" for c in cases), "precision is not CORE's axis"
+    fsdp2 = [c for c in CORE.cases(ParityOptions(references=("ddp",))) if c.engine == "torch-fsdp2"]
+    assert fsdp2 and all(c.use_orig_params and c.backward_prefetch == "pre" for c in fsdp2)
+    assert any(c.cpu_offload for c in fsdp2), "a variant keeps what the engine can run (offload) when it drops BACKWARD_POST"
+
+
+def test_lane_sizes_stay_within_their_budgets() -> None:
+    """How many cases each lane runs on 2 ranks, every engine, both references: smoke stays small for
+    the CPU lane, full fits the 10-minute 2-GPU lane (a case takes well under a second there)."""
+    sizes = {
+        matrix: {s.name: len(s.cases(ParityOptions(matrix=matrix))) for s in SUITES}  # type: ignore[arg-type]
+        for matrix in ("smoke", "pairwise", "full")
+    }
+    assert sum(sizes["smoke"].values()) <= 220, sizes
+    assert sum(sizes["smoke"].values()) < sum(sizes["pairwise"].values()) < sum(sizes["full"].values()) <= 1100, sizes
+    assert len(WRAP.cases(ParityOptions())) >= 3 * 2 * len(WRAP.axes["model"]), "smoke shows every wrap model per engine"
+    assert {c.precision for c in MIXED_PRECISION.cases(ParityOptions(matrix="pairwise"))} == set(MIXED_PRECISION.axes["precision"])
+    assert {c.forward_prefetch for c in ORIG_PARAMS.cases(ParityOptions(matrix="pairwise"))} == {False, True}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Records to pytest outcomes
+
+CASE = CaseConfig(engine="builtin")
+
+
+def record(verdict: str, reason: str = "", **kwargs: object) -> CaseRecord:
+    return CaseRecord(case=CASE.to_dict(), case_id=CASE.case_id, verdict=verdict, reason=reason, **kwargs)  # type: ignore[arg-type]
+
+
+def test_pass_passes_and_unsupported_skips_with_the_reason() -> None:
+    assert outcome_of(record("pass")).action == "pass"
+    outcome = outcome_of(record("unsupported", "torch-fsdp2: fully_shard always shards"))
+    assert outcome.action == "skip" and "fully_shard always shards" in outcome.message
+
+
+def test_fail_lists_the_worst_quantities_and_ignored_knobs() -> None:
+    errors = [
+        QuantityError("loss@0", 0.0, 0.0, 1e-5, 1e-6, True, 0.1),
+        QuantityError("grad:0.weight", 0.5, 0.1, 1e-5, 1e-6, False, 50.0),
+        QuantityError("param:1.bias", 0.01, 0.01, 1e-5, 1e-6, False, 5.0),
+    ]
+    detail = {
+        "worst_at": {"grad:0.weight": {"step": 2, "rank": 1}},
+        "knobs": [{"knob": "backward_prefetch", "status": "ignored", "reason": "same order as none"}],
+    }
+    outcome = outcome_of(record("fail", "grad:0.weight: max_abs 0.5 ...", errors=errors, detail=detail))
+    assert outcome.action == "fail"
+    lines = outcome.message.splitlines()
+    assert lines[0].startswith("fail: grad:0.weight")
+    assert "grad:0.weight" in lines[1] and "step 2, rank 1" in lines[1] and "ratio 50" in lines[1]
+    assert "param:1.bias" in lines[2]
+    assert not any("loss@0" in line for line in lines), "passing quantities are not listed"
+    assert "knob backward_prefetch ignored: same order as none" in outcome.message
+
+
+@pytest.mark.parametrize(
+    "verdict, detail, expected",
+    [
+        ("error", {"tracebacks": {"1": "Traceback ...\nRuntimeError: boom"}}, ["rank 1 traceback", "RuntimeError: boom"]),
+        ("timeout", {"stacks": {"0": 'File "x.py", line 3 in all_reduce'}}, ["rank 0 stack", "all_reduce"]),
+        ("crash", {"exit_codes": {"1": -11}, "stderr_tails": {"1": "Segmentation fault"}}, ["exit code -11", "Segmentation fault"]),
+    ],
+)
+def test_error_timeout_crash_fail_with_their_evidence(verdict: str, detail: dict, expected: list[str]) -> None:
+    outcome = outcome_of(record(verdict, "why", detail=detail))
+    assert outcome.action == "fail" and outcome.message.startswith(f"{verdict}: why")
+    for text in expected:
+        assert text in outcome.message
+
+
+def test_long_evidence_keeps_its_end() -> None:
+    tail = "x" * 10_000 + "THE END"
+    message = describe_failure(record("crash", "died", detail={"stderr_tails": {"0": tail}}))
+    assert message.endswith("THE END") and len(message) < 4000
+
+
+# ---------------------------------------------------------------------------------------------------
+# Agreement between engines
+
+
+def test_agreement_separates_disagreements_from_capabilities() -> None:
+    agreement = Agreement()
+    for engine, outcome in (("builtin", "passed"), ("torch-fsdp", "passed")):
+        agreement.add("same", engine, outcome)
+    agreement.add("differ", "builtin", "passed")
+    agreement.add("differ", "torch-fsdp", "passed")
+    agreement.add("differ", "torch-fsdp", "failed")  # a later phase failed: the worst phase counts
+    agreement.add("differ", "torch-fsdp", "passed")
+    agreement.add("offload", "builtin", "passed")
+    agreement.add("offload", "torch-fsdp", "skipped")
+    agreement.add("alone", "builtin", "failed")
+    assert set(agreement.compared()) == {"same", "differ", "offload"}
+    assert agreement.disagreements() == {"differ": {"builtin": "passed", "torch-fsdp": "failed"}}
+    assert set(agreement.one_engine_only()) == {"offload"}
+    text = agreement.render("seed check")
+    assert text.splitlines()[0] == (
+        "seed check on builtin, torch-fsdp: 3 compared, 1 agree, 1 disagree, 1 ran on one engine only"
+    )
+    assert "differ" in text and "offload" in text and "alone" not in text

@@ -1,0 +1,230 @@
+"""The FSDP1 API a seed check runs against, and the parity helpers the seeds share, per engine.
+
+The seed suites are conformance tests: every check takes an ``FSDPApi`` first and uses only its names,
+so the same check runs on our engine (``builtin``: the ``engine`` package) and on torch FSDP1
+(``torch-fsdp``: ``torch.distributed.fsdp`` and its ``wrap`` module). The ``fsdp_api`` fixture of
+``harness.pytest_plugin`` chooses the engine (``--engine`` restricts it).
+
+Documented differences by design (each check asserts each engine's own behaviour where they differ):
+
+- torch FSDP1 refuses a CPU module without ``device_id`` when the host has no accelerator ("FSDP needs a
+  non-CPU accelerator device"); our engine computes on CPU by default. ``FSDPApi.wrap`` passes
+  ``device_id=cpu`` to torch on such hosts, as a torch user on CPU must.
+- torch FSDP1's CPU offload pins host memory, which needs an accelerator: offload checks skip on torch
+  when there is none (``FSDPApi.require_offload``).
+
+test_fsdp_differences.py asserts each engine's own side of both.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.testing import assert_close
+
+from suites.engine.models import MixtureOfExperts, NestedWrapped, SharedTransformer, singleton_groups
+
+__all__ = ["API_MODULES", "FSDPApi", "load_api"]
+
+#: engine name -> (package with FullyShardedDataParallel and friends, its wrap module, its flat-param module).
+API_MODULES: dict[str, tuple[str, str, str]] = {
+    "builtin": ("engine", "engine.wrap", "engine.flat_param"),
+    "torch-fsdp": ("torch.distributed.fsdp", "torch.distributed.fsdp.wrap", "torch.distributed.fsdp._flat_param"),
+}
+
+_PUBLIC = ("ShardingStrategy", "BackwardPrefetch", "CPUOffload", "MixedPrecision", "StateDictType")
+_WRAP = (
+    "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy", "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy", "enable_wrap", "wrap",
+)
+
+
+@dataclass(frozen=True)
+class FSDPApi:
+    """The names of one FSDP1-API engine a seed check may use (pickled by name for the rank processes)."""
+
+    #: the ``CaseConfig.engine`` name: ``builtin`` or ``torch-fsdp``.
+    name: str
+    #: ``FullyShardedDataParallel``: for ``isinstance`` and its static methods; construct with ``wrap``.
+    FSDP: Any
+    ShardingStrategy: Any
+    BackwardPrefetch: Any
+    CPUOffload: Any
+    MixedPrecision: Any
+    StateDictType: Any
+    #: the engine's wrap module (policies, ``enable_wrap``/``wrap``).
+    wrap_module: Any
+    FlatParamHandle: Any
+    HandleShardingStrategy: Any
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Travels to the rank processes as its name: modules do not pickle, and each rank loads its own.
+        return load_api, (self.name,)
+
+    @property
+    def is_torch(self) -> bool:
+        return self.name == "torch-fsdp"
+
+    def policy(self, name: str) -> Any:
+        """A name of the engine's wrap module (``ModuleWrapPolicy``, ``always_wrap_policy`` ...)."""
+        return getattr(self.wrap_module, name)
+
+    def device_kwargs(self) -> dict[str, Any]:
+        """What a constructor call needs to run here: ``device_id=cpu`` for torch on a host without an
+        accelerator (see the module docstring), nothing otherwise."""
+        if self.is_torch and not torch.cuda.is_available():
+            return {"device_id": torch.device("cpu")}
+        return {}
+
+    def wrap(self, module: nn.Module, **kwargs: Any) -> nn.Module:
+        """``FullyShardedDataParallel(module, **kwargs)`` plus ``device_kwargs()`` unless given."""
+        return self.FSDP(module, **{**self.device_kwargs(), **kwargs})
+
+    def require_offload(self, offload: bool) -> None:
+        """Skip (on every rank alike, before any collective) where the engine cannot offload here."""
+        if offload and self.is_torch and not torch.cuda.is_available():
+            pytest.skip(
+                "torch-fsdp: CPUOffload(offload_params=True) pins the offloaded shards' host memory, and on a host "
+                "without an accelerator Tensor.pin_memory() raises 'Cannot access accelerator device when none is available'"
+            )
+
+    def offloads(self) -> list[bool]:
+        """The CPU-offload values this engine can run here."""
+        return [False] if self.is_torch and not torch.cuda.is_available() else [False, True]
+
+
+def load_api(name: str) -> FSDPApi:
+    """The FSDP1 API of engine ``name`` (``builtin`` or ``torch-fsdp``)."""
+    if name not in API_MODULES:
+        raise ValueError(f"fsdp_api={name!r} is not one of {sorted(API_MODULES)} (the engines with torch FSDP1's API)")
+    package, wrap_name, flat_name = (importlib.import_module(m) for m in API_MODULES[name])
+    missing = [n for n in ("FullyShardedDataParallel", *_PUBLIC) if not hasattr(package, n)]
+    missing += [f"wrap.{n}" for n in _WRAP if not hasattr(wrap_name, n)]
+    if missing:
+        raise AttributeError(f"{API_MODULES[name][0]} lacks {missing}: it does not have torch FSDP1's API")
+    return FSDPApi(
+        name=name,
+        FSDP=package.FullyShardedDataParallel,
+        **{n: getattr(package, n) for n in _PUBLIC},
+        wrap_module=wrap_name,
+        FlatParamHandle=flat_name.FlatParamHandle,
+        HandleShardingStrategy=flat_name.HandleShardingStrategy,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parity helpers (the engine-neutral counterparts of suites/engine/parity.py)
+
+MODELS = {"nested": NestedWrapped, "transformer": SharedTransformer, "moe": MixtureOfExperts}
+LR = 0.05
+MOMENTUM = 0.9
+
+
+def optim(params: Any) -> torch.optim.Optimizer:
+    """SGD with momentum: Adam's normalization would hide a gradient scaled by a constant."""
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def full_params(api: FSDPApi, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The wrapped model's full parameters by clean name (cloned inside summon_full_params)."""
+    with api.FSDP.summon_full_params(model):
+        return {clean(n): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_params_match(api: FSDPApi, model: nn.Module, ref: nn.Module, context: str) -> None:
+    got = full_params(api, model)
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    assert sorted(got) == sorted(want), f"{context}: parameter names differ: {sorted(got)} vs {sorted(want)}"
+    for name in want:
+        assert_close(got[name].to(want[name].device), want[name], msg=lambda m, n=name: f"{context}: {n}: {m}")
+
+
+def _all_data(cls: Any, step: int, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    every = [cls.input(step, r, device) for r in range(world)]
+    return tuple(torch.cat(parts) for parts in zip(*every))
+
+
+def train_parity(
+    api: FSDPApi, model_name: str, fsdp_kwargs: dict[str, Any], device: torch.device, reference: str = "ddp", steps: int = 4
+) -> None:
+    """Train the wrapped model and its reference; compare losses every step, full parameters at the end.
+
+    ``ddp``: torch DDP on the same per-rank batches; ``local``: one unsharded copy seeing every rank's
+    batch. The mixture of experts is compared with the unwrapped model and its declared reduction
+    (its experts differ per rank, DDP would average them).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cls = MODELS[model_name]
+    context = f"{api.name} {model_name} {reference} {fsdp_kwargs}"
+    if model_name == "moe":
+        ref = cls(rank, device)
+        model = cls(rank, device).wrap(api.wrap, expert_group=singleton_groups(), **fsdp_kwargs)
+        reference = "declared"
+    else:
+        ref = cls(device)
+        model = cls(device).wrap(api.wrap, **fsdp_kwargs)
+    ref_model: nn.Module = DDP(ref) if reference == "ddp" else ref
+    opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
+    for step in range(steps):
+        inputs = cls.input(step, rank, device)
+        loss = cls.loss(model(*inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if reference == "local":
+            ref_loss = cls.loss(ref_model(*_all_data(cls, step, world, device)))
+            ref_loss.backward()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            mean_loss /= world
+            assert_close(mean_loss, ref_loss.detach(), msg=lambda m, s=step: f"{context}: step {s} loss: {m}")
+        else:
+            ref_loss = cls.loss(ref_model(*inputs))
+            ref_loss.backward()
+            if model_name == "moe":
+                ref.reduce_reference_grads()
+            assert_close(loss.detach(), ref_loss.detach(), msg=lambda m, s=step: f"{context}: step {s} loss: {m}")
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_params_match(api, model, ref, context)
+
+
+def accumulation_parity(
+    api: FSDPApi, model_name: str, fsdp_kwargs: dict[str, Any], device: torch.device, use_no_sync: bool, micro_steps: int = 2
+) -> None:
+    """Accumulate ``micro_steps`` backwards per optimizer step, the first ones inside ``no_sync()``;
+    compare with the local reference accumulating the same micro-batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cls = MODELS[model_name]
+    ref = cls(device)
+    model = cls(device).wrap(api.wrap, **fsdp_kwargs)
+    opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
+    context = f"{api.name} {model_name} no_sync={use_no_sync} {fsdp_kwargs}"
+    for step in range(3):
+        for micro in range(micro_steps):
+            inputs = cls.input(10 * step + micro, rank, device)
+            if use_no_sync and micro < micro_steps - 1:
+                with model.no_sync():
+                    cls.loss(model(*inputs)).backward()
+            else:
+                cls.loss(model(*inputs)).backward()
+            cls.loss(ref(*_all_data(cls, 10 * step + micro, world, device))).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_params_match(api, model, ref, context)
+
+
+Check = Callable[[FSDPApi, int, int], None]
