@@ -9,7 +9,7 @@ A check that fails on a rank aborts that rank's session (the remaining checks wo
 collectives with a peer still inside the failed one); those checks report which failure stopped
 them. Every collective has the process group's timeout, so a hang surfaces as a failure.
 
-A check may call ``pytest.skip(reason)`` before its first collective (on every rank alike, e.g. a
+A check may call ``pytest.skip(reason=...)`` before its first collective (on every rank alike, e.g. a
 feature the engine under test lacks here): the test skips with that reason and the session goes on.
 Checks can take leading arguments (``args``, e.g. the engine API of the seed conformance suites):
 ``check(*args, rank, world_size)``.
@@ -167,7 +167,7 @@ class RankSession:
             raise AssertionError(f"check {name} failed:\n{outcome.report()}")
         reason = outcome.skip_reason
         if reason is not None:
-            pytest.skip(reason)
+            pytest.skip(reason=reason)
         ran = [r for r, s in enumerate(outcome.skips) if s is None]
         if outcome.skips and len(ran) != len(outcome.skips):
             raise AssertionError(f"check {name} skipped on some ranks but ran on ranks {ran}: {outcome.skips}")

@@ -90,10 +90,11 @@ class FSDPApi:
     def require_offload(self, offload: bool) -> None:
         """Skip (on every rank alike, before any collective) where the engine cannot offload here."""
         if offload and self.is_torch and not torch.cuda.is_available():
-            pytest.skip(
+            why = (
                 "torch-fsdp: CPUOffload(offload_params=True) pins the offloaded shards' host memory, and on a host "
                 "without an accelerator Tensor.pin_memory() raises 'Cannot access accelerator device when none is available'"
             )
+            pytest.skip(reason=why)
 
     def offloads(self) -> list[bool]:
         """The CPU-offload values this engine can run here."""
