@@ -14,120 +14,68 @@ Optimizer: SGD with momentum (Adam's normalization would hide a gradient scaled 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.testing import assert_close
 
-from engine import FSDP
-from suites.engine.models import MixtureOfExperts, NestedWrapped, SharedTransformer, singleton_groups
+from engine import BackwardPrefetch, CPUOffload, ShardingStrategy
+from suites.seeds import api as _api
 
-MODELS = {"nested": NestedWrapped, "transformer": SharedTransformer, "moe": MixtureOfExperts}
-LR = 0.05
-MOMENTUM = 0.9
-
-
-def _optim(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+#: the builtin engine's FSDP1 API; the helpers live once, engine-neutral, in ``suites.seeds.api``.
+BUILTIN = _api.load_api("builtin")
+MODELS = _api.MODELS
+_optim = _api.optim
+_all_data = _api._all_data
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """The wrapped model's full parameters by clean name (cloned inside summon_full_params)."""
-    with FSDP.summon_full_params(model):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return _api.full_params(BUILTIN, model)
 
 
 def assert_params_match(model: nn.Module, ref: nn.Module, context: str) -> None:
-    got = full_params(model)
-    want = {n: p.detach() for n, p in ref.named_parameters()}
-    assert sorted(got) == sorted(want), f"{context}: parameter names differ: {sorted(got)} vs {sorted(want)}"
-    for name in want:
-        assert_close(got[name].to(want[name].device), want[name], msg=lambda m, n=name: f"{context}: {n}: {m}")
+    _api.assert_params_match(BUILTIN, model, ref, context)
 
 
 def train_parity(
-    model_name: str,
-    fsdp_kwargs: dict[str, Any],
-    device: torch.device,
-    reference: str = "local",
-    steps: int = 5,
-    group: dist.ProcessGroup | None = None,
+    model_name: str, fsdp_kwargs: dict[str, Any], device: torch.device, reference: str = "local", steps: int = 5
 ) -> None:
     """Train the wrapped model and its reference for ``steps`` steps; compare losses every step
     and full parameters at the end."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cls = MODELS[model_name]
-    context = f"{model_name} {reference} {fsdp_kwargs}"
-    if model_name == "moe":
-        expert_group = singleton_groups()
-        ref = cls(rank, device)
-        model = cls(rank, device).wrap(FSDP, expert_group=expert_group, **fsdp_kwargs)
-    else:
-        ref = cls(device)
-        model = cls(device).wrap(FSDP, **fsdp_kwargs)
-    if model_name == "moe":
-        # Its experts differ per rank: DDP would broadcast and average them.
-        reference = "declared"
-    ref_model: nn.Module = DDP(ref) if reference == "ddp" else ref
-    opt, ref_opt = _optim(model.parameters()), _optim(ref.parameters())
-    for step in range(steps):
-        inputs = cls.input(step, rank, device)
-        loss = cls.loss(model(*inputs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if reference == "local":
-            every = [cls.input(step, r, device) for r in range(world)]
-            cat = tuple(torch.cat(parts) for parts in zip(*every))
-            ref_loss = cls.loss(ref_model(*cat))
-            ref_loss.backward()
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)
-            mean_loss /= world
-            assert_close(mean_loss, ref_loss.detach(), msg=lambda m, s=step: f"{context}: step {s} loss: {m}")
-        else:
-            ref_loss = cls.loss(ref_model(*inputs))
-            ref_loss.backward()
-            if model_name == "moe":
-                ref.reduce_reference_grads()
-            assert_close(loss.detach(), ref_loss.detach(), msg=lambda m, s=step: f"{context}: step {s} loss: {m}")
-        ref_opt.step()
-        ref_opt.zero_grad()
-    assert_params_match(model, ref, context)
-
-
-def _all_data(cls: Any, step: int, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    every = [cls.input(step, r, device) for r in range(world)]
-    return tuple(torch.cat(parts) for parts in zip(*every))
+    _api.train_parity(BUILTIN, model_name, fsdp_kwargs, device, reference=reference, steps=steps)
 
 
 def accumulation_parity(
     model_name: str, fsdp_kwargs: dict[str, Any], device: torch.device, use_no_sync: bool, micro_steps: int = 2
 ) -> None:
     """Accumulate ``micro_steps`` backwards before each optimizer step, the first ones inside
-    ``no_sync()`` (or all synced, without ``zero_grad`` in between); compare with the local
-    reference accumulating the same micro-batches."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cls = MODELS[model_name]
-    ref = cls(device)
-    model = cls(device).wrap(FSDP, **fsdp_kwargs)
-    opt, ref_opt = _optim(model.parameters()), _optim(ref.parameters())
-    context = f"{model_name} no_sync={use_no_sync} {fsdp_kwargs}"
-    for step in range(3):
-        for micro in range(micro_steps):
-            inputs = cls.input(10 * step + micro, rank, device)
-            last = micro == micro_steps - 1
-            if use_no_sync and not last:
-                with model.no_sync():
-                    cls.loss(model(*inputs)).backward()
-            else:
-                cls.loss(model(*inputs)).backward()
-            cls.loss(ref(*_all_data(cls, 10 * step + micro, world, device))).backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    assert_params_match(model, ref, context)
+    ``no_sync()``; compare with the local reference accumulating the same micro-batches."""
+    _api.accumulation_parity(BUILTIN, model_name, fsdp_kwargs, device, use_no_sync, micro_steps)
+
+
+STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+PREFETCH = [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]
+
+
+def sweep(model: str, device: torch.device) -> None:
+    """Every strategy x use_orig_params x backward prefetch x forward prefetch x offload on ``model``,
+    in one rank session; reports every diverging configuration at once."""
+    failures = []
+    combos = itertools.product(STRATEGIES, [False, True], PREFETCH, [False, True], [False, True])
+    for i, (strategy, orig, bwd, fwd, offload) in enumerate(combos):
+        kwargs = dict(
+            sharding_strategy=strategy,
+            use_orig_params=orig,
+            backward_prefetch=bwd,
+            forward_prefetch=fwd,
+            cpu_offload=CPUOffload(offload_params=offload),
+        )
+        # Alternate the two references so each sees every axis value.
+        reference = "ddp" if i % 2 else "local"
+        try:
+            train_parity(model, kwargs, device, reference=reference)
+        except AssertionError as e:
+            failures.append(f"{reference} {kwargs}: {e}")
+    assert not failures, f"{len(failures)} configurations diverged:\n" + "\n".join(failures[:5])

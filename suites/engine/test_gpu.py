@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from engine import FSDP, BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from engine import FSDP, CPUOffload, MixedPrecision
 from engine.flat_param import FlatParamHandle
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
@@ -32,8 +32,7 @@ pytestmark = [
     ),
 ]
 
-STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
-PREFETCH = [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]
+STRATEGIES = parity.STRATEGIES
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
 #: reader runs before the writer finishes.
 SLEEP_CYCLES = 50_000_000
@@ -43,34 +42,16 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _sweep(model: str) -> None:
-    failures = []
-    combos = itertools.product(STRATEGIES, [False, True], PREFETCH, [False, True], [False, True])
-    for i, (strategy, orig, bwd, fwd, offload) in enumerate(combos):
-        kwargs = dict(
-            sharding_strategy=strategy,
-            use_orig_params=orig,
-            backward_prefetch=bwd,
-            forward_prefetch=fwd,
-            cpu_offload=CPUOffload(offload_params=offload),
-        )
-        try:
-            parity.train_parity(model, kwargs, _device(), reference="ddp" if i % 2 else "local")
-        except AssertionError as e:
-            failures.append(f"{kwargs}: {e}")
-    assert not failures, f"{len(failures)} configurations diverged:\n" + "\n".join(failures[:5])
-
-
 def check_nested_sweep(rank: int, world_size: int) -> None:
-    _sweep("nested")
+    parity.sweep("nested", _device())
 
 
 def check_transformer_sweep(rank: int, world_size: int) -> None:
-    _sweep("transformer")
+    parity.sweep("transformer", _device())
 
 
 def check_moe_sweep(rank: int, world_size: int) -> None:
-    _sweep("moe")
+    parity.sweep("moe", _device())
 
 
 @contextlib.contextmanager

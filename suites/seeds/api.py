@@ -121,7 +121,7 @@ def load_api(name: str) -> FSDPApi:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Parity helpers (the engine-neutral counterparts of suites/engine/parity.py)
+# Parity helpers, engine-neutral (suites/engine/parity.py binds them to the builtin engine)
 
 MODELS = {"nested": NestedWrapped, "transformer": SharedTransformer, "moe": MixtureOfExperts}
 LR = 0.05
