@@ -113,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     worker, workers = xdist_worker()
-    backend = args.backend if args.backend != "auto" else default_backend(args.world_size, workers)
+    backend = args.backend if args.backend != "auto" else default_backend(args.world_size)
     devices = assign_devices(args.world_size, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
     config = PoolConfig(world_size=args.world_size, backend=backend, devices=devices, case_timeout_s=120)
     result = measure(config, args.warm_cases, args.spawn_cases)

@@ -174,7 +174,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cases = select_cases(args, world_sizes)
     out = Path(args.out) if args.out else _default_out()
     worker, workers = xdist_worker()
-    backends = {ws: (args.backend if args.backend != "auto" else default_backend(ws, workers)) for ws in world_sizes}
+    backends = {ws: (args.backend if args.backend != "auto" else default_backend(ws)) for ws in world_sizes}
     info = run_info(",".join(sorted(set(backends.values()))))
     start = time.monotonic()
     try:

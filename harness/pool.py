@@ -21,11 +21,12 @@ Ranks ignore SIGINT (Ctrl-C reaches the parent, whose ``close()`` kills them), d
 (``PR_SET_PDEATHSIG`` on Linux), and write stderr to a per-rank file whose tail a crash reports.
 Rendezvous is a TCPStore the parent owns on a free port of 127.0.0.1, so concurrent pools (pytest-xdist
 workers) never collide. GPUs: one per rank (``devices``); ``assign_devices`` gives each xdist worker a
-disjoint set.
+disjoint set where there are enough GPUs, and spreads the workers evenly over the GPUs where there are not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import itertools
@@ -40,7 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -59,6 +60,8 @@ __all__ = [
     "assign_devices",
     "default_backend",
     "default_shard_size",
+    "gpus_hidden",
+    "gpus_shared",
     "xdist_worker",
 ]
 
@@ -81,7 +84,8 @@ class PoolConfig:
     world_size: int = 2
     #: ``gloo`` (CPU, or GPUs without NCCL) or ``nccl`` (one GPU per rank, ``devices`` required).
     backend: Backend = "gloo"
-    #: CUDA device index of each rank (``len == world_size``); None runs on CPU (gloo only).
+    #: CUDA device index of each rank (``len == world_size``); None runs on CPU (gloo only), with the
+    #: GPUs hidden from the ranks (``gpus_hidden``) so a CPU pool is the same on a GPU host as on CI.
     devices: tuple[int, ...] | None = None
     #: a case with no answer from every rank after this many seconds is a ``timeout``.
     case_timeout_s: float = 300.0
@@ -91,7 +95,8 @@ class PoolConfig:
     error_grace_s: float = 10.0
     #: how long to wait for the stack dumps of a timeout.
     stack_wait_s: float = 3.0
-    #: intra-op threads per rank on CPU; None divides the cores among the ranks.
+    #: intra-op threads per rank on CPU; None divides the cores among the ranks of every pytest-xdist
+    #: worker (each worker runs its own pools at the same time).
     threads_per_rank: int | None = None
     #: the process group's own timeout; far above ``case_timeout_s`` so the watchdog acts first.
     pg_timeout_s: float = 3600.0
@@ -169,23 +174,65 @@ def xdist_worker(env: dict[str, str] | None = None) -> tuple[int, int]:
 
 
 def assign_devices(world_size: int, n_devices: int, worker_index: int = 0, n_workers: int = 1) -> tuple[int, ...]:
-    """The GPUs one pool takes: worker ``i`` of ``n`` gets ``[i * world_size, (i + 1) * world_size)``.
+    """The GPUs one pool of ``world_size`` ranks takes in pytest-xdist worker ``worker_index`` of ``n_workers``.
 
-    Disjoint between workers, so concurrent pools never share a GPU.
+    Each worker owns a block of ``n_devices // n_workers`` consecutive GPUs, and every pool it starts
+    (whatever its world size) takes the first ``world_size`` of its block: where the block is big
+    enough, concurrent pools never share a GPU. Where it is not (8 workers on 2 GPUs), the workers
+    share the GPUs, worker ``i`` starting at GPU ``i * world_size`` modulo ``n_devices`` so each GPU
+    carries as many pools as the others. Sharing is sound (each pool has its own communicators and
+    GPUs time-slice between processes) but makes timings noisy: ``gpus_shared`` says when it happens.
     """
-    first = worker_index * world_size
-    if first + world_size > n_devices:
+    if world_size < 1:
+        raise ValueError(f"assign_devices: world_size={world_size} must be at least 1")
+    if not 0 <= worker_index < n_workers:
+        raise ValueError(f"assign_devices: worker_index={worker_index} must be in [0, n_workers={n_workers})")
+    if world_size > n_devices:
         raise ValueError(
-            f"assign_devices: worker {worker_index} of {n_workers} needs GPUs {first}..{first + world_size - 1} "
-            f"for world_size={world_size}, but only {n_devices} are visible; run fewer xdist workers "
-            f"(at most {n_devices // world_size}) or a smaller world size"
+            f"assign_devices: world_size={world_size} needs one GPU per rank but only {n_devices} are visible; "
+            "run fewer ranks or on CPU (gloo)"
         )
-    return tuple(range(first, first + world_size))
+    block = n_devices // n_workers
+    if world_size <= block:
+        first = worker_index * block
+        return tuple(range(first, first + world_size))
+    first = worker_index * world_size
+    return tuple((first + k) % n_devices for k in range(world_size))
 
 
-def default_backend(world_size: int, n_workers: int = 1) -> Backend:
-    """``nccl`` when there are enough GPUs for one per rank (per xdist worker), else ``gloo`` on CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size * n_workers:
+def gpus_shared(world_size: int, n_devices: int, n_workers: int = 1) -> bool:
+    """Whether ``assign_devices`` makes pools of different xdist workers share GPUs."""
+    return world_size > n_devices // n_workers
+
+
+@contextlib.contextmanager
+def gpus_hidden(hide: bool = True) -> Iterator[None]:
+    """Processes started inside this block see no GPU (``CUDA_VISIBLE_DEVICES=""``).
+
+    A CPU pool must compute on CPU on any host: torch FSDP1 given a CPU module and no ``device_id``
+    moves it to the current accelerator by itself, and every rank would take GPU 0 (and pay CUDA's
+    start-up). The variable must be in the environment the child starts with: once a process has
+    asked CUDA for its devices, changing it does nothing. Spawned children copy ``os.environ`` at
+    ``start()``, so setting it around the start suffices.
+    """
+    if not hide:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def default_backend(world_size: int) -> Backend:
+    """``nccl`` when there is a GPU for every rank, else ``gloo`` on CPU (pytest-xdist workers share
+    GPUs where there are too few for each to own some: ``assign_devices``)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
 
@@ -327,7 +374,7 @@ def _rank_main(boot: _Boot, conn: mp_connection.Connection) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.world_size))
+        torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // (cfg.world_size * xdist_worker()[1])))
     store = dist.TCPStore(
         boot.store_host, boot.store_port, is_master=False, timeout=timedelta(seconds=cfg.start_timeout_s)
     )
@@ -444,7 +491,8 @@ class RankPool:
             boot = _Boot(rank, cfg, "127.0.0.1", self._store.port, prefix, str(stderr_path), str(stacks_path))
             parent_conn, child_conn = context.Pipe()
             proc = context.Process(target=_rank_main, args=(boot, child_conn), daemon=True, name=f"harness-rank{rank}")
-            proc.start()
+            with gpus_hidden(cfg.devices is None):
+                proc.start()
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)

@@ -251,11 +251,10 @@ def plan_pool(world_size: int, backend: BackendOption, n_gpus: int, worker: int 
     """The pool of ``world_size`` ranks for pytest-xdist worker ``worker`` of ``n_workers`` on a host with
     ``n_gpus`` visible GPUs.
 
-    Each worker owns a disjoint block of ``n_gpus // n_workers`` consecutive GPUs
-    (``harness.pool.assign_devices``) and every pool it starts takes the first ``world_size`` of its
-    block, so pools of different workers never share a GPU, whatever their world sizes. ``auto`` is
-    NCCL wherever there is a GPU (a case needing more GPUs than the worker owns is skipped, not moved
-    to CPU) and gloo on CPU otherwise; ``gloo`` always runs on CPU.
+    ``auto`` is NCCL wherever there is a GPU and gloo on CPU otherwise; ``gloo`` always runs on CPU. The
+    GPUs are ``harness.pool.assign_devices``'s: a disjoint block per worker where there are enough,
+    shared evenly where there are more workers than blocks. A case needing more GPUs than the host has
+    is skipped with the reason, never moved to CPU.
     """
     if world_size < 1:
         raise ValueError(f"plan_pool: world_size={world_size} must be at least 1")
@@ -266,16 +265,13 @@ def plan_pool(world_size: int, backend: BackendOption, n_gpus: int, worker: int 
         return PoolPlan(world_size, "gloo", None)
     if n_gpus == 0:
         return PoolPlan(world_size, None, None, "--backend nccl needs CUDA GPUs; torch.cuda.device_count() is 0")
-    block = n_gpus // n_workers
-    if world_size > block:
-        where = f"{n_gpus} visible" if n_workers == 1 else f"{block} of the {n_gpus} visible ({n_workers} xdist workers)"
+    if world_size > n_gpus:
         return PoolPlan(
             world_size, None, None,
-            f"needs {world_size} GPUs (one per rank) but this pytest process has {where}; run on more GPUs"
-            f"{', fewer xdist workers' if n_workers > 1 else ''}, fewer ranks (--world-size) or on CPU (--backend gloo)",
+            f"needs {world_size} GPUs (one per rank) but this host has {n_gpus} visible; run on more GPUs, "
+            "fewer ranks (--world-size) or on CPU (--backend gloo)",
         )
-    devices = assign_devices(block, n_gpus, worker, n_workers)[:world_size]
-    return PoolPlan(world_size, "nccl", devices)
+    return PoolPlan(world_size, "nccl", assign_devices(world_size, n_gpus, worker, n_workers))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,10 +16,12 @@ Loaded by the root ``conftest.py``. What it adds:
   with the details);
 - a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
 
-Under pytest-xdist every worker's pools take a disjoint block of the GPUs (``plan_pool``), every
-worker appends its records to its own file (``worker_results_path``) and the controller merges them
-into ``--results`` at the end of the session (no ``--results``: nothing is written). Under xdist each
-worker needs ``world_size`` GPUs of its own; on two GPUs run the generated suites without ``-n``.
+Under pytest-xdist every worker's pools take a disjoint block of the GPUs where there are enough, and
+share the GPUs evenly where there are more workers than blocks (``plan_pool``: with ``-n 8`` on two GPUs
+every worker's two-rank pool runs on both GPUs); the report header says which. Every worker appends its records to its own file (``worker_results_path``) and the controller
+merges them into ``--results`` at the end of the session (no ``--results``: nothing is written).
+Tests that share an expensive module-scoped set-up carry ``xdist_group`` marks; the project's
+``addopts`` pick ``--dist loadgroup``, so such a module runs on one worker.
 
 The terminal summary counts the generated cases by verdict, and says where the engines agree: every seed
 check (``fsdp_api``) and every generated case that ran on two engines, with each disagreement listed.
@@ -100,6 +102,31 @@ def pytest_configure(config: pytest.Config) -> None:
     session = ParitySession(config, options)
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(session, "parity-session")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Where the generated cases' ranks run, per world size (on the controller: before the workers start)."""
+    import torch
+
+    from harness.pool import gpus_shared
+
+    options = config.stash[OPTIONS_KEY]
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n_workers = int(getattr(config.option, "numprocesses", None) or 1)
+    lines = []
+    for ws in options.world_sizes:
+        plan = plan_pool(ws, options.backend, n_gpus, 0, n_workers)
+        if plan.skip_reason:
+            where = f"skipped: {plan.skip_reason}"
+        elif plan.backend == "gloo":
+            where = "gloo on CPU"
+        else:
+            where = f"nccl, one of {n_gpus} GPUs per rank"
+            if n_workers > 1:
+                where += (f", {n_workers} xdist workers share them (timings are noisy)"
+                          if gpus_shared(ws, n_gpus, n_workers) else f", a disjoint block per xdist worker ({n_workers})")
+        lines.append(f"parity: --matrix {options.matrix}, world size {ws}: {where}")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------

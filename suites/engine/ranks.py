@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from harness.pool import gpus_hidden
+
 __all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_tests"]
 
 Check = Callable[..., None]
@@ -124,8 +126,9 @@ def run_checks(
             )
             for rank in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        with gpus_hidden(backend == "gloo"):  # gloo sessions are the CPU lane, on a GPU host too
+            for p in procs:
+                p.start()
         errors: dict[str, list[str | None]] = {c.__name__: ["rank did not report"] * world_size for c in checks}
         skips: dict[str, list[str | None]] = {c.__name__: [None] * world_size for c in checks}
         expected = len(checks) * world_size
@@ -173,6 +176,12 @@ class RankSession:
             raise AssertionError(f"check {name} skipped on some ranks but ran on ranks {ran}: {outcome.skips}")
 
 
+def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:
+    """Keep a module's checks on one pytest-xdist worker (``--dist loadgroup``): the session fixture
+    runs every check of the module, so each worker that got one of them would run them all again."""
+    return pytest.mark.xdist_group(name=f"rank-session:{checks[0].__module__}")
+
+
 def session_tests(checks: Sequence[Check], world_size: int = 2, backend: str = "gloo", timeout_s: float = 240.0):
     """A module-scoped ``session`` fixture and a test per check, for a test module's namespace::
 
@@ -184,6 +193,7 @@ def session_tests(checks: Sequence[Check], world_size: int = 2, backend: str = "
     def session() -> RankSession:
         return RankSession(run_checks(checks, world_size=world_size, backend=backend, timeout_s=timeout_s))
 
+    @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
     def test_check(session: RankSession, check: Check) -> None:
         session.assert_passed(check)
@@ -211,6 +221,7 @@ def api_session_tests(
         api = load_api(fsdp_api)
         return RankSession(run_checks(checks, world_size=world_size, backend=backend, timeout_s=timeout_s, args=(api,)))
 
+    @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
     def test_check(session: RankSession, check: Check) -> None:
         session.assert_passed(check)

@@ -13,9 +13,9 @@ from harness.pool import PoolConfig, RankPool, assign_devices, default_backend, 
 
 
 def parity_config(world_size: int = 2) -> PoolConfig:
-    """NCCL with one GPU per rank where this xdist worker has enough GPUs, else gloo on CPU."""
+    """NCCL with one GPU per rank where there are enough GPUs (shared by xdist workers where needed), else gloo on CPU."""
     worker, workers = xdist_worker()
-    backend = default_backend(world_size, workers)
+    backend = default_backend(world_size)
     devices = assign_devices(world_size, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
     return PoolConfig(world_size=world_size, backend=backend, devices=devices, case_timeout_s=180.0)
 

@@ -330,11 +330,14 @@ def test_canonical_name(raw: str, clean: str) -> None:
     assert canonical_name(raw) == clean
 
 
-def test_assign_devices_is_disjoint_per_worker() -> None:
+def test_assign_devices_is_disjoint_per_worker_where_blocks_fit_and_shared_where_not() -> None:
     sets = [set(assign_devices(2, 8, worker, 4)) for worker in range(4)]
     assert set().union(*sets) == set(range(8)) and sum(map(len, sets)) == 8
-    with pytest.raises(ValueError, match="fewer xdist workers"):
-        assign_devices(2, 4, 2, 3)
+    assert [assign_devices(2, 4, w, 3) for w in range(3)] == [(0, 1), (2, 3), (0, 1)]
+    with pytest.raises(ValueError, match="world_size=4 needs one GPU per rank"):
+        assign_devices(4, 2)
+    with pytest.raises(ValueError, match="worker_index=3"):
+        assign_devices(1, 2, 3, 3)
 
 
 def test_xdist_worker() -> None:

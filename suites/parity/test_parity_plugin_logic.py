@@ -9,6 +9,7 @@ import pytest
 
 from harness.case import CaseConfig
 from harness.matrix import invalid_reason, pairs_uncovered
+from harness.pool import gpus_shared
 from harness.pytest_cases import (
     Agreement,
     ParityOptions,
@@ -87,22 +88,33 @@ def test_more_ranks_than_gpus_is_a_skip_not_a_move_to_cpu() -> None:
     plan = plan_pool(4, "auto", n_gpus=2)
     assert plan.backend is None and plan.devices is None
     assert "needs 4 GPUs" in plan.skip_reason and "2 visible" in plan.skip_reason
+    assert plan_pool(4, "auto", n_gpus=2, worker=1, n_workers=8).skip_reason == plan.skip_reason
 
 
-@pytest.mark.parametrize("n_gpus, n_workers", [(g, w) for g in range(1, 9) for w in range(1, 5)])
-def test_xdist_workers_never_share_a_gpu(n_gpus: int, n_workers: int) -> None:
-    """Whatever world sizes each worker's pools have, two workers never hold the same GPU, and a pool that
-    does not fit its worker's block is skipped with the reason."""
+@pytest.mark.parametrize("n_gpus, n_workers", [(g, w) for g in range(1, 9) for w in range(1, 9)])
+def test_xdist_workers_own_disjoint_gpus_where_they_fit_and_share_evenly_where_not(n_gpus: int, n_workers: int) -> None:
+    """Every pool of every world size that fits the host gets distinct GPUs of the host. Where every
+    worker has a block of at least ``world_size`` GPUs, two workers never hold the same GPU; where not,
+    the workers' pools of one world size load every GPU within one pool of each other."""
+    block = n_gpus // n_workers
     owned: dict[int, set[int]] = {}
-    for worker, world_size in itertools.product(range(n_workers), range(1, 5)):
-        plan = plan_pool(world_size, "auto", n_gpus, worker, n_workers)
-        if world_size > n_gpus // n_workers:
-            assert plan.devices is None and plan.skip_reason and f"needs {world_size} GPUs" in plan.skip_reason
-            continue
-        assert plan.backend == "nccl" and plan.skip_reason is None
-        assert len(plan.devices) == world_size == len(set(plan.devices))
-        assert all(0 <= d < n_gpus for d in plan.devices)
-        owned.setdefault(worker, set()).update(plan.devices)
+    for world_size in range(1, 5):
+        load = [0] * n_gpus
+        for worker in range(n_workers):
+            plan = plan_pool(world_size, "auto", n_gpus, worker, n_workers)
+            if world_size > n_gpus:
+                assert plan.devices is None and f"needs {world_size} GPUs" in plan.skip_reason
+                continue
+            assert plan.backend == "nccl" and plan.skip_reason is None
+            assert len(plan.devices) == world_size == len(set(plan.devices))
+            assert all(0 <= d < n_gpus for d in plan.devices)
+            assert gpus_shared(world_size, n_gpus, n_workers) == (world_size > block)
+            for d in plan.devices:
+                load[d] += 1
+            if world_size <= block:
+                owned.setdefault(worker, set()).update(plan.devices)
+        if world_size <= n_gpus and world_size > block:
+            assert max(load) - min(load) <= 1, f"world_size={world_size}: uneven GPU load {load}"
     for a, b in itertools.combinations(owned, 2):
         assert not owned[a] & owned[b], f"workers {a} and {b} share GPUs {owned[a] & owned[b]}"
 
@@ -110,6 +122,8 @@ def test_xdist_workers_never_share_a_gpu(n_gpus: int, n_workers: int) -> None:
 def test_two_gpus_one_worker_two_ranks_takes_both() -> None:
     assert plan_pool(2, "auto", n_gpus=2).devices == (0, 1)
     assert plan_pool(2, "auto", n_gpus=4, worker=1, n_workers=2).devices == (2, 3)
+    # 8 workers on 2 GPUs: every worker's pool runs on both, none is skipped.
+    assert {plan_pool(2, "auto", n_gpus=2, worker=w, n_workers=8).devices for w in range(8)} == {(0, 1)}
 
 
 # ---------------------------------------------------------------------------------------------------
