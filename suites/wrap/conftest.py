@@ -1,4 +1,9 @@
-"""Fixtures for the wrap suites: the recording wrapper's log and the rank pools."""
+"""Fixtures for the wrap suites: the recording wrapper's log, the FSDP1 API under test and the rank pools.
+
+The pools are module-scoped and do not depend on the engine: the checks of every engine in
+``--engine`` (``fsdp_api``, parametrized by ``harness.pytest_plugin``) run on the same ranks, each job
+loading its engine by name on the rank.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,10 @@ from typing import Iterator
 
 import pytest
 import torch
+from wrap_models import RecordingUnit
 
 from harness.pool import PoolConfig, RankPool
-from wrap_models import RecordingUnit
+from suites.seeds.api import FSDPApi, load_api
 
 #: the seed runs its multi-rank tests on two GPUs; the CPU lane runs them on two gloo ranks.
 GPU_WORLD = 2
@@ -20,6 +26,12 @@ def recorded() -> Iterator[list[RecordingUnit]]:
     RecordingUnit.constructed = []
     yield RecordingUnit.constructed
     RecordingUnit.constructed = []
+
+
+@pytest.fixture(scope="module")
+def api(fsdp_api: str) -> FSDPApi:
+    """The FSDP1 names of the engine under test, for decisions the test process makes (offload skips)."""
+    return load_api(fsdp_api)
 
 
 def _pool(config: PoolConfig) -> Iterator[RankPool]:

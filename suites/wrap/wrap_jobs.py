@@ -1,66 +1,96 @@
 """Rank-side jobs of ``test_wrap_engine.py``, run by :class:`harness.pool.RankPool`.
 
-Module-level functions ``job(ctx, payload)`` (pickled by name). Each raises ``AssertionError``
-naming every mismatch it found, and returns plain data for the parent to compare across ranks.
+Module-level functions ``job(ctx, payload)`` (pickled by name). The payload names the engine
+(``payload["engine"]``: ``builtin`` or ``torch-fsdp``); each job loads its FSDP1 API on the rank
+(:func:`suites.seeds.api.load_api`) and uses only torch FSDP1's public names from it, so one job is
+the same user code on every engine. Each job raises ``AssertionError`` naming every mismatch it found,
+and returns plain data for the parent to compare across ranks.
+
+Init modes (the seed's ``CUDAInitMode`` plus a CPU lane):
+
+- ``cpu``: gloo ranks, the module on the CPU, ``device_id=cpu``. torch FSDP1 needs ``device_id=cpu``
+  on every host: without it a CPU module's compute device is the accelerator's current device (and on
+  a host without one the constructor refuses the module). Our engine takes the same argument.
+- ``cuda_before``: the module on the rank's GPU before wrapping.
+- ``cuda_after``: the module on the CPU at wrapping, ``.cuda()`` on the wrapper afterwards (without
+  ``device_id`` both engines shard on the CPU; torch FSDP1 warns that this is slow, and re-reads its
+  flat parameters' storage at lazy init, after the move).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from wrap_models import FourLinears, nested_sequential
 
-from engine import BackwardPrefetch, CPUOffload, FullyShardedDataParallel
-from engine.wrap import size_based_auto_wrap_policy
 from harness.pool import RankContext
+from suites.seeds.api import FSDPApi, load_api
+
+InitMode = Literal["cpu", "cuda_before", "cuda_after"]
 
 
-def units_in_graph_order(wrapped: nn.Module) -> dict[str, nn.Module]:
+def units_in_graph_order(api: FSDPApi, wrapped: nn.Module) -> dict[str, nn.Module]:
     """The modules of a wrapped :class:`FourLinears` that the seed expects to be units."""
     inner = wrapped.module
+    lin4 = inner.lin4
     return {
         "lin1": inner.lin1,
         "lin2": inner.lin2,
         "lin3": inner.lin3,
-        "lin4.nested_lin": getattr(inner.lin4, "module", inner.lin4).nested_lin,
-        "lin4": inner.lin4,
+        "lin4.nested_lin": (lin4.module if isinstance(lin4, api.FSDP) else lin4).nested_lin,
+        "lin4": lin4,
         "<root>": wrapped,
     }
 
 
-def _place(model: nn.Module, init_mode: str, device: torch.device) -> nn.Module:
+def _place(model: nn.Module, init_mode: InitMode, device: torch.device) -> nn.Module:
     """``cuda_before``: on the GPU before wrapping; ``cpu`` and ``cuda_after``: on the CPU."""
     return model.to(device) if init_mode == "cuda_before" else model
+
+
+def _cpu_lane(init_mode: InitMode) -> dict[str, Any]:
+    """The CPU lane names its device (see the module docstring); the CUDA modes pass what the seed passes."""
+    return {"device_id": torch.device("cpu")} if init_mode == "cpu" else {}
 
 
 def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, list[float]]:
     """The seed's main wrap API: every module its own unit, then six SGD steps.
 
-    Returns this rank's losses and those of an unsharded copy trained on the same input (every
-    rank sees the same input, so the averaged gradient is the local one and the losses agree).
-    The settings of each unit are checked in-process by ``test_main_wrap_api_settings``.
+    Checks that every module is a unit carrying the root's offload and prefetch settings, and returns
+    this rank's losses and those of an unsharded copy trained on the same input (every rank sees the
+    same input, so the averaged gradient is the local one and the losses agree).
     """
+    api = load_api(cfg["engine"])
     torch.manual_seed(0)
     model = _place(FourLinears(), cfg["init_mode"], ctx.device)
     reference = copy.deepcopy(model).to(ctx.device)
-    wrapped = FullyShardedDataParallel(
+    cpu_offload = api.CPUOffload(offload_params=cfg["offload_params"])
+    prefetch = api.BackwardPrefetch[cfg["backward_prefetch"]]
+    wrapped = api.FSDP(
         model,
-        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=0),  # every module
-        cpu_offload=CPUOffload(offload_params=cfg["offload_params"]),
-        backward_prefetch=BackwardPrefetch[cfg["backward_prefetch"]],
+        auto_wrap_policy=functools.partial(api.policy("size_based_auto_wrap_policy"), min_num_params=0),  # every module
+        cpu_offload=cpu_offload,
+        backward_prefetch=prefetch,
         forward_prefetch=cfg["forward_prefetch"],
+        **_cpu_lane(cfg["init_mode"]),
     )
     if cfg["init_mode"] == "cuda_after":
         wrapped = wrapped.cuda()
-    units = units_in_graph_order(wrapped)
-    not_units = [name for name, module in units.items() if not isinstance(module, FullyShardedDataParallel)]
-    if not_units:
-        raise AssertionError(f"not wrapped as units: {not_units}")
+    problems = []
+    for name, unit in units_in_graph_order(api, wrapped).items():
+        if not isinstance(unit, api.FSDP):
+            problems.append(f"{name}: not a unit ({type(unit).__name__})")
+            continue
+        settings = (unit.cpu_offload, unit.backward_prefetch, unit.forward_prefetch)
+        if settings != (cpu_offload, prefetch, cfg["forward_prefetch"]):
+            problems.append(f"{name}: (cpu_offload, backward_prefetch, forward_prefetch) = {settings}")
+    if problems:
+        raise AssertionError(f"{api.name}: " + "; ".join(problems))
 
     optim = torch.optim.SGD(wrapped.parameters(), lr=1e-2, momentum=0.9)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=1e-2, momentum=0.9)
@@ -78,21 +108,27 @@ def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, list[float
 
 def auto_wrap_smoke(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, float]:
     """The seed's auto-wrap smoke test on a one-rank default group: structure, forward, backward."""
+    api = load_api(cfg["engine"])
     torch.manual_seed(0)
     sequential = _place(nested_sequential(), cfg["init_mode"], ctx.device)
     reference = copy.deepcopy(sequential).to(ctx.device)
-    device_id = torch.device("cuda", torch.cuda.current_device()) if cfg["use_device_id"] else None
-    model = FullyShardedDataParallel(
+    device_kwargs = _cpu_lane(cfg["init_mode"])
+    if cfg["use_device_id"]:
+        # Explicit index, as the seed passes it: FSDP1 warns on an index-less CUDA device and takes the current one.
+        device_kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())}
+    model = api.FSDP(
         sequential,
-        cpu_offload=CPUOffload(offload_params=cfg["offload_params"]),
-        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=40),
-        device_id=device_id,
+        cpu_offload=api.CPUOffload(offload_params=cfg["offload_params"]),
+        auto_wrap_policy=functools.partial(api.policy("size_based_auto_wrap_policy"), min_num_params=40),
+        **device_kwargs,
     )
     inner = model.module
     layout = [type(inner[0]), type(inner[1]), type(inner[2])]
-    expected = [nn.Linear, nn.Linear, FullyShardedDataParallel]
+    expected = [nn.Linear, nn.Linear, api.FSDP]
     if layout != expected or not all(isinstance(m, nn.Linear) for m in inner[2].module):
-        raise AssertionError(f"wrapped layout {layout} (inner {list(inner[2].module)}), expected {expected}")
+        raise AssertionError(
+            f"{api.name}: wrapped layout {layout} (inner {list(inner[2].module)}), expected {expected}"
+        )
     if cfg["init_mode"] == "cuda_after":
         model = model.cuda()
     inp = torch.rand((1, 5), device=ctx.device)
@@ -104,11 +140,10 @@ def auto_wrap_smoke(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, float]:
 def mixed_precision_batchnorm(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, Any]:
     """Linears in bfloat16 units, the batch norm between them in its own float32 unit.
 
-    Returns the output dtype, the dtype the batch norm computed in, and the losses of a few steps.
+    Returns the wrapped module of every unit, the output dtype, the dtype the batch norm computed in,
+    and the losses of a few steps.
     """
-    from engine import MixedPrecision
-    from engine.wrap import ModuleWrapPolicy
-
+    api = load_api(cfg["engine"])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)).to(ctx.device)
     seen: dict[str, torch.dtype] = {}
@@ -116,12 +151,14 @@ def mixed_precision_batchnorm(ctx: RankContext, cfg: dict[str, Any]) -> dict[str
     def record_bn_input(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         seen["bn_input"] = args[0].dtype
 
-    # Registered before wrapping, so it runs before the float32 cast-back hook: sees the BN's own input.
+    # A forward hook sees the arguments after every forward pre-hook (the unit's float32 cast) ran, and,
+    # registered before wrapping, it runs before the hook that casts the output back.
     model[1].register_forward_hook(record_bn_input)
-    wrapped = FullyShardedDataParallel(
+    wrapped = api.FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        auto_wrap_policy=api.policy("ModuleWrapPolicy")({nn.Linear}),
+        mixed_precision=api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        **({"device_id": ctx.device} if ctx.device.type == "cpu" else {}),
     )
     optim = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     torch.manual_seed(1 + ctx.rank)
@@ -135,5 +172,5 @@ def mixed_precision_batchnorm(ctx: RankContext, cfg: dict[str, Any]) -> dict[str
         loss.backward()
         optim.step()
         losses.append(loss.item())
-    units = [type(m.module).__name__ for m in wrapped.modules() if isinstance(m, FullyShardedDataParallel)]
+    units = [type(m.module).__name__ for m in wrapped.modules() if isinstance(m, api.FSDP)]
     return {"units": units, "bn_input": str(seen["bn_input"]), "output": str(out_dtype), "losses": losses}
