@@ -10,8 +10,8 @@ from harness.case import PRECISIONS
 
 #: the prefetch subtests of the seed's e2e test: forward prefetch x backward prefetch.
 ALL_PREFETCH = [(fwd, bwd) for fwd in (False, True) for bwd in ("none", "pre", "post")]
-#: configurations of the e2e product per mp config: offload x fp32/fp64 x grad scaler x prefetch.
-E2E_RUNS = 2 * 2 * 2 * len(ALL_PREFETCH)
+#: configurations of the e2e product per mp config and CPU offload value: fp32/fp64 x grad scaler x prefetch.
+E2E_RUNS = 2 * 2 * len(ALL_PREFETCH)
 
 #: the seed's embedding-table mixed-precision configs.
 EMBEDDING_CONFIGS = {
@@ -26,12 +26,17 @@ SCALER_CASES: dict[str, dict[str, Any]] = {
     "fp32": {},
     "fp16_params": {"low": "float16"},
     "bf16_params": {"low": "bfloat16"},
+    "fp16_low_grads": {"low": "float16", "keep_low": True},
     "fp16_low_grads_offload": {"low": "float16", "keep_low": True, "offload": True},
     "bf16_low_grads": {"low": "bfloat16", "keep_low": True},
     "fp32_offload": {"offload": True},
 }
 #: the gradient dtype each scenario must produce (float32 unless listed).
-SCALER_GRAD_DTYPE = {"fp16_low_grads_offload": "torch.float16", "bf16_low_grads": "torch.bfloat16"}
+SCALER_GRAD_DTYPE = {
+    "fp16_low_grads": "torch.float16",
+    "fp16_low_grads_offload": "torch.float16",
+    "bf16_low_grads": "torch.bfloat16",
+}
 
 
 def check_scaler_agreement(values: list[dict[str, Any]], case: str) -> None:
@@ -55,31 +60,35 @@ PARITY_CASES: list[dict[str, Any]] = [
 ]
 
 
-def parity_payload(precision: str) -> dict[str, Any]:
-    return {"precision": precision, "cases": PARITY_CASES, "steps": 5, "guards": True}
+def parity_payload(engine: str, precision: str, offload: bool) -> dict[str, Any]:
+    """The engine cases with (or without) CPU offload; the guards run with the offload-free ones (an
+    engine that cannot offload on this host skips the offload payload, and keeps its guards)."""
+    cases = [c for c in PARITY_CASES if c.get("offload", False) == offload]
+    return {"engine": engine, "precision": precision, "cases": cases, "steps": 5, "guards": not offload}
 
 
 def parity_table(records: list[dict[str, Any]]) -> str:
-    columns = ["precision", "case", "error", "atol", "nearest", "distance_to_fp64", "floor", "passed", "must_fail"]
+    columns = ["engine", "precision", "case", "error", "atol", "nearest", "distance_to_fp64", "floor", "passed", "must_fail"]
     return tabulate([[r[c] for c in columns] for r in records], headers=columns, floatfmt=".3g")
 
 
-def check_parity_records(per_rank: list[list[dict[str, Any]]], record_property: Any) -> None:
-    """Every engine case passes; every guard whose dropped cast changes the numbers fails."""
+def check_parity_records(per_rank: list[list[dict[str, Any]]], record_property: Any, guards: bool = True) -> None:
+    """Every engine case passes; every guard whose dropped cast changes the numbers fails (``guards``:
+    the payload ran them)."""
     for rank, records in enumerate(per_rank):
         if rank == 0:
             print(f"\n{records[0]['plan']}\n{parity_table(records)}")
             print("distances from the emulation:", records[0]["distances"], "resolvable:", records[0]["resolvable"])
             for r in records:
                 keys = ("error", "atol", "nearest", "distances", "distance_to_fp64", "floor", "passed")
-                record_property(f"{r['precision']}:{r['case']}", {k: r[k] for k in keys})
-        if PRECISIONS[records[0]["precision"]].is_mixed:
+                record_property(f"{r['engine']}:{r['precision']}:{r['case']}", {k: r[k] for k in keys})
+        if PRECISIONS[records[0]["precision"]].is_mixed and guards:
             assert any(r["drop_casts"] == "all" for r in records), "no guard case ran"
         for r in records:
             if r["drop_casts"]:
                 assert not (r["must_fail"] and r["passed"]), (
-                    f"rank {rank}: the engine with {r['drop_casts']} casts dropped passed the comparison for "
+                    f"rank {rank}: {r['engine']} with {r['drop_casts']} casts dropped passed the comparison for "
                     f"{r['precision']} (error {r['error']:.3g} <= atol {r['atol']:.3g}): the tolerance looks away"
                 )
             else:
-                assert r["passed"], f"rank {rank}: {r['precision']} {r['case']}: error {r['error']:.3g} > atol {r['atol']:.3g} at {r['worst']}"
+                assert r["passed"], f"rank {rank}: {r['engine']} {r['precision']} {r['case']}: error {r['error']:.3g} > atol {r['atol']:.3g} at {r['worst']}"

@@ -22,17 +22,29 @@ BUFFER_ORIG_DTYPE = torch.float64
 @dataclass
 class Expectation:
     """What a :class:`PrecisionProbe` must see inside forward (travels through forward untouched:
-    it is not a tensor, so no input cast reaches it)."""
+    it is not a tensor, so no input cast reaches it).
+
+    Only what any engine with torch FSDP1's API shows through public names is checked: the
+    input, the compute weight and the buffer the probe sees, and the parameters the wrapped root
+    registers (``root.parameters()``).
+    """
 
     #: dtype of the inputs and of the weights compute sees.
     param: torch.dtype
     #: dtype of the probe's buffer during forward.
     buffer: torch.dtype
-    #: dtype of every sharded (flat) parameter.
+    #: dtype of every registered (flat, sharded) parameter at rest.
     full: torch.dtype
-    #: the wrapped root, whose units are inspected; None skips the unit checks.
+    #: the wrapped root, whose registered parameters are inspected; None skips those checks.
     root: nn.Module | None = None
-    #: at least one unit must hold unsharded parameters while a probe runs (sharded, world > 1).
+    #: numel of each of ``root.parameters()`` at rest (sharded), taken before forward.
+    rest_numels: tuple[int, ...] = ()
+    #: the engine points a unit's registered flat parameter at the unsharded compute tensor while
+    #: the unit is unsharded (torch FSDP1, ``use_orig_params=False``); False: the registered
+    #: parameter stays the full-precision shard and compute uses separate storage (our engine).
+    swaps_registered: bool = False
+    #: with ``swaps_registered``: at least one registered parameter is swapped while a probe runs
+    #: (the seed's "active unit" check; sharded strategies, world > 1).
     expect_active_unit: bool = True
 
 
@@ -42,9 +54,11 @@ class PrecisionProbe(nn.Module):
     Forward takes and returns ``(x, expectation)`` so probes chain in an ``nn.Sequential``.
     """
 
+    width = 10
+
     def __init__(self, full_dtype: torch.dtype, buffer_name: str = "buffer", run_checks: bool = True) -> None:
         super().__init__()
-        self.lin = nn.Linear(10, 10, bias=False).to(full_dtype)
+        self.lin = nn.Linear(self.width, self.width, bias=False).to(full_dtype)
         # Distinct buffer names per probe: a prefix bug in buffer handling would hide behind one name.
         self.buffer_name = buffer_name
         self.register_buffer(buffer_name, torch.randn((1, 2), dtype=BUFFER_ORIG_DTYPE))
@@ -58,33 +72,32 @@ class PrecisionProbe(nn.Module):
 
 
 def check_probe(probe: PrecisionProbe, x: Tensor, expect: Expectation) -> None:
-    from engine import FSDP  # the unit checks need the engine; the models themselves do not
-    from engine.unit import ShardedState
-
     problems = []
     if x.dtype != expect.param:
         problems.append(f"input {x.dtype} != {expect.param}")
-    if probe.lin.weight.dtype != expect.param:
-        problems.append(f"compute weight {probe.lin.weight.dtype} != {expect.param}")
+    weight = probe.lin.weight
+    if weight.dtype != expect.param:
+        problems.append(f"compute weight {weight.dtype} != {expect.param}")
+    # The weight compute sees is the unsharded one (every engine): the unit is active.
+    if tuple(weight.shape) != (probe.width, probe.width):
+        problems.append(f"compute weight has shape {tuple(weight.shape)}, not the unsharded {(probe.width, probe.width)}")
     buf = getattr(probe, probe.buffer_name)
     if buf.dtype != expect.buffer:
         problems.append(f"buffer {probe.buffer_name} {buf.dtype} != {expect.buffer}")
     if expect.root is not None:
-        active = 0
-        for state in FSDP.fsdp_modules(expect.root):
-            unit = state._unit
-            if unit is None:
+        registered = list(expect.root.parameters())
+        if len(registered) != len(expect.rest_numels):
+            problems.append(f"{len(registered)} registered parameters in forward, {len(expect.rest_numels)} at rest")
+        swapped = 0
+        for i, (p, rest) in enumerate(zip(registered, expect.rest_numels)):
+            if p.dtype == expect.full and p.numel() == rest:
+                continue  # the full-precision shard
+            if expect.swaps_registered and p.dtype == expect.param and p.numel() >= rest:
+                swapped += 1  # torch FSDP1: the flat parameter points at the unsharded compute tensor
                 continue
-            if unit.handle.flat_param.dtype != expect.full:
-                problems.append(f"sharded parameter of {unit.module_name} is {unit.handle.flat_param.dtype}")
-            sharded = unit.handle.uses_sharded_strategy and state.world_size > 1
-            if sharded and unit.sharded_state == ShardedState.UNSHARDED and unit.handle.unsharded_allocated:
-                active += 1
-                leaf = unit.handle.unsharded_flat_param
-                if leaf.dtype != expect.param:
-                    problems.append(f"unsharded parameter of active unit {unit.module_name} is {leaf.dtype}")
-        if expect.expect_active_unit and active == 0:
-            problems.append("no unit holds unsharded parameters during forward")
+            problems.append(f"registered parameter {i} is {p.dtype} with {p.numel()} elements (at rest: {expect.full}, {rest})")
+        if expect.swaps_registered and expect.expect_active_unit and swapped == 0:
+            problems.append("no unit's flat parameter is unsharded during forward")
     if problems:
         raise AssertionError(f"{probe.buffer_name}: " + "; ".join(problems))
 

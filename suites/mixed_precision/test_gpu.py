@@ -1,7 +1,9 @@
-"""The mixed-precision suites on two GPUs with NCCL: every CPU job again (float16 as in the seed),
-plus what needs CUDA: SyncBatchNorm's forward and ResNet-50 with size-based wrapping.
+"""The mixed-precision suites on two GPUs with NCCL, for every engine with torch FSDP1's API
+(``fsdp_api``): every CPU job again (float16 as in the seed, CPU offload for both engines: torch
+FSDP1 can pin memory here), plus what needs CUDA: SyncBatchNorm's forward and ResNet-50 with
+size-based wrapping.
 
-Run on a machine with 2 GPUs (about a minute on two H200s)::
+Run on a machine with 2 GPUs (about a minute per engine on two H200s)::
 
     python -m pytest suites/mixed_precision -m gpu -q
 """
@@ -35,44 +37,52 @@ pytestmark = [
     ),
 ]
 
-
-@pytest.mark.parametrize("mp", list(MP_CONFIGS))
-def test_e2e_full_shard(gpu_pair: RankPool, mp: str) -> None:
-    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, {"mp": mp, "strategy": "FULL_SHARD"})) == [E2E_RUNS] * 2
+OFFLOAD = pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
 
 
 @pytest.mark.parametrize("mp", list(MP_CONFIGS))
-def test_e2e_no_reshard_after_forward(gpu_pair: RankPool, mp: str) -> None:
-    payload_ = {"mp": mp, "strategy": "SHARD_GRAD_OP", "full": ["float64"], "scaler": [False], "prefetch": [(False, "none")]}
-    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, payload_)) == [2, 2]
+@OFFLOAD
+def test_e2e_full_shard(gpu_pair: RankPool, fsdp_api: str, mp: str, offload: bool) -> None:
+    payload = {"engine": fsdp_api, "mp": mp, "strategy": "FULL_SHARD", "offload": offload}
+    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, payload)) == [E2E_RUNS] * 2
+
+
+@pytest.mark.parametrize("mp", list(MP_CONFIGS))
+@OFFLOAD
+def test_e2e_no_reshard_after_forward(gpu_pair: RankPool, fsdp_api: str, mp: str, offload: bool) -> None:
+    payload = {"engine": fsdp_api, "mp": mp, "strategy": "SHARD_GRAD_OP", "offload": offload, "full": ["float64"],
+               "scaler": [False], "prefetch": [(False, "none")]}
+    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, payload)) == [1, 1]
 
 
 @pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "FULL_SHARD"])
-def test_e2e_unsharded(gpu_pair: RankPool, strategy: str) -> None:
-    payload_ = {"mp": "mp_diff_buffer_reduce", "strategy": strategy, "world": 1, "offload": [True], "full": ["float64"],
-                "scaler": [False], "prefetch": [(False, "none")]}
-    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, payload_)) == [1, 1]
+def test_e2e_unsharded(gpu_pair: RankPool, fsdp_api: str, strategy: str) -> None:
+    payload = {"engine": fsdp_api, "mp": "mp_diff_buffer_reduce", "strategy": strategy, "world": 1, "offload": True,
+               "full": ["float64"], "scaler": [False], "prefetch": [(False, "none")]}
+    assert assert_ok(gpu_pair.run(jobs.e2e_matrix, payload)) == [1, 1]
 
 
 @pytest.mark.parametrize("convert_sync_bn", [False, True])
-def test_mp_batchnorm(gpu_pair: RankPool, convert_sync_bn: bool) -> None:
-    assert_ok(gpu_pair.run(jobs.mp_batchnorm, {"convert_sync_bn": convert_sync_bn}))
+def test_mp_batchnorm(gpu_pair: RankPool, fsdp_api: str, convert_sync_bn: bool) -> None:
+    assert_ok(gpu_pair.run(jobs.mp_batchnorm, {"engine": fsdp_api, "convert_sync_bn": convert_sync_bn}))
 
 
-def test_mixed_precision_resnet(gpu_pair: RankPool) -> None:
+def test_mixed_precision_resnet(gpu_pair: RankPool, fsdp_api: str) -> None:
     pytest.importorskip("torchvision", reason="ResNet-50 comes from torchvision, which is not installed")
-    values = assert_ok(gpu_pair.run(jobs.resnet50, {"size": 1000}))
+    values = assert_ok(gpu_pair.run(jobs.resnet50, {"engine": fsdp_api, "size": 1000}))
     assert values[0] == values[1] == 53  # ResNet-50's batch norms, each its own unit
 
 
 @pytest.mark.parametrize("config", list(EMBEDDING_CONFIGS))
-def test_mp_embedding(gpu_pair: RankPool, config: str) -> None:
-    assert_ok(gpu_pair.run(jobs.embedding_table, {"mps": {config: EMBEDDING_CONFIGS[config]}}))
+def test_mp_embedding(gpu_pair: RankPool, fsdp_api: str, config: str) -> None:
+    assert_ok(gpu_pair.run(jobs.embedding_table, {"engine": fsdp_api, "mps": {config: EMBEDDING_CONFIGS[config]}}))
 
 
 SIMPLE_JOBS = [
-    (jobs.grads_reduced_precision, {"world": 2}),
-    (jobs.grads_reduced_precision, {"world": 1}),
+    (jobs.grads_reduced_precision, {"world": 2, "offload": False}),
+    (jobs.grads_reduced_precision, {"world": 2, "offload": True}),
+    (jobs.grads_reduced_precision, {"world": 1, "offload": False}),
+    (jobs.grads_reduced_precision, {"world": 1, "offload": True}),
     (jobs.eval_root_cast_inputs, {}),
     (jobs.full_precision_in_eval, {}),
     (jobs.full_precision_in_eval_buffers, {}),
@@ -87,15 +97,20 @@ SIMPLE_JOBS = [
 
 
 @pytest.mark.parametrize("job,job_payload", SIMPLE_JOBS, ids=lambda v: getattr(v, "__name__", str(v)))
-def test_job(gpu_pair: RankPool, job: Any, job_payload: dict[str, Any]) -> None:
-    assert_ok(gpu_pair.run(job, job_payload))
+def test_job(gpu_pair: RankPool, fsdp_api: str, job: Any, job_payload: dict[str, Any]) -> None:
+    assert_ok(gpu_pair.run(job, {"engine": fsdp_api, **job_payload}))
 
 
 @pytest.mark.parametrize("case", list(SCALER_CASES))
-def test_sharded_grad_scaler(gpu_pair: RankPool, case: str) -> None:
-    check_scaler_agreement(assert_ok(gpu_pair.run(jobs.grad_scaler_agreement, SCALER_CASES[case])), case)
+def test_sharded_grad_scaler(gpu_pair: RankPool, fsdp_api: str, case: str) -> None:
+    outcome = gpu_pair.run(jobs.grad_scaler_agreement, {"engine": fsdp_api, **SCALER_CASES[case]})
+    check_scaler_agreement(assert_ok(outcome), case)
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_parity_with_emulating_reference(gpu_pair: RankPool, precision: str, record_property: Any) -> None:
-    check_parity_records(assert_ok(gpu_pair.run(jobs.parity_precision, parity_payload(precision))), record_property)
+@OFFLOAD
+def test_parity_with_emulating_reference(
+    gpu_pair: RankPool, fsdp_api: str, precision: str, offload: bool, record_property: Any
+) -> None:
+    outcome = gpu_pair.run(jobs.parity_precision, parity_payload(fsdp_api, precision, offload))
+    check_parity_records(assert_ok(outcome), record_property, guards=not offload)
