@@ -9,6 +9,8 @@ import torch
 
 from harness_jobs import FAULT_TIMEOUT_S
 
+from harness.case import CaseConfig
+from harness.parity import run_case_on_rank
 from harness.pool import PoolConfig, RankPool, assign_devices, default_backend, xdist_worker
 
 
@@ -32,4 +34,10 @@ def fault_pool() -> Iterator[RankPool]:
     """Two gloo CPU ranks with a short case timeout, for cases that hang, crash or raise."""
     config = PoolConfig(world_size=2, backend="gloo", case_timeout_s=FAULT_TIMEOUT_S, error_grace_s=2.0, stack_wait_s=2.0)
     with RankPool(config) as pool:
+        # A first case imports the engines on the ranks; on a loaded host that alone can outlast the
+        # short timeout, so it runs here, untimed by the tests (after a fault, the tests' healthy case
+        # warms the respawned ranks the same way).
+        warm = pool.run(run_case_on_rank, CaseConfig(engine="torch-fsdp", reference="ddp", model="nested", steps=1),
+                        timeout_s=120.0)
+        assert warm.status == "ok", f"fault pool warm-up: {warm.reason}"
         yield pool

@@ -46,8 +46,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+#: the healthy case after a fault runs on freshly spawned ranks, whose first case imports the engines:
+#: on a loaded host (pytest-xdist workers) that alone can outlast the fault pool's short timeout.
+HEALTHY_TIMEOUT_S = 120.0
+
+
 def _assert_healthy_case(pool: RankPool) -> None:
-    record = record_from_outcome(HEALTHY, pool.run(run_case_on_rank, HEALTHY))
+    record = record_from_outcome(HEALTHY, pool.run(run_case_on_rank, HEALTHY, timeout_s=HEALTHY_TIMEOUT_S))
     assert record.verdict == "pass", record.reason
 
 

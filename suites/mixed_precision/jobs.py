@@ -894,7 +894,11 @@ def grad_scaler_agreement(ctx: RankContext, payload: dict[str, Any]) -> dict[str
     keep_low = payload.get("keep_low", False)
     mp = api.MixedPrecision(param_dtype=low, reduce_dtype=low, keep_low_precision_grads=keep_low) if low else None
     model = _scaler_model(api, ctx, mp, offload)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    # foreach=False: on CUDA the default foreach SGD refuses float16 gradients on float32 parameters
+    # (keep_low_precision_grads). torch FSDP1's flat parameters are plain nn.Parameter, so torch picks
+    # foreach and raises; ours are a subclass, for which torch never picks foreach. That is the
+    # optimizer's choice, not the scaler's contract this job checks.
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
     if payload.get("scaler", "sharded") == "plain":
         scaler = torch.amp.GradScaler(ctx.device.type, init_scale=2.0**8)
     else:

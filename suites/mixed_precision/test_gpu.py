@@ -22,6 +22,7 @@ from suites.mixed_precision.cases import (
     E2E_RUNS,
     EMBEDDING_CONFIGS,
     SCALER_CASES,
+    TORCH_FSDP1_CUDA_SCALER_FAILURES,
     check_parity_records,
     check_scaler_agreement,
     parity_payload,
@@ -102,7 +103,9 @@ def test_job(gpu_pair: RankPool, fsdp_api: str, job: Any, job_payload: dict[str,
 
 
 @pytest.mark.parametrize("case", list(SCALER_CASES))
-def test_sharded_grad_scaler(gpu_pair: RankPool, fsdp_api: str, case: str) -> None:
+def test_sharded_grad_scaler(request: pytest.FixtureRequest, gpu_pair: RankPool, fsdp_api: str, case: str) -> None:
+    if fsdp_api == "torch-fsdp" and case in TORCH_FSDP1_CUDA_SCALER_FAILURES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=TORCH_FSDP1_CUDA_SCALER_FAILURES[case]))
     outcome = gpu_pair.run(jobs.grad_scaler_agreement, {"engine": fsdp_api, **SCALER_CASES[case]})
     check_scaler_agreement(assert_ok(outcome), case)
 
