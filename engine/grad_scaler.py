@@ -93,8 +93,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         assert scale is not None
 
         def apply(t: Tensor) -> Tensor:
-            # The scale is a one-element float32 tensor: the plain product would be promoted.
-            return (t * scale.to(device=t.device, non_blocking=True)).to(t.dtype)
+            # The scale is a one-element float32 tensor: the plain product would be promoted. A copy
+            # to CPU must be blocking: the CPU product would read it before a non-blocking copy lands.
+            return (t * scale.to(device=t.device, non_blocking=t.device.type != "cpu")).to(t.dtype)
 
         return tree_map_only(Tensor, apply, outputs)
 

@@ -39,8 +39,10 @@ TORCH_FSDP1_CUDA_SCALER_FAILURES: dict[str, str] = {
     "fp16_low_grads_offload": "torch FSDP1 with keep_low_precision_grads and CPU offload assigns the float16 CPU gradient "
                               "to the float32 flat parameter, which torch >= 2.11 refuses (grad_dtype check) at the end "
                               "of backward",
-    "fp32_offload": "torch FSDP1 with CPU offload on CUDA under ShardedGradScaler: the first step leaves the parameters "
-                    "unchanged and the inf planted in rank 1's CPU gradient neither skips the step nor backs the scale off",
+    "fp32_offload": "torch FSDP1's ShardedGradScaler copies the scale and the inf flag to the CPU gradients' device "
+                    "with non_blocking=True (_GeneralMultiDeviceReplicator.get) and reads them on CPU without waiting: "
+                    "with the GPU busy (the job keeps it busy) the first step unscales by an unset scale and leaves the "
+                    "parameters unchanged, and the inf on rank 1 is overwritten by the late copy, so nobody skips",
 }
 #: the gradient dtype each scenario must produce (float32 unless listed).
 SCALER_GRAD_DTYPE = {

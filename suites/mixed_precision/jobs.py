@@ -883,6 +883,10 @@ def _poison(model: nn.Module) -> None:
     raise AssertionError("no gradient to poison on this rank")
 
 
+#: ``torch.cuda._sleep`` cycles: ~0.1 s at H100/H200 clocks, far longer than the CPU unscale of the scaler job.
+GPU_BUSY_CYCLES = 200_000_000
+
+
 def grad_scaler_agreement(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
     """An inf in one rank's shard makes every rank skip the step and back the scale off; a clean
     step updates everywhere. ``scaler="plain"`` runs torch's GradScaler for contrast (it does not
@@ -913,6 +917,11 @@ def grad_scaler_agreement(ctx: RankContext, payload: dict[str, Any]) -> dict[str
         devices = sorted({p.grad.device.type for p in model.parameters() if p.grad is not None})
         if poisoned_rank == ctx.rank:
             _poison(model)
+        if ctx.device.type == "cuda":
+            # Keep the GPU busy for ~0.1 s: a scaler whose CPU side reads a non-blocking device-to-host
+            # copy (scale or inf flag for CPU-offloaded gradients) before it lands now reads it early
+            # every time, not only when the GPU happens to be loaded.
+            torch.cuda._sleep(GPU_BUSY_CYCLES)
         scaler.step(optim)
         scaler.update()
         optim.zero_grad()
