@@ -10,17 +10,27 @@ of the unit. None of the zoo's units is that small at 8 ranks, so ``UnevenModel`
 gain as a unit of its own; it is registered in ``harness.models.MODELS`` inside the rank processes
 only (``ensure_registered``, called by every job here), so the parent's registry, which other
 suites enumerate, is left as it is.
+
+[Note: planted reduction bugs]
+Past two ranks a full-precision case's tolerance is widened by budgets derived from the reference's
+distance from float64 (``harness.parity.budget_source``). To show that the widened tolerance still
+catches real bugs, ``run_planted_case_job`` runs a case on the built-in engine with a bug planted in
+its gradient reduction (``engine.collectives.reduce_scatter_grad``, patched in the rank process for
+that case only): every reduced shard off by a relative ``rel``. The references never call the
+engine's collectives, so only the engine is wrong.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from engine import collectives
 from engine.layout import ParamEntry, aligned_numel, build_layout
 from harness.adapters import FSDP1Adapter, get_engine
 from harness.case import CaseConfig
@@ -38,8 +48,11 @@ __all__ = [
     "expected_dim0_holdings",
     "expected_flat_holdings",
     "gain_holding_job",
+    "planted_in_builtin_reduction",
     "run_case",
     "run_case_job",
+    "run_planted_case",
+    "run_planted_case_job",
     "shard_group_size",
 ]
 
@@ -112,6 +125,47 @@ def run_case_job(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
 def run_case(pool: RankPool, case: CaseConfig) -> CaseRecord:
     """One case on the pool, decided as ``harness run`` decides it."""
     return record_from_outcome(case, pool.run(run_case_job, case))
+
+
+@contextlib.contextmanager
+def planted_in_builtin_reduction(rel: float) -> Iterator[None]:
+    """Patch ``engine.collectives.reduce_scatter_grad`` to return every reduced shard times
+    ``1 + rel`` for the duration (rank processes only; [Note: planted reduction bugs])."""
+    if rel == 0.0:
+        raise ValueError("planted_in_builtin_reduction: rel must be non-zero (0 plants nothing)")
+    original = collectives.reduce_scatter_grad
+
+    def planted(*args: Any, **kwargs: Any) -> collectives.ReduceResult:
+        result = original(*args, **kwargs)
+        if result.event is not None:
+            # The reduction ran on its own stream: finish it, change the shard, and finish that too.
+            result.event.synchronize()
+            result.grad.mul_(1.0 + rel)
+            torch.cuda.current_stream(result.grad.device).synchronize()
+        else:
+            result.grad.mul_(1.0 + rel)
+        return result
+
+    collectives.reduce_scatter_grad = planted
+    try:
+        yield
+    finally:
+        collectives.reduce_scatter_grad = original
+
+
+def run_planted_case_job(ctx: RankContext, arg: tuple[CaseConfig, float]) -> dict[str, Any]:
+    """``run_case_job`` with the built-in engine's reduced gradients off by a relative ``arg[1]``."""
+    case, rel = arg
+    if case.engine != "builtin":
+        raise ValueError(f"run_planted_case_job: case.engine={case.engine!r} must be 'builtin' (the bug is planted in engine/)")
+    with planted_in_builtin_reduction(rel):
+        return run_case_job(ctx, case)
+
+
+def run_planted_case(pool: RankPool, case: CaseConfig, rel: float) -> CaseRecord:
+    """One case with the built-in engine's reduced gradients off by a relative ``rel``, decided as
+    ``harness run`` decides it."""
+    return record_from_outcome(case, pool.run(run_planted_case_job, (case, rel)))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,141 @@
+"""The tolerance policy's rule, as pure logic (no processes): which run's distance from float64 widens
+torch's defaults at which world size (``harness.parity.budget_source``), what a budget may do to a
+tolerance, and that a planted gradient error still fails where an honest engine passes.
+
+The measurements that chose the rule are in the module docstring of ``harness.parity``; the
+end-to-end cases at 8 gloo ranks are in ``test_world_sizes``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness.adapters import ParamSlice
+from harness.case import PRECISIONS
+from harness.parity import (
+    BUDGET_FACTOR,
+    DEFAULT_TOLERANCES,
+    ORDER_FREE_WORLD_SIZE,
+    Observation,
+    TolerancePolicy,
+    budget_source,
+    compare_observations,
+    derive_budgets,
+    worst_budgets,
+)
+
+FP32 = PRECISIONS["fp32"]
+FP64 = PRECISIONS["fp64"]
+MIXED = sorted(name for name, spec in PRECISIONS.items() if spec.is_mixed)
+#: torch.testing.assert_close's float32 defaults, written out: the values GPU results were taken with.
+TORCH_FP32 = (1e-5, 1.3e-6)
+
+world_sizes = st.integers(min_value=1, max_value=4096)
+quantities = st.sampled_from(["loss@0", "grad_norm@4", "grad:w", "param:w", "grad:transformer.encoder.norm.weight"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which budgets, at which world size
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_full_precision_keeps_torch_defaults_up_to_two_ranks(world_size: int) -> None:
+    assert world_size <= ORDER_FREE_WORLD_SIZE
+    assert budget_source(FP32, world_size) == "none"
+    policy = TolerancePolicy.for_precision(FP32)
+    assert (policy.atol, policy.rtol) == TORCH_FP32 == DEFAULT_TOLERANCES[torch.float32][::-1]
+    assert policy.tolerance("grad:w") == TORCH_FP32 and policy.budgets == {}
+
+
+@given(world_size=st.integers(min_value=ORDER_FREE_WORLD_SIZE + 1, max_value=4096))
+def test_fp32_past_two_ranks_measures_the_reference(world_size: int) -> None:
+    assert budget_source(FP32, world_size) == "reference"
+
+
+@given(a=world_sizes, b=world_sizes, precision=st.sampled_from(sorted(PRECISIONS)))
+def test_the_rule_is_monotone_in_world_size(a: int, b: int, precision: str) -> None:
+    """More ranks never take a budget away, nor change where it comes from."""
+    small, large = sorted((a, b))
+    spec = PRECISIONS[precision]
+    if budget_source(spec, small) != "none":
+        assert budget_source(spec, large) == budget_source(spec, small)
+
+
+@given(world_size=world_sizes, precision=st.sampled_from(MIXED))
+def test_mixed_precision_measures_the_emulation_at_every_world_size(world_size: int, precision: str) -> None:
+    assert budget_source(PRECISIONS[precision], world_size) == "emulation"
+
+
+@given(world_size=world_sizes)
+def test_float64_keeps_its_defaults_at_every_world_size(world_size: int) -> None:
+    assert budget_source(FP64, world_size) == "none"
+
+
+@pytest.mark.parametrize("world_size", [0, -3])
+def test_a_world_without_ranks_is_refused(world_size: int) -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        budget_source(FP32, world_size)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a budget does to a tolerance
+
+
+@given(budgets=st.dictionaries(quantities, st.floats(min_value=0.0, max_value=1e3)), quantity=quantities)
+def test_a_budget_only_widens_atol(budgets: dict[str, float], quantity: str) -> None:
+    atol, rtol = TolerancePolicy.for_precision(FP32, budgets).tolerance(quantity)
+    assert rtol == TORCH_FP32[1]
+    assert atol == max(TORCH_FP32[0], budgets.get(quantity, 0.0)) >= TORCH_FP32[0]
+
+
+def _observation(grad: torch.Tensor, loss: float = 2.0) -> Observation:
+    return Observation(
+        losses=[loss], grad_norms=[float(grad.norm())],
+        grads=[[ParamSlice("w", 0, grad)]], params=[ParamSlice("w", 0, 1.0 - 0.01 * grad)],
+    )
+
+
+def _runs(drift: float) -> tuple[Observation, Observation, torch.Tensor, torch.Tensor]:
+    """float64 truth and a reference ``drift`` away from it (in float64, so no rounding hides it)."""
+    g = torch.randn(2000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    d = drift * torch.randn(2000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return _observation(g), _observation(g + d, 2.0 + drift), g, d
+
+
+def test_a_reference_that_matches_float64_loosens_nothing() -> None:
+    truth, _, g, _ = _runs(0.0)
+    budgets = worst_budgets([derive_budgets(truth, truth), derive_budgets(_observation(g.clone()), truth)])
+    policy = TolerancePolicy.for_precision(FP32, budgets)
+    assert set(budgets) >= {"loss@0", "grad_norm@0", "grad:w", "param:w"} and not any(budgets.values())
+    assert all(policy.tolerance(q) == TORCH_FP32 for q in budgets)
+
+
+def test_the_budget_is_the_factor_times_the_reference_drift() -> None:
+    truth, reference, _, d = _runs(3e-6)
+    budgets = derive_budgets(reference, truth)
+    assert budgets["grad:w"] == pytest.approx(BUDGET_FACTOR * float(d.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# An honest engine passes, a planted bug fails
+
+
+def _verdicts(engine: Observation, reference: Observation, policy: TolerancePolicy) -> dict[str, bool]:
+    return {f.error.name: f.error.passed for f in compare_observations(engine, reference, policy)}
+
+
+def test_an_engine_as_far_from_float64_as_the_reference_passes_and_a_planted_bug_fails() -> None:
+    """The engine drifts as far as the reference, on the other side of float64 (the worst an honest
+    engine as accurate as the reference can do): torch's defaults fail it, the derived budget passes
+    it, and the same engine with its gradient 1e-4 off (relative) fails again."""
+    truth, reference, g, d = _runs(1e-5)
+    honest = _observation(g - d, 2.0 - 1e-5)
+    planted = _observation((g - d) * (1 + 1e-4), 2.0 - 1e-5)
+    derived = TolerancePolicy.for_precision(FP32, worst_budgets([derive_budgets(reference, truth)]))
+
+    assert not _verdicts(honest, reference, TolerancePolicy.for_precision(FP32))["grad:w"]
+    assert all(_verdicts(honest, reference, derived).values())
+    assert not _verdicts(planted, reference, derived)["grad:w"]
