@@ -227,6 +227,19 @@ def _compute_device(params: list[nn.Parameter], device_id: torch.device | None, 
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def _set_on_units(units: list[Any], attr: str, value: Any) -> Iterator[None]:
+    """Set ``attr`` on every unit for the duration; each unit gets its own earlier value back."""
+    previous = [getattr(u, attr) for u in units]
+    for u in units:
+        setattr(u, attr, value)
+    try:
+        yield
+    finally:
+        for u, prev in zip(units, previous):
+            setattr(u, attr, prev)
+
+
 class FullyShardedDataParallel(nn.Module):
     """Shards a module's parameters across data-parallel ranks (torch FSDP1's API).
 
@@ -495,15 +508,8 @@ class FullyShardedDataParallel(nn.Module):
         """Within the context, backward accumulates unsharded gradients without communicating;
         the first backward after it reduces everything accumulated."""
         self._ensure_root("no_sync()")
-        states = self.fsdp_modules(self)
-        previous = [s._sync_gradients for s in states]
-        for s in states:
-            s._sync_gradients = False
-        try:
+        with _set_on_units(self.fsdp_modules(self), "_sync_gradients", False):
             yield
-        finally:
-            for s, prev in zip(states, previous):
-                s._sync_gradients = prev
 
     @staticmethod
     @contextlib.contextmanager
@@ -541,15 +547,8 @@ class FullyShardedDataParallel(nn.Module):
         """Record ``state_dict_type`` on every unit for the duration (read by state-dict code)."""
         if not isinstance(state_dict_type, StateDictType):
             raise ValueError(f"state_dict_type={state_dict_type!r} must be an engine.StateDictType member")
-        states = FullyShardedDataParallel.fsdp_modules(module)
-        previous = [s._state_dict_type for s in states]
-        for s in states:
-            s._state_dict_type = state_dict_type
-        try:
+        with _set_on_units(FullyShardedDataParallel.fsdp_modules(module), "_state_dict_type", state_dict_type):
             yield
-        finally:
-            for s, prev in zip(states, previous):
-                s._state_dict_type = prev
 
     def extra_repr(self) -> str:
         return f"sharding_strategy={self._sharding_strategy.name}, use_orig_params={self._use_orig_params}"

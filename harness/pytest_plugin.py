@@ -183,6 +183,20 @@ def _key_without_engine(item: pytest.Item, engine: str) -> str:
     return f"{item.path.name}::{name}" + (f"[{ids}]" if ids else "")
 
 
+def gpus_missing(n: int) -> str | None:
+    """Why a test that needs ``n`` CUDA GPUs cannot run here; None when it can."""
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return None if found >= n else f"needs {n} CUDA GPUs; this machine has {found}"
+
+
+def needs_gpus(n: int) -> pytest.MarkDecorator:
+    """``skipif`` with the reason, for tests and modules that need ``n`` CUDA GPUs."""
+    reason = gpus_missing(n)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
 def skip_here(reason: str) -> NoReturn:
     """Skip the running test, reported at the test's own location rather than at this plugin's line
     (what pytest does for skip markers and skipping fixtures)."""

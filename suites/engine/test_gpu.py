@@ -16,6 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
+from harness.pytest_plugin import needs_gpus
 
 from engine import FSDP, CPUOffload, MixedPrecision
 from engine.flat_param import FlatParamHandle
@@ -25,11 +26,7 @@ from suites.engine.ranks import session_tests
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-        reason="needs 2 CUDA GPUs (NCCL); this machine has "
-        f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}",
-    ),
+    needs_gpus(2),
 ]
 
 STRATEGIES = parity.STRATEGIES

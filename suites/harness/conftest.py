@@ -7,9 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from harness_jobs import FAULT_TIMEOUT_S
+from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
-from harness.case import CaseConfig
 from harness.parity import run_case_on_rank
 from harness.pool import PoolConfig, RankPool, assign_devices, default_backend, xdist_worker
 
@@ -37,7 +36,6 @@ def fault_pool() -> Iterator[RankPool]:
         # A first case imports the engines on the ranks; on a loaded host that alone can outlast the
         # short timeout, so it runs here, untimed by the tests (after a fault, the tests' healthy case
         # warms the respawned ranks the same way).
-        warm = pool.run(run_case_on_rank, CaseConfig(engine="torch-fsdp", reference="ddp", model="nested", steps=1),
-                        timeout_s=120.0)
+        warm = pool.run(run_case_on_rank, HEALTHY, timeout_s=120.0)
         assert warm.status == "ok", f"fault pool warm-up: {warm.reason}"
         yield pool

@@ -10,8 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.case import CaseConfig
 from harness.pool import RankContext
 from harness.trace import CommTrace
+
+#: a small healthy case: warms the fault pool, and after each fault proves the pool recovered.
+HEALTHY = CaseConfig(engine="torch-fsdp", reference="ddp", model="nested", steps=2)
 
 #: The fault pool's case timeout: short, so the hang and crash tests stay fast, long enough for a
 #: tiny case on a loaded two-core machine.

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness.cli import main
 from harness.collector import read_records
+from harness.pytest_plugin import needs_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the warm-pool overhead target on CPU with two gloo ranks.
@@ -22,7 +22,7 @@ CPU_TARGET_MS = 100.0
 #: the warm-pool overhead target on two GPUs with NCCL.
 GPU_TARGET_MS = 50.0
 
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+needs_two_gpus = needs_gpus(2)
 
 
 def _harness(

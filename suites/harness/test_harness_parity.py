@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib
 
 import pytest
-import torch
 
 from harness.case import CaseConfig
 from harness.parity import record_from_outcome, run_case_on_rank
 from harness.pool import RankPool
 from harness.records import CaseRecord
+from harness.pytest_plugin import needs_gpus
 
 FSDP1 = {"engine": "torch-fsdp"}
 # FSDP2 always uses the original parameters and prefetches one module ahead in backward.
@@ -144,7 +144,7 @@ GPU_CASES: list[CaseConfig] = [
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus(2)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.full_id)
 def test_gpu_only_behaviours(parity_pool: RankPool, case: CaseConfig) -> None:
     assert parity_pool.config.backend == "nccl"

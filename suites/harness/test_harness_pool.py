@@ -17,14 +17,12 @@ from pathlib import Path
 
 import harness_jobs
 import pytest
-from harness_jobs import FAULT_TIMEOUT_S
+from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
 from harness.case import CaseConfig
 from harness.parity import record_from_outcome, run_case_on_rank
 from harness.pool import PoolConfig, RankPool
 
-#: a small healthy case, run after each fault to prove the pool recovered.
-HEALTHY = CaseConfig(engine="torch-fsdp", reference="ddp", model="nested", steps=2)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from harness.pool import PoolConfig, RankPool
+from harness.pytest_plugin import gpus_missing
 
 #: the seed runs its multi-rank tests on two GPUs; the CPU lane runs them on two gloo ranks.
 WORLD = 2
@@ -23,9 +23,8 @@ def cpu_pair() -> Iterator[RankPool]:
 @pytest.fixture(scope="package")
 def gpu_pair() -> Iterator[RankPool]:
     """Two NCCL ranks on GPUs 0 and 1."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        pytest.skip(f"needs {WORLD} CUDA GPUs (NCCL), found {found}")
+    if reason := gpus_missing(WORLD):
+        pytest.skip(reason=reason)
     with RankPool(PoolConfig(world_size=WORLD, backend="nccl", devices=(0, 1), case_timeout_s=240.0)) as pool:
         yield pool
 

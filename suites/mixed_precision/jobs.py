@@ -37,6 +37,7 @@ from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from harness.case import PRECISIONS
+from harness.models import gpu_sleep
 from harness.pool import PoolOutcome, RankContext
 from harness.trace import TRACED, OpKind
 from suites.mixed_precision.models import (
@@ -883,8 +884,8 @@ def _poison(model: nn.Module) -> None:
     raise AssertionError("no gradient to poison on this rank")
 
 
-#: ``torch.cuda._sleep`` cycles: ~0.1 s at H100/H200 clocks, far longer than the CPU unscale of the scaler job.
-GPU_BUSY_CYCLES = 200_000_000
+#: GPU sleep before each scaler step: far longer than the CPU unscale of the scaler job.
+GPU_BUSY_MS = 100.0
 
 
 def grad_scaler_agreement(ctx: RankContext, payload: dict[str, Any]) -> dict[str, Any]:
@@ -917,11 +918,10 @@ def grad_scaler_agreement(ctx: RankContext, payload: dict[str, Any]) -> dict[str
         devices = sorted({p.grad.device.type for p in model.parameters() if p.grad is not None})
         if poisoned_rank == ctx.rank:
             _poison(model)
-        if ctx.device.type == "cuda":
-            # Keep the GPU busy for ~0.1 s: a scaler whose CPU side reads a non-blocking device-to-host
-            # copy (scale or inf flag for CPU-offloaded gradients) before it lands now reads it early
-            # every time, not only when the GPU happens to be loaded.
-            torch.cuda._sleep(GPU_BUSY_CYCLES)
+        # Keep the GPU busy (no-op on CPU): a scaler whose CPU side reads a non-blocking device-to-host
+        # copy (scale or inf flag for CPU-offloaded gradients) before it lands now reads it early
+        # every time, not only when the GPU happens to be loaded.
+        gpu_sleep(GPU_BUSY_MS, ctx.device)
         scaler.step(optim)
         scaler.update()
         optim.zero_grad()

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from harness.case import PRECISIONS
 from harness.pool import RankPool
+from harness.pytest_plugin import needs_gpus
 from suites.mixed_precision import jobs
 from suites.mixed_precision.cases import (
     E2E_RUNS,
@@ -31,11 +31,7 @@ from suites.mixed_precision.jobs import MP_CONFIGS, assert_ok
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-        reason="needs 2 CUDA GPUs (NCCL); this machine has "
-        f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}",
-    ),
+    needs_gpus(2),
 ]
 
 OFFLOAD = pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])

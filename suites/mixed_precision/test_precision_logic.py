@@ -20,19 +20,8 @@ from suites.mixed_precision.reference import (
     predivide_factor,
     run_reference,
 )
+from suites.wrap.wrap_models import DummyProcessGroup
 
-
-class _Group:
-    """What the handle needs of a process group."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -76,7 +65,7 @@ def _handle(mp_param: torch.dtype | None, mp_reduce: torch.dtype | None, rank: i
     module = nn.Linear(3, 5)
     handle = FlatParamHandle(
         list(module.parameters()), module, torch.device("cpu"), HandleShardingStrategy.FULL_SHARD,
-        False, mp_param, mp_reduce, False, _Group(rank, 2), False,
+        False, mp_param, mp_reduce, False, DummyProcessGroup(rank, 2), False,
     )
     handle.shard()
     handle.init_unsharded_flat_param()

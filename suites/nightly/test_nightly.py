@@ -20,6 +20,7 @@ from harness.case import CaseConfig
 from harness.cli import select_cases
 from harness.collector import ResultWriter, read_records
 from harness.records import CaseRecord, RunInfo
+from harness.pytest_plugin import needs_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the tiny selection the CPU tests run: smoke cases of torch FSDP1 against the local reference.
@@ -155,7 +156,7 @@ def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus(2)
 def test_nightly_on_the_gpus(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
     done = _nightly("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--fuzz-profile", "none",

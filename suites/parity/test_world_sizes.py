@@ -93,7 +93,7 @@ def _passes(pool: RankPool, case: CaseConfig) -> CaseRecord:
     record = run_case(pool, case)
     outcome = outcome_of(record)
     if outcome.action == "skip":
-        pytest.skip(outcome.message)
+        pytest.skip(reason=outcome.message)
     if outcome.action == "fail":
         pytest.fail(f"{_case_id(case)}: {outcome.message}", pytrace=False)
     knobs = {k["knob"]: k["status"] for k in record.detail["knobs"]}

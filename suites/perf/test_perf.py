@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness.perf import (
     CPU_MODEL,
@@ -25,6 +24,7 @@ from harness.perf import (
     row_from_values,
     tflops_per_gpu,
 )
+from harness.pytest_plugin import needs_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,7 +105,7 @@ def test_perf_on_cpu_prints_the_ratio_against_torch_fsdp1(tmp_path: Path) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus(2)
 def test_perf_on_two_gpus_small_model() -> None:
     done = _perf("--engines", "builtin,torch-fsdp,torch-fsdp2,ddp", "--layers", "4", "--d-model", "512", "--heads", "8",
                  "--seq", "512", "--steps", "5", gpus=True)

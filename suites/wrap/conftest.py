@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-import torch
 from wrap_models import RecordingUnit
 
 from harness.pool import PoolConfig, RankPool
+from harness.pytest_plugin import gpus_missing
 from suites.seeds.api import FSDPApi, load_api
 
 #: the seed runs its multi-rank tests on two GPUs; the CPU lane runs them on two gloo ranks.
@@ -54,14 +54,14 @@ def cpu_single() -> Iterator[RankPool]:
 @pytest.fixture(scope="module")
 def gpu_pair() -> Iterator[RankPool]:
     """Two NCCL ranks on GPUs 0 and 1."""
-    if torch.cuda.device_count() < GPU_WORLD:
-        pytest.skip(f"needs {GPU_WORLD} CUDA GPUs, found {torch.cuda.device_count()}")
+    if reason := gpus_missing(GPU_WORLD):
+        pytest.skip(reason=reason)
     yield from _pool(PoolConfig(world_size=2, backend="nccl", devices=(0, 1), case_timeout_s=120.0))
 
 
 @pytest.fixture(scope="module")
 def gpu_single() -> Iterator[RankPool]:
     """One NCCL rank on GPU 0."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    if reason := gpus_missing(1):
+        pytest.skip(reason=reason)
     yield from _pool(PoolConfig(world_size=1, backend="nccl", devices=(0,), case_timeout_s=120.0))
