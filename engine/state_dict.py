@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Mapping, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
@@ -94,7 +95,10 @@ def _local_value(state: Any) -> ShardedTensor:
     valid = flat.numel() - flat._shard_numel_padded
     shards = []
     if valid > 0:
-        shards = [Shard.from_tensor_and_offsets(flat.detach()[:valid].view(valid), [flat.numel() * state.rank], state.rank)]
+        # The placement names the global rank (torch FSDP1 passes the group rank, which is wrong
+        # for any shard group other than the world, e.g. hybrid sharding).
+        owner = dist.get_global_rank(state.process_group, state.rank)
+        shards = [Shard.from_tensor_and_offsets(flat.detach()[:valid].view(valid), [flat.numel() * state.rank], owner)]
     return init_from_local_shards(shards, state._unit.handle.layout.total_numel, process_group=state.process_group)
 
 
