@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 
 __all__ = ["CheckpointError", "dcp_load", "dcp_save", "load", "save"]
 
@@ -57,13 +58,27 @@ def load(path: str | os.PathLike[str], map_location: Any = None, weights_only: b
         ) from e
 
 
+def _cause(e: BaseException) -> str:
+    """One line per failing rank for DCP's exception (its own message is every rank's traceback)."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return f"{type(e).__name__}: {e}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        # A (exception, traceback) pair in torch 2.11 to 2.13.
+        exc = failure[0] if isinstance(failure, tuple) and failure else getattr(failure, "exception", failure)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        parts.append(f"rank {rank}: {type(exc).__name__}: {first}")
+    return "; ".join(parts)
+
+
 def dcp_save(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """``torch.distributed.checkpoint.save`` into the directory ``path`` (every rank calls it)."""
     path = os.fspath(path)
     try:
         dcp.save(state_dict, checkpoint_id=path)
-    except Exception as e:
-        raise CheckpointError(f"cannot write distributed checkpoint {path}: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot write distributed checkpoint {path}: {_cause(e)}") from e
 
 
 def dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -73,8 +88,8 @@ def dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
         raise CheckpointError(f"distributed checkpoint {path} is not a directory: check the path")
     try:
         dcp.load(state_dict, checkpoint_id=path)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(
-            f"cannot read distributed checkpoint {path}: {type(e).__name__}: {e}. Its files are missing, "
+            f"cannot read distributed checkpoint {path}: {_cause(e)}. Its files are missing, "
             "truncated or from another model: save it again"
         ) from e
