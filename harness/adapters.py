@@ -44,7 +44,8 @@ import torch.nn as nn
 
 from harness.case import CaseConfig, PrecisionSpec
 from harness.models import ZooModel, build_model
-from harness.pool import RankContext, default_shard_size
+from harness.placement import default_shard_size
+from harness.pool import RankContext
 
 __all__ = [
     "ENGINES",

@@ -94,7 +94,8 @@ from harness.adapters import (
 )
 from harness.case import CaseConfig, PrecisionSpec
 from harness.models import ZooModel, build_model, gpu_sleep
-from harness.pool import PoolOutcome, RankContext, default_shard_size
+from harness.placement import default_shard_size
+from harness.pool import PoolOutcome, RankContext
 from harness.records import CaseRecord, QuantityError
 from harness.trace import CommEvent, CommTrace, movable_gathers, ops, signature, total_bytes
 

@@ -28,7 +28,8 @@ from harness.parity import (
     merge_quantities,
     record_from_outcome,
 )
-from harness.pool import PoolOutcome, RankError, assign_devices, default_shard_size, xdist_worker
+from harness.placement import assign_devices, default_shard_size, xdist_worker
+from harness.pool import PoolOutcome, RankError
 from harness.trace import CommEvent, movable_gathers, ops, signature, total_bytes
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.nightly import (
+from harness.cli.nightly import (
     CPU_WORLD_SIZE,
     Lane,
     NightlyConfig,

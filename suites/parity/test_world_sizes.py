@@ -38,7 +38,7 @@ import torch
 from harness.case import CaseConfig
 from harness.parity import DEFAULT_TOLERANCES, worst_budgets
 from harness.pool import PoolConfig, RankPool
-from harness.pytest_cases import outcome_of
+from harness.pytest_plugin.cases import outcome_of
 from harness.records import CaseRecord
 from suites.parity.world_sizes import (
     GAIN_NUMEL,

@@ -36,7 +36,8 @@ from harness.adapters import FSDP1Adapter, get_engine
 from harness.case import CaseConfig
 from harness.models import MODELS, ModelSpec, ZooModel, batch_generator, build_model
 from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import RankContext, RankPool, default_shard_size
+from harness.placement import default_shard_size
+from harness.pool import RankContext, RankPool
 from harness.records import CaseRecord
 
 __all__ = [
