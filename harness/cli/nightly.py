@@ -28,7 +28,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from typing import Any, Literal
 
 from harness.case import CaseConfig
 from harness.cli.options import add_selection
-from harness.placement import CPU_WORLD_SIZE, BackendChoice, Lane, n_gpus, plan_lanes
+from harness.placement import BackendChoice, n_gpus, plan_lanes
 from harness.runner import BAD_VERDICTS, CaseRunner, Progress, Selection, select_cases, under_torchrun
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]

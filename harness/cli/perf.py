@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.pool import RankContext
+from harness.rank import RankContext
 
 PerfEngine = Literal["builtin", "torch-fsdp", "torch-fsdp2", "ddp"]
 PerfStrategy = Literal["full_shard", "shard_grad_op", "no_shard"]

@@ -12,14 +12,12 @@ timed out or crashed, 2 when the ranks could not start, 130 on Ctrl-C (rerun wit
 from __future__ import annotations
 
 import argparse
-import collections
 import faulthandler
 import os
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,10 @@ from harness.runner import Progress, Selection, exit_status, run_case, select_ca
 
 # ---------------------------------------------------------------------------------------------------
 # run on the pool
+
+
+def _default_out() -> Path:
+    return Path("results") / f"run-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -130,7 +132,8 @@ def _run_torchrun(args: argparse.Namespace) -> int:
 
     from harness.collector import ResultWriter, run_info
     from harness.parity import record_from_outcome, run_case_on_rank
-    from harness.pool import PoolOutcome, RankContext, RankError
+    from harness.pool import PoolOutcome, RankError
+    from harness.rank import RankContext
 
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

@@ -8,15 +8,13 @@ from pathlib import Path
 import pytest
 
 from harness.cli.nightly import (
-    CPU_WORLD_SIZE,
-    Lane,
     NightlyConfig,
     baseline_source,
     exit_status,
     find_previous,
     parse_fuzz_totals,
-    plan_lanes,
 )
+from harness.placement import CPU_WORLD_SIZE, Lane, plan_lanes
 from suites.flat_param.campaign import PropertyRun, report
 
 
