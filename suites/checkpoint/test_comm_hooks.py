@@ -130,6 +130,10 @@ def check_registration_rules(rank: int, world_size: int) -> None:
     hybrid = CkptNet().wrap(sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=hybrid_groups(world_size))
     with pytest.raises(AssertionError, match="not supported for hybrid strategies"):
         hybrid.register_comm_hook(None, comm_hooks.reduce_scatter_hook)
+    trained = CkptNet().wrap()
+    train(trained, make_optimizer("sgd", trained.parameters()), range(1), rank)
+    with pytest.raises(AssertionError, match="before the first forward"):
+        trained.register_comm_hook(None, comm_hooks.reduce_scatter_hook)
     with pytest.raises(ValueError, match="explicit ProcessGroup"):
         comm_hooks.DefaultState(None)
     state = comm_hooks.DefaultState(dist.group.WORLD)
