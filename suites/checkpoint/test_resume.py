@@ -1,7 +1,8 @@
 """Save after step k of n, resume in a fresh model, wrapper and optimizer: the same run as without.
 
 Every strategy x ``use_orig_params`` x state-dict type (full, sharded, local) x optimizer (SGD with
-momentum, AdamW) on CPU/gloo must match the uninterrupted run bitwise. The CI lane runs a slice
+momentum, AdamW), and each strategy x ``use_orig_params`` x type with CPU offload and bf16 mixed
+precision, on CPU/gloo must match the uninterrupted run bitwise. The CI lane runs a slice
 (each strategy, each type and each optimizer at least once at 2 ranks, a few cases at 4 ranks,
 CPU offload and bf16 mixed precision once each); the whole product runs with ``--matrix full`` (marked
 ``slow``). The same slice runs on 2 GPUs with NCCL (marked ``gpu``).
@@ -39,6 +40,10 @@ CI_4 = [
 FULL_PRODUCT = [
     (Setup(strategy, orig, optimizer), sd)
     for strategy, orig, sd, optimizer in itertools.product(S, (False, True), SD_TYPES, ("sgd", "adamw"))
+] + [
+    # CPU offload with bf16 mixed precision: the state dicts hold the full-precision shards.
+    (Setup(strategy, orig, "adamw", offload=True, mixed_precision=True), sd)
+    for strategy, orig, sd in itertools.product(S, (False, True), SD_TYPES)
 ]
 
 
