@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from harness.matrix import invalid_reason
 from harness.records import CaseRecord, QuantityError
 from reports.matrix import fmt_ratio
 from reports.page import banner_html, esc, page
@@ -75,6 +76,13 @@ def rerun_caveats(case: Mapping[str, Any]) -> list[str]:
             out.append(f"{key}={case[key]} (the CLI runs {default})")
     if case.get("extras"):
         out.append(f"extras={case['extras']} (a test-only setting such as an injected fault)")
+    try:
+        invalid = invalid_reason({k: v for k, v in case.items() if k != "extras"})
+    except (KeyError, TypeError):
+        invalid = None
+    if invalid:
+        out.append(f"the case breaks a rule of the matrix, so the generators never make it and the command selects "
+                   f"nothing ({invalid}); it came from a test that builds its cases itself")
     return out
 
 
@@ -185,7 +193,7 @@ def case_html(
     parts.append("<h2>Rerun</h2><pre>" + esc(rerun_command(case, full_id, backend)) + "</pre>")
     caveats = rerun_caveats(case)
     if caveats:
-        parts.append("<p>The command line cannot set: " + esc("; ".join(caveats)) + "</p>")
+        parts.append("<p>The command differs from this case: " + esc("; ".join(caveats)) + ".</p>")
     parts.append("<h2>Settings</h2>" + _table(["axis", "value"], [[esc(k), esc(v)] for k, v in case.items()]))
     if plot:
         parts.append(f'<h2>Per step</h2><img src="{esc(plot)}" alt="per-step loss and error of {esc(full_id)}">')

@@ -22,7 +22,7 @@ details ul { text-align: left; margin: 4px 0; padding-left: 1.2em; font-size: 11
 .banner { background: #ffe5b4; border: 2px solid #d98000; padding: 0.6em 1em; margin: 0 0 0.8em; font-weight: bold; }
 .legend span { display: inline-block; padding: 2px 8px; margin: 2px 6px 2px 0; border: 1px solid #999; font-size: 12px; }
 code, pre { font-size: 12px; }
-pre { background: #f6f6f6; border: 1px solid #ddd; padding: 0.5em; overflow: auto; max-height: 30em; }
+pre { background: #f6f6f6; border: 1px solid #ddd; padding: 0.5em; overflow: auto; max-height: 30em; white-space: pre-wrap; word-break: break-all; }
 nav.toc { background: #f7f7f7; border: 1px solid #ddd; padding: 0.3em 0.8em; font-size: 13px; }
 nav.toc ul { display: inline; margin: 0; padding: 0; } nav.toc li { display: inline; margin-right: 0.9em; }
 a { color: #0645ad; }
