@@ -194,7 +194,7 @@ def case_html(
     caveats = rerun_caveats(case)
     if caveats:
         parts.append("<p>The command differs from this case: " + esc("; ".join(caveats)) + ".</p>")
-    parts.append("<h2>Settings</h2>" + _table(["axis", "value"], [[esc(k), esc(v)] for k, v in case.items()]))
+    settings = "<h2>Settings</h2>" + _table(["axis", "value"], [[esc(k), esc(v)] for k, v in case.items()])
     if plot:
         parts.append(f'<h2>Per step</h2><img src="{esc(plot)}" alt="per-step loss and error of {esc(full_id)}">')
         if record is not None and not record.curves:
@@ -203,7 +203,7 @@ def case_html(
     if record is None:
         parts.append("<p>Only the summary row of this case is known: build the report from its results file "
                      "(JSON Lines) for the per-step values, quantities, knob checks and stacks.</p>")
-        return page(f"{verdict} {full_id}", "\n".join(parts))
+        return page(f"{verdict} {full_id}", "\n".join([*parts, settings]))
     worst = worst_quantities(record.errors)
     where = (record.detail or {}).get("worst_at", {})
     if worst:
@@ -237,6 +237,7 @@ def case_html(
         parts.append(_pre_blocks(title, detail.get(key)))
     if detail.get("exit_codes"):
         parts.append("<p>Exit codes: " + esc(", ".join(f"rank {r}: {c}" for r, c in sorted(detail["exit_codes"].items()))) + "</p>")
+    parts.append(settings)
     extra = {k: v for k, v in detail.items() if k in ("notes", "collectives", "engine_s", "reference_s")}
     if extra:
         parts.append("<h2>Other facts</h2>" + _table(["", ""], [[esc(k), esc(v)] for k, v in extra.items()]))

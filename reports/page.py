@@ -24,7 +24,7 @@ details ul { text-align: left; margin: 4px 0; padding-left: 1.2em; font-size: 11
 code, pre { font-size: 12px; }
 pre { background: #f6f6f6; border: 1px solid #ddd; padding: 0.5em; overflow: auto; max-height: 30em; white-space: pre-wrap; word-break: break-all; }
 nav.toc { background: #f7f7f7; border: 1px solid #ddd; padding: 0.3em 0.8em; font-size: 13px; }
-nav.toc ul { display: inline; margin: 0; padding: 0; } nav.toc li { display: inline; margin-right: 0.9em; }
+nav.toc ul { display: inline; margin: 0 0 0 0.8em; padding: 0; } nav.toc li { display: inline; margin-right: 0.9em; }
 a { color: #0645ad; }
 """
 

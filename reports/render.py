@@ -10,7 +10,6 @@ its status says more (errors, refusals, failures without a numeric error).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import matplotlib.colors as mcolors
 import numpy as np
@@ -20,14 +19,7 @@ from matplotlib.patches import Patch
 from tabulate import tabulate
 
 from reports.diff import DiffResult
-from reports.matrix import (
-    CellStats,
-    ParityMatrix,
-    Summary,
-    cell_label,
-    fmt_ratio,
-    sort_failing,
-)
+from reports.matrix import CellStats, ParityMatrix, Summary, fmt_ratio
 
 #: log10 of the worst ratio spans this range on the colour scale; beyond it colours saturate.
 LOG_RATIO_RANGE = 3.0

@@ -15,7 +15,7 @@ import pandas as pd
 from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.grid import Grid, GridCell, GridRow, GridSection
-from reports.matrix import CellStats, ParityMatrix, Summary, cell_label, fmt_ratio, sort_failing
+from reports.matrix import CellStats, ParityMatrix, Summary, fmt_ratio, sort_failing
 from reports.page import banner_html, esc, page
 from reports.render import STATUS_COLOURS, _text_colour, cell_colour, run_lines
 

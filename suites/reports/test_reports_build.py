@@ -15,10 +15,10 @@ from conftest import write_results
 from synthetic_records import RUN, mixed_records, record
 
 import reports
-from reports.case_page import case_href, case_slug
 from harness.case import CaseConfig
 from harness.collector import read_records
 from reports.__main__ import main
+from reports.case_page import case_href, case_slug
 from reports.matrix import CellStats, cell_label, latest, marginals, parity_matrices, records_frame
 
 REPO = Path(__file__).resolve().parents[2]
