@@ -89,6 +89,18 @@ def load_night(directory: Path, out: Path | None = None) -> Night:
     return Night(directory.name, frame, perf, read_scope(directory), report)
 
 
+def sibling_nights(directory: Path | str, limit: int | None = None) -> list[Path]:
+    """``directory`` and the nightlies next to it whose names sort before it (date names sort by
+    date) that hold results, oldest first; at most the ``limit`` newest. What a nightly passes to
+    ``history`` to chart itself against the nights before it."""
+    directory = Path(directory)
+    parent = directory.parent
+    found = [d for d in parent.iterdir() if d.is_dir() and d.name <= directory.name
+             and any((d / name).exists() for name in (RESULTS_NAME, CSV_NAME))] if parent.is_dir() else []
+    found = sorted(found, key=lambda d: d.name)
+    return found[-limit:] if limit else found
+
+
 def _relative(target: Path, start: Path) -> str:
     import os
 

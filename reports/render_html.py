@@ -29,7 +29,7 @@ STATE_STYLES = {
     "not_run": "background:#dbe9f6;color:#1f4e79;border:2px dashed #1f4e79",
     "unsupported": f"background:{STATUS_COLOURS['unsupported']};color:#000",
 }
-STATE_LABELS = {"absent": "not in matrix", "not_run": "not run", "unsupported": "unsupported"}
+STATE_LABELS = {"absent": "not in matrix", "not_run": "not run", "unsupported": "unsup."}
 
 GRID_CSS = """
 .gridwrap { overflow: auto; max-height: 80vh; max-width: 100%; border: 1px solid #bbb; }
@@ -45,6 +45,9 @@ table.grid tr.section th { text-align: left; background: #dde; font-size: 12px; 
 table.grid td.cell { min-width: 3.6em; line-height: 1.25; }
 table.grid tr.first td, table.grid tr.first th { border-top: 2px solid #555; }
 .filters { margin: 0.4em 0; font-size: 13px; } .filters select { margin-right: 1em; }
+table.grid summary { list-style: none; text-decoration: underline dotted; }
+table.grid summary::-webkit-details-marker { display: none; }
+table.grid details[open] summary { font-weight: bold; }
 """
 
 FILTER_JS = """
@@ -63,11 +66,26 @@ function applyFilters() {
   });
   document.getElementById('f-count').textContent = shown + ' row(s)';
 }
+// A section of the grid lives inside the grid's own scroll box (which keeps the header sticky): bring
+// the box into view, then scroll the box itself so the section sits under the header.
+function showSection(id) {
+  var row = document.getElementById(id), box = document.querySelector('.gridwrap');
+  if (!row || !box) return false;
+  box.scrollIntoView();
+  box.scrollTop = row.offsetTop - box.querySelector('thead').offsetHeight;
+  return true;
+}
 document.addEventListener('DOMContentLoaded', function () {
   ['f-engine', 'f-model', 'f-verdict'].forEach(function (id) {
     document.getElementById(id).addEventListener('change', applyFilters);
   });
   applyFilters();
+  document.querySelectorAll('a[href^="#grid-"]').forEach(function (a) {
+    a.addEventListener('click', function (e) { if (showSection(a.getAttribute('href').slice(1))) e.preventDefault(); });
+  });
+});
+window.addEventListener('load', function () {
+  if (location.hash.indexOf('#grid-') === 0) showSection(location.hash.slice(1));
 });
 """
 
@@ -99,7 +117,7 @@ def _grid_cell(section: GridSection, row: GridRow, precision: str, prefetch: str
         n = cell.not_run if state == "not_run" else cell.stats.unsupported
         label = STATE_LABELS[state] + (f" ({n})" if n else "")
         # An empty hatched cell reads faster than the same words in every cell; the tooltip and legend name it.
-        text = "" if state == "absent" else esc(label)
+        text = "" if state == "absent" else esc(STATE_LABELS[state]) + (f"<br>{n}" if n else "")
         return f'<td class="cell {state}" style="{style}" title="{esc(label)}">{text}</td>'
     s = cell.stats
     detail = s.worst_verdict if s.status == "error" else fmt_ratio(s.worst_ratio)

@@ -10,7 +10,7 @@ import pytest
 from history_nights import NIGHTS, fixed_case, hung_case, night_cases, regressed_case, write_nights
 
 from reports.__main__ import main
-from reports.history import failing_now, flatten_numbers, history, transitions
+from reports.history import failing_now, flatten_numbers, history, sibling_nights, transitions
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +65,10 @@ def test_cli_history(three_nights, tmp_path: Path, capsys: pytest.CaptureFixture
     assert "1 regression(s), 1 fix(es), 2 failing now" in capsys.readouterr().out
     assert main(["history", str(tmp_path / "missing"), "--out", str(tmp_path / "h2")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_nightly_finds_itself_and_the_nights_before_it(three_nights, tmp_path: Path) -> None:
+    nights, _ = three_nights
+    (nights[0].parent / "2026-11-19-empty").mkdir(exist_ok=True)  # no results: not a night
+    assert sibling_nights(nights[1]) == nights[:2]
+    assert sibling_nights(nights[2], limit=2) == nights[1:]
