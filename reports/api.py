@@ -151,8 +151,9 @@ def build(
         chosen = pd.concat([chosen, frame[frame["full_id"].isin(asked) & (frame["verdict"] == "pass")]])
     page_rows = [row for _, row in chosen.iterrows()]
     case_files = write_case_pages(page_rows, loaded.records, out, banner=banner)
+    current = set(case_files)
     for stale in (out / CASES_DIR).glob("*"):
-        if f"{CASES_DIR}/{stale.name}" not in set(case_files):
+        if stale.is_file() and f"{CASES_DIR}/{stale.name}" not in current:
             stale.unlink()
 
     links = {"Markdown": MARKDOWN_NAME, "results.csv": CSV_NAME}

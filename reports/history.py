@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,8 +103,6 @@ def sibling_nights(directory: Path | str, limit: int | None = None) -> list[Path
 
 
 def _relative(target: Path, start: Path) -> str:
-    import os
-
     return os.path.relpath(target.resolve(), start.resolve()).replace(os.sep, "/")
 
 

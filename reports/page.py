@@ -38,11 +38,11 @@ def banner_html(text: str) -> str:
     return f'<div class="banner" id="partial-run">⚠️ {esc(text)}</div>' if text else ""
 
 
-def page(title: str, body: str, *, script: str = "") -> str:
-    """A whole HTML document around ``body``."""
+def page(title: str, body: str, *, script: str = "", css: str = "") -> str:
+    """A whole HTML document around ``body``; ``css`` and ``script`` add to the shared style and script."""
     js = f"<script>{script}</script>" if script else ""
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<meta name='viewport' content='width=device-width'><title>{esc(title)}</title>"
-        f"<style>{CSS}</style></head><body>\n{body}\n{js}</body></html>\n"
+        f"<style>{CSS}{css}</style></head><body>\n{body}\n{js}</body></html>\n"
     )
