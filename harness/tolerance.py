@@ -29,10 +29,24 @@ Each quantity is a ``QuantityError`` (max absolute and relative error, the toler
   tolerances), and a gradient planted 1e-5 off still fails every zoo model at 4 and 8 ranks (worst
   ratio 2.4 on gpt to 29). A float64 case keeps the defaults at every world size: float64 is its own
   truth.
-- Mixed precision: a budget derived per quantity as ``BUDGET_FACTOR`` times the distance between
-  the local reference that emulates the engine's casts and the same run in float64, with the rtol of
-  the lowest-precision dtype the case computes or reduces in: a scalar such as a loss can land on a
-  lucky rounding in the emulation, so one rounding of the low-precision dtype is always allowed.
+- Mixed precision: the engine is compared with the local reference that emulates its casts (DDP
+  computes in full precision, so a mixed-precision case is compared with the emulation whatever its
+  ``reference``), under torch's defaults for the full dtype, widened per quantity by a budget of
+  ``MIXED_PRECISION_FACTOR`` (0.5) times the distance from the emulation to the nearest run an
+  engine that drops casts would compute: the float64 run (every cast dropped) and each
+  ``harness.references.cast_ablations`` run (one ``MixedPrecision`` field ignored), see
+  ``ablation_budget``. The factor is below 1 on purpose: an engine that drops a cast lands on that
+  run, at the full distance from the emulation, so any factor of 1 or more would pass it, and the
+  value check alone could not tell an engine that ignores ``param_dtype``, ``reduce_dtype`` or
+  ``buffer_dtype`` from an honest one (the knob checks would be the only guard). Up to
+  ``ORDER_FREE_WORLD_SIZE`` ranks the honest engine rounds exactly as the emulation (the same casts,
+  a two-term sum), so half the distance is ample; past it the reduction order moves the numbers in
+  the reduce dtype, which the emulation measures by summing the ranks in reverse order: the honest
+  engine may drift ``BUDGET_FACTOR`` times that far (as in full precision), and a run closer to the
+  emulation than that cannot be told apart by values (it is not *resolvable*: the knob checks
+  still see the dtypes). A reference is resolvable for a quantity where its half distance exceeds
+  torch's tolerance at the quantity's magnitude plus that order budget; the one-cast runs that
+  resolve nowhere are reported as such.
 
 A budget is the worst over the ranks (``harness.compare.worst_budgets``): every rank's loss measures
 the same drift of the shared parameters from float64, and on one rank the measured run can land next
@@ -43,6 +57,7 @@ budget only widens ``atol``; it never narrows torch's defaults.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,7 +66,18 @@ import torch
 from harness.case import PrecisionSpec
 from harness.dtypes import dtype_of
 
-__all__ = ["BUDGET_FACTOR", "BudgetSource", "DEFAULT_TOLERANCES", "ORDER_FREE_WORLD_SIZE", "TolerancePolicy", "budget_source"]
+__all__ = [
+    "BUDGET_FACTOR",
+    "BudgetSource",
+    "DEFAULT_TOLERANCES",
+    "DerivedBudget",
+    "MIXED_PRECISION_FACTOR",
+    "ORDER_FREE_WORLD_SIZE",
+    "TolerancePolicy",
+    "ablation_budget",
+    "budget_source",
+    "mixed_precision_budgets",
+]
 
 
 #: ``torch.testing.assert_close``'s default ``(rtol, atol)`` per dtype.
@@ -63,10 +89,16 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
-#: How far from the float64 run an engine may be, in multiples of how far the measured run is (the
-#: emulating reference under mixed precision, the reference itself past ``ORDER_FREE_WORLD_SIZE``).
-#: The engine rounds at the same places as that run, in another order.
+#: How far an engine may drift by reduction order, in multiples of how far the measured run drifts:
+#: the reference from float64 in full precision past ``ORDER_FREE_WORLD_SIZE`` ranks, the emulation
+#: from itself summed in reverse order under mixed precision. The engine rounds at the same places as
+#: that run, in another order.
 BUDGET_FACTOR = 4.0
+
+
+#: Under mixed precision, the multiple of the distance from the emulation to the nearest cast-dropping
+#: run that an engine may be off. Below 1, so that dropping a cast fails on values alone.
+MIXED_PRECISION_FACTOR = 0.5
 
 
 #: Up to this many ranks a gradient average rounds the same in any reduction order (one addition
@@ -91,13 +123,10 @@ class TolerancePolicy:
 
     @classmethod
     def for_precision(cls, spec: PrecisionSpec, budgets: dict[str, float] | None = None) -> "TolerancePolicy":
-        """torch's defaults for the full dtype; under mixed precision the rtol of the lowest-precision
-        dtype the case computes or reduces in (one rounding there) and the derived ``budgets``."""
+        """torch's defaults for the full dtype, widened by the derived ``budgets``. Mixed precision keeps the
+        full dtype's rtol too: a low-precision rtol (1.6e-2 for bfloat16) would pass a dropped cast,
+        whose effect on a parameter is a small fraction of its value."""
         rtol, atol = DEFAULT_TOLERANCES.get(dtype_of(spec.full), DEFAULT_TOLERANCES[torch.float32])
-        if spec.is_mixed:
-            for name in (spec.param, spec.reduce):
-                if name is not None:
-                    rtol = max(rtol, DEFAULT_TOLERANCES.get(dtype_of(name), (rtol, atol))[0])
         return cls(rtol, atol, dict(budgets or {}))
 
     def tolerance(self, quantity: str) -> tuple[float, float]:
@@ -114,3 +143,51 @@ def budget_source(spec: PrecisionSpec, world_size: int) -> BudgetSource:
     if dtype_of(spec.full) == torch.float64 or world_size <= ORDER_FREE_WORLD_SIZE:
         return "none"
     return "reference"
+
+
+@dataclass(frozen=True)
+class DerivedBudget:
+    """One quantity's mixed-precision budget and what it was derived from."""
+
+    #: the absolute budget (widens ``atol`` where larger).
+    budget: float
+    #: the resolvable reference whose distance set it; empty when none resolves (order budget only).
+    nearest: str
+    #: the references an engine computing them would fail on this quantity.
+    resolvable: tuple[str, ...]
+
+
+def ablation_budget(
+    distances: Mapping[str, float], floor: float, order_budget: float = 0.0, factor: float = MIXED_PRECISION_FACTOR
+) -> DerivedBudget:
+    """``factor`` times the distance to the nearest reference whose ``factor``-fold distance exceeds
+    ``floor`` (what the tolerance allows anyway); ``order_budget`` where none does."""
+    if not 0 < factor < 1:
+        raise ValueError(
+            f"ablation_budget: factor={factor} must be in (0, 1): at 1 or more an engine that drops a cast "
+            "(and lands on that run) would pass"
+        )
+    resolvable = {name: d for name, d in distances.items() if factor * d > floor}
+    if not resolvable:
+        return DerivedBudget(order_budget, "", ())
+    nearest = min(resolvable, key=resolvable.__getitem__)
+    return DerivedBudget(max(factor * resolvable[nearest], order_budget), nearest, tuple(sorted(resolvable)))
+
+
+def mixed_precision_budgets(
+    distances: Mapping[str, Mapping[str, float]],
+    order_drift: Mapping[str, float],
+    scales: Mapping[str, float],
+    full: str,
+) -> dict[str, DerivedBudget]:
+    """Per quantity: the ``ablation_budget`` from the emulation's ``distances`` (per reference name, per
+    quantity, worst over the ranks), its ``order_drift`` (distance to the reverse-order sum; empty up
+    to ``ORDER_FREE_WORLD_SIZE`` ranks) and the quantity's magnitude ``scales``."""
+    rtol, atol = DEFAULT_TOLERANCES.get(dtype_of(full), DEFAULT_TOLERANCES[torch.float32])
+    quantities = sorted({q for per in distances.values() for q in per} | set(order_drift))
+    out: dict[str, DerivedBudget] = {}
+    for q in quantities:
+        order_budget = BUDGET_FACTOR * order_drift.get(q, 0.0)
+        floor = atol + rtol * scales.get(q, 0.0) + order_budget
+        out[q] = ablation_budget({name: per.get(q, 0.0) for name, per in distances.items()}, floor, order_budget)
+    return out

@@ -46,19 +46,10 @@ from suites.mixed_precision.models import (
     BatchNormNet,
     Expectation,
     ModelWithIgnoredModule,
-    ParityNet,
     PrecisionProbe,
     SaveForwardInputsModel,
     SharedParamsTransformer,
     TransformerWithEMA,
-)
-from suites.mixed_precision.reference import (
-    CastPlan,
-    compare_to_reference,
-    derive_tolerance,
-    float64_plan,
-    run_reference,
-    single_cast_ablations,
 )
 from suites.seeds.api import FSDPApi, clean, load_api
 
@@ -929,85 +920,3 @@ def grad_scaler_agreement(ctx: RankContext, payload: dict[str, Any]) -> dict[str
         changed = any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
         result[f"step{step}"] = {"stepped": changed, "scale": scaler.get_scale(), "grads": grads, "grad_devices": devices}
     return result
-
-
-# ---------------------------------------------------------------------------- parity
-def _sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def parity_precision(ctx: RankContext, payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """The engine vs the emulating reference for one precision config of the harness matrix.
-
-    The emulating, float64 and single-cast-ablation references are trained here, on this rank's
-    device, from the same initial model and every rank's batches; the tolerance is derived from
-    them. Each case wraps a copy with the engine, trains it on this rank's batches and compares
-    its final full parameters. With ``guards``, mixed configs add cases that run the engine with
-    casts dropped (all of them, then each one): a guard whose dropped cast changes the numbers
-    (``must_fail``) must fail the comparison, which shows the check does not look away.
-    """
-    api = engine_api(payload)
-    cases = list(payload["cases"])
-    for case in cases:
-        api.require_offload(case.get("offload", False))  # before any collective, on every rank alike
-    name = payload["precision"]
-    plan = CastPlan.from_spec(PRECISIONS[name])
-    steps = payload.get("steps", 5)
-    device = ctx.device
-    torch.manual_seed(0)
-    base = ParityNet().to(device)
-
-    def inputs(step: int, rank: int) -> tuple[Tensor, ...]:
-        return tuple(t.to(device) for t in ParityNet.input(step, rank))
-
-    def reference(p: CastPlan) -> dict[str, Tensor]:
-        return run_reference(base, p, ctx.world_size, steps, inputs, ParityNet.loss, _sgd)
-
-    emulated, fp64 = reference(plan), reference(float64_plan())
-    ablations = single_cast_ablations(plan)
-    tolerance = derive_tolerance(emulated, fp64, plan.full, neighbours={n: reference(p) for n, p in ablations.items()})
-    if payload.get("guards") and PRECISIONS[name].is_mixed:
-        cases += [{"strategy": "FULL_SHARD", "drop_casts": d} for d in ["all"] + [n.removeprefix("no_") for n in ablations]]
-    records = []
-    for case in cases:
-        dropped = case.get("drop_casts")
-        model = copy.deepcopy(base)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.data = p.data.to(plan.full)
-        kept = {"param_dtype": plan.param, "reduce_dtype": plan.reduce, "buffer_dtype": plan.buffer}
-        if dropped and dropped != "all":
-            kept[f"{dropped}_dtype"] = None
-        wrapped = model.wrap(
-            api.wrap,
-            mixed_precision=None if dropped == "all" else api.MixedPrecision(**kept),
-            sharding_strategy=strategy(api, case["strategy"]),
-            use_orig_params=case.get("orig", False),
-            cpu_offload=api.CPUOffload(offload_params=case.get("offload", False)),
-            backward_prefetch=prefetch(api, case.get("bwd", "pre")),
-            forward_prefetch=case.get("fwd", False),
-            **device_kwargs(ctx),
-        )
-        optim = _sgd(wrapped.parameters())
-        for step in range(steps):
-            x = tuple(t.to(plan.full) for t in inputs(step, ctx.rank))
-            ParityNet.loss(wrapped(*x)).backward()
-            optim.step()
-            optim.zero_grad()
-        with api.FSDP.summon_full_params(wrapped):
-            params = {clean(n): p.detach().clone() for n, p in wrapped.named_parameters()}
-        comparison = compare_to_reference(params, emulated, tolerance)
-        case_id = "-".join(
-            [case["strategy"].lower()]
-            + (["orig"] if case.get("orig") else [])
-            + (["offload"] if case.get("offload") else [])
-            + [f"bwd_{case.get('bwd', 'pre')}"]
-            + (["fwd"] if case.get("fwd") else [])
-            + ([f"drop_{dropped}"] if dropped else [])
-        )
-        must_fail = dropped == "all" or (bool(dropped) and f"no_{dropped}" in tolerance.resolvable)
-        records.append(
-            {"engine": api.name, "precision": name, "case": case_id, "plan": plan.describe(), "drop_casts": dropped or "",
-             "must_fail": must_fail, **comparison.to_dict()}
-        )
-    return records
