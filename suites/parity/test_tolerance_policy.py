@@ -16,7 +16,17 @@ from hypothesis import strategies as st
 from harness.adapters import ParamSlice
 from harness.case import PRECISIONS
 from harness.compare import Observation, compare_observations, derive_budgets, worst_budgets
-from harness.tolerance import BUDGET_FACTOR, DEFAULT_TOLERANCES, ORDER_FREE_WORLD_SIZE, TolerancePolicy, budget_source
+from harness.tolerance import (
+    BUDGET_FACTOR,
+    DEFAULT_TOLERANCES,
+    MIXED_PRECISION_FACTOR,
+    ORDER_FREE_WORLD_SIZE,
+    DerivedBudget,
+    TolerancePolicy,
+    ablation_budget,
+    budget_source,
+    mixed_precision_budgets,
+)
 
 FP32 = PRECISIONS["fp32"]
 FP64 = PRECISIONS["fp64"]
@@ -130,3 +140,45 @@ def test_an_engine_as_far_from_float64_as_the_reference_passes_and_a_planted_bug
     assert not _verdicts(honest, reference, TolerancePolicy.for_precision(FP32))["grad:w"]
     assert all(_verdicts(honest, reference, derived).values())
     assert not _verdicts(planted, reference, derived)["grad:w"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixed precision: half the distance to the nearest cast-dropping run
+
+
+@given(distances=st.dictionaries(st.sampled_from(["fp64", "no_param", "no_reduce", "no_buffer"]),
+                                 st.floats(min_value=0.0, max_value=1.0), min_size=1),
+       floor=st.floats(min_value=1e-7, max_value=1e-2))
+def test_every_resolvable_cast_dropping_run_fails_the_budget(distances: dict[str, float], floor: float) -> None:
+    """An engine landing on any resolvable run is off by its full distance, twice the budget or more."""
+    derived = ablation_budget(distances, floor)
+    for name in derived.resolvable:
+        assert distances[name] > derived.budget
+    for name, d in distances.items():
+        assert (name in derived.resolvable) == (MIXED_PRECISION_FACTOR * d > floor)
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0, 0.0])
+def test_a_factor_outside_zero_one_is_refused(factor: float) -> None:
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\)"):
+        ablation_budget({"fp64": 1.0}, 1e-5, factor=factor)
+
+
+def test_a_run_within_the_floor_is_not_resolvable_and_leaves_the_order_budget() -> None:
+    derived = ablation_budget({"no_buffer": 1e-7, "fp64": 1e-3}, floor=1e-5, order_budget=2e-6)
+    assert derived.resolvable == ("fp64",) and derived.nearest == "fp64"
+    assert derived.budget == pytest.approx(MIXED_PRECISION_FACTOR * 1e-3)
+    assert ablation_budget({"no_buffer": 1e-7}, floor=1e-5, order_budget=2e-6) == DerivedBudget(2e-6, "", ())
+
+
+def test_order_drift_past_two_ranks_raises_the_floor() -> None:
+    """A cast whose effect is within the reduction-order drift cannot be told apart by values."""
+    quiet = mixed_precision_budgets({"no_reduce": {"grad:w": 1e-3}}, {}, {"grad:w": 1.0}, "float32")
+    noisy = mixed_precision_budgets({"no_reduce": {"grad:w": 1e-3}}, {"grad:w": 2e-4}, {"grad:w": 1.0}, "float32")
+    assert quiet["grad:w"].resolvable == ("no_reduce",)
+    assert noisy["grad:w"].resolvable == () and noisy["grad:w"].budget == pytest.approx(BUDGET_FACTOR * 2e-4)
+
+
+def test_mixed_precision_keeps_the_full_dtypes_rtol() -> None:
+    for name in MIXED:
+        assert TolerancePolicy.for_precision(PRECISIONS[name]).rtol == DEFAULT_TOLERANCES[torch.float32][0]
