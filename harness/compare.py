@@ -196,32 +196,24 @@ class Drift:
 
     #: per reference (``fp64``, ``no_param`` ...) and quantity: the distance from the emulation.
     distances: dict[str, dict[str, float]]
-    #: per quantity: the distance to the emulation summed in reverse rank order (none up to 2 ranks).
-    order: dict[str, float]
     #: per quantity: the emulation's magnitude.
     scales: dict[str, float]
 
 
-def measure_drift(emulated: Observation, others: dict[str, Observation], reordered: Observation | None) -> Drift:
-    """This rank's ``Drift``: ``emulated`` against each run of ``others`` and the reverse-order sum."""
-    return Drift(
-        {name: distances(emulated, other) for name, other in others.items()},
-        distances(emulated, reordered) if reordered is not None else {},
-        magnitudes(emulated),
-    )
+def measure_drift(emulated: Observation, others: dict[str, Observation]) -> Drift:
+    """This rank's ``Drift``: ``emulated`` against each run of ``others``."""
+    return Drift({name: distances(emulated, other) for name, other in others.items()}, magnitudes(emulated))
 
 
 def merge_drifts(per_rank: Sequence[Drift]) -> Drift:
     """Every rank's drift as one, the largest per reference and quantity: on the rank where a dropped
     cast moves a quantity most, the engine that drops it is off by the full distance."""
-    merged = Drift({}, {}, {})
+    merged = Drift({}, {})
     for drift in per_rank:
         for name, per in drift.distances.items():
             target = merged.distances.setdefault(name, {})
             for q, d in per.items():
                 target[q] = max(d, target.get(q, 0.0))
-        for q, d in drift.order.items():
-            merged.order[q] = max(d, merged.order.get(q, 0.0))
         for q, d in drift.scales.items():
             merged.scales[q] = max(d, merged.scales.get(q, 0.0))
     return merged

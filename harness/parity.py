@@ -69,7 +69,7 @@ from harness.knobs import (
 )
 from harness.records import CaseRecord, QuantityError
 from harness.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
-from harness.tolerance import ORDER_FREE_WORLD_SIZE, BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
+from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
 
 __all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
@@ -357,10 +357,8 @@ def _unsupported(reason: str) -> RankResult:
     return RankResult("unsupported", reason)
 
 
-def _local_observation(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext, *, reverse_order: bool = False) -> Observation:
-    return Observation.from_reference(
-        LocalReference.for_case(case, spec, ctx.device, ctx.world_size, reverse_order=reverse_order).run(ctx.rank)
-    )
+def _local_observation(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> Observation:
+    return Observation.from_reference(LocalReference.for_case(case, spec, ctx.device, ctx.world_size).run(ctx.rank))
 
 
 def _budgets(
@@ -371,7 +369,7 @@ def _budgets(
     if source == "none":
         return {}, {}
     truth = _local_observation(case, TRUTH_SPEC, ctx)
-    if source == "reference":
+    if source in ("reference", "emulation"):
         everyone: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(everyone, derive_budgets(reference, truth))
         return worst_budgets(everyone), {}
@@ -384,11 +382,10 @@ def _budgets(
             # e.g. float32 activations into float16 BatchNorm buffers: an engine dropping this cast
             # raises at the same place, it cannot pass on values.
             notes.append(f"{name}: the model cannot run with that cast dropped ({exc}); an engine dropping it raises")
-    reordered = _local_observation(case, spec, ctx, reverse_order=True) if ctx.world_size > ORDER_FREE_WORLD_SIZE else None
     drifts: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(drifts, measure_drift(reference, others, reordered))
+    dist.all_gather_object(drifts, measure_drift(reference, others))
     drift = merge_drifts(drifts)
-    derived = mixed_precision_budgets(drift.distances, drift.order, drift.scales, spec.full)
+    derived = mixed_precision_budgets(drift.distances, drift.scales, spec.full)
     resolvable = {name: sorted(q for q, b in derived.items() if name in b.resolvable) for name in others}
     return {q: b.budget for q, b in derived.items()}, resolvable
 
@@ -408,14 +405,16 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     notes: list[str] = []
 
     t0 = time.perf_counter()
-    if source == "emulation":
+    if source == "ablation":
         # DDP computes in full precision: only the emulation says what the casts should give.
         reference = _run_reference(case.replace(reference="local"), spec, ctx)
         if case.reference != "local":
             notes.append(f"mixed precision: compared with the local reference emulating the casts, not {case.reference}")
     else:
         reference = _run_reference(case, spec, ctx)
-    budgets, resolvable = _budgets(case, spec, ctx, source, reference, notes)
+    # Past 2 ranks the budget is the emulation's drift from float64, whichever reference is compared.
+    measured = reference if source != "emulation" or case.reference == "local" else _run_reference(case.replace(reference="local"), spec, ctx)
+    budgets, resolvable = _budgets(case, spec, ctx, source, measured, notes)
     reference_s = time.perf_counter() - t0
 
     if ctx.device_type == "cuda":
@@ -426,7 +425,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     engine_s = time.perf_counter() - t0
     peak = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device_type == "cuda" else 0
 
-    policy = TolerancePolicy.for_precision(spec, budgets)
+    policy = TolerancePolicy.for_precision(spec, budgets, source)
     findings = compare_observations(engine, reference, policy)
     checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
 

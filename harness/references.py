@@ -4,7 +4,8 @@
   ignored), trained like every engine.
 - ``LocalReference``: one process computing every rank's batch on an unsharded model, with the
   precision casts the engine makes (see [Note: local reference]); with ``TRUTH_SPEC`` the same run in
-  float64, the truth tolerance budgets are measured against (``harness.tolerance``).
+  float64, the truth tolerance budgets are measured against, and with a ``cast_ablations`` spec what
+  an engine that ignores one ``MixedPrecision`` field computes (``harness.tolerance``).
 
 [Note: local reference]
 For every rank ``r`` the local reference runs rank ``r``'s batch through a model holding rank
@@ -85,9 +86,7 @@ class LocalReference:
     """One process, no collectives: every rank's batch on an unsharded model ([Note: local reference]).
 
     ``replicas[r]`` is rank ``r``'s model (one object for every rank when nothing is rank-local);
-    ``local_names`` the rank-local parameters. ``reverse_order`` sums the ranks' gradients from the
-    last rank to the first: the same arithmetic in another order, which measures how much the
-    reduction order alone moves a case (``harness.tolerance``). ``for_case`` builds one from the zoo.
+    ``local_names`` the rank-local parameters. ``for_case`` builds one from the zoo.
     """
 
     def __init__(
@@ -102,7 +101,6 @@ class LocalReference:
         inputs: InputFn,
         loss: LossFn,
         local_names: frozenset[str] = frozenset(),
-        reverse_order: bool = False,
     ) -> None:
         if not replicas:
             raise ValueError("LocalReference needs one model per rank (replicas is empty)")
@@ -112,7 +110,6 @@ class LocalReference:
         self.steps = steps
         self.inputs = inputs
         self.loss = loss
-        self.reverse_order = reverse_order
         self.full = dtype_of(spec.full)
         self.compute = dtype_of(spec.compute)
         self.reduce = dtype_of(spec.reduced)
@@ -132,9 +129,7 @@ class LocalReference:
         self.optimizer = torch.optim.SGD(masters, lr=lr, momentum=momentum)
 
     @classmethod
-    def for_case(
-        cls, case: CaseConfig, spec: PrecisionSpec, device: torch.device, world_size: int, *, reverse_order: bool = False
-    ) -> "LocalReference":
+    def for_case(cls, case: CaseConfig, spec: PrecisionSpec, device: torch.device, world_size: int) -> "LocalReference":
         """The case's zoo model, one replica per rank where the model has rank-local modules."""
         first = build_model(case.model, seed=case.seed, rank=0, world_size=world_size)
         if first.rank_local_modules():
@@ -144,7 +139,7 @@ class LocalReference:
         return cls(
             replicas, spec, device, steps=case.steps, lr=case.lr, momentum=case.momentum,
             inputs=lambda step, r: replicas[r].get_input(seed=case.seed, step=step, rank=r),
-            loss=first.get_loss, local_names=frozenset(rank_local_param_names(first)), reverse_order=reverse_order,
+            loss=first.get_loss, local_names=frozenset(rank_local_param_names(first)),
         )
 
     def _view(self, r: int) -> dict[str, nn.Parameter]:
@@ -172,10 +167,9 @@ class LocalReference:
         out = ReferenceRun([], [], [], {})
         for step in range(self.steps):
             losses, per_rank = zip(*(self._rank_step(r, step) for r in range(self.world_size)))
-            order = list(reversed(per_rank)) if self.reverse_order else list(per_rank)
             for n, p in self.shared.items():
                 if p.requires_grad:
-                    total = sum(g[n].to(self.reduce) / pre for g in order)
+                    total = sum(g[n].to(self.reduce) / pre for g in per_rank)
                     p.grad = (total / post).to(self.full)
             for r, params in enumerate(self.local):
                 for n, p in params.items():

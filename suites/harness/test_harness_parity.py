@@ -64,7 +64,7 @@ def test_torch_engines_pass_the_smoke_set(parity_pool: RankPool, case: CaseConfi
     if case.forward_prefetch:
         assert knobs["forward_prefetch"] == "ok"
     if case.precision_spec.is_mixed:
-        assert knobs["precision"] == "ok" and record.detail["budget_source"] == "emulation"
+        assert knobs["precision"] == "ok" and record.detail["budget_source"] == "ablation"
 
 
 def _builtin_import_error() -> str | None:

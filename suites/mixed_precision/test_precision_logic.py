@@ -152,8 +152,8 @@ def test_every_cast_of_parity_net_moves_the_numbers(precision: str) -> None:
     others = {"fp64": Observation.from_reference(_reference(TRUTH_SPEC).run(0))}
     for name, ablated in cast_ablations(spec, has_float_buffers=True).items():
         others[name] = Observation.from_reference(_reference(ablated).run(0))
-    drift = measure_drift(emulated, others, None)
-    derived = mixed_precision_budgets(drift.distances, drift.order, drift.scales, spec.full)
+    drift = measure_drift(emulated, others)
+    derived = mixed_precision_budgets(drift.distances, drift.scales, spec.full)
     # The model casts its gain to the activation dtype itself: a buffer dtype equal to it changes nothing.
     silent = {"no_buffer"} if spec.buffer == spec.compute else set()
     for name in set(others) - silent:
