@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from harness.case import CaseConfig, PrecisionSpec
+from harness.case import CaseConfig, PrecisionSpec, is_hybrid
 from harness.dtypes import dtype_of
 from harness.models import ZooModel
-from harness.placement import default_shard_size
+from harness.placement import hybrid_shard_size
 from harness.rank import RankContext
 
 __all__ = [
@@ -119,15 +119,13 @@ def _parent_slots(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     return slots
 
 
-def _hybrid(strategy: str) -> bool:
-    return strategy in ("hybrid_shard", "hybrid_shard_zero2")
-
-
 def _ignored_option(case: CaseConfig) -> str | None:
-    """The engine option a ``("fault", "ignore_option:<name>")`` case tells the adapter to drop.
+    """The engine option a ``("fault", "ignore_option:<name>")`` case tells the adapter to drop: a
+    constructor keyword, or one field of the mixed-precision policy (``param_dtype``, ``reduce_dtype``,
+    ``buffer_dtype``).
 
-    Fault injection for the knob checks: an adapter that silently drops a setting must make the
-    case fail.
+    Fault injection for the knob checks and the tolerance: an adapter that silently drops a setting
+    must make the case fail.
     """
     fault = str(case.extra.get("fault", ""))
     return fault.split(":", 1)[1] if fault.startswith("ignore_option:") else None
@@ -254,14 +252,15 @@ class FSDP1Adapter(EngineAdapter):
             "cpu_offload": ns.CPUOffload(offload_params=case.cpu_offload),
             "use_orig_params": case.use_orig_params,
         }
+        ignored = _ignored_option(case)
         if spec.is_mixed:
+            fields = {"param_dtype": spec.param, "reduce_dtype": spec.reduce, "buffer_dtype": spec.buffer}
             kwargs["mixed_precision"] = ns.MixedPrecision(
-                param_dtype=dtype_of(spec.param), reduce_dtype=dtype_of(spec.reduce), buffer_dtype=dtype_of(spec.buffer)
+                **{k: None if k == ignored else dtype_of(v) for k, v in fields.items()}
             )
         # FSDP1 refuses CPU modules without a device_id on CPU-only hosts; "never" leaves the move to it.
         if ctx.device_type == "cpu" or case.init_mode == "never":
             kwargs["device_id"] = ctx.device
-        ignored = _ignored_option(case)
         if ignored is not None:
             kwargs.pop(ignored, None)
         return kwargs
@@ -270,8 +269,8 @@ class FSDP1Adapter(EngineAdapter):
         ns = self.ns
         fsdp = ns.FullyShardedDataParallel
         kwargs = self.options(case, ctx)
-        if _hybrid(case.sharding_strategy):
-            group: Any = ctx.hybrid_groups(int(case.extra.get("shard_size", default_shard_size(ctx.world_size, ctx.local_world_size))))
+        if is_hybrid(case.sharding_strategy):
+            group: Any = ctx.hybrid_groups(hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size))
         else:
             group = ctx.world_group()
         if case.init_mode == "before":
@@ -410,7 +409,7 @@ class FSDP2Adapter(EngineAdapter):
             return "torch-fsdp2: parameters are always the original ones (DTensors); use_orig_params=False does not exist"
         if spec.buffer is not None and spec.buffer != spec.full and has_float_buffers(model):
             return f"torch-fsdp2: MixedPrecisionPolicy has no buffer dtype; this model has floating buffers (buffer={spec.buffer})"
-        if model.rank_local_modules() and _hybrid(case.sharding_strategy):
+        if model.rank_local_modules() and is_hybrid(case.sharding_strategy):
             return "torch-fsdp2: rank-local modules on a one-rank mesh inside a 2-D hybrid mesh are not supported"
         return None
 
@@ -424,19 +423,20 @@ class FSDP2Adapter(EngineAdapter):
     def build(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
         api = self.api()
         spec = case.precision_spec
-        if _hybrid(case.sharding_strategy):
-            shard = int(case.extra.get("shard_size", default_shard_size(ctx.world_size, ctx.local_world_size)))
+        if is_hybrid(case.sharding_strategy):
+            shard = hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
             mesh = ctx.mesh((ctx.world_size // shard, shard), ("replicate", "shard"))
         else:
             mesh = ctx.mesh((ctx.world_size,), ("shard",))
         kwargs: dict[str, Any] = {
             "reshard_after_forward": case.sharding_strategy in ("full_shard", "hybrid_shard"),
         }
+        ignored = _ignored_option(case)
         if spec.is_mixed:
-            kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=dtype_of(spec.param), reduce_dtype=dtype_of(spec.reduce))
+            fields = {"param_dtype": spec.param, "reduce_dtype": spec.reduce}
+            kwargs["mp_policy"] = api.MixedPrecisionPolicy(**{k: None if k == ignored else dtype_of(v) for k, v in fields.items()})
         if case.cpu_offload:
             kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda")
-        ignored = _ignored_option(case)
         if ignored is not None:
             kwargs.pop(ignored, None)
         if case.init_mode == "before":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 EngineName = Literal["builtin", "torch-fsdp", "torch-fsdp2"]
 ReferenceName = Literal["ddp", "local"]
@@ -19,6 +19,23 @@ PrecisionName = Literal[
 ]
 PrefetchName = Literal["none", "pre", "post"]
 InitModeName = Literal["before", "after", "never"]
+
+#: The strategies that shard within a group of ranks and replicate across groups.
+HYBRID_STRATEGIES: tuple[str, ...] = ("hybrid_shard", "hybrid_shard_zero2")
+
+
+def is_hybrid(strategy: str) -> bool:
+    """Whether a ``ShardingName`` shards within groups and replicates across them."""
+    return strategy in HYBRID_STRATEGIES
+
+
+_D = TypeVar("_D")
+
+
+def reduce_dtype_default(full: _D, param: _D | None, reduce: _D | None) -> _D:
+    """The dtype gradients are reduced in, FSDP1's rule: ``reduce`` if set, else ``param`` if set, else
+    ``full``. Works on dtype names and on ``torch.dtype`` alike."""
+    return reduce if reduce is not None else param if param is not None else full
 
 
 @dataclass(frozen=True)
@@ -37,6 +54,21 @@ class PrecisionSpec:
     @property
     def is_mixed(self) -> bool:
         return any(d is not None and d != self.full for d in (self.param, self.reduce, self.buffer))
+
+    @property
+    def compute(self) -> str:
+        """The dtype forward and backward compute in."""
+        return self.param if self.param is not None else self.full
+
+    @property
+    def reduced(self) -> str:
+        """The dtype gradients are reduced in (``reduce_dtype_default``)."""
+        return reduce_dtype_default(self.full, self.param, self.reduce)
+
+    def casts(self) -> tuple[str, str, str | None]:
+        """What the casts do to the numbers: compute, reduce and buffer dtype (None: buffers keep
+        theirs). Two specs with equal ``casts()`` train identically."""
+        return self.compute, self.reduced, None if self.buffer in (None, self.full) else self.buffer
 
 
 #: The precision configs of the matrix; names follow the seed's mixed-precision configs.

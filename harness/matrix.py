@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from harness.case import CaseConfig, EngineName, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
+from harness.case import CaseConfig, EngineName, is_hybrid, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
 
 GeneratorName = Literal["full", "pairwise", "smoke"]
 
@@ -54,7 +54,6 @@ AXES: dict[str, list[Any]] = {
     "steps": [5],
 }
 
-_HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ RULES: tuple[Rule, ...] = (
         ("sharding_strategy", "world_size"),
         "hybrid strategies shard within a group and replicate across groups; both need >= 2 ranks, so "
         "the world size must be >= 4 and even",
-        lambda c: c["sharding_strategy"] in _HYBRID and (c["world_size"] < 4 or c["world_size"] % 2 != 0),
+        lambda c: is_hybrid(c["sharding_strategy"]) and (c["world_size"] < 4 or c["world_size"] % 2 != 0),
     ),
     Rule(
         "fsdp2_has_no_flat_params",

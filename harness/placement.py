@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "assign_devices",
     "default_backend",
     "default_shard_size",
+    "hybrid_shard_size",
     "gpus_shared",
     "n_gpus",
     "plan_lanes",
@@ -103,6 +104,11 @@ def default_shard_size(world_size: int, local_world_size: int | None = None) -> 
     if world_size >= 4 and world_size % 2 == 0:
         return world_size // 2
     return world_size
+
+
+def hybrid_shard_size(extras: dict[str, Any], world_size: int, local_world_size: int | None = None) -> int:
+    """A hybrid case's shard-group size: its ``shard_size`` extra, else ``default_shard_size``."""
+    return int(extras.get("shard_size", default_shard_size(world_size, local_world_size)))
 
 
 @dataclass(frozen=True)

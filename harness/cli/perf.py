@@ -238,11 +238,27 @@ def _sync(ctx: RankContext) -> None:
         torch.cuda.synchronize(ctx.device)
 
 
-def perf_job(ctx: RankContext, job: PerfJob) -> dict[str, Any]:
+@dataclass
+class PerfRankResult:
+    """What one rank sends back from ``perf_job``: plain, picklable, one fact per field."""
+
+    #: why the engine cannot run the job (empty when it ran).
+    unsupported: str = ""
+    #: seconds of every timed step (warm-up steps left out).
+    step_s: list[float] = field(default_factory=list)
+    #: the loss of every step, warm-up included.
+    losses: list[float] = field(default_factory=list)
+    #: peak allocated bytes during training; None on CPU.
+    peak_bytes: int | None = None
+    #: the device's name (``CPU`` on CPU).
+    device: str = "?"
+
+
+def perf_job(ctx: RankContext, job: PerfJob) -> PerfRankResult:
     """Train one engine on this rank: per-step seconds, per-step losses, peak allocated bytes."""
     reason = _unsupported(job)
     if reason is not None:
-        return {"unsupported": reason}
+        return PerfRankResult(unsupported=reason)
     gc.collect()
     if ctx.device_type == "cuda":
         torch.cuda.empty_cache()
@@ -274,7 +290,7 @@ def perf_job(ctx: RankContext, job: PerfJob) -> dict[str, Any]:
         losses.append(loss.detach())
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device_type == "cuda" else None
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device_type == "cuda" else "CPU"
-    result = {"step_s": step_s[job.warmup:], "losses": [float(x) for x in losses], "peak_bytes": peak, "device": device_name}
+    result = PerfRankResult(step_s=step_s[job.warmup:], losses=[float(x) for x in losses], peak_bytes=peak, device=device_name)
     del module, model, optimizer, batches, losses, logits, loss
     gc.collect()
     if ctx.device_type == "cuda":
@@ -322,14 +338,14 @@ def plan_runs(engines: Sequence[str], strategies: Sequence[str]) -> list[tuple[s
     return runs
 
 
-def row_from_values(engine: str, strategy: str | None, values: Sequence[dict[str, Any]], params: int, tokens_per_rank: int) -> PerfRow:
+def row_from_values(engine: str, strategy: str | None, values: Sequence[PerfRankResult], params: int, tokens_per_rank: int) -> PerfRow:
     """A row from every rank's ``perf_job`` answer."""
-    if "unsupported" in values[0]:
-        return PerfRow(engine, strategy, "unsupported", values[0]["unsupported"])
-    per_step = [max(steps) for steps in zip(*(v["step_s"] for v in values))]
+    if values[0].unsupported:
+        return PerfRow(engine, strategy, "unsupported", values[0].unsupported)
+    per_step = [max(steps) for steps in zip(*(v.step_s for v in values))]
     step_s = statistics.median(per_step)
-    peaks = [v["peak_bytes"] for v in values if v["peak_bytes"] is not None]
-    final = statistics.fmean(v["losses"][-1] for v in values)
+    peaks = [v.peak_bytes for v in values if v.peak_bytes is not None]
+    final = statistics.fmean(v.losses[-1] for v in values)
     return PerfRow(
         engine, strategy, "ok", step_ms=1000 * step_s, peak_gib=max(peaks) / GIB if peaks else None,
         tflops=tflops_per_gpu(params, tokens_per_rank, step_s), final_loss=final,
@@ -451,7 +467,7 @@ def run(config: PerfConfig) -> tuple[list[PerfRow], str]:
                           config.seed, config.lr)
             outcome = pool.run(perf_job, job)
             if outcome.status == "ok":
-                device = outcome.values[0].get("device", device)
+                device = outcome.values[0].device
                 rows.append(row_from_values(engine_name, strategy, outcome.values, params, config.model.tokens_per_rank))
             else:
                 rows.append(PerfRow(engine_name, strategy, outcome.status, outcome.reason))

@@ -17,6 +17,7 @@ from harness.cli.perf import (
     GPT,
     GPTConfig,
     PerfConfig,
+    PerfRankResult,
     PerfRow,
     add_ratios,
     count_params,
@@ -65,8 +66,8 @@ def test_runs_are_planned_per_strategy_with_ddp_once() -> None:
     ]
 
 
-def _values(step_s: list[list[float]], loss: float) -> list[dict]:
-    return [{"step_s": s, "losses": [9.0, loss + r * 1e-4], "peak_bytes": None} for r, s in enumerate(step_s)]
+def _values(step_s: list[list[float]], loss: float) -> list[PerfRankResult]:
+    return [PerfRankResult(step_s=s, losses=[9.0, loss + r * 1e-4]) for r, s in enumerate(step_s)]
 
 
 def test_rows_take_the_slowest_rank_per_step_and_ratios_match_strategies() -> None:
