@@ -19,6 +19,9 @@ PrecisionName = Literal[
 ]
 PrefetchName = Literal["none", "pre", "post"]
 InitModeName = Literal["before", "after", "never"]
+#: ``delay``: the harness delays the CUDA compute stream where a missing stream wait would show
+#: (``harness.stress``); ``none``: no delays.
+StressName = Literal["none", "delay"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class CaseConfig:
     momentum: float = 0.9
     #: run the case twice and require bitwise-identical results.
     check_determinism: bool = False
+    #: delays on the compute stream that turn stream races into failures (``harness.stress``).
+    stress: StressName = "none"
     #: free-form extras for adapters and tests (e.g. a fault to inject); must be hashable.
     extras: tuple[tuple[str, Any], ...] = ()
 
@@ -90,6 +95,7 @@ class CaseConfig:
             ("precision", get_args(PrecisionName)),
             ("backward_prefetch", get_args(PrefetchName)),
             ("init_mode", get_args(InitModeName)),
+            ("stress", get_args(StressName)),
         ):
             value = getattr(self, field)
             if value not in allowed:
@@ -128,6 +134,8 @@ class CaseConfig:
             parts.append(f"ws{self.world_size}")
         if self.steps != 5:
             parts.append(f"steps{self.steps}")
+        if self.stress != "none":
+            parts.append(f"stress_{self.stress}")
         return "-".join(parts)
 
     @property

@@ -59,6 +59,8 @@ from harness.knobs import (
 )
 from harness.records import CaseRecord, QuantityError
 from harness.references import TRUTH_SPEC, LocalReference, build_ddp
+from harness.stress import Stress
+from harness.stress import unsupported_reason as stress_unsupported_reason
 from harness.tolerance import TolerancePolicy, budget_source
 from harness.trace import CommTrace, ops, total_bytes
 
@@ -156,14 +158,18 @@ def train(
     *,
     trace: CommTrace | None = None,
     perturb: bool = False,
+    stress: Stress | None = None,
 ) -> Observation:
     """The shared training loop of engines and DDP: ``steps`` steps, reading gradients after each backward.
 
-    ``table`` describes the model's parameters, taken before wrapping.
+    ``table`` describes the model's parameters, taken before wrapping; ``stress`` (engines of a
+    stressed case) adds its optimizer and final-unshard delays.
     """
     zoo = trainee.zoo
     full = dtype_of(case.precision_spec.full)
     optimizer = torch.optim.SGD(trainee.trainable_parameters(), lr=case.lr, momentum=case.momentum)
+    if stress is not None:
+        stress.watch_optimizer(optimizer)
     obs = Observation()
     for step in range(steps):
         inputs = prepare_inputs(zoo.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device, full)
@@ -186,7 +192,7 @@ def train(
         gpu_sleep(zoo.sleeps.before_step_ms, ctx.device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    with _paused(trace):
+    with _paused(trace), (stress.around("around_summon") if stress is not None else contextlib.nullcontext()):
         obs.params = trainee.final_params()
     obs.notes.extend(trainee.notes)
     return obs
@@ -216,15 +222,26 @@ def _fresh_model(case: CaseConfig, ctx: RankContext) -> tuple[ZooModel, dict[str
 def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, steps: int) -> Observation:
     """Build and train the engine under a communication trace."""
     model, table = _fresh_model(case, ctx)
-    trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device))
-    with trace:
-        trace.watch_modules(model)
-        _mark_phase(trace, "setup", 0)
-        trainee = adapter.build(case, model, ctx)
-        perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
-        obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb)
+    stress = Stress(ctx.device) if case.stress == "delay" else None
+    trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device),
+                      around=stress.on_collective if stress is not None else None)
+    try:
+        with trace:
+            trace.watch_modules(model)
+            if stress is not None:
+                stress.watch_model(model)
+            _mark_phase(trace, "setup", 0)
+            trainee = adapter.build(case, model, ctx)
+            if stress is not None:
+                stress.watch_parameters(trainee.trainable_parameters())
+            perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
+            obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
+    finally:
+        if stress is not None:
+            stress.remove()
     obs.events = list(trace.events)
     obs.facts = trainee.facts()
+    obs.stress_points = dict(stress.counts) if stress is not None else {}
     return obs
 
 
@@ -330,7 +347,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
         return {"status": "unsupported", "reason": f"case world_size={case.world_size} but the ranks are {ctx.world_size}"}
     adapter = get_engine(case.engine)
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
-    reason = adapter.unsupported_reason(case, model, ctx)
+    reason = stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
     if reason:
         return {"status": "unsupported", "reason": reason}
     _inject_fault(case, ctx)
@@ -388,6 +405,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
         "mixed_precision_budgets": source == "emulation",
         "budget_source": source,
         "notes": engine.notes,
+        "stress_points": engine.stress_points,
     }
 
 
@@ -471,6 +489,7 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
             "mixed_precision_budgets": values[0]["mixed_precision_budgets"],
             "budget_source": values[0].get("budget_source", "none"),
             "notes": sorted({n for v in values for n in v["notes"]}),
+            **({"stress_points": values[0]["stress_points"]} if values[0].get("stress_points") else {}),
         },
         **base,
     )
