@@ -361,7 +361,7 @@ class Summary:
     @property
     def ok(self) -> bool:
         """Every case that ran passed and every input line was readable."""
-        return not self.bad_lines and all(self.verdicts.get(v, 0) == 0 for v in ("fail", *ERRORED))
+        return not self.bad_lines and all(self.verdicts.get(v, 0) == 0 for v in ("fail", "flaky", *ERRORED))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
