@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 EngineName = Literal["builtin", "torch-fsdp", "torch-fsdp2"]
+#: the engine names a case may hold: the matrix's, plus those ``harness.adapters.register_engine`` adds
+#: (test doubles, engines plugged in by name).
+ENGINE_NAMES: set[str] = set(get_args(EngineName))
 ReferenceName = Literal["ddp", "local"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
 PrecisionName = Literal[
@@ -89,7 +92,7 @@ class CaseConfig:
 
     def __post_init__(self) -> None:
         for field, allowed in (
-            ("engine", get_args(EngineName)),
+            ("engine", sorted(ENGINE_NAMES)),
             ("reference", get_args(ReferenceName)),
             ("sharding_strategy", get_args(ShardingName)),
             ("precision", get_args(PrecisionName)),

@@ -137,8 +137,9 @@ def host_facts() -> HostFacts:
 #: GPU memory one rank of a pool may take: the CUDA context (~0.5 GiB), NCCL's buffers and the caching
 #: allocator's blocks for the zoo's models (well under 1 GiB at peak), with room to spare.
 RANK_GPU_MEMORY = 4 << 30
-#: cores kept for the parent (the runner threads, the writer) and the rest of the machine.
-RESERVED_CORES = 2
+#: cores kept for the parent (the runner threads, the writer), a fuzz campaign running alongside the
+#: cases (the nightly's) and the rest of the machine.
+RESERVED_CORES = 3
 #: most pools sharing one group of GPUs: the processes time-slice each GPU, and beyond this the
 #: context switches cost more than the idle time they fill (the zoo's kernels leave GPUs idle ~90%).
 MAX_POOLS_PER_GROUP = 8

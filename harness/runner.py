@@ -71,7 +71,7 @@ class Selection:
     check_determinism: bool = False
     #: the ``stress`` axis of every case (``delay``: ``--stress``).
     stress: str = "none"
-    #: keep cases whose full id contains one of these.
+    #: keep cases whose full id contains one of these (``a+b``: contains both ``a`` and ``b``).
     filters: list[str] = field(default_factory=list)
     #: at most this many cases.
     limit: int | None = None
@@ -190,7 +190,7 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
         fixed["stress"] = args.stress
     cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None, **fixed)
     if args.filters:
-        cases = [c for c in cases if any(f in c.full_id for f in args.filters)]
+        cases = [c for c in cases if any(all(part in c.full_id for part in f.split("+")) for f in args.filters)]
     if args.limit is not None:
         cases = cases[: args.limit]
     return cases

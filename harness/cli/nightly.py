@@ -29,8 +29,6 @@ import collections
 import dataclasses
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.case import CaseConfig
+from harness.cli.fuzz import FuzzOutcome, FuzzRun, fuzz_alongside, fuzz_budget, run_fuzz
 from harness.cli.options import add_execution, add_selection
 from harness.placement import BackendChoice, host_facts, n_gpus, plan_lanes
 from harness.runner import BAD_VERDICTS, CaseRunner, Progress, Selection, interleave, select_cases, under_torchrun
@@ -51,8 +50,6 @@ NIGHTLY_NAME = "nightly.json"
 NOT_RUN_NAME = "not_run.txt"
 DIFF_MD_NAME = "diff.md"
 DIFF_JSON_NAME = "diff.json"
-#: the repository holding this package; the fuzz campaign lives in its ``suites/``.
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -196,18 +193,6 @@ def determinism_summary(records: Sequence[Any]) -> dict[str, Any]:
             "nondeterministic": sorted(k for k, v in table.items() if v["nondeterministic"])}
 
 
-#: seconds of a time budget kept for the report and the diff after the fuzz campaign.
-REPORT_RESERVE_S = 30.0
-
-
-def fuzz_budget(time_budget_s: float | None, elapsed_s: float) -> float | None:
-    """Seconds the fuzz campaign gets: what the budget has left after the cases, less
-    ``REPORT_RESERVE_S`` for the report; None without a budget (the profile's examples in full)."""
-    if time_budget_s is None:
-        return None
-    return max(time_budget_s - elapsed_s - REPORT_RESERVE_S, 0.0)
-
-
 def baseline_source(previous: Path) -> Path:
     """What ``reports.diff`` should read of a previous nightly: its report directory when it has one
     (``results.csv``), else its raw results (a nightly killed before its report), else the path itself."""
@@ -215,19 +200,6 @@ def baseline_source(previous: Path) -> Path:
     if previous.is_dir() and not (previous / "results.csv").exists() and (previous / RESULTS_NAME).exists():
         return previous / RESULTS_NAME
     return previous
-
-
-_TOTAL_ROW = re.compile(r"^\|\s*total\s*\|[^|]*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+|nan)\s*\|", re.MULTILINE)
-
-
-def parse_fuzz_totals(text: str) -> dict[str, float] | None:
-    """``{"examples", "seconds", "examples_per_s"}`` from the campaign's table, None when it has none."""
-    match = None
-    for match in _TOTAL_ROW.finditer(text):
-        pass  # the last table is the campaign's
-    if match is None:
-        return None
-    return {"examples": int(match[1]), "seconds": float(match[2]), "examples_per_s": float(match[3])}
 
 
 def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool) -> tuple[int, list[str]]:
@@ -267,53 +239,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 
-@dataclass
-class FuzzOutcome:
-    """What the fuzz campaign did (``nightly.json``'s ``fuzz``)."""
-
-    profile: str
-    max_examples: int | None
-    #: pytest's exit status; None when the campaign did not run.
-    exit_code: int | None = None
-    examples: int | None = None
-    examples_per_s: float | None = None
-    wall_s: float = 0.0
-    #: why it did not run, when it did not.
-    skipped: str | None = None
-    #: seconds the time budget left it (None: no budget).
-    time_budget_s: float | None = None
-
-
-def run_fuzz(config: NightlyConfig, path: Path, budget_s: float | None = None) -> FuzzOutcome:
-    """Run the fuzz campaign in a child process, its output streamed into ``path`` (its progress bar,
-    with ``config.progress``, on stderr); ``budget_s`` caps its time (``fuzz_budget``)."""
-    outcome = FuzzOutcome(config.fuzz_profile, config.fuzz_max_examples, time_budget_s=budget_s)
-    campaign = REPO_ROOT / "suites" / "flat_param" / "campaign.py"
-    if not campaign.exists():
-        outcome.skipped = f"{campaign} not found: run the nightly from a checkout of the repository"
-        return outcome
-    cmd = [sys.executable, "-m", "suites.flat_param.campaign", "--profile", config.fuzz_profile]
-    if config.fuzz_max_examples is not None:
-        cmd += ["--max-examples", str(config.fuzz_max_examples)]
-    if budget_s is not None:
-        cmd += ["--time-budget-s", f"{budget_s:.1f}"]
-    if config.progress:
-        cmd += ["--progress"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    start = time.monotonic()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"$ {' '.join(cmd[1:])}\n")
-        f.flush()
-        stderr = None if config.progress else subprocess.STDOUT  # the bar goes to the terminal
-        outcome.exit_code = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=stderr).returncode
-    outcome.wall_s = time.monotonic() - start
-    totals = parse_fuzz_totals(path.read_text(encoding="utf-8", errors="replace"))
-    if totals is not None:
-        outcome.examples = int(totals["examples"])
-        outcome.examples_per_s = totals["examples_per_s"]
-    return outcome
-
-
 def _matrix_world_sizes() -> list[int]:
     from harness.matrix import AXES
 
@@ -339,8 +264,9 @@ def nightly(config: NightlyConfig) -> int:
         _write_json(state_path, state)
 
     # -- 1. cases ---------------------------------------------------------------------------------
+    host = host_facts()
     lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes(),
-                                   host=host_facts(), pools=config.pools_per_gpu)
+                                   host=host, pools=config.pools_per_gpu)
     if not lanes:
         print(f"harness nightly: no world size can run here: {'; '.join(skipped_ws.values())}", file=sys.stderr)
         return 2
@@ -357,6 +283,12 @@ def nightly(config: NightlyConfig) -> int:
         return 2
     cases_start = time.monotonic()
     deadline = start + config.time_budget_s if config.time_budget_s is not None else None
+    fuzz_path = out / FUZZ_NAME
+    alongside: FuzzRun | None = None
+    if fuzz_alongside(lanes, host.cpu_cores):
+        budget = fuzz_budget(config.time_budget_s, time.monotonic() - start)
+        if _fuzz_not_run(config, earlier, fuzz_path, budget) is None:
+            alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, fuzz_path, budget, progress=False).start()  # one bar on the terminal: the cases'
     with writer:
         done = writer.recorded_ids()
         todo = [c for c in cases if c.full_id not in done]
@@ -378,6 +310,8 @@ def nightly(config: NightlyConfig) -> int:
             not_run, pools_failed = runner.run_all(lanes, todo, config.time_budget_s)
         except KeyboardInterrupt:
             runner.interrupt()
+            if alongside is not None:
+                alongside.stop()
             progress.close()
             state["cases"].update(recorded=runner.recorded, interrupted=True)
             save()
@@ -397,24 +331,21 @@ def nightly(config: NightlyConfig) -> int:
         print(f"harness nightly: {len(not_run)} case(s) not run, listed in {out / NOT_RUN_NAME}", file=sys.stderr)
 
     # -- 2. fuzz campaign -------------------------------------------------------------------------
-    fuzz_path = out / FUZZ_NAME
-    budget = fuzz_budget(config.time_budget_s, time.monotonic() - start)
-    if config.fuzz_profile == "none":
-        fuzz = FuzzOutcome("none", config.fuzz_max_examples, skipped="--fuzz-profile none")
-        state["fuzz"] = dataclasses.asdict(fuzz)
-    elif config.resume and earlier.get("fuzz", {}).get("exit_code") is not None and fuzz_path.exists():
-        state["fuzz"] = {**earlier["fuzz"], "resumed_from_earlier_attempt": True}
-    elif budget is not None and budget <= 0:
-        state["fuzz"] = dataclasses.asdict(FuzzOutcome(
-            config.fuzz_profile, config.fuzz_max_examples, time_budget_s=0.0,
-            skipped=f"time budget of {config.time_budget_s:g} s spent by the cases"))
+    if alongside is not None:
+        state["fuzz"] = {**dataclasses.asdict(alongside.wait()), "alongside_cases": True}
     else:
-        try:
-            state["fuzz"] = dataclasses.asdict(run_fuzz(config, fuzz_path, budget))
-        except KeyboardInterrupt:
-            save()
-            print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
-            return 130
+        skip = _fuzz_not_run(config, earlier, fuzz_path, fuzz_budget(config.time_budget_s, time.monotonic() - start))
+        if skip is not None:
+            state["fuzz"] = skip
+        else:
+            try:
+                state["fuzz"] = dataclasses.asdict(
+                    run_fuzz(config.fuzz_profile, config.fuzz_max_examples, fuzz_path,
+                             fuzz_budget(config.time_budget_s, time.monotonic() - start), config.progress))
+            except KeyboardInterrupt:
+                save()
+                print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
+                return 130
     save()
 
     # -- 3. report ----------------------------------------------------------------------------------
@@ -456,6 +387,19 @@ def nightly(config: NightlyConfig) -> int:
     save()
     print(_summary_text(state))
     return code
+
+
+def _fuzz_not_run(config: NightlyConfig, earlier: Mapping[str, Any], path: Path, budget: float | None) -> dict[str, Any] | None:
+    """``nightly.json``'s ``fuzz`` when the campaign is not to run now (and why), else None."""
+    if config.fuzz_profile == "none":
+        return dataclasses.asdict(FuzzOutcome("none", config.fuzz_max_examples, skipped="--fuzz-profile none"))
+    if config.resume and earlier.get("fuzz", {}).get("exit_code") is not None and path.exists():
+        return {**earlier["fuzz"], "resumed_from_earlier_attempt": True}
+    if budget is not None and budget <= 0:
+        return dataclasses.asdict(FuzzOutcome(
+            config.fuzz_profile, config.fuzz_max_examples, time_budget_s=0.0,
+            skipped=f"time budget of {config.time_budget_s:g} s spent by the cases"))
+    return None
 
 
 def _latest_records(path: Path) -> list[Any]:

@@ -26,7 +26,7 @@ def add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stress", action="store_true",
                    help="delay the CUDA compute stream where a missing stream wait would show (harness.stress); "
                         "cases get the id segment stress_delay and are unsupported on CPU")
-    p.add_argument("--filter", action="append", default=[], help="keep cases whose full id contains this (repeatable)")
+    p.add_argument("--filter", action="append", default=[], help="keep cases whose full id contains this (repeatable: any of them; a+b: both a and b)")
     p.add_argument("--limit", type=int, default=None, help="run at most this many cases")
 
 

@@ -175,4 +175,7 @@ def test_nightly_on_the_gpus(tmp_path: Path) -> None:
     state = json.loads((out / "nightly.json").read_text())
     assert state["cases"]["backend"] == "nccl" and state["cases"]["not_run"] == 0
     pairs = [lane for lane in state["cases"]["lanes"] if lane["world_size"] == 2]
-    assert len(pairs) == torch.cuda.device_count() // 2  # every GPU pair runs cases side by side
+    groups = torch.cuda.device_count() // 2
+    # Every GPU pair runs cases, several pools on each side by side.
+    assert {tuple(lane["devices"]) for lane in pairs} == {(2 * i, 2 * i + 1) for i in range(groups)}
+    assert len(pairs) % groups == 0 and state["cases"]["cases_per_s"] > 0

@@ -8,16 +8,14 @@ from pathlib import Path
 import pytest
 
 from harness.case import CaseConfig
+from harness.cli.fuzz import REPORT_RESERVE_S, fuzz_alongside, fuzz_budget, parse_fuzz_totals
 from harness.cli.nightly import (
-    REPORT_RESERVE_S,
     NightlyConfig,
     baseline_source,
     determinism_sample,
     determinism_summary,
     exit_status,
     find_previous,
-    fuzz_budget,
-    parse_fuzz_totals,
 )
 from harness.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
 from harness.records import CaseRecord
@@ -119,10 +117,10 @@ GIB = 1 << 30
 def test_pools_per_group_follow_cores_and_gpu_memory() -> None:
     # 2 x H200 (141 GB) with 32 cores: capped by MAX_POOLS_PER_GROUP; 16 cores: by the cores.
     assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=32, gpu_memory_bytes=141 * GIB)) == 8
-    assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 7
+    assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 6
     # Small GPUs: by the memory; 8 GPUs in 4 groups share the cores.
     assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=64, gpu_memory_bytes=12 * GIB)) == 3
-    assert pools_per_group(2, "nccl", 4, HostFacts(cpu_cores=18, gpu_memory_bytes=80 * GIB)) == 2
+    assert pools_per_group(2, "nccl", 4, HostFacts(cpu_cores=19, gpu_memory_bytes=80 * GIB)) == 2
     # Never none; CPU pools need two cores per rank.
     assert pools_per_group(4, "nccl", 1, HostFacts(cpu_cores=2, gpu_memory_bytes=1 * GIB)) == 1
     assert pools_per_group(2, "gloo", 1, HostFacts(cpu_cores=2)) == 1
@@ -172,3 +170,12 @@ def test_the_fuzz_gets_what_the_budget_leaves() -> None:
     assert fuzz_budget(None, 1e6) is None
     assert fuzz_budget(600, 100) == 600 - 100 - REPORT_RESERVE_S
     assert fuzz_budget(600, 590) == 0.0
+
+
+def test_the_fuzz_runs_alongside_gpu_cases_where_cores_are_left() -> None:
+    eight = {2: [Lane(2, "nccl", (0, 1))] * 8}
+    assert fuzz_alongside(eight, cpu_cores=32)  # 16 ranks, 16 cores left
+    assert not fuzz_alongside(eight, cpu_cores=18)  # 2 cores left: too few
+    assert not fuzz_alongside({2: [Lane(2, "gloo", None)]}, cpu_cores=64)  # CPU ranks take every core
+    # World sizes run one after the other: the widest one counts.
+    assert fuzz_alongside({2: [Lane(2, "nccl", (0, 1))] * 4, 4: [Lane(4, "nccl", (0, 1, 2, 3))] * 2}, cpu_cores=11)
