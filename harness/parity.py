@@ -406,6 +406,10 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
         "budget_source": source,
         "notes": engine.notes,
         "stress_points": engine.stress_points,
+        "curves": {
+            "loss": {"engine": engine.losses, "reference": reference.losses},
+            "grad_norm": {"engine": engine.grad_norms, "reference": reference.grad_norms},
+        },
     }
 
 
@@ -471,6 +475,10 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         reasons.append(f"not deterministic: {nondet}")
     if not errors:
         reasons.append("nothing was compared")
+    curves = None
+    if all("curves" in v for v in values):
+        curves = {q: {side: [list(v["curves"][q][side]) for v in values] for side in ("engine", "reference")}
+                  for q in ("loss", "grad_norm")}
 
     return CaseRecord(
         verdict="fail" if reasons else "pass",
@@ -491,5 +499,6 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
             "notes": sorted({n for v in values for n in v["notes"]}),
             **({"stress_points": values[0]["stress_points"]} if values[0].get("stress_points") else {}),
         },
+        curves=curves,
         **base,
     )

@@ -72,6 +72,10 @@ class CaseRecord:
     #: runs per verdict of a repeated case (``{"pass": 3, "fail": 2}``); None when it ran once.
     #: Optional: records written before it existed read as None.
     outcomes: dict[str, int] | None = None
+    #: per-step values of both sides, per rank: ``{"loss": {"engine": [[step0, step1, ...] of rank 0,
+    #: ...], "reference": [...]}, "grad_norm": {...}}``, so a report can draw how a divergence grew.
+    #: None where not recorded (cases that did not finish, records written before it existed).
+    curves: dict[str, dict[str, list[list[float]]]] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
