@@ -234,6 +234,7 @@ def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, step
             trainee = adapter.build(case, model, ctx)
             if stress is not None:
                 stress.watch_parameters(trainee.trainable_parameters())
+                stress.watch_no_sync(trainee.module)
             perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
             obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
     finally:

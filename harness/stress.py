@@ -19,7 +19,9 @@ All of them are installed by the harness on the model, the optimizer and ``torch
 - ``before_offload_copy``: right after each backward reduction, on the reducing stream: where an
   engine with CPU offload copies the reduced gradient to the host;
 - ``before_step``: an optimizer step pre-hook (a CPU-offloaded step reads host gradients);
-- ``around_summon``: before and after the harness unshards the parameters for the final comparison.
+- ``around_summon``: before and after the harness unshards the parameters for the final comparison;
+  ``around_no_sync``: on entering and leaving the wrapped module's ``no_sync()`` (the instance's
+  method is wrapped, for a training loop that accumulates gradients; the parity loop does not).
 
 On CPU every op is synchronous and there is nothing to race: a stressed case is ``unsupported`` there
 (``unsupported_reason``). The delays never change a value, so a stressed case that fails shows a race.
@@ -59,6 +61,16 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, (tuple, list)):
         return next((o for o in output if isinstance(o, torch.Tensor)), None)
     return None
+
+
+class _Restore:
+    """Undoes an instance attribute set over a method (a handle like the hooks')."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.name, None)
 
 
 class Stress:
@@ -114,6 +126,20 @@ class Stress:
         if phase != "backward" or kind not in ("reduce_scatter", "all_reduce"):
             return
         self.delay("before_reduce" if when == "before" else "before_offload_copy")
+
+    def watch_no_sync(self, module: nn.Module) -> None:
+        """``around_no_sync`` on ``module.no_sync()`` where the module has one."""
+        original = getattr(module, "no_sync", None)
+        if original is None or not callable(original):
+            return
+
+        @contextlib.contextmanager
+        def no_sync(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            with self.around("around_no_sync"), original(*args, **kwargs) as value:
+                yield value
+
+        module.no_sync = no_sync  # type: ignore[method-assign]
+        self._handles.append(_Restore(module, "no_sync"))
 
     @contextlib.contextmanager
     def around(self, point: str) -> Iterator[None]:

@@ -3,6 +3,7 @@ for what a budget will run, and where stress delays fire (on CPU, with a recordi
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -147,3 +148,25 @@ def test_stress_skips_parameters_that_refuse_the_hook() -> None:
     stress.watch_parameters([leaf, leaf * 2, nn.Parameter(torch.ones(1), requires_grad=False)])
     (leaf * 3).sum().backward()
     assert stress.counts["after_grad"] == 1
+
+
+def test_stress_wraps_no_sync_and_restores_it() -> None:
+    entered: list[str] = []
+
+    class WithNoSync(nn.Linear):
+        @contextlib.contextmanager
+        def no_sync(self):
+            entered.append("in")
+            yield "value"
+
+    module = WithNoSync(2, 2)
+    stress = Stress(torch.device("cpu"), sleep=lambda ms, device: None)
+    stress.watch_no_sync(module)
+    stress.watch_no_sync(nn.Linear(2, 2))  # no no_sync: nothing to wrap
+    with module.no_sync() as value:
+        assert value == "value" and stress.counts["around_no_sync"] == 1
+    assert stress.counts["around_no_sync"] == 2 and entered == ["in"]
+    stress.remove()
+    with module.no_sync():
+        pass
+    assert stress.counts["around_no_sync"] == 2 and entered == ["in", "in"]
