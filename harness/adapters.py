@@ -46,6 +46,7 @@ __all__ = [
     "canonical_name",
     "get_engine",
     "has_float_buffers",
+    "register_engine",
     "prepare_inputs",
     "rank_local_param_names",
 ]
@@ -513,6 +514,22 @@ ENGINES: dict[str, EngineAdapter] = {
     "torch-fsdp": FSDP1Adapter("torch-fsdp", "torch.distributed.fsdp", offload_needs_accelerator=True),
     "torch-fsdp2": FSDP2Adapter(),
 }
+
+
+def register_engine(adapter: EngineAdapter) -> None:
+    """Make ``adapter`` an engine cases can name (``adapter.name``). Each process that builds or runs
+    such cases must register it (a pool's ranks: by importing the module that does, e.g. the module
+    of the job function)."""
+    from harness.case import ENGINE_NAMES
+
+    name = getattr(adapter, "name", None)
+    if not name:
+        raise ValueError(f"register_engine: adapter {adapter!r} has no name")
+    current = ENGINES.get(name)
+    if current is not None and current is not adapter:
+        raise ValueError(f"register_engine: engine {name!r} is already registered as {current!r}; choose another name")
+    ENGINES[name] = adapter
+    ENGINE_NAMES.add(name)
 
 
 def get_engine(name: str) -> EngineAdapter:

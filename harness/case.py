@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
 EngineName = Literal["builtin", "torch-fsdp", "torch-fsdp2"]
+#: the engine names a case may hold: the matrix's, plus those ``harness.adapters.register_engine`` adds
+#: (test doubles, engines plugged in by name).
+ENGINE_NAMES: set[str] = set(get_args(EngineName))
 ReferenceName = Literal["ddp", "local"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
 PrecisionName = Literal[
@@ -19,6 +22,9 @@ PrecisionName = Literal[
 ]
 PrefetchName = Literal["none", "pre", "post"]
 InitModeName = Literal["before", "after", "never"]
+#: ``delay``: the harness delays the CUDA compute stream where a missing stream wait would show
+#: (``harness.stress``); ``none``: no delays.
+StressName = Literal["none", "delay"]
 
 #: The strategies that shard within a group of ranks and replicate across groups.
 HYBRID_STRATEGIES: tuple[str, ...] = ("hybrid_shard", "hybrid_shard_zero2")
@@ -111,17 +117,20 @@ class CaseConfig:
     momentum: float = 0.9
     #: run the case twice and require bitwise-identical results.
     check_determinism: bool = False
+    #: delays on the compute stream that turn stream races into failures (``harness.stress``).
+    stress: StressName = "none"
     #: free-form extras for adapters and tests (e.g. a fault to inject); must be hashable.
     extras: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         for field, allowed in (
-            ("engine", get_args(EngineName)),
+            ("engine", sorted(ENGINE_NAMES)),
             ("reference", get_args(ReferenceName)),
             ("sharding_strategy", get_args(ShardingName)),
             ("precision", get_args(PrecisionName)),
             ("backward_prefetch", get_args(PrefetchName)),
             ("init_mode", get_args(InitModeName)),
+            ("stress", get_args(StressName)),
         ):
             value = getattr(self, field)
             if value not in allowed:
@@ -160,6 +169,8 @@ class CaseConfig:
             parts.append(f"ws{self.world_size}")
         if self.steps != 5:
             parts.append(f"steps{self.steps}")
+        if self.stress != "none":
+            parts.append(f"stress_{self.stress}")
         return "-".join(parts)
 
     @property

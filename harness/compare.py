@@ -56,6 +56,8 @@ class Observation:
     notes: list[str] = field(default_factory=list)
     #: what the engine did with its parameters (engines only).
     facts: EngineFacts | None = None
+    #: how often each stress delay fired (``harness.stress``; engines of a stressed case only).
+    stress_points: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_reference(cls, run: ReferenceRun) -> "Observation":

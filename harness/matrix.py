@@ -52,6 +52,8 @@ AXES: dict[str, list[Any]] = {
     "world_size": [2, 4],
     # Steps deepen a case rather than change its behaviour: one value by default.
     "steps": [5],
+    # Stress delays only make races visible (on CUDA): ``--stress`` pins ``delay``; ``axes=`` may add it.
+    "stress": ["none"],
 }
 
 

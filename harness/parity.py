@@ -69,6 +69,8 @@ from harness.knobs import (
 )
 from harness.records import CaseRecord, QuantityError
 from harness.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
+from harness.stress import Stress
+from harness.stress import unsupported_reason as stress_unsupported_reason
 from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
 
@@ -158,14 +160,18 @@ def train(
     *,
     trace: CommTrace | None = None,
     perturb: bool = False,
+    stress: Stress | None = None,
 ) -> Observation:
     """The shared training loop of engines and DDP: ``steps`` steps, reading gradients after each backward.
 
-    ``table`` describes the model's parameters, taken before wrapping.
+    ``table`` describes the model's parameters, taken before wrapping; ``stress`` (engines of a
+    stressed case) adds its optimizer and final-unshard delays.
     """
     zoo = trainee.zoo
     full = dtype_of(case.precision_spec.full)
     optimizer = torch.optim.SGD(trainee.trainable_parameters(), lr=case.lr, momentum=case.momentum)
+    if stress is not None:
+        stress.watch_optimizer(optimizer)
     obs = Observation()
     for step in range(steps):
         inputs = prepare_inputs(zoo.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device, full)
@@ -188,7 +194,7 @@ def train(
         gpu_sleep(zoo.sleeps.before_step_ms, ctx.device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    with _paused(trace):
+    with _paused(trace), (stress.around("around_summon") if stress is not None else contextlib.nullcontext()):
         obs.params = trainee.final_params()
     obs.notes.extend(trainee.notes)
     return obs
@@ -218,15 +224,27 @@ def _fresh_model(case: CaseConfig, ctx: RankContext) -> tuple[ZooModel, dict[str
 def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, steps: int) -> Observation:
     """Build and train the engine under a communication trace."""
     model, table = _fresh_model(case, ctx)
-    trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device))
-    with trace:
-        trace.watch_modules(model)
-        _mark_phase(trace, "setup", 0)
-        trainee = adapter.build(case, model, ctx)
-        perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
-        obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb)
+    stress = Stress(ctx.device) if case.stress == "delay" else None
+    trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device),
+                      around=stress.on_collective if stress is not None else None)
+    try:
+        with trace:
+            trace.watch_modules(model)
+            if stress is not None:
+                stress.watch_model(model)
+            _mark_phase(trace, "setup", 0)
+            trainee = adapter.build(case, model, ctx)
+            if stress is not None:
+                stress.watch_parameters(trainee.trainable_parameters())
+                stress.watch_no_sync(trainee.module)
+            perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
+            obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
+    finally:
+        if stress is not None:
+            stress.remove()
     obs.events = list(trace.events)
     obs.facts = trainee.facts()
+    obs.stress_points = dict(stress.counts) if stress is not None else {}
     return obs
 
 
@@ -351,6 +369,8 @@ class RankResult:
     #: mixed precision: per reference (``fp64``, ``no_param`` ...), the quantities an engine computing it fails.
     resolvable: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: stress mode: how often each delay point fired (``harness.stress``).
+    stress_points: dict[str, int] = field(default_factory=dict)
     #: per quantity (``loss``, ``grad_norm``) and side (``engine``, ``reference``): this rank's value per step.
     curves: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
@@ -398,7 +418,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
         return _unsupported(f"case world_size={case.world_size} but the ranks are {ctx.world_size}")
     adapter = get_engine(case.engine)
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
-    reason = adapter.unsupported_reason(case, model, ctx)
+    reason = stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
     if reason:
         return _unsupported(reason)
     _inject_fault(case, ctx)
@@ -453,6 +473,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
         budget_source=source,
         resolvable=resolvable,
         notes=notes + engine.notes,
+        stress_points=engine.stress_points,
         curves={
             "loss": {"engine": engine.losses, "reference": reference.losses},
             "grad_norm": {"engine": engine.grad_norms, "reference": reference.grad_norms},
@@ -553,6 +574,7 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
             "budget_source": values[0].budget_source,
             "resolvable": values[0].resolvable,
             "notes": sorted({n for v in values for n in v.notes}),
+            **({"stress_points": values[0].stress_points} if values[0].stress_points else {}),
         },
         curves=curves,
         **base,

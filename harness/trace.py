@@ -142,16 +142,25 @@ class CommTrace:
 
     The training loop sets ``phase`` and ``step``; ``paused()`` hides the harness's own bookkeeping
     collectives (gathering norms, unsharding for the final comparison). ``before_reduce`` runs
-    before each reduce-scatter and all-reduce of the backward phase (the models' GPU sleeps).
+    before each reduce-scatter and all-reduce of the backward phase (the models' GPU sleeps);
+    ``around(when, kind, phase)`` runs before (``when="before"``) and after (``"after"``) every recorded
+    collective (``harness.stress``).
     """
 
-    def __init__(self, before_reduce: Callable[[], None] | None = None, *, keep_inputs: bool = False) -> None:
+    def __init__(
+        self,
+        before_reduce: Callable[[], None] | None = None,
+        around: Callable[[str, str, str], None] | None = None,
+        *,
+        keep_inputs: bool = False,
+    ) -> None:
         self.events: list[CommEvent] = []
         #: record each all-gather's local shard (``CommEvent.local``).
         self.keep_inputs = keep_inputs
         self.phase = "other"
         self.step = 0
         self.before_reduce = before_reduce
+        self.around = around
         #: False while paused: calls pass through unrecorded.
         self._recording = False
         #: (namespace, name, original) for every patched function, to restore on exit.
@@ -235,11 +244,16 @@ class CommTrace:
                 )
                 if self.before_reduce is not None and self.phase == "backward" and kind in ("reduce_scatter", "all_reduce"):
                     self.before_reduce()
+                if self.around is not None:
+                    self.around("before", kind, self.phase)
             self._depth.value = depth + 1
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 self._depth.value = depth
+            if bound is not None and self.around is not None:
+                self.around("after", kind, self.phase)
+            return result
 
         return traced
 
