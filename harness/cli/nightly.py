@@ -7,9 +7,12 @@ One straight line, every product written into the out directory as it is made:
    one durable line per case (a killed nightly keeps every case it finished; ``--resume`` goes on);
 2. the flat-parameter fuzz campaign (``suites.flat_param.campaign``, profile ``nightly``): ``fuzz.txt``,
    its output with examples per second;
+   then the performance section (``harness.perf_section``): step time and peak memory of our engine
+   and torch FSDP1 on two GPUs, or a smoke check on CPU, kept under ``perf`` in ``nightly.json``;
 3. the report (``reports.build``): ``matrix.md``, ``matrix.html``, ``results.csv``, heatmaps, ``summary.json``;
 4. the diff against the previous nightly (the newest sibling directory whose name sorts before this
-   one, or ``--previous``): ``diff.md``, ``diff.json``;
+   one, or ``--previous``): ``diff.md``, ``diff.json``; and its performance ratios (a ratio to torch
+   FSDP1 more than 5% worse on the same device is a regression): ``perf_diff`` in ``nightly.json``;
 5. ``nightly.json``: counts per verdict, wall times, what was not run and why (rewritten after every
    phase, ``complete: false`` until the end); ``not_run.txt`` lists the cases a time budget left out.
 
@@ -89,6 +92,8 @@ class NightlyConfig:
     case_timeout_s: float = 300.0
     #: show the progress bar.
     progress: bool = True
+    #: measure the performance section (``harness.perf_section``).
+    perf: bool = True
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -106,6 +111,7 @@ class NightlyConfig:
             fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
             time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
             backend=args.backend, case_timeout_s=args.timeout, progress=not args.no_progress,
+            perf=not args.no_perf,
         )
 
     def selection(self) -> Selection:
@@ -344,6 +350,19 @@ def nightly(config: NightlyConfig) -> int:
             return 130
     save()
 
+    # -- 2b. performance: after the cases, so the GPUs are free ---------------------------------------
+    from harness import perf_section
+
+    if not config.perf:
+        state["perf"] = {"skipped": "--no-perf"}
+    elif config.resume and earlier.get("perf") and not earlier["perf"].get("skipped"):
+        state["perf"] = earlier["perf"]
+    elif deadline is not None and time.monotonic() > deadline:
+        state["perf"] = {"skipped": f"time budget of {config.time_budget_s:g} s spent"}
+    else:
+        state["perf"] = perf_section.run_section(n_gpus())
+    save()
+
     # -- 3. report ----------------------------------------------------------------------------------
     import reports
     from reports import render
@@ -373,6 +392,9 @@ def nightly(config: NightlyConfig) -> int:
             "previous": str(old), "exit_code": result.exit_code,
             "counts": result.to_dict()["counts"], "wall_s": round(time.monotonic() - t0, 3),
         }
+    perf_diff = perf_section.compare_sections(perf_section.previous_section(previous), state["perf"])
+    state["perf_diff"] = perf_diff.to_dict()
+    regressions += len(perf_diff.regressions)
     save()
 
     # -- 5. verdict ---------------------------------------------------------------------------------
@@ -394,6 +416,8 @@ def _write_not_run(path: Path, not_run: Sequence[tuple[CaseConfig, str]]) -> Non
 def _summary_text(state: Mapping[str, Any]) -> str:
     from tabulate import tabulate
 
+    from harness import perf_section
+
     cases, fuzz, diff = state["cases"], state["fuzz"], state["diff"]
     verdicts = [(v, n) for v, n in state["verdicts"].items() if n]
     lines = [tabulate(verdicts, headers=("verdict", "cases")) if verdicts else "no cases recorded"]
@@ -413,6 +437,7 @@ def _summary_text(state: Mapping[str, Any]) -> str:
         lines.append(f"diff against {diff['previous']}: " + ", ".join(f"{k} {n}" for k, n in diff["counts"].items()))
     else:
         lines.append(f"diff: {diff.get('note')}")
+    lines += perf_section.summary_lines(state.get("perf"), state.get("perf_diff"))
     verdict = "ok" if state["exit_code"] == 0 else "; ".join(state["exit_reasons"])
     lines.append(f"nightly {verdict} (exit {state['exit_code']}) in {state['wall_s']:.1f} s -> {state['out']}")
     return "\n".join(lines)
@@ -439,6 +464,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: NCCL with one GPU per rank when there are GPUs, else 2 gloo ranks on CPU")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-perf", action="store_true", help="skip the performance section (step time and memory against torch FSDP1)")
 
 
 def main(args: argparse.Namespace) -> int:

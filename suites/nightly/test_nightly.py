@@ -86,6 +86,9 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     assert fuzz["examples"] >= 20 and fuzz["examples_per_s"] > 0
     assert "examples/s" in (out / "fuzz.txt").read_text()
     assert "nightly" in done.stdout and "regression" in done.stdout
+    # On CPU the performance section is a smoke check: measured, labelled, never compared.
+    assert state["perf"]["kind"] == "smoke" and set(state["perf"]["smoke"]) == {"builtin/full_shard", "torch-fsdp/full_shard"}
+    assert state["perf_diff"]["compared"] is False and "smoke" in done.stdout
 
     # Resumed after it finished: nothing to run again, the finished campaign is kept, the verdict stands.
     again = _nightly("--out", str(out), *TINY, "--fuzz-max-examples", "20", "--resume")
@@ -123,7 +126,7 @@ def _record_count(path: Path) -> int:
 def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "killed"
     args = ("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--references", "ddp,local",
-            "--limit", "8", "--fuzz-profile", "none", "--no-progress")
+            "--limit", "8", "--fuzz-profile", "none", "--no-progress", "--no-perf")
     proc = subprocess.Popen([sys.executable, "-m", "harness", "nightly", *args], cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -163,3 +166,5 @@ def test_nightly_on_the_gpus(tmp_path: Path) -> None:
     assert state["cases"]["backend"] == "nccl" and state["cases"]["not_run"] == 0
     pairs = [lane for lane in state["cases"]["lanes"] if lane["world_size"] == 2]
     assert len(pairs) == torch.cuda.device_count() // 2  # every GPU pair runs cases side by side
+    assert state["perf"]["kind"] == "gpu", state["perf"]
+    assert state["perf"]["rows"]["builtin/full_shard"]["ratio"] > 0 and state["perf"]["rows"]["builtin/full_shard"]["peak_gib"] > 0
