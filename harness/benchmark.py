@@ -343,7 +343,11 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
     reason = adapter.unsupported_reason(case, model, ctx)
     if reason is not None:
         return {"unsupported": reason}
+    _sync(ctx)
+    t_build = time.perf_counter()
     trainee = adapter.build(case, model, ctx)
+    _sync(ctx)
+    build_s = time.perf_counter() - t_build
     zoo = trainee.zoo
     optimizer = torch.optim.SGD(trainee.trainable_parameters(), lr=case.lr, momentum=case.momentum)
     batches = [prepare_inputs(zoo.get_input(seed=case.seed, step=s, rank=ctx.rank), ctx.device, full)
@@ -357,6 +361,9 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
         return loss.detach()
 
     step_s: list[float] = []
+    # CPU seconds of this rank's process per step (its threads together): the host cost itself, less
+    # blurred than wall time by ranks waiting on each other when the host's cores are shared.
+    cpu_s: list[float] = []
     losses: list[float] = []
     profiler = cProfile.Profile() if job.cprofile else None
     for i, inputs in enumerate(batches):
@@ -364,14 +371,17 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
         _sync(ctx)
         if profiler is not None and timed:
             profiler.enable()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = step(inputs)
         _sync(ctx)
         step_s.append(time.perf_counter() - t0)
+        cpu_s.append(time.process_time() - c0)
         if profiler is not None and timed:
             profiler.disable()
         losses.append(float(loss))
-    result: dict[str, Any] = {"step_s": step_s[job.warmup:], "losses": losses, "peak_bytes": None,
+    # Wrapping and the first step (lazy init) are paid once per parity case: part of the host-bound cost.
+    result: dict[str, Any] = {"step_s": step_s[job.warmup:], "cpu_s": cpu_s[job.warmup:], "losses": losses,
+                              "build_s": build_s, "first_step_s": step_s[0] if step_s else None, "peak_bytes": None,
                               "reserved_bytes": None, "units": sum(1 for _ in zoo.wrap_units()) + 1,
                               "device": torch.cuda.get_device_name(ctx.device) if ctx.device_type == "cuda" else "CPU"}
     if job.profile_dir is not None:

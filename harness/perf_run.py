@@ -58,6 +58,10 @@ class PerfRow:
     p10_ms: float | None = None
     p90_ms: float | None = None
     max_ms: float | None = None
+    #: host-bound mode: median over the timed steps of the busiest rank's process CPU time per step.
+    cpu_ms: float | None = None
+    #: host-bound mode: wrapping the model plus the first (lazy-init) step, the slowest rank's; paid per case.
+    setup_ms: float | None = None
     #: largest rank's peak allocated / reserved GiB during training; None on CPU.
     peak_gib: float | None = None
     reserved_gib: float | None = None
@@ -108,8 +112,11 @@ def row_from_values(engine: str, strategy: str | None, values: Sequence[dict[str
     peaks = [v["peak_bytes"] for v in values if v.get("peak_bytes") is not None]
     reserved = [v["reserved_bytes"] for v in values if v.get("reserved_bytes") is not None]
     throughput = params is not None and tokens_per_rank is not None
+    cpu = [max(steps) for steps in zip(*(v["cpu_s"] for v in values))] if "cpu_s" in values[0] else []
+    setup = [v["build_s"] + v["first_step_s"] for v in values if v.get("first_step_s") is not None]
     return PerfRow(
-        engine, strategy, "ok", model=model, step_ms=1000 * step_s, min_ms=lo, p10_ms=p10, p90_ms=p90, max_ms=hi,
+        engine, strategy, "ok", model=model, step_ms=1000 * step_s, cpu_ms=1000 * statistics.median(cpu) if cpu else None,
+        setup_ms=1000 * max(setup) if setup else None, min_ms=lo, p10_ms=p10, p90_ms=p90, max_ms=hi,
         peak_gib=max(peaks) / GIB if peaks else None, reserved_gib=max(reserved) / GIB if reserved else None,
         tokens_per_s=len(values) * tokens_per_rank / step_s if throughput else None,  # type: ignore[operator]
         tflops=tflops_per_gpu(params, tokens_per_rank, step_s) if throughput else None,  # type: ignore[arg-type]
@@ -141,13 +148,13 @@ def table(rows: Sequence[PerfRow]) -> str:
     body = []
     for r in rows:
         if r.status != "ok":
-            body.append((r.label, r.status, *["-"] * 8, r.reason[:100]))
+            body.append((r.label, r.status, *["-"] * 10, r.reason[:100]))
             continue
         match = "" if r.loss_matches is None else ("matches" if r.loss_matches else "DIFFERS")
-        body.append((r.label, "ok", _fmt(r.step_ms, ".2f"), f"{_fmt(r.p10_ms, '.2f')}..{_fmt(r.p90_ms, '.2f')}",
+        body.append((r.label, "ok", _fmt(r.step_ms, ".2f"), f"{_fmt(r.p10_ms, '.2f')}..{_fmt(r.p90_ms, '.2f')}", _fmt(r.cpu_ms, ".2f"), _fmt(r.setup_ms, ".0f"),
                      _fmt(r.peak_gib, ".1f"), _fmt(r.reserved_gib, ".1f"), _fmt(r.tokens_per_s, ".4g"),
                      _fmt(r.tflops, ".3g"), _fmt(r.final_loss, ".4f"), _fmt(r.ratio, ".3f"), match))
-    headers = ("engine", "status", "step ms", "p10..p90 ms", "peak alloc GiB", "reserved GiB", "tokens/s",
+    headers = ("engine", "status", "step ms", "p10..p90 ms", "CPU ms", "setup ms", "peak alloc GiB", "reserved GiB", "tokens/s",
                "TFLOP/s/GPU", "final loss", f"x {BASELINE}", "loss")
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
