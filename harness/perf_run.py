@@ -166,8 +166,10 @@ def ratio_lines(rows: Sequence[PerfRow]) -> list[str]:
         where = f"{r.model}, {r.strategy}" if r.model else r.strategy
         if r.engine == "builtin" and r.ratio is not None:
             base = next(b for b in rows if b.engine == BASELINE and b.strategy == r.strategy and b.model == r.model)
+            cpu = (f"; CPU time per step {r.cpu_ms / base.cpu_ms:.3f} ({r.cpu_ms:.2f} vs {base.cpu_ms:.2f} ms)"
+                   if r.cpu_ms and base.cpu_ms else "")
             lines.append(f"ratio builtin / {BASELINE} step time ({where}): {r.ratio:.3f} "
-                         f"({r.step_ms:.2f} ms vs {base.step_ms:.2f} ms, same run)")
+                         f"({r.step_ms:.2f} ms vs {base.step_ms:.2f} ms, same run){cpu}")
         elif r.engine == "builtin" and r.status == "ok":
             lines.append(f"ratio builtin / {BASELINE} ({where}): not measured ({BASELINE} {r.strategy} did not run ok)")
     return lines
