@@ -67,6 +67,15 @@ def test_cli_history(three_nights, tmp_path: Path, capsys: pytest.CaptureFixture
     assert "not a directory" in capsys.readouterr().err
 
 
+def test_harness_history_is_the_same_page(three_nights, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import main as harness_main
+
+    nights, _ = three_nights
+    assert harness_main(["history", *map(str, nights), "--out", str(tmp_path / "h")]) == 0
+    assert "1 regression(s), 1 fix(es), 2 failing now" in capsys.readouterr().out
+    assert (tmp_path / "h" / "history.html").exists()
+
+
 def test_a_nightly_finds_itself_and_the_nights_before_it(three_nights, tmp_path: Path) -> None:
     nights, _ = three_nights
     (nights[0].parent / "2026-11-19-empty").mkdir(exist_ok=True)  # no results: not a night
