@@ -10,9 +10,12 @@ One straight line, every product written into the out directory as it is made:
    under ``--time-budget-s`` the cases run interleaved (``harness.runner.interleave``);
 2. the flat-parameter fuzz campaign (``suites.flat_param.campaign``, profile ``nightly``; under a time
    budget, what is left of it: ``fuzz_budget``): ``fuzz.txt``, its output with examples per second;
+   then the performance section (``harness.perf_section``): step time and peak memory of our engine
+   and torch FSDP1 on two GPUs, or a smoke check on CPU, kept under ``perf`` in ``nightly.json``;
 3. the report (``reports.build``): ``matrix.md``, ``matrix.html``, ``results.csv``, heatmaps, ``summary.json``;
 4. the diff against the previous nightly (the newest sibling directory holding a ``nightly.json`` whose
-   name sorts before this one, or ``--previous``): ``diff.md``, ``diff.json``;
+   name sorts before this one, or ``--previous``): ``diff.md``, ``diff.json``; and its performance ratios
+   (a ratio to torch FSDP1 more than 5% worse on the same device is a regression): ``perf_diff``;
 5. ``nightly.json``: counts per verdict, cases per second, wall times, nondeterministic engines per
    configuration, what was not run and why (rewritten after every phase, ``complete: false`` until the
    end); ``not_run.txt`` lists the cases a time budget left out.
@@ -101,6 +104,8 @@ class NightlyConfig:
     repeat_failures: int = 0
     #: pools side by side per group of GPUs (None: ``harness.placement.pools_per_group``).
     pools_per_gpu: int | None = None
+    #: measure the performance section (``harness.perf_section``).
+    perf: bool = True
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -125,6 +130,7 @@ class NightlyConfig:
             stress=args.stress, check_determinism=args.check_determinism,
             determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
             repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
+            perf=not args.no_perf,
         )
 
     def selection(self) -> Selection:
@@ -348,6 +354,19 @@ def nightly(config: NightlyConfig) -> int:
                 return 130
     save()
 
+    # -- 2b. performance: after the cases, so the GPUs are free ---------------------------------------
+    from harness import perf_section
+
+    if not config.perf:
+        state["perf"] = {"skipped": "--no-perf"}
+    elif config.resume and earlier.get("perf") and not earlier["perf"].get("skipped"):
+        state["perf"] = earlier["perf"]
+    elif deadline is not None and time.monotonic() > deadline:
+        state["perf"] = {"skipped": f"time budget of {config.time_budget_s:g} s spent"}
+    else:
+        state["perf"] = perf_section.run_section(n_gpus())
+    save()
+
     # -- 3. report ----------------------------------------------------------------------------------
     import reports
     from reports import render
@@ -378,6 +397,9 @@ def nightly(config: NightlyConfig) -> int:
             "previous": str(old), "exit_code": result.exit_code,
             "counts": result.to_dict()["counts"], "wall_s": round(time.monotonic() - t0, 3),
         }
+    perf_diff = perf_section.compare_sections(perf_section.previous_section(previous), state["perf"])
+    state["perf_diff"] = perf_diff.to_dict()
+    regressions += len(perf_diff.regressions)
     save()
 
     # -- 5. verdict ---------------------------------------------------------------------------------
@@ -422,6 +444,8 @@ def _write_not_run(path: Path, not_run: Sequence[tuple[CaseConfig, str]]) -> Non
 def _summary_text(state: Mapping[str, Any]) -> str:
     from tabulate import tabulate
 
+    from harness import perf_section
+
     cases, fuzz, diff = state["cases"], state["fuzz"], state["diff"]
     verdicts = [(v, n) for v, n in state["verdicts"].items() if n]
     lines = [tabulate(verdicts, headers=("verdict", "cases")) if verdicts else "no cases recorded"]
@@ -449,6 +473,7 @@ def _summary_text(state: Mapping[str, Any]) -> str:
         lines.append(f"diff against {diff['previous']}: " + ", ".join(f"{k} {n}" for k, n in diff["counts"].items()))
     else:
         lines.append(f"diff: {diff.get('note')}")
+    lines += perf_section.summary_lines(state.get("perf"), state.get("perf_diff"))
     verdict = "ok" if state["exit_code"] == 0 else "; ".join(state["exit_reasons"])
     lines.append(f"nightly {verdict} (exit {state['exit_code']}) in {state['wall_s']:.1f} s -> {state['out']}")
     return "\n".join(lines)
@@ -480,6 +505,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-determinism-sample", action="store_true",
                    help="do not check determinism on the sample of one case per engine, strategy and world size")
     add_execution(p)
+    p.add_argument("--no-perf", action="store_true", help="skip the performance section (step time and memory against torch FSDP1)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -96,6 +96,9 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     strategies = {c.sharding_strategy for c in _tiny_cases() if not c.cpu_offload}
     assert set(state["determinism"]["configurations"]) >= {f"torch-fsdp/{s}" for s in strategies}
     assert state["determinism"]["nondeterministic"] == [] and "determinism:" in done.stdout
+    # On CPU the performance section is a smoke check: measured, labelled, never compared.
+    assert state["perf"]["kind"] == "smoke" and set(state["perf"]["smoke"]) == {"builtin/full_shard", "torch-fsdp/full_shard"}
+    assert state["perf_diff"]["compared"] is False and "smoke" in done.stdout
 
     # Resumed after it finished: nothing to run again, the finished campaign is kept, the verdict stands.
     again = _nightly("--out", str(out), *TINY, "--fuzz-max-examples", "20", "--resume")
@@ -136,7 +139,7 @@ def _record_count(path: Path) -> int:
 def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "killed"
     args = ("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--references", "ddp,local",
-            "--limit", "8", "--fuzz-profile", "none", "--no-progress")
+            "--limit", "8", "--fuzz-profile", "none", "--no-progress", "--no-perf")
     proc = subprocess.Popen([sys.executable, "-m", "harness", "nightly", *args], cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -179,3 +182,5 @@ def test_nightly_on_the_gpus(tmp_path: Path) -> None:
     # Every GPU pair runs cases, several pools on each side by side.
     assert {tuple(lane["devices"]) for lane in pairs} == {(2 * i, 2 * i + 1) for i in range(groups)}
     assert len(pairs) % groups == 0 and state["cases"]["cases_per_s"] > 0
+    assert state["perf"]["kind"] == "gpu", state["perf"]
+    assert state["perf"]["rows"]["builtin/full_shard"]["ratio"] > 0 and state["perf"]["rows"]["builtin/full_shard"]["peak_gib"] > 0
