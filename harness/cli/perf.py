@@ -44,9 +44,9 @@ import torch.nn.functional as F
 
 from harness.rank import RankContext
 
-PerfEngine = Literal["builtin", "torch-fsdp", "torch-fsdp2", "ddp"]
 PerfStrategy = Literal["full_shard", "shard_grad_op", "no_shard"]
 PerfPrecision = Literal["bf16", "fp32"]
+#: the engines a plain run knows; any engine of ``harness.registry`` with torch FSDP1's or FSDP2's API may be named.
 ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2", "ddp")
 STRATEGIES: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
 #: the engine every ratio is taken against.
@@ -163,8 +163,16 @@ class PerfJob:
 
 
 def _unsupported(job: PerfJob) -> str | None:
-    if job.engine == "torch-fsdp2" and job.strategy == "no_shard":
-        return "torch-fsdp2: fully_shard always shards; NO_SHARD has no equivalent (DDP is the replicated run)"
+    if job.engine == "ddp":
+        return None
+    from harness.adapters import FSDP2Adapter
+    from harness.registry import resolve
+
+    adapter = resolve(job.engine)
+    if isinstance(adapter, FSDP2Adapter) and job.strategy == "no_shard":
+        return f"{adapter.name}: fully_shard always shards; NO_SHARD has no equivalent (DDP is the replicated run)"
+    if adapter.fsdp1_module is None and not isinstance(adapter, FSDP2Adapter):
+        return f"{adapter.name}: perf drives engines through torch FSDP1's or FSDP2's API; this adapter has neither"
     return None
 
 
@@ -184,10 +192,7 @@ def _fsdp1_wrap(namespace: Any, model: GPT, job: PerfJob, ctx: RankContext) -> n
     return namespace.FullyShardedDataParallel(model, **kwargs)
 
 
-def _fsdp2_wrap(model: GPT, job: PerfJob, ctx: RankContext) -> nn.Module:
-    from harness.adapters import FSDP2Adapter
-
-    api = FSDP2Adapter.api()
+def _fsdp2_wrap(api: Any, model: GPT, job: PerfJob, ctx: RankContext) -> nn.Module:
     kwargs: dict[str, Any] = {
         "mesh": ctx.mesh((ctx.world_size,), ("shard",)),
         "reshard_after_forward": job.strategy == "full_shard",
@@ -202,16 +207,6 @@ def _fsdp2_wrap(model: GPT, job: PerfJob, ctx: RankContext) -> nn.Module:
 
 def _wrap(model: GPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Module, Callable[[], contextlib.AbstractContextManager[Any]]]:
     """The trained module and the context its forward runs in (autocast for DDP in bf16)."""
-    if job.engine == "builtin":
-        import engine
-
-        return _fsdp1_wrap(engine, model, job, ctx), contextlib.nullcontext
-    if job.engine == "torch-fsdp":
-        import torch.distributed.fsdp as torch_fsdp
-
-        return _fsdp1_wrap(torch_fsdp, model, job, ctx), contextlib.nullcontext
-    if job.engine == "torch-fsdp2":
-        return _fsdp2_wrap(model, job, ctx), contextlib.nullcontext
     if job.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -219,7 +214,17 @@ def _wrap(model: GPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Module, Callab
         if job.precision == "bf16":
             return ddp, lambda: torch.autocast(ctx.device_type, dtype=torch.bfloat16)
         return ddp, contextlib.nullcontext
-    raise ValueError(f"perf: engine={job.engine!r} is not one of {list(ENGINES)}")
+    import importlib
+
+    from harness.adapters import FSDP2Adapter
+    from harness.registry import resolve
+
+    adapter = resolve(job.engine)
+    if adapter.fsdp1_module is not None:
+        return _fsdp1_wrap(importlib.import_module(adapter.fsdp1_module), model, job, ctx), contextlib.nullcontext
+    if isinstance(adapter, FSDP2Adapter):
+        return _fsdp2_wrap(adapter.api(), model, job, ctx), contextlib.nullcontext
+    raise ValueError(f"perf: engine {adapter.name!r} has neither torch FSDP1's nor FSDP2's API")
 
 
 def _batches(job: PerfJob, ctx: RankContext) -> list[torch.Tensor]:
@@ -411,10 +416,17 @@ class PerfConfig:
     loss_rtol: float = 1e-3
 
     def __post_init__(self) -> None:
-        for name, allowed in (("engines", ENGINES), ("strategies", STRATEGIES)):
-            bad = [v for v in getattr(self, name) if v not in allowed]
-            if bad or not getattr(self, name):
-                raise ValueError(f"PerfConfig.{name}={getattr(self, name)}: choose one or more of {list(allowed)}")
+        bad = [v for v in self.strategies if v not in STRATEGIES]
+        if bad or not self.strategies:
+            raise ValueError(f"PerfConfig.strategies={self.strategies}: choose one or more of {list(STRATEGIES)}")
+        from harness.registry import check_engines
+
+        if not self.engines:
+            raise ValueError(f"PerfConfig.engines is empty: choose one or more of {list(ENGINES)} or engine specs")
+        # DDP is the reference run, not an engine of the registry.
+        fsdp = [e for e in self.engines if e != "ddp"]
+        if fsdp:
+            check_engines(fsdp, "--engines")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"PerfConfig: steps={self.steps} must be >= 1 and warmup={self.warmup} >= 0")
 
