@@ -20,6 +20,11 @@ PrefetchName = Literal["none", "pre", "post"]
 InitModeName = Literal["before", "after", "never"]
 
 
+#: The engines a run tests when none is named (``harness.registry`` registers them; kept here, torch-free,
+#: so readers of results can order them without importing any engine).
+DEFAULT_ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2")
+
+
 def engine_name(spec: str) -> str:
     """The name part of an engine spec: ``mine`` of ``mine=fsdp1:pkg``; a bare name is its own name."""
     return spec.partition("=")[0].strip()

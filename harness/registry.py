@@ -34,7 +34,7 @@ from importlib import metadata
 from typing import Any
 
 from harness.adapters import EngineAdapter, FSDP1Adapter, FSDP2Adapter
-from harness.case import engine_name
+from harness.case import DEFAULT_ENGINES, engine_name
 
 __all__ = [
     "DEFAULT_ENGINES",
@@ -53,9 +53,6 @@ Factory = Callable[[str], EngineAdapter]
 
 #: name -> factory, filled below and by ``register``; entry points are read on first use.
 _REGISTERED: dict[str, Factory] = {}
-
-#: The engines a run tests when none is named.
-DEFAULT_ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2")
 
 
 class EngineSpecError(ValueError):

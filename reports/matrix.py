@@ -22,9 +22,17 @@ from typing import Any, Literal, get_args
 
 import pandas as pd
 
-from harness.case import CaseConfig, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName, engine_name
+from harness.case import (
+    DEFAULT_ENGINES,
+    CaseConfig,
+    InitModeName,
+    PrecisionName,
+    PrefetchName,
+    ReferenceName,
+    ShardingName,
+    engine_name,
+)
 from harness.collector import BadLine, record_full_id
-from harness.registry import DEFAULT_ENGINES
 from harness.records import VERDICTS, CaseRecord
 
 #: The case fields reports group by, in display order.
