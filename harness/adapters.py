@@ -12,8 +12,7 @@ reference it claims to hold.
   ``builtin``, any package for ``NAME=fsdp1:MODULE``. Units are wrapped by hand, bottom-up (only the
   constructor is needed, no wrap policy).
 - ``FSDP2Adapter``: ``fully_shard`` per unit, then on the root, from torch or from any namespace with
-  ``fully_shard``, ``MixedPrecisionPolicy``, ``CPUOffloadPolicy`` and ``FSDPModule``
-  (``NAME=fsdp2:MODULE``). FULL_SHARD and SHARD_GRAD_OP map to ``reshard_after_forward`` True/False,
+  ``fully_shard``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy`` (``NAME=fsdp2:MODULE``). FULL_SHARD and SHARD_GRAD_OP map to ``reshard_after_forward`` True/False,
   the hybrid strategies to a 2-D (replicate, shard) mesh.
 What an engine cannot express is declared by its adapter: ``capability_rules`` (combinations of axis
 values the matrix leaves out, with the reason) and ``unsupported_reason`` (what only a rank can tell:
@@ -419,7 +418,7 @@ def _fsdp1_facts(root: nn.Module) -> EngineFacts:
     )
 
 
-_FSDP2_NAMES = ("fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "FSDPModule")
+_FSDP2_NAMES = ("fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy")
 
 #: What ``fully_shard`` cannot express, whoever provides it.
 FSDP2_RULES: tuple[Rule, ...] = (
@@ -516,8 +515,9 @@ class FSDP2Adapter(EngineAdapter):
             api.fully_shard(unit, mesh=ctx.singleton_mesh() if id(unit) in local_units else mesh, **kwargs)
         api.fully_shard(model, mesh=mesh, **kwargs)
         if case.forward_prefetch and ignored != "forward_prefetch":
-            # FSDP2 prefetches forward all-gathers only when told which module comes next.
-            order = [m for m in model.modules() if isinstance(m, api.FSDPModule)]
+            # FSDP2 prefetches forward all-gathers only when told which module comes next (an FSDPModule's
+            # method; a namespace without it leaves the knob unset, which the knob check then reports).
+            order = [m for m in model.modules() if hasattr(m, "set_modules_to_forward_prefetch")]
             for current, following in zip(order, order[1:]):
                 current.set_modules_to_forward_prefetch([following])
         if case.init_mode == "after" and not case.cpu_offload:

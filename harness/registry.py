@@ -7,8 +7,8 @@ records, reports):
   ``torch-fsdp``: torch FSDP1, ``torch-fsdp2``: torch's ``fully_shard``), ``register``-ed ones, and the
   entry points of the group ``fsdp_parity.engines`` of the installed distributions;
 - ``NAME=fsdp1:MODULE``: a namespace with torch FSDP1's public API, through ``FSDP1Adapter``;
-- ``NAME=fsdp2:MODULE``: a namespace with ``fully_shard``, ``MixedPrecisionPolicy``,
-  ``CPUOffloadPolicy`` and ``FSDPModule``, through ``FSDP2Adapter``;
+- ``NAME=fsdp2:MODULE``: a namespace with ``fully_shard``, ``MixedPrecisionPolicy`` and
+  ``CPUOffloadPolicy``, through ``FSDP2Adapter``;
 - ``NAME=MODULE:OBJECT``: an ``EngineAdapter`` instance, or a factory called with the name (or with no
   argument) that returns one.
 
