@@ -113,8 +113,15 @@ def count_params(cfg: GPTConfig) -> int:
 
 def unsupported_reason(engine: str, strategy: str | None, world_size: int) -> str | None:
     """Why ``(engine, strategy)`` is not measured on ``world_size`` ranks; None when it is."""
-    if engine == "torch-fsdp2" and strategy == "no_shard":
-        return "torch-fsdp2: fully_shard always shards; NO_SHARD has no equivalent (DDP is the replicated run)"
+    if engine != "ddp":
+        from harness.adapters import FSDP2Adapter
+        from harness.registry import resolve
+
+        adapter = resolve(engine)
+        if isinstance(adapter, FSDP2Adapter) and strategy == "no_shard":
+            return f"{adapter.name}: fully_shard always shards; NO_SHARD has no equivalent (DDP is the replicated run)"
+        if adapter.fsdp1_module is None and not isinstance(adapter, FSDP2Adapter):
+            return f"{adapter.name}: perf drives engines through torch FSDP1's or FSDP2's API; this adapter has neither"
     if strategy == "hybrid_shard" and world_size < HYBRID_MIN_RANKS:
         return (f"hybrid_shard needs at least {HYBRID_MIN_RANKS} ranks (two shard groups of two or more); "
                 f"this run has {world_size}: rerun with --world-size {HYBRID_MIN_RANKS} on {HYBRID_MIN_RANKS}+ GPUs")
@@ -173,10 +180,7 @@ def _fsdp1_wrap(namespace: Any, model: GPT, job: PerfJob, ctx: RankContext) -> n
     return namespace.FullyShardedDataParallel(model, **kwargs)
 
 
-def _fsdp2_wrap(model: GPT, job: PerfJob, ctx: RankContext) -> nn.Module:
-    from harness.adapters import FSDP2Adapter
-
-    api = FSDP2Adapter.api()
+def _fsdp2_wrap(api: Any, model: GPT, job: PerfJob, ctx: RankContext) -> nn.Module:
     if job.strategy == "hybrid_shard":
         shard = _hybrid_shard_size(ctx)
         mesh = ctx.mesh((ctx.world_size // shard, shard), ("replicate", "shard"))
@@ -193,16 +197,6 @@ def _fsdp2_wrap(model: GPT, job: PerfJob, ctx: RankContext) -> nn.Module:
 
 def _wrap(model: GPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Module, Callable[[], contextlib.AbstractContextManager[Any]]]:
     """The trained module and the context its forward runs in (autocast for DDP in bf16)."""
-    if job.engine == "builtin":
-        import engine
-
-        return _fsdp1_wrap(engine, model, job, ctx), contextlib.nullcontext
-    if job.engine == "torch-fsdp":
-        import torch.distributed.fsdp as torch_fsdp
-
-        return _fsdp1_wrap(torch_fsdp, model, job, ctx), contextlib.nullcontext
-    if job.engine == "torch-fsdp2":
-        return _fsdp2_wrap(model, job, ctx), contextlib.nullcontext
     if job.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -210,7 +204,17 @@ def _wrap(model: GPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Module, Callab
         if job.precision == "bf16":
             return ddp, lambda: torch.autocast(ctx.device_type, dtype=torch.bfloat16)
         return ddp, contextlib.nullcontext
-    raise ValueError(f"perf: engine={job.engine!r} is not one of {list(ENGINES)}")
+    import importlib
+
+    from harness.adapters import FSDP2Adapter
+    from harness.registry import resolve
+
+    adapter = resolve(job.engine)
+    if adapter.fsdp1_module is not None:
+        return _fsdp1_wrap(importlib.import_module(adapter.fsdp1_module), model, job, ctx), contextlib.nullcontext
+    if isinstance(adapter, FSDP2Adapter):
+        return _fsdp2_wrap(adapter.api(), model, job, ctx), contextlib.nullcontext
+    raise ValueError(f"perf: engine {adapter.name!r} has neither torch FSDP1's nor FSDP2's API")
 
 
 def _batches(job: PerfJob, ctx: RankContext) -> list[torch.Tensor]:
@@ -327,7 +331,8 @@ class ZooJob:
 def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
     """Per-step wall seconds of one engine on one zoo model (no gradient reads, no trace hooks: the
     engine's own cost), and its final loss."""
-    from harness.adapters import get_engine, prepare_inputs
+    from harness.adapters import prepare_inputs
+    from harness.registry import resolve
     from harness.case import CaseConfig
     from harness.dtypes import dtype_of
     from harness.models import build_model
@@ -337,7 +342,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
         return {"unsupported": reason}
     case = CaseConfig(engine=job.engine, model=job.model, sharding_strategy=job.strategy,  # type: ignore[arg-type]
                       precision=job.precision, world_size=ctx.world_size, seed=job.seed)  # type: ignore[arg-type]
-    adapter = get_engine(case.engine)
+    adapter = resolve(case.engine)
     full = dtype_of(case.precision_spec.full)
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size).to(full)
     reason = adapter.unsupported_reason(case, model, ctx)

@@ -11,10 +11,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
-EngineName = Literal["builtin", "torch-fsdp", "torch-fsdp2"]
-#: the engine names a case may hold: the matrix's, plus those ``harness.adapters.register_engine`` adds
-#: (test doubles, engines plugged in by name).
-ENGINE_NAMES: set[str] = set(get_args(EngineName))
 ReferenceName = Literal["ddp", "local"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
 PrecisionName = Literal[
@@ -42,6 +38,16 @@ def reduce_dtype_default(full: _D, param: _D | None, reduce: _D | None) -> _D:
     """The dtype gradients are reduced in, FSDP1's rule: ``reduce`` if set, else ``param`` if set, else
     ``full``. Works on dtype names and on ``torch.dtype`` alike."""
     return reduce if reduce is not None else param if param is not None else full
+
+
+#: The engines a run tests when none is named (``harness.registry`` registers them; kept here, torch-free,
+#: so readers of results can order them without importing any engine).
+DEFAULT_ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2")
+
+
+def engine_name(spec: str) -> str:
+    """The name part of an engine spec: ``mine`` of ``mine=fsdp1:pkg``; a bare name is its own name."""
+    return spec.partition("=")[0].strip()
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,9 @@ PRECISIONS: dict[str, PrecisionSpec] = {
 class CaseConfig:
     """One configuration to train on an engine and on a reference, compared step by step."""
 
-    #: the engine under test.
-    engine: EngineName = "torch-fsdp"
+    #: the engine under test: a name or spec of ``harness.registry`` (``builtin``, ``mine=fsdp1:pkg``);
+    #: checked against the registry when cases are selected, resolved again on every rank.
+    engine: str = "torch-fsdp"
     #: what the engine is compared against: DDP, or one unsharded process seeing every rank's data.
     reference: ReferenceName = "ddp"
     #: a name from ``harness.models.MODELS``.
@@ -123,8 +130,9 @@ class CaseConfig:
     extras: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.engine, str) or not engine_name(self.engine):
+            raise ValueError(f"CaseConfig.engine={self.engine!r} must be an engine name or spec (harness.registry)")
         for field, allowed in (
-            ("engine", sorted(ENGINE_NAMES)),
             ("reference", get_args(ReferenceName)),
             ("sharding_strategy", get_args(ShardingName)),
             ("precision", get_args(PrecisionName)),
@@ -176,7 +184,12 @@ class CaseConfig:
     @property
     def full_id(self) -> str:
         """The case id qualified by engine and reference: unique within a results file."""
-        return f"{self.engine}:{self.reference}:{self.case_id}"
+        return f"{self.engine_name}:{self.reference}:{self.case_id}"
+
+    @property
+    def engine_name(self) -> str:
+        """The engine's name (``engine`` may be a spec ``NAME=...``)."""
+        return engine_name(self.engine)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -37,7 +37,6 @@ from harness.adapters import (
     EngineFacts,
     EngineTrainee,
     ParamSlice,
-    get_engine,
     has_float_buffers,
     prepare_inputs,
     rank_local_param_names,
@@ -58,6 +57,7 @@ from harness.models import ZooModel, build_model, gpu_sleep
 from harness.placement import hybrid_shard_size
 from harness.pool import PoolOutcome
 from harness.rank import RankContext
+from harness.registry import resolve
 from harness.knobs import (
     KnobCheck,
     check_backward_prefetch_structure,
@@ -416,7 +416,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     """The pool's job: the whole case as this rank sees it (see ``record_from_outcome``)."""
     if case.world_size != ctx.world_size:
         return _unsupported(f"case world_size={case.world_size} but the ranks are {ctx.world_size}")
-    adapter = get_engine(case.engine)
+    adapter = resolve(case.engine)  # the spec travels in the case; each rank resolves it once
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
     reason = stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
     if reason:

@@ -206,10 +206,17 @@ class PerfConfig:
     cprofile: bool = False
 
     def __post_init__(self) -> None:
-        for name, allowed in (("engines", ENGINES), ("strategies", STRATEGIES)):
-            bad = [v for v in getattr(self, name) if v not in allowed]
-            if bad or not getattr(self, name):
-                raise ValueError(f"PerfConfig.{name}={getattr(self, name)}: choose one or more of {list(allowed)}")
+        bad = [v for v in self.strategies if v not in STRATEGIES]
+        if bad or not self.strategies:
+            raise ValueError(f"PerfConfig.strategies={self.strategies}: choose one or more of {list(STRATEGIES)}")
+        if not self.engines:
+            raise ValueError(f"PerfConfig.engines is empty: choose one or more of {list(ENGINES)} or engine specs")
+        from harness.registry import check_engines
+
+        # DDP is the reference run, not an engine of the registry.
+        fsdp = [e for e in self.engines if e != "ddp"]
+        if fsdp:
+            check_engines(fsdp, "--engines")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"PerfConfig: steps={self.steps} must be >= 1 and warmup={self.warmup} >= 0")
         if self.zoo_models and "ddp" in self.engines:

@@ -59,7 +59,7 @@ class Selection:
 
     #: case generator of ``harness.matrix``: ``smoke``, ``pairwise`` or ``full``.
     matrix: str = "smoke"
-    #: engines under test (None: every engine of the matrix).
+    #: engines under test, names or specs of ``harness.registry`` (None: the matrix's default engines).
     engines: list[str] | None = None
     #: references (None: the matrix's).
     references: list[str] | None = None
@@ -176,9 +176,11 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
     if unknown:
         raise ValueError(f"--models: {unknown} not in harness.models.MODELS; choose from {sorted(MODELS)}")
 
+    from harness.registry import check_engines
+
     axes: dict[str, list[Any]] = {}
     if args.engines:
-        axes["engine"] = args.engines
+        axes["engine"] = check_engines(args.engines, "--engines")
     if args.models:
         axes["model"] = args.models
     fixed: dict[str, Any] = {}

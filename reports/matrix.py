@@ -22,7 +22,16 @@ from typing import Any, Literal, get_args
 
 import pandas as pd
 
-from harness.case import CaseConfig, EngineName, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
+from harness.case import (
+    DEFAULT_ENGINES,
+    CaseConfig,
+    InitModeName,
+    PrecisionName,
+    PrefetchName,
+    ReferenceName,
+    ShardingName,
+    engine_name,
+)
 from harness.collector import BadLine, record_full_id
 from harness.records import VERDICTS, CaseRecord
 
@@ -46,7 +55,7 @@ SEVERITY: dict[str, int] = {"crash": 0, "timeout": 1, "error": 2, "fail": 3, "fl
 
 #: Display order of the values of literal axes; other values sort after them, alphabetically.
 VALUE_ORDER: dict[str, list[Any]] = {
-    "engine": list(get_args(EngineName)),
+    "engine": list(DEFAULT_ENGINES),
     "reference": list(get_args(ReferenceName)),
     "sharding_strategy": list(get_args(ShardingName)),
     "precision": list(get_args(PrecisionName)),
@@ -87,6 +96,8 @@ def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None =
             "full_id": record_full_id(record),
             "case_id": record.case_id,
             **{axis: case.get(axis) for axis in AXIS_COLUMNS},
+            # A plugged engine's spec (``mine=fsdp1:pkg``) is shown by its name, as case ids show it.
+            "engine": engine_name(str(case.get("engine"))),
             "verdict": record.verdict,
             "worst_ratio": ratio,
             "worst_quantity": quantity,

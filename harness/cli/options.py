@@ -16,7 +16,8 @@ def csv_list(text: str) -> list[str]:
 def add_selection(p: argparse.ArgumentParser) -> None:
     """The options ``harness.runner.Selection.from_args`` reads, plus ``--world-size``."""
     p.add_argument("--matrix", default="smoke", choices=("smoke", "pairwise", "full"), help="case generator (harness.matrix)")
-    p.add_argument("--engines", type=csv_list, default=None, help="comma list: builtin,torch-fsdp,torch-fsdp2 (default: all)")
+    p.add_argument("--engines", type=csv_list, default=None, help="comma list of engine names or specs: builtin,torch-fsdp,torch-fsdp2 (default: these), "
+                        "an entry point of fsdp_parity.engines, NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT")
     p.add_argument("--references", type=csv_list, default=None, help="comma list: ddp,local (default: the matrix's)")
     p.add_argument("--models", type=csv_list, default=None, help="comma list of harness.models.MODELS (default: the matrix's)")
     p.add_argument("--world-size", type=lambda s: [int(x) for x in csv_list(s)], default=None,

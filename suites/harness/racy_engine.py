@@ -5,7 +5,7 @@
 compute stream may still be writing. On an idle GPU the gradient kernels usually finish before the
 host has issued the collective, so the double mostly passes; with ``stress="delay"`` the compute
 stream is late every time and the case fails. On CPU there are no streams and it is the built-in
-engine. Importing this module registers the engine (``harness.adapters.register_engine``) in the
+engine. Importing this module registers the engine (``harness.registry.register``) in the
 importing process; a pool's ranks import it through ``run_case_with_racy_engine``, the job to send them.
 """
 
@@ -17,9 +17,10 @@ import torch
 
 import engine
 from engine import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from harness.adapters import ENGINES, FSDP1Adapter, register_engine
+from harness.adapters import FSDP1Adapter
 from harness.parity import run_case_on_rank
 from harness.rank import RankContext
+from harness.registry import register
 
 __all__ = ["NAME", "BackwardPrefetch", "CPUOffload", "FullyShardedDataParallel", "MixedPrecision",
            "ShardingStrategy", "run_case_with_racy_engine"]
@@ -53,5 +54,4 @@ def run_case_with_racy_engine(ctx: RankContext, case: Any) -> dict[str, Any]:
     return run_case_on_rank(ctx, case)
 
 
-if NAME not in ENGINES:
-    register_engine(FSDP1Adapter(NAME, __name__))
+register(NAME, lambda name: FSDP1Adapter(name, __name__))

@@ -21,7 +21,6 @@ offload on a rank without an accelerator); :func:`assert_ok` turns that into a s
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 from typing import Any, Iterator
 
@@ -47,25 +46,23 @@ PREFETCH: dict[str, str | None] = {"none": None, "pre": "BACKWARD_PRE", "post": 
 #: FSDP1 reads ``torch.distributed.fsdp._flat_param._FSDP_USE_FULL_PREC_IN_EVAL``; our engine
 #: ``engine.precision.FULL_PREC_IN_EVAL_ENV``; test_mixed_precision.py checks both names agree).
 FULL_PREC_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
-#: the module holding each engine's ``ShardedGradScaler`` (``FSDPApi`` does not carry it).
-GRAD_SCALER_MODULES: dict[str, str] = {
-    "builtin": "engine",
-    "torch-fsdp": "torch.distributed.fsdp.sharded_grad_scaler",
-}
 
 
 def engine_api(payload: dict[str, Any]) -> FSDPApi:
     """The FSDP1 API of the engine the payload names (``payload["engine"]``, the ``fsdp_api`` fixture)."""
     if "engine" not in payload:
-        raise KeyError("payload['engine'] must name the engine under test (builtin or torch-fsdp): pass the fsdp_api fixture")
+        raise KeyError("payload['engine'] must name the engine under test (its spec): pass the fsdp_api fixture")
     return load_api(payload["engine"])
 
 
 def grad_scaler_class(engine: str) -> type:
-    """The engine's ``ShardedGradScaler`` class."""
-    if engine not in GRAD_SCALER_MODULES:
-        raise ValueError(f"engine={engine!r} has no ShardedGradScaler here; known: {sorted(GRAD_SCALER_MODULES)}")
-    return importlib.import_module(GRAD_SCALER_MODULES[engine]).ShardedGradScaler
+    """The ``ShardedGradScaler`` class of the engine ``engine`` (a spec) names (``FSDPApi.ShardedGradScaler``)."""
+    api = load_api(engine)
+    if api.ShardedGradScaler is None:
+        raise ValueError(
+            f"engine {api.name!r}: {api.module} exports no ShardedGradScaler (package level or .sharded_grad_scaler)"
+        )
+    return api.ShardedGradScaler
 
 
 def strategy(api: FSDPApi, name: str) -> Any:

@@ -32,8 +32,9 @@ import torch.nn as nn
 
 from engine import collectives
 from engine.layout import ParamEntry, aligned_numel, build_layout
-from harness.adapters import FSDP1Adapter, get_engine
+from harness.adapters import FSDP1Adapter
 from harness.case import CaseConfig, is_hybrid
+from harness.registry import resolve
 from harness.models import MODELS, ModelSpec, ZooModel, batch_generator, build_model
 from harness.parity import RankResult, record_from_outcome, run_case_on_rank
 from harness.placement import hybrid_shard_size
@@ -191,7 +192,7 @@ def gain_holding_job(ctx: RankContext, case: CaseConfig) -> Holding:
     if not isinstance(model, UnevenModel):
         raise ValueError(f"gain_holding_job: case.model={case.model!r} must be {UNEVEN!r}")
     gain = model.gain
-    adapter = get_engine(case.engine)
+    adapter = resolve(case.engine)
     trainee = adapter.build(case, model, ctx)
     if isinstance(adapter, FSDP1Adapter):
         fsdp = adapter.ns.FullyShardedDataParallel
