@@ -25,7 +25,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from harness.case import CaseConfig, EngineName, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
+from harness.case import (
+    CaseConfig,
+    CheckpointName,
+    EngineName,
+    InitModeName,
+    OptimizerName,
+    PrecisionName,
+    PrefetchName,
+    ReferenceName,
+    ShardingName,
+)
 
 GeneratorName = Literal["full", "pairwise", "smoke"]
 
@@ -52,6 +62,20 @@ AXES: dict[str, list[Any]] = {
     "world_size": [2, 4],
     # Steps deepen a case rather than change its behaviour: one value by default.
     "steps": [5],
+    # What is trained and how it is resumed, not how the engine shards it: one value by default, like
+    # steps, so the default products keep their size; WIDE_AXES holds every value (--optimizers,
+    # --checkpoints and the checkpoint suite ask for them).
+    "optimizer": ["sgd"],
+    "checkpoint": ["none"],
+    # Cross-engine resume (None: the saving engine resumes); set per case or by the checkpoint suite.
+    "resume_engine": [None],
+}
+
+#: Every value the one-valued axes above can take, for selections and suites that widen them.
+WIDE_AXES: dict[str, list[Any]] = {
+    "optimizer": list(get_args(OptimizerName)),
+    "checkpoint": [c for c in get_args(CheckpointName) if c != "dcp-reshard"],
+    "resume_engine": [None, *get_args(EngineName)],
 }
 
 _HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
@@ -102,6 +126,60 @@ RULES: tuple[Rule, ...] = (
         lambda c: c["engine"] == "torch-fsdp2" and c["backward_prefetch"] != "pre",
     ),
 )
+
+#: What checkpoints can express ([Note: invalid versus uncovered]); kept apart so they can move to the
+#: engines' own capability declarations. ``dcp-reshard`` is not an axis value (its world sizes are a
+#: case field, ``reshard``); these rules still read it, for cases built by hand.
+CHECKPOINT_RULES: tuple[Rule, ...] = (
+    Rule(
+        "resume_needs_checkpoint",
+        ("checkpoint", "resume_engine"),
+        "resume_engine names the engine that loads a checkpoint; with checkpoint='none' nothing is saved or loaded",
+        lambda c: c["resume_engine"] is not None and c["checkpoint"] == "none",
+    ),
+    Rule(
+        "resume_engine_is_another",
+        ("engine", "resume_engine"),
+        "resume_engine is for resuming with another engine; the saving engine resumes when it is None",
+        lambda c: c["resume_engine"] is not None and c["resume_engine"] == c["engine"],
+    ),
+    Rule(
+        "fsdp2_no_local_state_dict",
+        ("engine", "checkpoint", "resume_engine"),
+        "FSDP2 has no LOCAL_STATE_DICT (no flat parameters whose local shards it could save); its checkpoints "
+        "are full or sharded (torch.distributed.checkpoint)",
+        lambda c: c["checkpoint"] == "local" and "torch-fsdp2" in (c["engine"], c["resume_engine"]),
+    ),
+    Rule(
+        "local_state_dict_same_engine",
+        ("checkpoint", "resume_engine"),
+        "a LOCAL state dict is the saving engine's own flat shards at its own world size: only that engine, "
+        "at that world size, can load it (use full or sharded to resume elsewhere)",
+        lambda c: c["checkpoint"] == "local" and c["resume_engine"] is not None,
+    ),
+    Rule(
+        "reshard_local_reference",
+        ("checkpoint", "reference"),
+        "a resharded run changes its world size half-way; DDP trains at one world size, the local reference "
+        "replays the change",
+        lambda c: c["checkpoint"] == "dcp-reshard" and c["reference"] != "local",
+    ),
+    Rule(
+        "reshard_one_dim",
+        ("checkpoint", "sharding_strategy", "resume_engine"),
+        "a resharded run saves and resumes on the first ranks of the world with one engine over one flat "
+        "group; hybrid strategies (2-D) and cross-engine resume are cases of their own",
+        lambda c: c["checkpoint"] == "dcp-reshard" and (c["sharding_strategy"] in _HYBRID or c["resume_engine"] is not None),
+    ),
+    Rule(
+        "reshard_to_plain_full_precision",
+        ("checkpoint", "reshard", "precision"),
+        "resuming on one rank trains the plain, unwrapped model, which makes no mixed-precision casts",
+        lambda c: c["checkpoint"] == "dcp-reshard" and tuple(c["reshard"])[-1:] == (1,) and c["precision"] not in ("fp32", "fp64"),
+    ),
+)
+
+RULES = RULES + CHECKPOINT_RULES
 
 _FIELDS = {f.name for f in dataclasses.fields(CaseConfig)}
 _DEFAULTS: dict[str, Any] = {f.name: getattr(CaseConfig(), f.name) for f in dataclasses.fields(CaseConfig)}
@@ -302,6 +380,10 @@ SMOKE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"sharding_strategy": "shard_grad_op", "precision": "bf16", "backward_prefetch": "pre", "use_orig_params": True},
     {"sharding_strategy": "no_shard", "precision": "fp16", "forward_prefetch": True},
     {"precision": "reduce_only", "cpu_offload": True, "backward_prefetch": "post", "init_mode": "never"},
+    # Seen only where the axes hold these values (WIDE_AXES); elsewhere they fall back to the baseline.
+    {"checkpoint": "full"},
+    {"checkpoint": "sharded", "optimizer": "adamw"},
+    {"checkpoint": "local", "optimizer": "adamw"},
 )
 
 

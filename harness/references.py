@@ -13,7 +13,8 @@ are ``r``'s own) with ``torch.func.functional_call``: parameters cast to the com
 buffers to the buffer dtype and floating inputs to the compute dtype (what FSDP does to the root's
 inputs). Each rank's gradient is cast to the reduce dtype, divided by the pre-divide factor, summed
 over ranks, divided by the post-divide factor (FSDP1's split of ``1/world_size``) and cast to the
-full precision of the master weights, which an SGD-with-momentum optimizer then updates. A
+full precision of the master weights, which the case's optimizer (``harness.optim``, the engine's
+class and hyperparameters) then updates. A
 rank-local parameter's gradient is its own rank's, unreduced. The result equals DDP's averaged
 gradient in full precision and emulates the engine's rounding in mixed precision.
 """
@@ -30,6 +31,7 @@ from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, prepare_inp
 from harness.case import CaseConfig, PrecisionSpec
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model
+from harness.optim import build_optimizer
 from harness.rank import RankContext
 
 __all__ = ["LocalReference", "ReferenceRun", "TRUTH_SPEC", "build_ddp", "gradient_divide_factors"]
@@ -104,7 +106,7 @@ class LocalReference:
         masters = [p for p in self.shared.values() if p.requires_grad]
         for params in self.local:
             masters += [p for p in params.values() if p.requires_grad]
-        self.optimizer = torch.optim.SGD(masters, lr=case.lr, momentum=case.momentum)
+        self.optimizer = build_optimizer(case, masters)
 
     def _view(self, r: int) -> dict[str, nn.Parameter]:
         return {**self.shared, **self.local[r]}
@@ -126,26 +128,40 @@ class LocalReference:
             n: g if g is not None else torch.zeros_like(compute[n]) for n, g in zip(trainable, grads)
         }
 
+    def world_sizes(self) -> list[int]:
+        """Ranks taking part in each step: ``world_size`` throughout, or a resharded checkpoint's saving
+        ranks up to the checkpoint and its resuming ranks after it (``CaseConfig.reshard``)."""
+        if not self.case.reshard:
+            return [self.world_size] * self.case.steps
+        saving, resuming = self.case.reshard
+        k = self.case.checkpoint_step
+        return [saving if step < k else resuming for step in range(self.case.steps)]
+
     def run(self, rank: int) -> ReferenceRun:
-        pre, post = gradient_divide_factors(self.world_size)
+        """The run as rank ``rank`` sees it: the steps it takes part in, and the parameters if it takes
+        part in the last one."""
         out = ReferenceRun([], [], [], {})
-        for step in range(self.case.steps):
-            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(self.world_size)))
+        schedule = self.world_sizes()
+        for step, world_size in enumerate(schedule):
+            pre, post = gradient_divide_factors(world_size)
+            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(world_size)))
             for n, p in self.shared.items():
                 if p.requires_grad:
                     total = sum(g[n].to(self.reduce) / pre for g in per_rank)
                     p.grad = (total / post).to(self.full)
-            for r, params in enumerate(self.local):
+            for r, params in enumerate(self.local[:world_size]):
                 for n, p in params.items():
                     if p.requires_grad:
                         p.grad = per_rank[r][n].to(self.reduce).to(self.full)
-            view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
-            out.losses.append(losses[rank])
-            out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
-            out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
+            if rank < world_size:
+                view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
+                out.losses.append(losses[rank])
+                out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
+                out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
+        if rank < schedule[-1]:
+            out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
         return out
 
 
