@@ -245,12 +245,18 @@ class _Space:
     def __init__(self, axes: dict[str, list[Any]], base: dict[str, Any], rules: Sequence[Rule] = RULES) -> None:
         self.axes = axes
         self.base = base
-        self.rules = tuple(rules)
+        # A rule no combination of these values can match invalidates nothing here; leaving it out keeps
+        # its axes out of the feasibility search (the one-valued checkpoint axes would widen it tenfold).
+        self.rules = tuple(r for r in rules if self._can_match(r))
         self.order = list(axes)
         #: axes some rule reads: only these can make a case invalid, so only these are searched.
         self.constrained = [a for a in self.order if any(a in r.axes for r in self.rules)]
         #: feasibility of partial assignments to constrained axes, keyed by their sorted items.
         self._memo: dict[tuple[AxisValue, ...], dict[str, Any] | None] = {}
+
+    def _can_match(self, rule: Rule) -> bool:
+        domains = [self.axes.get(a, [self.base[a]]) for a in rule.axes]
+        return any(rule.matches({**self.base, **dict(zip(rule.axes, values))}) for values in itertools.product(*domains))
 
     def violates(self, assign: Mapping[str, Any]) -> bool:
         """True if a rule whose axes are all known (assigned or fixed) matches."""
