@@ -1,0 +1,121 @@
+"""Checkpoint cases built by hand: resharding with DCP (2 -> 4, 4 -> 2, 2 -> 1 unsharded), cross-engine
+resume (saved by one engine, resumed by another), and planted load bugs that must make a case fail.
+
+Every case runs through ``harness.runner.run_case`` on the shared rank pools (``parity_pools``), so it is
+decided exactly as ``harness run`` decides it; a resharded case compares against the local reference,
+which replays the same change of world size.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.case import CaseConfig
+from harness.pytest_plugin import PoolRegistry
+from harness.records import CaseRecord
+from harness.runner import run_case
+
+
+def _run(pools: PoolRegistry, case: CaseConfig) -> CaseRecord:
+    return run_case(pools.pool_for(case.world_size), case)
+
+
+def _passes(record: CaseRecord) -> None:
+    detail = record.detail or {}
+    assert record.verdict == "pass", f"{record.case_id}: {record.verdict}: {record.reason} {detail.get('tracebacks', '')}"
+
+
+# --- DCP reshard -------------------------------------------------------------------------------------
+
+RESHARD = [
+    # (engine, save ranks, resume ranks, extra fields)
+    ("torch-fsdp", 2, 1, {}),
+    ("builtin", 2, 1, {"optimizer": "adamw", "use_orig_params": True}),
+    ("torch-fsdp2", 2, 1, {"optimizer": "adamw"}),
+    ("torch-fsdp", 2, 4, {"optimizer": "adamw"}),
+    ("torch-fsdp", 4, 2, {"use_orig_params": True}),
+    ("builtin", 2, 4, {}),
+    ("builtin", 4, 2, {"optimizer": "adamw"}),
+    ("torch-fsdp2", 2, 4, {}),
+    ("torch-fsdp2", 4, 2, {"optimizer": "adamw"}),
+]
+
+
+def _reshard_case(engine: str, saving: int, resuming: int, extra: dict) -> CaseConfig:
+    fsdp2 = {"use_orig_params": True, "backward_prefetch": "pre"} if engine == "torch-fsdp2" else {}
+    return CaseConfig(
+        engine=engine, reference="local", checkpoint="dcp-reshard", reshard=(saving, resuming),  # type: ignore[arg-type]
+        world_size=max(saving, resuming), **{**fsdp2, **extra},
+    )
+
+
+@pytest.mark.parametrize(("engine", "saving", "resuming", "extra"), RESHARD,
+                         ids=[_reshard_case(*r).full_id for r in RESHARD])
+def test_dcp_reshard(parity_pools: PoolRegistry, engine: str, saving: int, resuming: int, extra: dict) -> None:
+    _passes(_run(parity_pools, _reshard_case(engine, saving, resuming, extra)))
+
+
+# --- cross-engine resume -----------------------------------------------------------------------------
+
+FSDP2_OK = {"use_orig_params": True, "backward_prefetch": "pre"}
+
+CROSS = [
+    # (saved by, resumed by, checkpoint, fields)
+    ("builtin", "torch-fsdp", "full", {"optimizer": "adamw"}),
+    ("torch-fsdp", "builtin", "full", {"use_orig_params": True}),
+    ("builtin", "torch-fsdp", "sharded", {"use_orig_params": True}),
+    ("torch-fsdp", "builtin", "sharded", {"optimizer": "adamw"}),
+    ("builtin", "torch-fsdp2", "sharded", {"optimizer": "adamw", **FSDP2_OK}),
+    ("torch-fsdp2", "builtin", "sharded", FSDP2_OK),
+    ("builtin", "torch-fsdp2", "full", FSDP2_OK),
+    ("torch-fsdp2", "builtin", "full", {"optimizer": "adamw", **FSDP2_OK}),
+]
+
+
+def cross_case(saver: str, loader: str, checkpoint: str, fields: dict) -> CaseConfig:
+    return CaseConfig(engine=saver, resume_engine=loader, checkpoint=checkpoint, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("saver", "loader", "checkpoint", "fields"), CROSS, ids=[cross_case(*c).full_id for c in CROSS])
+def test_cross_engine_resume(parity_pools: PoolRegistry, saver: str, loader: str, checkpoint: str, fields: dict) -> None:
+    _passes(_run(parity_pools, cross_case(saver, loader, checkpoint, fields)))
+
+
+def test_local_checkpoint_across_engines_is_unsupported_with_its_reason(parity_pools: PoolRegistry) -> None:
+    from harness.matrix import invalid_reason
+
+    case = cross_case("builtin", "torch-fsdp", "local", {})
+    assert "LOCAL" in (invalid_reason(case) or "")
+    record = _run(parity_pools, case)
+    assert record.verdict == "unsupported" and "flat" in record.reason, record.reason
+
+
+# --- planted bugs: the resume check can fail -----------------------------------------------------------
+
+PLANTED = [
+    ("torch-fsdp", "full", "sgd", "drop_optimizer_state"),
+    ("torch-fsdp", "sharded", "adamw", "swap_optimizer_state"),
+    ("builtin", "local", "sgd", "drop_optimizer_state"),
+    ("builtin", "sharded", "sgd", "swap_optimizer_state"),
+]
+
+
+@pytest.mark.parametrize(("engine", "checkpoint", "optimizer", "fault"), PLANTED)
+def test_a_planted_load_bug_fails_the_case(
+    parity_pools: PoolRegistry, engine: str, checkpoint: str, optimizer: str, fault: str
+) -> None:
+    healthy = CaseConfig(engine=engine, checkpoint=checkpoint, optimizer=optimizer, reference="local")  # type: ignore[arg-type]
+    _passes(_run(parity_pools, healthy))
+    record = _run(parity_pools, healthy.replace(extras=(("fault", fault),)))
+    assert record.verdict == "fail", f"{fault}: {record.verdict}: {record.reason}"
+    # The steps before the checkpoint agree; the damage shows after it.
+    failing = {e.name for e in record.errors if not e.passed}
+    k = healthy.checkpoint_step
+    assert not failing & {f"loss@{s}" for s in range(k + 1)}, failing
+    assert any(name.startswith("param:") for name in failing), failing
+
+
+def test_a_planted_bug_fails_a_resharded_case(parity_pools: PoolRegistry) -> None:
+    case = _reshard_case("torch-fsdp", 2, 1, {}).replace(extras=(("fault", "drop_optimizer_state"),))
+    record = _run(parity_pools, case)
+    assert record.verdict == "fail", f"{record.verdict}: {record.reason}"
