@@ -142,10 +142,13 @@ def _fsdp1_type(adapter: FSDP1Adapter, module: nn.Module, kind: str) -> Iterator
         yield fsdp
 
 
-def _fsdp1_state(adapter: FSDP1Adapter, module: nn.Module, optimizer: torch.optim.Optimizer, kind: str) -> dict[str, Any]:
+def _fsdp1_state(
+    adapter: FSDP1Adapter, module: nn.Module, optimizer: torch.optim.Optimizer, kind: str, group: Any
+) -> dict[str, Any]:
     with _fsdp1_type(adapter, module, kind) as fsdp:
         model_sd = module.state_dict()
-        optim_sd = optimizer.state_dict() if kind == "local" else fsdp.optim_state_dict(module, optimizer)
+        # ``group``: the optimizer helpers' own collectives default to the whole world.
+        optim_sd = optimizer.state_dict() if kind == "local" else fsdp.optim_state_dict(module, optimizer, group=group)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -182,7 +185,7 @@ def _fill_local(template: dict[str, Any], saved: dict[str, Any]) -> dict[str, An
 
 def _fsdp1_apply(
     adapter: FSDP1Adapter, module: nn.Module, optimizer: torch.optim.Optimizer, kind: str, state: dict[str, Any],
-    fault: str,
+    fault: str, group: Any,
 ) -> None:
     with _fsdp1_type(adapter, module, kind) as fsdp:
         module.load_state_dict(state["model"])
@@ -191,7 +194,7 @@ def _fsdp1_apply(
         if kind == "local":
             optimizer.load_state_dict(state["optim"])
         else:
-            optimizer.load_state_dict(fsdp.optim_state_dict_to_load(module, optimizer, state["optim"]))
+            optimizer.load_state_dict(fsdp.optim_state_dict_to_load(module, optimizer, state["optim"], group=group))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,9 +230,11 @@ def _dsd_apply(module: nn.Module, optimizer: torch.optim.Optimizer, kind: str, s
 # Save and load
 
 
-def _state(adapter: EngineAdapter, module: nn.Module, optimizer: torch.optim.Optimizer, kind: str) -> dict[str, Any]:
+def _state(
+    adapter: EngineAdapter, module: nn.Module, optimizer: torch.optim.Optimizer, kind: str, ctx: RankContext
+) -> dict[str, Any]:
     if engine_family(adapter) == "fsdp1":
-        return _fsdp1_state(adapter, module, optimizer, kind)  # type: ignore[arg-type]
+        return _fsdp1_state(adapter, module, optimizer, kind, ctx.world_group())  # type: ignore[arg-type]
     return _dsd_state(module, optimizer, kind)
 
 
@@ -238,7 +243,7 @@ def save_checkpoint(
 ) -> None:
     """Save ``module`` and ``optimizer`` (wrapped by ``adapter``'s engine) as a ``kind`` checkpoint under
     ``path``; collective over ``ctx``'s ranks."""
-    state = _state(adapter, module, optimizer, kind)
+    state = _state(adapter, module, optimizer, kind, ctx)
     group = ctx.world_group()
     if kind == "full":
         if ctx.rank == 0:
@@ -265,18 +270,18 @@ def load_checkpoint(
         state = torch.load(path / _FULL_FILE, weights_only=True)
     elif kind == "local":
         saved = torch.load(path / f"local-rank{ctx.rank}.pt", weights_only=True)
-        template = _state(adapter, module, optimizer, kind)["model"]
+        template = _state(adapter, module, optimizer, kind, ctx)["model"]
         state = {"model": _fill_local(template, saved["model"]), "optim": saved["optim"]}
     else:
         import torch.distributed.checkpoint as dcp
 
         init_optimizer_state(optimizer)
-        state = _state(adapter, module, optimizer, kind)
+        state = _state(adapter, module, optimizer, kind, ctx)
         dcp.load(state, checkpoint_id=str(path / _DCP_DIR), process_group=ctx.world_group())
     if fault == "swap_optimizer_state":
         _swap_same_shape(state["optim"])
     if engine_family(adapter) == "fsdp1":
-        _fsdp1_apply(adapter, module, optimizer, kind, state, fault)  # type: ignore[arg-type]
+        _fsdp1_apply(adapter, module, optimizer, kind, state, fault, ctx.world_group())  # type: ignore[arg-type]
     else:
         _dsd_apply(module, optimizer, kind, state, fault)
 

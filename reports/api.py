@@ -93,7 +93,7 @@ def build(paths: PathLike | Iterable[PathLike], out_dir: PathLike) -> Summary:
         render.heatmap(matrix, str(out / ms.heatmap))
     frame.to_csv(out / CSV_NAME, index=False)
     (out / MARKDOWN_NAME).write_text(render.markdown(summary, matrices, margs, frame), encoding="utf-8")
-    (out / HTML_NAME).write_text(render.html_page(summary, matrices, margs), encoding="utf-8")
+    (out / HTML_NAME).write_text(render.html_page(summary, matrices, margs, frame), encoding="utf-8")
     summary.files = [MARKDOWN_NAME, HTML_NAME, CSV_NAME, *sorted(wanted), SUMMARY_NAME]
     (out / SUMMARY_NAME).write_text(json.dumps(summary.to_dict(), indent=2, allow_nan=False, default=_json_default) + "\n", encoding="utf-8")
     return summary

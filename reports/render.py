@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from tabulate import tabulate
 
+from reports import resume_matrix
 from reports.diff import DiffResult
 from reports.matrix import (
     CellStats,
@@ -134,6 +135,7 @@ def markdown(summary: Summary, matrices: Sequence[ParityMatrix], marginal_tables
                 row.append(f"{STATUS_ICONS[stats.status]} {label}".strip())
             rows.append(row)
         lines.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    lines += resume_matrix.markdown_lines(frame)
     failing = sort_failing(frame[frame["verdict"] != "unsupported"])
     if len(failing):
         lines += ["", f"## Cases that did not pass ({len(failing)})", ""]
@@ -230,7 +232,10 @@ def _html_legend() -> str:
     return f'<p class="legend">{spans}</p>'
 
 
-def html_page(summary: Summary, matrices: Sequence[ParityMatrix], marginal_tables: dict[str, pd.DataFrame]) -> str:
+def html_page(
+    summary: Summary, matrices: Sequence[ParityMatrix], marginal_tables: dict[str, pd.DataFrame],
+    frame: pd.DataFrame | None = None,
+) -> str:
     """One self-contained page (inline CSS, no scripts): a failing cell opens its failing cases."""
     v = summary.verdicts
     ran = sum(v.values()) - v.get("unsupported", 0)
@@ -260,6 +265,8 @@ def html_page(summary: Summary, matrices: Sequence[ParityMatrix], marginal_table
     )
     parts.append(_html_legend())
     parts += [_html_matrix(m) for m in matrices]
+    if frame is not None:
+        parts.append(resume_matrix.html_section(frame))
     if marginal_tables:
         parts.append("<h2>Per axis</h2><p>passed/total per engine, for each value of each axis.</p>")
         for axis, table in marginal_tables.items():

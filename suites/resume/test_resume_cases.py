@@ -21,8 +21,9 @@ def _run(pools: PoolRegistry, case: CaseConfig) -> CaseRecord:
 
 
 def _passes(record: CaseRecord) -> None:
-    detail = record.detail or {}
-    assert record.verdict == "pass", f"{record.case_id}: {record.verdict}: {record.reason} {detail.get('tracebacks', '')}"
+    from harness.pytest_plugin.cases import describe_failure
+
+    assert record.verdict == "pass", f"{record.case_id}: {describe_failure(record)}"
 
 
 # --- DCP reshard -------------------------------------------------------------------------------------
