@@ -19,7 +19,7 @@ can resume another's (cross-engine resume). Sharded loads fill a template in pla
 optimizer's state is first materialised (``harness.optim.init_optimizer_state``).
 
 Faults for proving the resume check can fail (``extras=(("fault", name),)``): ``drop_optimizer_state``
-loads the model but leaves the fresh optimizer's state as it is; ``swap_optimizer_state`` hands two
+throws the optimizer's state away once loaded; ``swap_optimizer_state`` hands two
 parameters of one shape each other's optimizer state.
 """
 
@@ -185,12 +185,10 @@ def _fill_local(template: dict[str, Any], saved: dict[str, Any]) -> dict[str, An
 
 def _fsdp1_apply(
     adapter: FSDP1Adapter, module: nn.Module, optimizer: torch.optim.Optimizer, kind: str, state: dict[str, Any],
-    fault: str, group: Any,
+    group: Any,
 ) -> None:
     with _fsdp1_type(adapter, module, kind) as fsdp:
         module.load_state_dict(state["model"])
-        if fault == "drop_optimizer_state":
-            return
         if kind == "local":
             optimizer.load_state_dict(state["optim"])
         else:
@@ -217,13 +215,19 @@ def _dsd_state(module: nn.Module, optimizer: torch.optim.Optimizer, kind: str) -
             "optim": get_optimizer_state_dict(module, optimizer, options=options)}
 
 
-def _dsd_apply(module: nn.Module, optimizer: torch.optim.Optimizer, kind: str, state: dict[str, Any], fault: str) -> None:
+def _dsd_apply(module: nn.Module, optimizer: torch.optim.Optimizer, kind: str, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     options = _dsd_options(kind)
     set_model_state_dict(module, state["model"], options=options)
-    if fault != "drop_optimizer_state":
-        set_optimizer_state_dict(module, optimizer, state["optim"], options=options)
+    set_optimizer_state_dict(module, optimizer, state["optim"], options=options)
+
+
+def _plant_after_load(optimizer: torch.optim.Optimizer, fault: str) -> None:
+    """``drop_optimizer_state``: the optimizer's state thrown away once loaded, as an adapter that never
+    loads it would leave it (clearing afterwards also covers loads that write the state in place)."""
+    if fault == "drop_optimizer_state":
+        optimizer.state.clear()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -281,9 +285,10 @@ def load_checkpoint(
     if fault == "swap_optimizer_state":
         _swap_same_shape(state["optim"])
     if engine_family(adapter) == "fsdp1":
-        _fsdp1_apply(adapter, module, optimizer, kind, state, fault, ctx.world_group())  # type: ignore[arg-type]
+        _fsdp1_apply(adapter, module, optimizer, kind, state, ctx.world_group())  # type: ignore[arg-type]
     else:
-        _dsd_apply(module, optimizer, kind, state, fault)
+        _dsd_apply(module, optimizer, kind, state)
+    _plant_after_load(optimizer, fault)
 
 
 def load_plain(module: nn.Module, optimizer: torch.optim.Optimizer, path: Path, fault: str = "") -> None:
@@ -295,7 +300,8 @@ def load_plain(module: nn.Module, optimizer: torch.optim.Optimizer, path: Path, 
     dcp.load(state, checkpoint_id=str(path / _DCP_DIR), no_dist=True)
     if fault == "swap_optimizer_state":
         _swap_same_shape(state["optim"])
-    _dsd_apply(module, optimizer, "sharded", state, fault)
+    _dsd_apply(module, optimizer, "sharded", state)
+    _plant_after_load(optimizer, fault)
 
 
 def _swap_same_shape(optim_sd: dict[str, Any]) -> None:
