@@ -3,7 +3,8 @@ resume (saved by one engine, resumed by another), and planted load bugs that mus
 
 Every case runs through ``harness.runner.run_case`` on the shared rank pools (``parity_pools``), so it is
 decided exactly as ``harness run`` decides it; a resharded case compares against the local reference,
-which replays the same change of world size.
+which replays the same change of world size. The CI lane runs a slice (each reshard direction, each
+engine pair once, two planted bugs); the cases marked ``slow`` run with ``--matrix full``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,18 @@ import pytest
 
 from harness.case import CaseConfig
 from harness.pytest_plugin import PoolRegistry
+from harness.pytest_plugin.cases import ParityOptions
 from harness.records import CaseRecord
 from harness.runner import run_case
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _lane(request: pytest.FixtureRequest, parity_options: ParityOptions) -> None:
+    if request.node.get_closest_marker("slow") is not None and parity_options.matrix != "full":
+        pytest.skip("runs in the --matrix full lane; the CI lane runs a slice of these cases")
 
 
 def _run(pools: PoolRegistry, case: CaseConfig) -> CaseRecord:
@@ -29,16 +40,16 @@ def _passes(record: CaseRecord) -> None:
 # --- DCP reshard -------------------------------------------------------------------------------------
 
 RESHARD = [
-    # (engine, save ranks, resume ranks, extra fields)
-    ("torch-fsdp", 2, 1, {}),
-    ("builtin", 2, 1, {"optimizer": "adamw", "use_orig_params": True}),
-    ("torch-fsdp2", 2, 1, {"optimizer": "adamw"}),
-    ("torch-fsdp", 2, 4, {"optimizer": "adamw"}),
-    ("torch-fsdp", 4, 2, {"use_orig_params": True}),
-    ("builtin", 2, 4, {}),
-    ("builtin", 4, 2, {"optimizer": "adamw"}),
-    ("torch-fsdp2", 2, 4, {}),
-    ("torch-fsdp2", 4, 2, {"optimizer": "adamw"}),
+    # (engine, save ranks, resume ranks, extra fields, CI lane)
+    ("torch-fsdp", 2, 1, {}, True),
+    ("builtin", 2, 1, {"optimizer": "adamw", "use_orig_params": True}, False),
+    ("torch-fsdp2", 2, 1, {"optimizer": "adamw"}, False),
+    ("torch-fsdp", 2, 4, {"optimizer": "adamw"}, False),
+    ("torch-fsdp", 4, 2, {"use_orig_params": True}, False),
+    ("builtin", 2, 4, {}, True),
+    ("builtin", 4, 2, {"optimizer": "adamw"}, False),
+    ("torch-fsdp2", 2, 4, {}, False),
+    ("torch-fsdp2", 4, 2, {"optimizer": "adamw"}, True),
 ]
 
 
@@ -50,8 +61,9 @@ def _reshard_case(engine: str, saving: int, resuming: int, extra: dict) -> CaseC
     )
 
 
-@pytest.mark.parametrize(("engine", "saving", "resuming", "extra"), RESHARD,
-                         ids=[_reshard_case(*r).full_id for r in RESHARD])
+@pytest.mark.parametrize(("engine", "saving", "resuming", "extra"), [
+    pytest.param(*r[:4], id=_reshard_case(*r[:4]).full_id, marks=[] if r[4] else [SLOW]) for r in RESHARD
+])
 def test_dcp_reshard(parity_pools: PoolRegistry, engine: str, saving: int, resuming: int, extra: dict) -> None:
     _passes(_run(parity_pools, _reshard_case(engine, saving, resuming, extra)))
 
@@ -61,15 +73,15 @@ def test_dcp_reshard(parity_pools: PoolRegistry, engine: str, saving: int, resum
 FSDP2_OK = {"use_orig_params": True, "backward_prefetch": "pre"}
 
 CROSS = [
-    # (saved by, resumed by, checkpoint, fields)
-    ("builtin", "torch-fsdp", "full", {"optimizer": "adamw"}),
-    ("torch-fsdp", "builtin", "full", {"use_orig_params": True}),
-    ("builtin", "torch-fsdp", "sharded", {"use_orig_params": True}),
-    ("torch-fsdp", "builtin", "sharded", {"optimizer": "adamw"}),
-    ("builtin", "torch-fsdp2", "sharded", {"optimizer": "adamw", **FSDP2_OK}),
-    ("torch-fsdp2", "builtin", "sharded", FSDP2_OK),
-    ("builtin", "torch-fsdp2", "full", FSDP2_OK),
-    ("torch-fsdp2", "builtin", "full", {"optimizer": "adamw", **FSDP2_OK}),
+    # (saved by, resumed by, checkpoint, fields, CI lane)
+    ("builtin", "torch-fsdp", "full", {"optimizer": "adamw"}, True),
+    ("torch-fsdp", "builtin", "full", {"use_orig_params": True}, False),
+    ("builtin", "torch-fsdp", "sharded", {"use_orig_params": True}, False),
+    ("torch-fsdp", "builtin", "sharded", {"optimizer": "adamw"}, True),
+    ("builtin", "torch-fsdp2", "sharded", {"optimizer": "adamw", **FSDP2_OK}, True),
+    ("torch-fsdp2", "builtin", "sharded", FSDP2_OK, True),
+    ("builtin", "torch-fsdp2", "full", FSDP2_OK, False),
+    ("torch-fsdp2", "builtin", "full", {"optimizer": "adamw", **FSDP2_OK}, False),
 ]
 
 
@@ -77,7 +89,9 @@ def cross_case(saver: str, loader: str, checkpoint: str, fields: dict) -> CaseCo
     return CaseConfig(engine=saver, resume_engine=loader, checkpoint=checkpoint, **fields)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("saver", "loader", "checkpoint", "fields"), CROSS, ids=[cross_case(*c).full_id for c in CROSS])
+@pytest.mark.parametrize(("saver", "loader", "checkpoint", "fields"), [
+    pytest.param(*c[:4], id=cross_case(*c[:4]).full_id, marks=[] if c[4] else [SLOW]) for c in CROSS
+])
 def test_cross_engine_resume(parity_pools: PoolRegistry, saver: str, loader: str, checkpoint: str, fields: dict) -> None:
     _passes(_run(parity_pools, cross_case(saver, loader, checkpoint, fields)))
 
@@ -94,10 +108,10 @@ def test_local_checkpoint_across_engines_is_unsupported_with_its_reason(parity_p
 # --- planted bugs: the resume check can fail -----------------------------------------------------------
 
 PLANTED = [
-    ("torch-fsdp", "full", "sgd", "drop_optimizer_state"),
-    ("torch-fsdp", "sharded", "adamw", "swap_optimizer_state"),
-    ("builtin", "local", "sgd", "drop_optimizer_state"),
-    ("builtin", "sharded", "sgd", "swap_optimizer_state"),
+    pytest.param("torch-fsdp", "full", "sgd", "drop_optimizer_state"),
+    pytest.param("torch-fsdp", "sharded", "adamw", "swap_optimizer_state", marks=SLOW),
+    pytest.param("builtin", "local", "sgd", "drop_optimizer_state", marks=SLOW),
+    pytest.param("builtin", "sharded", "adamw", "swap_optimizer_state"),
 ]
 
 
