@@ -2,7 +2,7 @@
 resume (saved by one engine, resumed by another), and planted load bugs that must make a case fail.
 
 Every case runs through ``harness.runner.run_case`` on the shared rank pools (``parity_pools``), so it is
-decided exactly as ``harness run`` decides it; a resharded case compares against the local reference,
+decided exactly as ``harness run`` decides it, and (but for the planted bugs) is recorded in ``--results``; a resharded case compares against the local reference,
 which replays the same change of world size. The CI lane runs a slice (each reshard direction, each
 engine pair once, two planted bugs); the cases marked ``slow`` run with ``--matrix full``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from harness.case import CaseConfig
-from harness.pytest_plugin import PoolRegistry
+from harness.pytest_plugin import ParityRunner, PoolRegistry
 from harness.pytest_plugin.cases import ParityOptions
 from harness.records import CaseRecord
 from harness.runner import run_case
@@ -64,8 +64,8 @@ def _reshard_case(engine: str, saving: int, resuming: int, extra: dict) -> CaseC
 @pytest.mark.parametrize(("engine", "saving", "resuming", "extra"), [
     pytest.param(*r[:4], id=_reshard_case(*r[:4]).full_id, marks=[] if r[4] else [SLOW]) for r in RESHARD
 ])
-def test_dcp_reshard(parity_pools: PoolRegistry, engine: str, saving: int, resuming: int, extra: dict) -> None:
-    _passes(_run(parity_pools, _reshard_case(engine, saving, resuming, extra)))
+def test_dcp_reshard(parity_runner: ParityRunner, engine: str, saving: int, resuming: int, extra: dict) -> None:
+    parity_runner.run(_reshard_case(engine, saving, resuming, extra))
 
 
 # --- cross-engine resume -----------------------------------------------------------------------------
@@ -92,16 +92,19 @@ def cross_case(saver: str, loader: str, checkpoint: str, fields: dict) -> CaseCo
 @pytest.mark.parametrize(("saver", "loader", "checkpoint", "fields"), [
     pytest.param(*c[:4], id=cross_case(*c[:4]).full_id, marks=[] if c[4] else [SLOW]) for c in CROSS
 ])
-def test_cross_engine_resume(parity_pools: PoolRegistry, saver: str, loader: str, checkpoint: str, fields: dict) -> None:
-    _passes(_run(parity_pools, cross_case(saver, loader, checkpoint, fields)))
+def test_cross_engine_resume(parity_runner: ParityRunner, saver: str, loader: str, checkpoint: str, fields: dict) -> None:
+    parity_runner.run(cross_case(saver, loader, checkpoint, fields))
 
 
-def test_local_checkpoint_across_engines_is_unsupported_with_its_reason(parity_pools: PoolRegistry) -> None:
+def test_local_checkpoint_across_engines_is_unsupported_with_its_reason(
+    parity_pools: PoolRegistry, parity_runner: ParityRunner
+) -> None:
     from harness.matrix import invalid_reason
 
     case = cross_case("builtin", "torch-fsdp", "local", {})
     assert "LOCAL" in (invalid_reason(case) or "")
     record = _run(parity_pools, case)
+    parity_runner.session.record(record, parity_runner.node)  # the resume matrix shows the refused cell
     assert record.verdict == "unsupported" and "flat" in record.reason, record.reason
 
 
