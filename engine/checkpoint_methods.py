@@ -194,9 +194,15 @@ class CheckpointMethods:
     # ------------------------------------------------------------------ communication hooks
     def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
         """Reduce gradients of every unit under this root with ``hook`` (see :mod:`engine.comm_hooks`);
-        register before the first backward."""
+        register once, before the first forward (torch FSDP1 documents the same rule)."""
         if not self.check_is_root():  # type: ignore[attr-defined]
             raise AssertionError("register_comm_hook can only be called on a root instance.")
+        ctx = self._ctx  # type: ignore[attr-defined]
+        if ctx is not None and ctx.forward_count > 0:
+            raise AssertionError(
+                "register_comm_hook must be called before the first forward (units have already reduced "
+                "gradients with the built-in reduction): register it right after wrapping"
+            )
         states = fsdp_states(self)  # type: ignore[arg-type]
         for s in states:
             if s._sharding_strategy in HYBRID_STRATEGIES:

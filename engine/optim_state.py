@@ -152,7 +152,8 @@ def _unit_state(unit_state: Any, refs: list[tuple[int, ParamRef]], osd_state: Ma
             continue
         order, scalars, dtypes = merged[i]
         entry: dict[str, Any] = {}
-        for key in order:
+        # Tensor states first, then zero-dimensional and other values (torch FSDP1's order).
+        for key in sorted(order, key=lambda k: k not in dtypes):
             if key in dtypes:
                 value = full_values[key][i]
                 entry[key] = chunk_dtensor(value, mesh) if mesh is not None else value

@@ -11,18 +11,17 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType, comm_hooks
-from suites.checkpoint.training import CkptNet, full_state, hybrid_groups, make_optimizer, train
-from suites.engine.ranks import session_tests
+from harness.pytest_plugin import needs_gpus
+from suites.checkpoint.training import CkptNet, device_for, full_state, hybrid_groups, make_optimizer, train
+from suites.engine.ranks import RankSession, run_checks, session_tests
 
-CPU = torch.device("cpu")
 
-
-def _theirs(strategy_name: str) -> tuple[torch.nn.Module, Any]:
+def _theirs(strategy_name: str, device: torch.device) -> tuple[torch.nn.Module, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 
-    kwargs = {"device_id": CPU, "sharding_strategy": TorchStrategy[strategy_name]}
-    model = CkptNet()
+    kwargs = {"device_id": device, "sharding_strategy": TorchStrategy[strategy_name]}
+    model = CkptNet(device)
     model.block[0] = TorchFSDP(model.block[0], **kwargs)
     model.block[2] = TorchFSDP(model.block[2], **kwargs)
     model.out = TorchFSDP(model.out, **kwargs)
@@ -64,23 +63,27 @@ def _full_params_torch(model: torch.nn.Module, torch_fsdp: Any) -> dict[str, tor
 
 
 def _compare(hook_name: str, strategy: ShardingStrategy, low_precision: bool, rank: int) -> None:
-    ours = CkptNet().wrap(sharding_strategy=strategy)
-    theirs, torch_fsdp = _theirs(strategy.name)
+    device = device_for(rank)
+    ours = CkptNet(device).wrap(sharding_strategy=strategy, **({"device_id": device} if device.type == "cuda" else {}))
+    theirs, torch_fsdp = _theirs(strategy.name, device)
     group = dist.group.WORLD
     if low_precision:
         ours.register_comm_hook(comm_hooks.LowPrecisionState(group), getattr(comm_hooks, hook_name))
         prec = torch.float16 if hook_name.startswith("fp16") else torch.bfloat16
-        theirs.register_comm_hook(_torch_hooks().LowPrecisionState(group), _torch_compress_on_cpu(prec))
+        their_hook = getattr(_torch_hooks(), hook_name) if device.type == "cuda" else _torch_compress_on_cpu(prec)
+        theirs.register_comm_hook(_torch_hooks().LowPrecisionState(group), their_hook)
     else:
         ours.register_comm_hook(comm_hooks.DefaultState(group), getattr(comm_hooks, hook_name))
         theirs.register_comm_hook(_torch_hooks().DefaultState(group), getattr(_torch_hooks(), hook_name))
     our_losses = train(ours, make_optimizer("sgd", ours.parameters()), range(3), rank)
     their_losses = train(theirs, make_optimizer("sgd", theirs.parameters()), range(3), rank)
     context = f"{hook_name} with {strategy.name}"
-    assert_close(torch.tensor(our_losses), torch.tensor(their_losses), rtol=0, atol=0, msg=lambda m: f"{context}: {m}")
+    # Bitwise on CPU; CUDA kernels may pick other reduction orders for the two models.
+    tol: dict[str, float] = {"rtol": 0.0, "atol": 0.0} if device.type == "cpu" else {}
+    assert_close(torch.tensor(our_losses), torch.tensor(their_losses), **tol, msg=lambda m: f"{context}: {m}")
     want = _full_params_torch(theirs, torch_fsdp)
     for key, value in full_state(ours).items():
-        assert_close(value, want[key], rtol=0, atol=0, msg=lambda m, key=key: f"{context}: {key}: {m}")
+        assert_close(value.cpu(), want[key].cpu(), **tol, msg=lambda m, key=key: f"{context}: {key}: {m}")
 
 
 def check_default_hooks_match_torch(rank: int, world_size: int) -> None:
@@ -130,6 +133,10 @@ def check_registration_rules(rank: int, world_size: int) -> None:
     hybrid = CkptNet().wrap(sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=hybrid_groups(world_size))
     with pytest.raises(AssertionError, match="not supported for hybrid strategies"):
         hybrid.register_comm_hook(None, comm_hooks.reduce_scatter_hook)
+    trained = CkptNet().wrap()
+    train(trained, make_optimizer("sgd", trained.parameters()), range(1), rank)
+    with pytest.raises(AssertionError, match="before the first forward"):
+        trained.register_comm_hook(None, comm_hooks.reduce_scatter_hook)
     with pytest.raises(ValueError, match="explicit ProcessGroup"):
         comm_hooks.DefaultState(None)
     state = comm_hooks.DefaultState(dist.group.WORLD)
@@ -150,3 +157,18 @@ CHECKS = [
 ]
 
 session, test_check = session_tests(CHECKS, world_size=2)
+
+GPU_CHECKS = [check_default_hooks_match_torch, check_compression_hooks_match_torch]
+
+
+@pytest.fixture(scope="module")
+def gpu_session() -> RankSession:
+    return RankSession(run_checks(GPU_CHECKS, world_size=2, backend="nccl", timeout_s=600))
+
+
+@pytest.mark.gpu
+@needs_gpus(2)
+@pytest.mark.parametrize("check", GPU_CHECKS, ids=lambda c: c.__name__)
+def test_against_torch_on_2_gpus(gpu_session: RankSession, check: Any) -> None:
+    """With NCCL torch's own compression hooks run unchanged (their ``record_stream`` needs CUDA)."""
+    gpu_session.assert_passed(check)

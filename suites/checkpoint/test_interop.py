@@ -215,6 +215,59 @@ def check_dcp_with_torch_fsdp2_both_ways(rank: int, world_size: int) -> None:
         assert_close(value, want[key], rtol=0, atol=0, msg=lambda m, key=key: f"FSDP2 -> ours, {key}: {m}")
 
 
+def _assert_optim_equal(got: dict, want: dict, context: str) -> None:
+    assert list(got["state"]) == list(want["state"]), f"{context}: {list(got['state'])} vs {list(want['state'])}"
+    for key, st in want["state"].items():
+        assert set(got["state"][key]) == set(st), f"{context}: {key}: {list(got['state'][key])} vs {list(st)}"
+        for name, value in st.items():
+            other = got["state"][key][name]
+            if isinstance(other, DTensor):
+                other = other.full_tensor()
+            assert_close(other, value, rtol=0, atol=0, msg=lambda m: f"{context}: {key}.{name}: {m}")
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+
+
+def check_older_optimizer_helpers(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    from engine import OptimStateKeyType
+
+    ours, optim = _train_ours(rank)
+    theirs = _torch_fsdp1(CkptNet())
+    their_optim = make_optimizer("adamw", theirs.parameters())
+    train(theirs, their_optim, range(2), rank)
+    full = FSDP.full_optim_state_dict(ours, optim)
+    their_full = TorchFSDP.full_optim_state_dict(theirs, their_optim)
+    if rank == 0:
+        _assert_optim_equal(full, their_full, "full_optim_state_dict vs torch FSDP1")
+    else:
+        assert full == {} and their_full == {}
+    everywhere = FSDP.full_optim_state_dict(ours, optim, rank0_only=False)
+    _assert_optim_equal(FSDP.sharded_optim_state_dict(ours, optim), everywhere, "sharded_optim_state_dict")
+    own = optim.state_dict()
+    for name, to_load in {
+        "scatter_full_optim_state_dict": lambda m, o: FSDP.scatter_full_optim_state_dict(full if rank == 0 else None, m, optim=o),
+        "shard_full_optim_state_dict": lambda m, o: FSDP.shard_full_optim_state_dict(everywhere, m, optim=o),
+        "flatten_sharded_optim_state_dict": lambda m, o: FSDP.flatten_sharded_optim_state_dict(
+            FSDP.sharded_optim_state_dict(ours, optim), m, o
+        ),
+    }.items():
+        fresh, fresh_optim = Setup(ShardingStrategy.FULL_SHARD, False, "adamw").build(rank, world_size)
+        fresh_optim.load_state_dict(to_load(fresh, fresh_optim))
+        loaded = fresh_optim.state_dict()
+        for key, st in own["state"].items():
+            for k, value in st.items():
+                assert_close(loaded["state"][key][k], value, rtol=0, atol=0, msg=lambda m: f"{name}: {key}.{k}: {m}")
+    # Re-keying: a full state by name loads into the unwrapped model's optimizer by position.
+    plain = CkptNet()
+    plain_optim = make_optimizer("adamw", plain.parameters())
+    by_id = FSDP.rekey_optim_state_dict(everywhere, OptimStateKeyType.PARAM_ID, plain, optim=plain_optim)
+    assert list(by_id["state"]) == list(range(len(everywhere["state"])))
+    plain_optim.load_state_dict(by_id)
+    back = FSDP.rekey_optim_state_dict(plain_optim.state_dict(), OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim)
+    _assert_optim_equal(back, everywhere, "rekey_optim_state_dict round trip")
+
+
 CHECKS = [
     check_full_into_plain_model,
     check_full_ours_into_torch_fsdp1_and_back,
@@ -222,6 +275,7 @@ CHECKS = [
     check_settings_like_torch,
     check_is_root,
     check_dcp_with_torch_fsdp2_both_ways,
+    check_older_optimizer_helpers,
 ]
 
 session, test_check = session_tests(CHECKS, world_size=2)
