@@ -48,6 +48,15 @@ DEFAULT_ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2")
 def engine_name(spec: str) -> str:
     """The name part of an engine spec: ``mine`` of ``mine=fsdp1:pkg``; a bare name is its own name."""
     return spec.partition("=")[0].strip()
+OptimizerName = Literal["sgd", "adamw"]
+#: ``none`` trains straight through; ``full``/``sharded``/``local`` save after step ``checkpoint_step``
+#: with that state-dict type, rebuild and resume; ``dcp-reshard`` resumes at another world size.
+CheckpointName = Literal["none", "full", "sharded", "local", "dcp-reshard"]
+
+#: id segment of each checkpoint type (``--filter ckpt_`` selects them all).
+CHECKPOINT_SEGMENTS: dict[str, str] = {
+    "full": "ckpt_full", "sharded": "ckpt_sharded", "local": "ckpt_local", "dcp-reshard": "ckpt_dcp",
+}
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,19 @@ class CaseConfig:
     steps: int = 5
     seed: int = 0
     lr: float = 0.01
+    #: SGD's momentum (``optimizer='sgd'``); AdamW uses its own betas (``harness.optim``).
     momentum: float = 0.9
+    #: the optimizer every side (engine, DDP, local reference) trains with (``harness.optim``).
+    optimizer: OptimizerName = "sgd"
+    #: save and resume mid-run (see ``CheckpointName``); the resumed run must match the uninterrupted
+    #: reference at the case's tolerance.
+    checkpoint: CheckpointName = "none"
+    #: the engine that loads the checkpoint (another one than ``engine``: cross-engine resume); None
+    #: resumes with ``engine``.
+    resume_engine: str | None = None
+    #: ``dcp-reshard`` only: ``(ranks that save, ranks that resume)``, ranks ``0..n-1`` of the case's
+    #: ``world_size`` ranks, which is the larger of the two; 1 resumes on rank 0 as a plain model.
+    reshard: tuple[int, ...] = ()
     #: run the case twice and require bitwise-identical results.
     check_determinism: bool = False
     #: delays on the compute stream that turn stream races into failures (``harness.stress``).
@@ -139,6 +160,8 @@ class CaseConfig:
             ("backward_prefetch", get_args(PrefetchName)),
             ("init_mode", get_args(InitModeName)),
             ("stress", get_args(StressName)),
+            ("optimizer", get_args(OptimizerName)),
+            ("checkpoint", get_args(CheckpointName)),
         ):
             value = getattr(self, field)
             if value not in allowed:
@@ -147,6 +170,28 @@ class CaseConfig:
             raise ValueError(f"CaseConfig.world_size={self.world_size} must be at least 1")
         if self.steps < 1:
             raise ValueError(f"CaseConfig.steps={self.steps} must be at least 1")
+        if self.resume_engine is not None and (not isinstance(self.resume_engine, str) or not engine_name(self.resume_engine)):
+            raise ValueError(f"CaseConfig.resume_engine={self.resume_engine!r} must be None or an engine name or spec (harness.registry)")
+        if self.checkpoint != "none" and self.steps < 2:
+            raise ValueError(f"CaseConfig.checkpoint={self.checkpoint!r} needs steps >= 2 (save after one, resume for the rest)")
+        if (self.checkpoint == "dcp-reshard") != bool(self.reshard):
+            raise ValueError(
+                f"CaseConfig.reshard={self.reshard} goes with checkpoint='dcp-reshard' only, and that one needs it "
+                f"(e.g. reshard=(2, 4))"
+            )
+        if self.reshard and (
+            len(self.reshard) != 2 or min(self.reshard) < 1 or self.reshard[0] == self.reshard[1]
+            or max(self.reshard) != self.world_size
+        ):
+            raise ValueError(
+                f"CaseConfig.reshard={self.reshard} must be (save ranks, resume ranks), two different positive "
+                f"counts whose larger one is world_size={self.world_size}"
+            )
+
+    @property
+    def checkpoint_step(self) -> int:
+        """Steps trained before the checkpoint is saved: the first half, rounded down (at least one)."""
+        return max(1, self.steps // 2)
 
     @property
     def precision_spec(self) -> PrecisionSpec:
@@ -177,6 +222,14 @@ class CaseConfig:
             parts.append(f"ws{self.world_size}")
         if self.steps != 5:
             parts.append(f"steps{self.steps}")
+        if self.optimizer != "sgd":
+            parts.append(self.optimizer)
+        if self.checkpoint != "none":
+            parts.append(CHECKPOINT_SEGMENTS[self.checkpoint])
+        if self.reshard:
+            parts.append(f"{self.reshard[0]}to{self.reshard[1]}")
+        if self.resume_engine is not None:
+            parts.append(f"resume_{self.resume_engine}")
         if self.stress != "none":
             parts.append(f"stress_{self.stress}")
         return "-".join(parts)
@@ -194,6 +247,7 @@ class CaseConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["extras"] = [list(kv) for kv in self.extras]
+        d["reshard"] = list(self.reshard)
         return d
 
     @classmethod
@@ -201,6 +255,7 @@ class CaseConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
         kwargs["extras"] = tuple(tuple(kv) for kv in kwargs.get("extras", ()))
+        kwargs["reshard"] = tuple(kwargs.get("reshard", ()))
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> "CaseConfig":

@@ -1,7 +1,7 @@
 """Parity: train an engine and a reference on identical data, compare, check the knobs, decide.
 
 On every rank, ``run_case_on_rank`` (the pool's job) builds the case's model, trains the reference
-and then the engine for ``case.steps`` steps of SGD with momentum (each rank its own deterministic
+and then the engine for ``case.steps`` steps of the case's optimizer (each rank its own deterministic
 batch per step, seeded by ``(seed, step, rank)``), and compares, as this rank sees them:
 
 - ``loss@<step>`` and ``grad_norm@<step>``: the rank's loss and the norm of the gradient its
@@ -19,29 +19,20 @@ error, into one ``CaseRecord``: the verdict is all-rank.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from harness.adapters import (
-    EngineAdapter,
-    EngineFacts,
-    EngineTrainee,
-    ParamSlice,
-    has_float_buffers,
-    prepare_inputs,
-    rank_local_param_names,
-)
+from harness.adapters import EngineAdapter, EngineFacts, has_float_buffers
 from harness.case import CaseConfig, PrecisionSpec, is_hybrid
+from harness.checkpoint import CHECKPOINT_FAULTS, unsupported_checkpoint
 from harness.compare import (
     Finding,
     Observation,
@@ -52,7 +43,6 @@ from harness.compare import (
     merge_quantities,
     worst_budgets,
 )
-from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model, gpu_sleep
 from harness.placement import hybrid_shard_size
 from harness.pool import PoolOutcome
@@ -73,172 +63,48 @@ from harness.stress import Stress
 from harness.stress import unsupported_reason as stress_unsupported_reason
 from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
+from harness.resume import run_resumed
+from harness.training import fresh_model, mark_phase, train
 
 __all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
 
 
 #: Fault injections a case can ask for with ``extras=(("fault", name),)``; they prove the pool's
 #: watchdog (a rank that skips a collective, exits, segfaults or raises) and the comparison (rank 1's
-#: engine gradient nudged after every backward). ``ignore_option:<keyword>`` (an adapter dropping a
+#: engine gradient nudged after every backward), and the resume check (``harness.checkpoint``: the
+#: optimizer state dropped or mixed up on load). ``ignore_option:<keyword>`` (an adapter dropping a
 #: setting, for the knob checks) is handled by the adapters.
-FAULTS = ("skip_collective_on_rank1", "exit_rank1", "segfault_rank1", "raise_rank1", "perturb_grad_rank1")
+FAULTS = ("skip_collective_on_rank1", "exit_rank1", "segfault_rank1", "raise_rank1", "perturb_grad_rank1",
+          *CHECKPOINT_FAULTS)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Training (rank side)
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """An original parameter as the unwrapped model has it (wrappers rename and flatten)."""
-
-    numel: int
-    trainable: bool
-    #: belongs to a rank-local module: this rank's own, never reduced.
-    rank_local: bool
-
-
-def _param_table(model: ZooModel) -> dict[str, ParamInfo]:
-    local = rank_local_param_names(model)
-    return {name: ParamInfo(p.numel(), p.requires_grad, name in local) for name, p in model.named_parameters()}
-
-
-def _gather_grad_norm(slices: Sequence[ParamSlice], table: dict[str, ParamInfo], ctx: RankContext) -> tuple[float, dict[str, int]]:
-    """This rank's gradient norm from every rank's pieces, and the elements no piece covered.
-
-    Shared pieces are counted once however many ranks hold them (replicas, NO_SHARD); rank-local
-    ones are this rank's own.
-    """
-    local_names = {name for name, info in table.items() if info.rank_local}
-    mine = [(s.name, s.start, s.numel, float(s.value.double().pow(2).sum())) for s in slices if s.name not in local_names]
-    everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    unique: dict[tuple[str, int, int], float] = {}
-    for part in everyone:
-        for name, start, numel, sq in part:
-            unique.setdefault((name, start, numel), sq)
-    total = sum(unique.values())
-    local_slices = [s for s in slices if s.name in local_names]
-    total += sum(float(s.value.double().pow(2).sum()) for s in local_slices)
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for name, start, numel in unique:
-        ranges.setdefault(name, []).append((start, start + numel))
-    for s in local_slices:
-        ranges.setdefault(s.name, []).append((s.start, s.start + s.numel))
-    gaps: dict[str, int] = {}
-    for name, info in table.items():
-        if not info.trainable:
-            continue
-        numel = info.numel
-        covered, end = 0, 0
-        for lo, hi in sorted(ranges.get(name, [])):
-            lo = max(lo, end)
-            if hi > lo:
-                covered += hi - lo
-                end = hi
-        if covered < numel:
-            gaps[name] = numel - covered
-    return math.sqrt(total), gaps
-
-
-def _mark_phase(trace: CommTrace | None, phase: str, step: int) -> None:
-    """Tell the trace what the next collectives belong to."""
-    if trace is not None:
-        trace.phase, trace.step = phase, step
-
-
-def _paused(trace: CommTrace | None) -> contextlib.AbstractContextManager[None]:
-    return trace.paused() if trace is not None else contextlib.nullcontext()
-
-
-def train(
-    trainee: EngineTrainee,
-    case: CaseConfig,
-    ctx: RankContext,
-    steps: int,
-    table: dict[str, ParamInfo],
-    *,
-    trace: CommTrace | None = None,
-    perturb: bool = False,
-    stress: Stress | None = None,
-) -> Observation:
-    """The shared training loop of engines and DDP: ``steps`` steps, reading gradients after each backward.
-
-    ``table`` describes the model's parameters, taken before wrapping; ``stress`` (engines of a
-    stressed case) adds its optimizer and final-unshard delays.
-    """
-    zoo = trainee.zoo
-    full = dtype_of(case.precision_spec.full)
-    optimizer = torch.optim.SGD(trainee.trainable_parameters(), lr=case.lr, momentum=case.momentum)
-    if stress is not None:
-        stress.watch_optimizer(optimizer)
-    obs = Observation()
-    for step in range(steps):
-        inputs = prepare_inputs(zoo.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device, full)
-        _mark_phase(trace, "forward", step)
-        output = trainee.module(*inputs)
-        loss = zoo.get_loss(inputs, output)
-        _mark_phase(trace, "backward", step)
-        zoo.run_backward(loss)
-        if perturb:
-            _perturb_gradient(trainee)
-        with _paused(trace):
-            slices = trainee.grad_slices()
-            norm, gaps = _gather_grad_norm(slices, table, ctx)
-        obs.losses.append(float(loss.detach().double()))
-        obs.grad_norms.append(norm)
-        obs.grads.append(slices)
-        for name, missing in gaps.items():
-            obs.coverage_gaps[name] = max(missing, obs.coverage_gaps.get(name, 0))
-        _mark_phase(trace, "step", step)
-        gpu_sleep(zoo.sleeps.before_step_ms, ctx.device)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    with _paused(trace), (stress.around("around_summon") if stress is not None else contextlib.nullcontext()):
-        obs.params = trainee.final_params()
-    obs.notes.extend(trainee.notes)
-    return obs
-
-
-@torch.no_grad()
-def _perturb_gradient(trainee: EngineTrainee) -> None:
-    """The ``perturb_grad_rank1`` fault: an engine bug that adds 0.01 to one gradient element."""
-    for p in trainee.trainable_parameters():
-        grad = p.grad
-        if grad is None:
-            continue
-        # A DTensor's local shard: an op on the DTensor itself would be a collective on one rank.
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        if local.numel():
-            local.view(-1)[0] += 0.01
-            return
-
-
-def _fresh_model(case: CaseConfig, ctx: RankContext) -> tuple[ZooModel, dict[str, ParamInfo]]:
-    """The case's model on CPU in its full-precision dtype, and its parameter table (before wrapping)."""
-    model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
-    model.to(dtype_of(case.precision_spec.full))
-    return model, _param_table(model)
+# Training (rank side; the loop itself is ``harness.training``)
 
 
 def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, steps: int) -> Observation:
-    """Build and train the engine under a communication trace."""
-    model, table = _fresh_model(case, ctx)
+    """Build and train the engine under a communication trace; a checkpoint case saves and resumes
+    half-way (``harness.resume``) when it trains past its checkpoint step; a stressed case delays the
+    compute stream at the race points (``harness.stress``)."""
+    model, table = fresh_model(case, ctx)
     stress = Stress(ctx.device) if case.stress == "delay" else None
     trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device),
                       around=stress.on_collective if stress is not None else None)
+    perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
     try:
         with trace:
-            trace.watch_modules(model)
-            if stress is not None:
-                stress.watch_model(model)
-            _mark_phase(trace, "setup", 0)
-            trainee = adapter.build(case, model, ctx)
-            if stress is not None:
-                stress.watch_parameters(trainee.trainable_parameters())
-                stress.watch_no_sync(trainee.module)
-            perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
-            obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
+            if case.checkpoint != "none" and steps > case.checkpoint_step:
+                obs, trainee = run_resumed(adapter, case, ctx, steps, trace, perturb)
+            else:
+                trace.watch_modules(model)
+                if stress is not None:
+                    stress.watch_model(model)
+                mark_phase(trace, "setup", 0)
+                trainee = adapter.build(case, model, ctx)
+                if stress is not None:
+                    stress.watch_parameters(trainee.trainable_parameters())
+                    stress.watch_no_sync(trainee.module)
+                obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
     finally:
         if stress is not None:
             stress.remove()
@@ -255,7 +121,7 @@ class ReferenceFailed(RuntimeError):
 def _run_reference(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> Observation:
     try:
         if case.reference == "ddp":
-            model, table = _fresh_model(case, ctx)
+            model, table = fresh_model(case, ctx)
             return train(build_ddp(case, model, ctx), case, ctx, case.steps, table)
         return _local_observation(case, spec, ctx)
     except Exception as exc:
@@ -329,8 +195,8 @@ def _inject_fault(case: CaseConfig, ctx: RankContext) -> None:
         return
     if fault not in FAULTS:
         raise ValueError(f"extras fault={fault!r} is not one of {list(FAULTS)} or 'ignore_option:<keyword>'")
-    if fault == "perturb_grad_rank1":
-        return  # applied inside the engine's training loop
+    if fault == "perturb_grad_rank1" or fault in CHECKPOINT_FAULTS:
+        return  # applied inside the engine's training loop, or when it loads its checkpoint
     if fault == "skip_collective_on_rank1":
         if ctx.rank != 1:
             dist.all_reduce(torch.zeros(1, device=ctx.device))
@@ -412,13 +278,30 @@ def _budgets(
     return {q: b.budget for q, b in derived.items()}, resolvable
 
 
+def _resume_unsupported(adapter: EngineAdapter, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
+    """Why the engine that resumes the checkpoint cannot (cross-engine resume), or None."""
+    if case.checkpoint == "none":
+        return None
+    if case.checkpoint == "dcp-reshard":
+        return unsupported_checkpoint(adapter, adapter, "sharded", case.use_orig_params) or (
+            "a resharded run changes the world size half-way, and rank-local modules belong to one rank of "
+            "one world size" if model.rank_local_modules() else None)
+    loader = resolve(case.resume_engine) if case.resume_engine else adapter
+    if loader is not adapter:
+        reason = loader.unsupported_reason(case.replace(engine=loader.name, resume_engine=None), model, ctx)
+        if reason:
+            return f"resuming with {reason}"
+    return unsupported_checkpoint(adapter, loader, case.checkpoint, case.use_orig_params)
+
+
 def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     """The pool's job: the whole case as this rank sees it (see ``record_from_outcome``)."""
     if case.world_size != ctx.world_size:
         return _unsupported(f"case world_size={case.world_size} but the ranks are {ctx.world_size}")
     adapter = resolve(case.engine)  # the spec travels in the case; each rank resolves it once
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
-    reason = stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
+    reason = (stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
+              or _resume_unsupported(adapter, case, model, ctx))
     if reason:
         return _unsupported(reason)
     _inject_fault(case, ctx)

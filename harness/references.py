@@ -14,7 +14,8 @@ are ``r``'s own) with ``torch.func.functional_call``: parameters cast to the com
 buffers to the buffer dtype and floating inputs to the compute dtype (what FSDP does to the root's
 inputs). Each rank's gradient is cast to the reduce dtype, divided by the pre-divide factor, summed
 over ranks, divided by the post-divide factor (FSDP1's split of ``1/world_size``) and cast to the
-full precision of the master weights, which an SGD-with-momentum optimizer then updates. A
+full precision of the master weights, which the case's optimizer (``harness.optim``, the engine's
+class and hyperparameters) then updates. A
 rank-local parameter's gradient is its own rank's, unreduced. The result equals DDP's averaged
 gradient in full precision and emulates the engine's rounding in mixed precision.
 """
@@ -32,6 +33,7 @@ from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, prepare_inp
 from harness.case import CaseConfig, PrecisionSpec
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model
+from harness.optim import build_optimizer
 from harness.rank import RankContext
 
 __all__ = ["LocalReference", "ReferenceRun", "TRUTH_SPEC", "build_ddp", "cast_ablations", "gradient_divide_factors"]
@@ -76,6 +78,15 @@ class ReferenceRun:
     params: dict[str, torch.Tensor]
 
 
+def case_schedule(case: CaseConfig) -> list[int]:
+    """Ranks taking part in each step of a case: ``world_size`` throughout, or a resharded checkpoint's
+    saving ranks up to the checkpoint and its resuming ranks after it (``CaseConfig.reshard``)."""
+    if not case.reshard:
+        return [case.world_size] * case.steps
+    saving, resuming = case.reshard
+    return [saving if step < case.checkpoint_step else resuming for step in range(case.steps)]
+
+
 #: ``inputs(step, rank)``: rank ``rank``'s batch at ``step`` (on any device, in any dtype).
 InputFn = Callable[[int, int], Sequence[torch.Tensor]]
 #: ``loss(inputs, output)``: the scalar a rank runs backward from.
@@ -101,6 +112,8 @@ class LocalReference:
         inputs: InputFn,
         loss: LossFn,
         local_names: frozenset[str] = frozenset(),
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        schedule: Sequence[int] | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("LocalReference needs one model per rank (replicas is empty)")
@@ -126,11 +139,16 @@ class LocalReference:
         masters = [p for p in self.shared.values() if p.requires_grad]
         for params in self.local:
             masters += [p for p in params.values() if p.requires_grad]
-        self.optimizer = torch.optim.SGD(masters, lr=lr, momentum=momentum)
+        self.optimizer = make_optimizer(masters) if make_optimizer else torch.optim.SGD(masters, lr=lr, momentum=momentum)
+        #: ranks taking part in each step (a resharded checkpoint changes it half-way).
+        self.schedule = list(schedule) if schedule else [self.world_size] * steps
+        if max(self.schedule) > self.world_size:
+            raise ValueError(f"LocalReference: schedule {self.schedule} needs more ranks than the {self.world_size} replicas")
 
     @classmethod
     def for_case(cls, case: CaseConfig, spec: PrecisionSpec, device: torch.device, world_size: int) -> "LocalReference":
-        """The case's zoo model, one replica per rank where the model has rank-local modules."""
+        """The case's zoo model, one replica per rank where the model has rank-local modules, trained with
+        the case's optimizer (``harness.optim``) over the case's world-size schedule."""
         first = build_model(case.model, seed=case.seed, rank=0, world_size=world_size)
         if first.rank_local_modules():
             replicas = [first] + [build_model(case.model, seed=case.seed, rank=r, world_size=world_size) for r in range(1, world_size)]
@@ -140,6 +158,7 @@ class LocalReference:
             replicas, spec, device, steps=case.steps, lr=case.lr, momentum=case.momentum,
             inputs=lambda step, r: replicas[r].get_input(seed=case.seed, step=step, rank=r),
             loss=first.get_loss, local_names=frozenset(rank_local_param_names(first)),
+            make_optimizer=lambda masters: build_optimizer(case, masters), schedule=case_schedule(case),
         )
 
     def _view(self, r: int) -> dict[str, nn.Parameter]:
@@ -163,25 +182,30 @@ class LocalReference:
         }
 
     def run(self, rank: int) -> ReferenceRun:
-        pre, post = gradient_divide_factors(self.world_size)
+        """The run as rank ``rank`` sees it: the steps it takes part in, and the parameters if it takes
+        part in the last one."""
         out = ReferenceRun([], [], [], {})
-        for step in range(self.steps):
-            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(self.world_size)))
+        schedule = self.schedule
+        for step, world_size in enumerate(schedule):
+            pre, post = gradient_divide_factors(world_size)
+            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(world_size)))
             for n, p in self.shared.items():
                 if p.requires_grad:
                     total = sum(g[n].to(self.reduce) / pre for g in per_rank)
                     p.grad = (total / post).to(self.full)
-            for r, params in enumerate(self.local):
+            for r, params in enumerate(self.local[:world_size]):
                 for n, p in params.items():
                     if p.requires_grad:
                         p.grad = per_rank[r][n].to(self.reduce).to(self.full)
-            view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
-            out.losses.append(losses[rank])
-            out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
-            out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
+            if rank < world_size:
+                view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
+                out.losses.append(losses[rank])
+                out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
+                out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
+        if rank < schedule[-1]:
+            out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
         return out
 
 

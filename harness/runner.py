@@ -67,6 +67,10 @@ class Selection:
     models: list[str] | None = None
     #: training steps per case (None: ``CaseConfig``'s default).
     steps: int | None = None
+    #: optimizers (``harness.matrix.WIDE_AXES``; None: the matrix's, SGD with momentum).
+    optimizers: list[str] | None = None
+    #: checkpoint types: none, full, sharded, local (None: the matrix's, none).
+    checkpoints: list[str] | None = None
     #: run each engine twice and require bitwise-equal results.
     check_determinism: bool = False
     #: the ``stress`` axis of every case (``delay``: ``--stress``).
@@ -81,7 +85,8 @@ class Selection:
         """From the argparse namespace of a front end that added the selection options."""
         return cls(
             matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
-            steps=args.steps, check_determinism=bool(getattr(args, "check_determinism", False)),
+            steps=args.steps, optimizers=getattr(args, "optimizers", None), checkpoints=getattr(args, "checkpoints", None),
+            check_determinism=bool(getattr(args, "check_determinism", False)),
             stress="delay" if getattr(args, "stress", False) else "none",
             filters=list(args.filter or []), limit=args.limit,
         )
@@ -183,6 +188,15 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
         axes["engine"] = check_engines(args.engines, "--engines")
     if args.models:
         axes["model"] = args.models
+    from harness.matrix import WIDE_AXES
+
+    for option, axis, values in (("--optimizers", "optimizer", args.optimizers), ("--checkpoints", "checkpoint", args.checkpoints)):
+        if values:
+            unknown = [v for v in values if v not in WIDE_AXES[axis]]
+            if unknown:
+                raise ValueError(f"{option}: {unknown} not among {WIDE_AXES[axis]} (dcp-reshard cases name their world "
+                                 "sizes: suites/checkpoint builds them)")
+            axes[axis] = values
     fixed: dict[str, Any] = {}
     if args.steps is not None:
         fixed["steps"] = args.steps

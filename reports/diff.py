@@ -30,6 +30,7 @@ import pandas as pd
 
 from harness.collector import BadLine
 from reports.matrix import ERRORED, SEVERITY, fmt_ratio
+from reports.resume_matrix import resume_suffix
 
 ChangeKind = Literal["regression", "fix", "new", "removed", "changed"]
 KIND_ORDER: dict[str, int] = {"regression": 0, "fix": 1, "new": 2, "removed": 3, "changed": 4}
@@ -43,9 +44,11 @@ _CELL_AXES = ("engine", "reference", "model", "sharding_strategy", "precision", 
 
 
 def cell_name(row: pd.Series | dict[str, Any]) -> str:
-    """``torch-fsdp vs ddp · nested · full_shard · bf16 · bwd pre``: the matrix cell of a case."""
-    return (f"{row['engine']} vs {row['reference']} · {row['model']} · {row['sharding_strategy']} · "
+    """``torch-fsdp vs ddp · nested · full_shard · bf16 · bwd pre``: the matrix cell of a case; a case off
+    the default optimizer or checkpoint adds them (``· adamw · ckpt sharded → builtin``)."""
+    name = (f"{row['engine']} vs {row['reference']} · {row['model']} · {row['sharding_strategy']} · "
             f"{row['precision']} · bwd {row['backward_prefetch']}")
+    return name + resume_suffix(row)
 
 
 def _ratio(value: Any) -> float | None:

@@ -25,7 +25,9 @@ import pandas as pd
 from harness.case import (
     DEFAULT_ENGINES,
     CaseConfig,
+    CheckpointName,
     InitModeName,
+    OptimizerName,
     PrecisionName,
     PrefetchName,
     ReferenceName,
@@ -39,7 +41,12 @@ from harness.records import VERDICTS, CaseRecord
 AXIS_COLUMNS: tuple[str, ...] = (
     "engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch",
     "forward_prefetch", "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps",
+    "optimizer", "checkpoint", "resume_engine",
 )
+#: Axes that results written before them lack (read as their defaults).
+_LATER_AXES = ("optimizer", "checkpoint", "resume_engine")
+#: Axes ``marginals`` tabulates: cross-engine resume has its own matrix (``reports.resume_matrix``).
+MARGINAL_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a != "resume_engine")
 RUN_COLUMNS: tuple[str, ...] = ("run_id", "host", "torch_version", "backend", "gpu", "nccl_version", "git_rev")
 OUTCOME_COLUMNS: tuple[str, ...] = (
     "verdict", "worst_ratio", "worst_quantity", "reason", "deterministic", "wall_s", "peak_mem_bytes",
@@ -64,6 +71,8 @@ VALUE_ORDER: dict[str, list[Any]] = {
     "forward_prefetch": [False, True],
     "cpu_offload": [False, True],
     "use_orig_params": [False, True],
+    "optimizer": list(get_args(OptimizerName)),
+    "checkpoint": list(get_args(CheckpointName)),
 }
 
 CellStatus = Literal["pass", "fail", "flaky", "error", "unsupported", "empty"]
@@ -98,6 +107,8 @@ def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None =
             **{axis: case.get(axis) for axis in AXIS_COLUMNS},
             # A plugged engine's spec (``mine=fsdp1:pkg``) is shown by its name, as case ids show it.
             "engine": engine_name(str(case.get("engine"))),
+            # "" when the saving engine resumed (or nothing was saved): a plain value pandas can group.
+            "resume_engine": case.get("resume_engine") or "",
             "verdict": record.verdict,
             "worst_ratio": ratio,
             "worst_quantity": quantity,
@@ -116,7 +127,7 @@ def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None =
 
 def frame_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
     """A ``results.csv`` read back with ``pd.read_csv``, normalised to ``records_frame``'s shape."""
-    missing = [c for c in ("full_id", *AXIS_COLUMNS, "verdict") if c not in frame.columns]
+    missing = [c for c in ("full_id", *AXIS_COLUMNS, "verdict") if c not in frame.columns and c not in _LATER_AXES]
     if missing:
         raise ValueError(f"results.csv lacks columns {missing}; is it a report's results.csv?")
     frame = frame.reindex(columns=list(COLUMNS)).copy()
@@ -126,6 +137,9 @@ def frame_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
         frame[col] = frame[col].map(lambda v: v if isinstance(v, bool) else str(v) == "True")
     for col in ("world_size", "steps"):
         frame[col] = frame[col].astype(int)
+    # Results from before the optimizer and checkpoint axes hold their defaults.
+    for col, default in (("optimizer", _DEFAULTS["optimizer"]), ("checkpoint", _DEFAULTS["checkpoint"]), ("resume_engine", "")):
+        frame[col] = frame[col].astype(object).where(frame[col].notna(), default).astype(str)
     frame["worst_ratio"] = frame["worst_ratio"].astype(float)
     frame["time"] = frame["time"].fillna(0.0).astype(float)
     return frame
@@ -303,7 +317,7 @@ def parity_matrices(frame: pd.DataFrame) -> list[ParityMatrix]:
     return out
 
 
-def marginals(frame: pd.DataFrame, axes: Sequence[str] = AXIS_COLUMNS) -> dict[str, pd.DataFrame]:
+def marginals(frame: pd.DataFrame, axes: Sequence[str] = MARGINAL_AXES) -> dict[str, pd.DataFrame]:
     """Per axis: one row per value, ``passed/total`` per engine and the worst ratio over all engines.
 
     Spots a failure shared by one value across everything else (e.g. every ``cpu_offload=True`` case).

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from reports import resume_matrix
 from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.grid import Grid, GridCell, GridRow, GridSection
@@ -263,6 +264,7 @@ def html_page(
     parts.append(legend_html())
     if grid is not None:
         parts.append(_filters(grid) + grid_html(grid))
+    parts.append(resume_matrix.html_section(frame))
     parts.append(f'<h2 id="failing">Cases that did not pass</h2>{failing_table_html(frame)}')
     unsupported = frame[frame["verdict"] == "unsupported"] if not frame.empty else frame
     parts.append(f'<h2 id="unsupported">Unsupported ({len(unsupported)})</h2>')

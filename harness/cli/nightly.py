@@ -73,6 +73,9 @@ class NightlyConfig:
     world_sizes: list[int] | None = None
     #: training steps per case (None: ``CaseConfig``'s default).
     steps: int | None = None
+    #: optimizers and checkpoint types to widen the matrix with (None: the matrix's sgd and none).
+    optimizers: list[str] | None = None
+    checkpoints: list[str] | None = None
     #: keep cases whose full id contains one of these.
     filters: list[str] = field(default_factory=list)
     #: at most this many cases (for trial runs and tests).
@@ -124,6 +127,7 @@ class NightlyConfig:
         return cls(
             out=args.out, matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
             world_sizes=args.world_size, steps=args.steps, filters=list(args.filter), limit=args.limit,
+            optimizers=args.optimizers, checkpoints=args.checkpoints,
             fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
             time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
             backend=args.backend, case_timeout_s=args.timeout, progress=not args.no_progress,
@@ -138,7 +142,7 @@ class NightlyConfig:
         return Selection(
             matrix=self.matrix, engines=self.engines, references=self.references, models=self.models,
             steps=self.steps, filters=self.filters, limit=self.limit, check_determinism=self.check_determinism,
-            stress="delay" if self.stress else "none",
+            stress="delay" if self.stress else "none", optimizers=self.optimizers, checkpoints=self.checkpoints,
         )
 
     def to_dict(self) -> dict[str, Any]:

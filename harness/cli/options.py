@@ -22,6 +22,9 @@ def add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", type=csv_list, default=None, help="comma list of harness.models.MODELS (default: the matrix's)")
     p.add_argument("--world-size", type=lambda s: [int(x) for x in csv_list(s)], default=None,
                    help="ranks per case, comma list for several pools (default 2; under torchrun its WORLD_SIZE)")
+    p.add_argument("--optimizers", type=csv_list, default=None, help="comma list: sgd,adamw (default: sgd)")
+    p.add_argument("--checkpoints", type=csv_list, default=None,
+                   help="comma list: none,full,sharded,local: save half-way and resume (default: none)")
     p.add_argument("--steps", type=int, default=None, help="training steps per case (default: CaseConfig's 5)")
     p.add_argument("--check-determinism", action="store_true", help="run each engine twice and require bitwise-equal results")
     p.add_argument("--stress", action="store_true",
