@@ -23,7 +23,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice, get_engine
+from harness.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice
+from harness.registry import resolve
 from harness.case import CaseConfig
 from harness.checkpoint import load_checkpoint, load_plain, save_checkpoint, shared_tempdir
 from harness.compare import Observation
@@ -82,7 +83,7 @@ def run_resumed(
     trainee = adapter.build(case, model, ctx)
     optimizer = build_optimizer(case, trainee.trainable_parameters())
     train_steps(trainee, optimizer, case, ctx, range(k), table, obs, trace=trace, perturb=perturb)
-    loader = get_engine(case.resume_engine) if case.resume_engine else adapter
+    loader = resolve(case.resume_engine) if case.resume_engine else adapter
     mark_phase(trace, "checkpoint", k)
     with _checkpoint_dir(ctx, trace) as path, paused(trace):
         save_checkpoint(adapter, trainee.module, optimizer, case.checkpoint, path, ctx)
