@@ -39,13 +39,16 @@ from torch import Tensor
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from engine.api import BackwardPrefetch
+from engine.api import BackwardPrefetch, ShardingStrategy
 from engine.context import AllGatherLimiter, RootContext, Streams
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
 from engine.unit import FsdpUnit, ShardedState, TrainingState, ViewState
 
 if TYPE_CHECKING:
     from engine.fully_sharded import FullyShardedDataParallel
+
+#: strategies that keep the unsharded parameters from forward to backward.
+NO_RESHARD_AFTER_FORWARD = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 __all__ = [
     "final_callback",
@@ -132,6 +135,8 @@ def root_pre_forward(root: "FullyShardedDataParallel", args: Any, kwargs: Any) -
         ctx.exec_order.frozen = True
     if all(u.training_state == TrainingState.IDLE for u in ctx.units):
         for unit in ctx.units:
+            unit.check_offloaded_placement()
+        for unit in ctx.units:
             if unit.view_state == ViewState.COMPUTE or (
                 unit.sharded_state != ShardedState.SHARDED and not unit.aliased
             ):
@@ -182,6 +187,11 @@ def post_forward(state: "FullyShardedDataParallel", output: Any) -> Any:
         )
         if free:
             unit.reshard(ctx)
+        elif unit.use_orig_params and not (grad_enabled and unit.strategy in NO_RESHARD_AFTER_FORWARD):
+            # Kept unsharded for backward (the root, NO_SHARD): the original parameters still show
+            # the shard between forward and backward, as FSDP1's; with CPU offload that is the CPU.
+            # SHARD_GRAD_OP keeps the compute views, which backward must find unchanged.
+            unit.use_sharded_views()
         unit.training_state = TrainingState.IDLE
     if grad_enabled:
         hook = functools.partial(pre_backward_hook, state)
@@ -221,6 +231,10 @@ def pre_backward_hook(state: "FullyShardedDataParallel", grad: Tensor) -> None:
     unit.writeback()
     unit.unshard(ctx)
     unit.wait_unshard()
+    if unit.use_orig_params:
+        # Backward computes with the unsharded parameters: the original parameters show them
+        # (on the compute device) until the post-backward reshard, as FSDP1's.
+        unit.use_compute_views()
     if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(ctx, unit)
     return None

@@ -84,14 +84,17 @@ def _state_summoning(state: "FullyShardedDataParallel") -> Iterator[None]:
         state._training_state = TrainingState.IDLE
 
 
-def _gather_full(unit: FsdpUnit, flat: Tensor) -> Tensor:
-    """The unsharded (padded) flat tensor in ``flat``'s dtype; ``flat`` itself for NO_SHARD."""
+def _gather_full(unit: FsdpUnit, flat: Tensor, to_cpu: bool) -> Tensor:
+    """The unsharded (padded) flat tensor in ``flat``'s dtype, on the CPU when ``to_cpu``, else
+    on the compute device (for every strategy and with CPU offload too, as FSDP1's). NO_SHARD
+    returns ``flat`` itself where it already lives there (edits then land in it directly)."""
     handle = unit.handle
+    target = torch.device("cpu") if to_cpu else unit.device
     if not handle.uses_sharded_strategy:
-        return flat
+        return flat if flat.device == target else flat.to(target)
     out = torch.empty(handle.layout.padded_unsharded_numel, dtype=flat.dtype, device=unit.device)
     collectives.all_gather_flat(flat, lambda: out, unit.process_group, None, unit.device, flat.dtype)
-    return out
+    return out.cpu() if to_cpu and out.device.type != "cpu" else out
 
 
 @contextlib.contextmanager
@@ -115,14 +118,11 @@ def _summon_state(
             unit.writeback()
             prior_views = unit.view_state
             snapshot = _snapshot_attrs(handle)
-            full = _gather_full(unit, flat.data)
+            full = _gather_full(unit, flat.data, offload_to_cpu)
             full_grad = None
             if with_grads:
                 grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
-                full_grad = _gather_full(unit, grad.data)
-            if offload_to_cpu and full.device.type != "cpu":
-                full = full.cpu()
-                full_grad = full_grad.cpu() if full_grad is not None else None
+                full_grad = _gather_full(unit, grad.data, offload_to_cpu)
             show = not rank0_only or dist.get_rank() == 0
             wrapped = state.module
             flat_registered = wrapped._parameters.pop(_FLAT_PARAM, None)

@@ -22,7 +22,7 @@ from engine.api import HYBRID_STRATEGIES, BackwardPrefetch, ShardingStrategy
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
 
-__all__ = ["FsdpUnit", "ShardedState", "TrainingState", "ViewState", "skip_writeback_check"]
+__all__ = ["FsdpUnit", "ShardedState", "TrainingState", "ViewState", "offloaded_placement_error", "skip_writeback_check"]
 
 
 class TrainingState(Enum):
@@ -54,6 +54,25 @@ class ViewState(Enum):
 def skip_writeback_check() -> bool:
     """``FSDP_SKIP_WRITEBACK_CHECK=1`` turns off detection of user changes to original parameters."""
     return os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "0") == "1"
+
+
+def offloaded_placement_error(
+    offload_params: bool, found: torch.device, module_name: str, compute_device: torch.device
+) -> str | None:
+    """The error for a unit whose shard is on ``found``, or None where that is where it belongs.
+
+    With parameter offload the shard lives on the CPU; a module moved off it after wrapping
+    (``model.to("cuda")``) is refused at the next forward, as FSDP1 refuses it at its first,
+    instead of training on silently with parameters where offload says they are not.
+    """
+    if not offload_params or found.type == "cpu":
+        return None
+    return (
+        f"An FSDP-managed module with parameter CPU offloading enabled has parameters on {found} "
+        f"(unit wrapping {module_name}): do not move the module from the CPU after wrapping it with "
+        f"CPUOffload(offload_params=True); its parameters move to the compute device {compute_device} "
+        "only for forward and backward"
+    )
 
 
 class FsdpUnit:
@@ -120,6 +139,7 @@ class FsdpUnit:
         flat = handle.flat_param
         if handle.unsharded_flat_param is not None:
             return
+        self.check_offloaded_placement()
         target = torch.device("cpu") if self.offload_params else self.device
         pin = self.offload_params and self.device.type == "cuda"
         if flat.device != target or (pin and not flat.is_pinned()):
@@ -142,6 +162,13 @@ class FsdpUnit:
             self.sharded_state = ShardedState.UNSHARDED
         self._post_backward_fn = post_backward
         self._hook_leaf(leaf)
+
+    def check_offloaded_placement(self) -> None:
+        """Refuse a shard that parameter offload says is on the CPU but is not (see
+        :func:`offloaded_placement_error`)."""
+        error = offloaded_placement_error(self.offload_params, self.handle.flat_param.device, self.module_name, self.device)
+        if error is not None:
+            raise RuntimeError(error)
 
     def _hook_leaf(self, leaf: Tensor) -> None:
         if leaf.requires_grad and self._post_backward_fn is not None:
