@@ -27,6 +27,7 @@ from engine.api import (
     StateDictType,
     to_handle_strategy,
 )
+from engine.arguments import as_state_dict_config, as_state_dict_type, normalize_arguments
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
 from engine.precision import full_prec_in_eval_from_env, managed_buffers
@@ -146,15 +147,6 @@ def _managed_buffers(module: nn.Module, ignored_modules: set[nn.Module]) -> list
     return [b for m in _managed_modules(module, ignored_modules) for b in m._buffers.values() if b is not None]
 
 
-def _device_from_id(device_id: int | torch.device | None) -> torch.device | None:
-    if device_id is None:
-        return None
-    device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def _materialize(
     module: nn.Module,
     param_init_fn: Callable[[nn.Module], None] | None,
@@ -271,16 +263,25 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
         device_mesh: Any = None,
     ) -> None:
-        super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
-        if not isinstance(strategy, ShardingStrategy):
-            raise ValueError(f"sharding_strategy={sharding_strategy!r} must be an engine.ShardingStrategy member")
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise ValueError(f"backward_prefetch={backward_prefetch!r} must be a BackwardPrefetch member or None")
-        if cpu_offload is None:
-            cpu_offload = CPUOffload()
+        args = normalize_arguments(
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+        )
+        super().__init__()
+        strategy = args.sharding_strategy
+        cpu_offload, backward_prefetch, mixed_precision = args.cpu_offload, args.backward_prefetch, args.mixed_precision
+        sync_module_states, forward_prefetch = args.sync_module_states, args.forward_prefetch
+        limit_all_gathers, use_orig_params = args.limit_all_gathers, args.use_orig_params
         shard_group, replicate_group = _resolve_groups(strategy, process_group, device_mesh)
         if strategy not in HYBRID_STRATEGIES and shard_group.size() == 1 and strategy != ShardingStrategy.NO_SHARD:
             # One rank holds everything: sharding is NO_SHARD (FSDP1 switches the same way).
@@ -306,7 +307,7 @@ class FullyShardedDataParallel(nn.Module):
             }
             wrap.auto_wrap(module, auto_wrap_policy, FullyShardedDataParallel, ignored_mods, ignored_params, root_kwargs)
 
-        dev_from_id = _device_from_id(device_id)
+        dev_from_id = args.device_id
         init_device = dev_from_id or (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available() and _uses_nccl(shard_group)
@@ -545,8 +546,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: Any = None,
     ) -> Iterator[None]:
         """Record ``state_dict_type`` on every unit for the duration (read by state-dict code)."""
-        if not isinstance(state_dict_type, StateDictType):
-            raise ValueError(f"state_dict_type={state_dict_type!r} must be an engine.StateDictType member")
+        state_dict_type = as_state_dict_type(state_dict_type)
+        as_state_dict_config(state_dict_config)
         with _set_on_units(FullyShardedDataParallel.fsdp_modules(module), "_state_dict_type", state_dict_type):
             yield
 
