@@ -3,8 +3,9 @@
 A unit is what one ``FullyShardedDataParallel`` instance manages: one all-gather before compute,
 one gradient reduction after backward. :class:`FsdpUnit` changes its unsharded buffer only
 through :meth:`unshard` / :meth:`wait_unshard` / :meth:`reshard` (which assert the current
-:class:`ShardedState`) and reduces gradients in :meth:`reduce_grad`. Hooks and ordering live in
-:mod:`engine.runtime`; communication in :mod:`engine.collectives`.
+:class:`ShardedState`) and reduces gradients in :meth:`reduce_grad`. Its training state is its
+instance's :class:`~engine.lifecycle.TrainingLifecycle` (one object, held by both). Hooks and
+ordering live in :mod:`engine.state`; communication in :mod:`engine.collectives`.
 """
 
 from __future__ import annotations
@@ -21,16 +22,9 @@ from engine import collectives
 from engine.api import HYBRID_STRATEGIES, BackwardPrefetch, ShardingStrategy
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
+from engine.lifecycle import TrainingLifecycle, TrainingState
 
 __all__ = ["FsdpUnit", "ShardedState", "TrainingState", "ViewState", "offloaded_placement_error", "skip_writeback_check"]
-
-
-class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
-    SUMMON_FULL_PARAMS = auto()
 
 
 class ShardedState(Enum):
@@ -89,6 +83,7 @@ class FsdpUnit:
         backward_prefetch: BackwardPrefetch | None,
         forward_prefetch: bool,
         keep_low_precision_grads: bool,
+        lifecycle: TrainingLifecycle | None = None,
     ) -> None:
         self.handle = handle
         #: class and position of the wrapped module, for error messages.
@@ -104,7 +99,8 @@ class FsdpUnit:
         #: FULL_SHARD and HYBRID_SHARD free the unsharded parameters after forward.
         self.reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
-        self.training_state = TrainingState.IDLE
+        #: the training state of the instance this unit belongs to (its owner's object, shared).
+        self.lifecycle = lifecycle if lifecycle is not None else TrainingLifecycle(module_name)
         self.sharded_state = ShardedState.SHARDED
         self.view_state = ViewState.SHARDED
         #: completion of the in-flight all-gather (CUDA); None when nothing is in flight.
@@ -122,6 +118,10 @@ class FsdpUnit:
         #: full precision in eval is used).
         self._post_backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._post_backward_fn: Callable[[Tensor], None] | None = None
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self.lifecycle.state
 
     # ------------------------------------------------------------------ lazy init
     @property
@@ -376,7 +376,6 @@ class FsdpUnit:
     def reset_backward_flags(self) -> None:
         self.ran_pre_backward = False
         self.ran_post_backward = False
-        self.training_state = TrainingState.IDLE
 
     def __repr__(self) -> str:
         return f"FsdpUnit({self.module_name}, {self.strategy.name}, {self.sharded_state.name})"
