@@ -1,6 +1,6 @@
 """CPU-offload placement checks shared by the CPU lane (our engine on gloo) and the GPU lane (our
 engine and torch FSDP1 side by side on NCCL): one training step per configuration, recorded with
-``harness.placement`` at every point a user can observe.
+``harness.param_devices`` at every point a user can observe.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.placement import PlacementLog, original_names, record_training_step
+from harness.param_devices import PlacementLog, original_names, record_training_step
 from suites.engine.models import NestedWrapped, SharedTransformer
 
 MODELS = {"nested": NestedWrapped, "transformer": SharedTransformer}

@@ -1,7 +1,7 @@
 """CPU offload placement of our engine and torch FSDP1 side by side on 2 GPUs (NCCL).
 
 For every strategy and ``use_orig_params``, on the nested model and the transformer with a tied
-weight, both engines run one offloaded training step recorded by ``harness.placement`` (after
+weight, both engines run one offloaded training step recorded by ``harness.param_devices`` (after
 construction, in forward and backward, after forward, backward and ``optimizer.step()``, inside and
 after ``summon_full_params`` with and without ``offload_to_cpu``, inside and after ``no_sync``);
 every parameter and gradient must be on the same device in both, and where offload promises it.
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.placement import PlacementLog, offload_violations
+from harness.param_devices import PlacementLog, offload_violations
 from harness.pytest_plugin import needs_gpus
 from suites.engine.models import NestedWrapped
 from suites.engine.placement import configurations, offload_step

@@ -1,4 +1,4 @@
-"""CPU offload placement on the CPU lane: the recorder of ``harness.placement`` and its offload rule
+"""CPU offload placement on the CPU lane: the recorder of ``harness.param_devices`` and its offload rule
 (pure, over planted records), one offloaded training step of our engine on 2 gloo ranks for every
 strategy and ``use_orig_params`` (every point recorded, nothing off the promised device: the CPU
 is also the compute device here), and the refusal of a module moved off the CPU after wrapping.
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from engine.unit import offloaded_placement_error
-from harness.placement import (
+from harness.param_devices import (
     COMPUTE_POINTS,
     PARAMETER_POINTS,
     Violation,
