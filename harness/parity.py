@@ -10,54 +10,8 @@ batch per step, seeded by ``(seed, step, rank)``), and compares, as this rank se
   the reference's full gradient, worst over the steps;
 - ``param:<name>``: the parameters after the last step (unsharded through the engine's own API).
 
-Each quantity is a ``QuantityError`` (max absolute and relative error, the tolerance used, and
-``ratio``, the worst element's error over what ``torch.testing.assert_close`` allows). Tolerances
-(``budget_source`` decides which; ``TolerancePolicy`` applies them):
-
-- Full precision up to ``ORDER_FREE_WORLD_SIZE`` (2) ranks: torch's defaults for the dtype, nothing
-  else. Averaging two ranks' gradients rounds the same whatever the reduction: one addition commutes
-  and dividing by 2 is exact, so an fp32 engine matches DDP and the local reference bitwise (every
-  fp32 case at 2 gloo ranks measured ratio 0.0).
-- Full precision past 2 ranks: torch's defaults, widened per quantity by a budget of
-  ``BUDGET_FACTOR`` times the distance between the reference itself and the same run in float64
-  (``derive_budgets``, worst over the ranks). With three or more terms the order of a sum changes its
-  rounding: DDP divides and then sums in its all-reduce buckets, FSDP1 reduce-scatters between a
-  pre- and a post-division, the local reference sums rank after rank, and each bound is
-  ``depth * u * sum|g_i|`` (depth ``n - 1`` for a ring or a sequential sum, ``ceil(log2 n)`` for a
-  tree). Training then amplifies that rounding from step to step by a factor that belongs to the
-  model and the data, not to the world size. Measured on gloo over 5 steps: under torch's defaults
-  the transformer's worst ratio over seeds 0-11 is 1.89 at 4 ranks and 1.05 at 8 (seed 0 at 8, ratio
-  1.001, is what failed FSDP1 and the built-in engine against DDP), and 0.36 to 0.94 at 3, 6 and 16
-  ranks (seed 0); gpt, nested and moe stay below 0.2 at 3 to 8 ranks. A factor of the world size
-  alone cannot tell those apart: ``ceil(log2 ws)`` still left 0.95 at 4 ranks, and it already missed
-  a gradient planted 1e-5 off (relative) on gpt at 8. The float64 distance measures the
-  amplification of the case at hand. Both fp32 runs round the same float64 computation in different
-  orders, so by the triangle inequality an engine as accurate as the reference is within about twice
-  the reference's drift, and ``BUDGET_FACTOR`` (the same 4 as mixed precision) leaves room for the
-  engine to drift more by chance. Measured: worst ratio 0.68 over those transformer runs. Where the
-  model does not amplify rounding the budgets stay at or near torch's atol (gpt keeps exactly its
-  tolerances), and a gradient planted 1e-5 off still fails every zoo model at 4 and 8 ranks (worst
-  ratio 2.4 on gpt to 29). A float64 case keeps the defaults at every world size: float64 is its own
-  truth.
-- Mixed precision: a budget derived per quantity as ``BUDGET_FACTOR`` times the distance between
-  the local reference that emulates the engine's casts and the same run in float64, with the rtol of
-  the lowest-precision dtype the case computes or reduces in: a scalar such as a loss can land on a
-  lucky rounding in the emulation, so one rounding of the low-precision dtype is always allowed.
-
-A budget is the worst over the ranks (``worst_budgets``): every rank's loss measures the same drift
-of the shared parameters from float64, and on one rank the measured run can land next to float64 by
-chance (bf16 transformer at 8 ranks: rank 1's emulated loss at step 4 within 0.17 of float64 while
-the drift shows as 2.6 on rank 3, so even torch FSDP1 failed that rank's budget). A budget only
-widens ``atol``; it never narrows torch's defaults.
-
-Knob checks (``KnobCheck``) make sure no setting is silently ignored: the sharding strategy shows in
-which all-gathers and reductions the engine's communication trace holds, the precision in their
-dtypes, a prefetch setting must reorder the trace against the same case without it (FSDP2, which
-cannot turn backward prefetch off, must show an all-gather issued ahead of the previous unit's
-reduction), offload must leave the sharded parameters on CPU and no offload on the device (which is
-also where ``init_mode="never"`` must have put them: the other init modes are the harness's own
-moves), ``use_orig_params`` decides whether flat parameters are exposed. A check that cannot see
-anything in a case (one unit, CPU-only ranks) says ``n/a`` rather than pass.
+Each quantity is compared by ``harness.compare`` under the tolerance ``harness.tolerance`` derives
+(its docstring says which and why), and ``harness.knobs`` checks that no setting was silently ignored.
 
 ``record_from_outcome`` (in the parent) turns every rank's answer, or the pool's timeout, crash or
 error, into one ``CaseRecord``: the verdict is all-rank.
@@ -72,79 +26,44 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from harness.adapters import (
-    TRUTH_SPEC,
     EngineAdapter,
     EngineFacts,
     EngineTrainee,
-    LocalReference,
     ParamSlice,
-    ReferenceRun,
-    build_ddp,
-    dtype_of,
     get_engine,
     prepare_inputs,
     rank_local_param_names,
 )
 from harness.case import CaseConfig, PrecisionSpec
+from harness.compare import Observation, compare_observations, derive_budgets, merge_quantities, worst_budgets
+from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model, gpu_sleep
-from harness.pool import PoolOutcome, RankContext, default_shard_size
+from harness.placement import default_shard_size
+from harness.pool import PoolOutcome
+from harness.rank import RankContext
+from harness.knobs import (
+    KnobCheck,
+    check_backward_prefetch_structure,
+    check_offload,
+    check_order_changed,
+    check_precision,
+    check_sharding,
+    check_use_orig_params,
+)
 from harness.records import CaseRecord, QuantityError
-from harness.trace import CommEvent, CommTrace, movable_gathers, ops, signature, total_bytes
+from harness.references import TRUTH_SPEC, LocalReference, build_ddp
+from harness.tolerance import TolerancePolicy, budget_source
+from harness.trace import CommTrace, ops, total_bytes
 
-__all__ = [
-    "BUDGET_FACTOR",
-    "BudgetSource",
-    "DEFAULT_TOLERANCES",
-    "FAULTS",
-    "ORDER_FREE_WORLD_SIZE",
-    "KnobCheck",
-    "Observation",
-    "TolerancePolicy",
-    "budget_source",
-    "check_backward_prefetch_structure",
-    "check_offload",
-    "check_order_changed",
-    "check_precision",
-    "check_sharding",
-    "check_use_orig_params",
-    "combine",
-    "compare_observations",
-    "compare_tensors",
-    "derive_budgets",
-    "worst_budgets",
-    "merge_quantities",
-    "record_from_outcome",
-    "run_case_on_rank",
-]
+__all__ = ["FAULTS", "record_from_outcome", "run_case_on_rank"]
 
-#: ``torch.testing.assert_close``'s default ``(rtol, atol)`` per dtype.
-DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-}
-
-#: How far from the float64 run an engine may be, in multiples of how far the measured run is (the
-#: emulating reference under mixed precision, the reference itself past ``ORDER_FREE_WORLD_SIZE``).
-#: The engine rounds at the same places as that run, in another order.
-BUDGET_FACTOR = 4.0
-
-#: Up to this many ranks a gradient average rounds the same in any reduction order (one addition
-#: commutes, dividing by 1 or 2 is exact): full precision keeps torch's defaults there.
-ORDER_FREE_WORLD_SIZE = 2
-
-#: Which run's distance from float64 sets the budgets: none (torch's defaults), the local reference
-#: that emulates the engine's casts (mixed precision), or the reference itself (full precision past
-#: ``ORDER_FREE_WORLD_SIZE`` ranks).
-BudgetSource = Literal["none", "emulation", "reference"]
 
 #: Fault injections a case can ask for with ``extras=(("fault", name),)``; they prove the pool's
 #: watchdog (a rank that skips a collective, exits, segfaults or raises) and the comparison (rank 1's
@@ -152,318 +71,13 @@ BudgetSource = Literal["none", "emulation", "reference"]
 #: setting, for the knob checks) is handled by the adapters.
 FAULTS = ("skip_collective_on_rank1", "exit_rank1", "segfault_rank1", "raise_rank1", "perturb_grad_rank1")
 
-KnobStatus = Literal["ok", "ignored", "n/a"]
-
 
 # ---------------------------------------------------------------------------------------------------
 # Observations and comparison (pure)
 
 
-@dataclass
-class Observation:
-    """What one side (engine or reference) showed on this rank."""
-
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    #: per step: the gradient pieces this side holds (a reference holds every parameter in full).
-    grads: list[list[ParamSlice]] = field(default_factory=list)
-    #: the parameters at the end, pieces or full.
-    params: list[ParamSlice] = field(default_factory=list)
-    #: elements of trainable parameters no rank's engine held a gradient for, by name (worst step).
-    coverage_gaps: dict[str, int] = field(default_factory=dict)
-    events: list[CommEvent] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    #: what the engine did with its parameters (engines only).
-    facts: EngineFacts | None = None
-
-    @classmethod
-    def from_reference(cls, run: ReferenceRun) -> "Observation":
-        return cls(
-            losses=list(run.losses),
-            grad_norms=list(run.grad_norms),
-            grads=[[ParamSlice(n, 0, g) for n, g in step.items()] for step in run.grads],
-            params=[ParamSlice(n, 0, p) for n, p in run.params.items()],
-        )
-
-
-@dataclass
-class Finding:
-    """A compared quantity, and where its worst error was."""
-
-    error: QuantityError
-    step: int | None = None
-
-
-@dataclass(frozen=True)
-class TolerancePolicy:
-    """The tolerance of each quantity: a dtype default, widened by a derived budget where one exists."""
-
-    rtol: float
-    atol: float
-    #: per quantity name: an absolute budget (mixed precision), used where larger than ``atol``.
-    budgets: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def for_precision(cls, spec: PrecisionSpec, budgets: dict[str, float] | None = None) -> "TolerancePolicy":
-        """torch's defaults for the full dtype; under mixed precision the rtol of the lowest-precision
-        dtype the case computes or reduces in (one rounding there) and the derived ``budgets``."""
-        rtol, atol = DEFAULT_TOLERANCES.get(dtype_of(spec.full), DEFAULT_TOLERANCES[torch.float32])
-        if spec.is_mixed:
-            for name in (spec.param, spec.reduce):
-                if name is not None:
-                    rtol = max(rtol, DEFAULT_TOLERANCES.get(dtype_of(name), (rtol, atol))[0])
-        return cls(rtol, atol, dict(budgets or {}))
-
-    def tolerance(self, quantity: str) -> tuple[float, float]:
-        """``(atol, rtol)`` for a quantity."""
-        return max(self.atol, self.budgets.get(quantity, 0.0)), self.rtol
-
-
-def compare_tensors(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> QuantityError:
-    """The worst disagreement of two tensors, ``torch.testing.assert_close``'s way (in float64)."""
-    a = actual.detach().double().reshape(-1).cpu()
-    e = expected.detach().double().reshape(-1).cpu()
-    if a.shape != e.shape:
-        return QuantityError(name, math.inf, math.inf, atol, rtol, False, math.inf)
-    if a.numel() == 0:
-        return QuantityError(name, 0.0, 0.0, atol, rtol, True, 0.0)
-    finite = torch.isfinite(a) & torch.isfinite(e)
-    same = a == e  # infinities of one sign agree; NaN never does
-    diff = torch.where(same, torch.zeros_like(a), (a - e).abs())
-    diff = torch.where(finite | same, diff, torch.full_like(a, math.inf))
-    scale = e.abs().nan_to_num(nan=0.0, posinf=0.0)
-    rel = torch.where(scale > 0, diff / scale.clamp_min(1e-300), torch.where(diff > 0, math.inf, 0.0))
-    allowed = atol + rtol * scale
-    ratio = torch.where(diff > 0, diff / allowed, torch.zeros_like(diff))
-    worst = float(ratio.max())
-    return QuantityError(name, float(diff.max()), float(rel.max()), atol, rtol, worst <= 1.0, worst)
-
-
-def combine(a: QuantityError, b: QuantityError) -> tuple[QuantityError, bool]:
-    """Two measurements of one quantity (steps, ranks) as one: the worse by ratio, with the larger
-    ``max_abs`` and ``max_rel`` of both, passed only if both passed; and whether ``b`` was the worse."""
-    b_worse = b.ratio > a.ratio
-    worst = b if b_worse else a
-    merged = replace(worst, max_abs=max(a.max_abs, b.max_abs), max_rel=max(a.max_rel, b.max_rel), passed=a.passed and b.passed)
-    return merged, b_worse
-
-
-def _worse(a: Finding | None, b: Finding) -> Finding:
-    if a is None:
-        return b
-    error, b_worse = combine(a.error, b.error)
-    return Finding(error, b.step if b_worse else a.step)
-
-
-def _reference_tensors(slices: Sequence[ParamSlice]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for s in slices:
-        if s.start != 0 and s.name not in out:
-            raise ValueError(f"reference slice {s.name}[{s.start}:] is not a full parameter")
-        out[s.name] = s.value
-    return out
-
-
-def _compare_slices(
-    prefix: str, actual: Sequence[ParamSlice], expected: dict[str, torch.Tensor], policy: TolerancePolicy, step: int | None
-) -> dict[str, Finding]:
-    found: dict[str, Finding] = {}
-    for piece in actual:
-        name = f"{prefix}:{piece.name}"
-        atol, rtol = policy.tolerance(name)
-        ref = expected.get(piece.name)
-        if ref is None or piece.start + piece.numel > ref.numel():
-            error = QuantityError(name, math.inf, math.inf, atol, rtol, False, math.inf)
-        else:
-            error = compare_tensors(name, piece.value, ref[piece.start : piece.start + piece.numel], atol, rtol)
-        found[name] = _worse(found.get(name), Finding(error, step))
-    return found
-
-
-def compare_observations(engine: Observation, reference: Observation, policy: TolerancePolicy) -> list[Finding]:
-    """Every quantity of the engine against the reference (this rank's view), worst over steps."""
-    findings: dict[str, Finding] = {}
-
-    def scalar(name: str, actual: float, expected: float, step: int) -> None:
-        atol, rtol = policy.tolerance(name)
-        findings[name] = Finding(compare_tensors(name, torch.tensor(actual), torch.tensor(expected), atol, rtol), step)
-
-    for step, (a, e) in enumerate(zip(engine.losses, reference.losses)):
-        scalar(f"loss@{step}", a, e, step)
-    for step, (a, e) in enumerate(zip(engine.grad_norms, reference.grad_norms)):
-        scalar(f"grad_norm@{step}", a, e, step)
-    grad_findings: dict[str, Finding] = {}
-    for step, (a_slices, e_slices) in enumerate(zip(engine.grads, reference.grads)):
-        for name, finding in _compare_slices("grad", a_slices, _reference_tensors(e_slices), policy, step).items():
-            grad_findings[name] = _worse(grad_findings.get(name), finding)
-    findings.update(dict(sorted(grad_findings.items())))
-    param_findings = _compare_slices("param", engine.params, _reference_tensors(reference.params), policy, None)
-    findings.update(dict(sorted(param_findings.items())))
-    for name, missing in sorted(engine.coverage_gaps.items()):
-        qname = f"grad:{name}"
-        atol, rtol = policy.tolerance(qname)
-        gap = Finding(QuantityError(qname, math.inf, math.inf, atol, rtol, False, math.inf), None)
-        findings[qname] = _worse(findings.get(qname), gap)
-    return list(findings.values())
-
-
-def budget_source(spec: PrecisionSpec, world_size: int) -> BudgetSource:
-    """Where a case's budgets come from (the module docstring says why)."""
-    if world_size < 1:
-        raise ValueError(f"budget_source: world_size={world_size} must be at least 1")
-    if spec.is_mixed:
-        return "emulation"
-    if dtype_of(spec.full) == torch.float64 or world_size <= ORDER_FREE_WORLD_SIZE:
-        return "none"
-    return "reference"
-
-
-def derive_budgets(emulated: Observation, truth: Observation, factor: float = BUDGET_FACTOR) -> dict[str, float]:
-    """Per quantity: ``factor`` times the largest distance between the measured run (the emulating
-    reference, or the full-precision reference itself) and float64."""
-    policy = TolerancePolicy(0.0, math.inf)
-    return {f.error.name: factor * f.error.max_abs for f in compare_observations(emulated, truth, policy)}
-
-
-def worst_budgets(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Every rank's derived budgets as one: the largest per quantity (see the module docstring)."""
-    merged: dict[str, float] = {}
-    for budgets in per_rank:
-        for name, budget in budgets.items():
-            merged[name] = max(budget, merged.get(name, 0.0))
-    return merged
-
-
-def merge_quantities(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[list[QuantityError], dict[str, dict[str, Any]]]:
-    """All ranks' findings into one ``QuantityError`` per quantity (the worst), and where it was."""
-    merged: dict[str, QuantityError] = {}
-    where: dict[str, dict[str, Any]] = {}
-    for rank, findings in enumerate(per_rank):
-        for f in findings:
-            error = QuantityError(**{k: f[k] for k in QuantityError.__dataclass_fields__})
-            current = merged.get(error.name)
-            worse = True
-            if current is not None:
-                error, worse = combine(current, error)
-            merged[error.name] = error
-            if worse:
-                where[error.name] = {"rank": rank, "step": f.get("step")}
-    return list(merged.values()), where
-
-
 # ---------------------------------------------------------------------------------------------------
 # Knob checks (pure, over the trace and engine facts)
-
-
-@dataclass
-class KnobCheck:
-    """Whether a setting showed its effect: ``ok``, ``ignored`` (fails the case) or ``n/a`` (nothing to see)."""
-
-    knob: str
-    status: KnobStatus
-    reason: str
-
-
-_FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
-
-
-def check_sharding(strategy: str, events: Sequence[CommEvent], sharded_units: int, replicate_size: int = 1) -> KnobCheck:
-    """The strategy in the trace: which phases all-gather, and how gradients are reduced."""
-    fwd_ag = len(ops(events, op="all_gather", phase="forward"))
-    bwd_ag = len(ops(events, op="all_gather", phase="backward"))
-    rs = len(ops(events, op="reduce_scatter", phase="backward"))
-    ar = ops(events, op="all_reduce", phase="backward")
-    seen = f"forward all-gathers {fwd_ag}, backward all-gathers {bwd_ag}, reduce-scatters {rs}, all-reduces {len(ar)}"
-    knob = "sharding_strategy"
-    if strategy == "no_shard":
-        ok = fwd_ag + bwd_ag == 0 and rs == 0 and len(ar) > 0
-        expected = "no all-gather or reduce-scatter, gradients all-reduced"
-    elif strategy in ("shard_grad_op", "hybrid_shard_zero2"):
-        ok = fwd_ag > 0 and bwd_ag == 0 and rs > 0
-        expected = "all-gathers in forward only (parameters kept until backward ends), gradients reduce-scattered"
-    else:
-        if sharded_units == 0:
-            return KnobCheck(knob, "n/a", "no unit besides the root, which is never resharded after forward")
-        ok = fwd_ag > 0 and bwd_ag > 0 and rs > 0
-        expected = "parameters re-gathered in backward, gradients reduce-scattered"
-    if strategy.startswith("hybrid") and replicate_size > 1:
-        ok = ok and any(e.group_size == replicate_size for e in ar)
-        expected += f", and all-reduced across {replicate_size} replicas"
-    if ok:
-        return KnobCheck(knob, "ok", seen)
-    return KnobCheck(knob, "ignored", f"{strategy}: expected {expected}; saw {seen}")
-
-
-def check_precision(spec: PrecisionSpec, events: Sequence[CommEvent]) -> KnobCheck:
-    """All-gathers carry the compute dtype and gradient reductions the reduce dtype."""
-    param = spec.param or spec.full
-    reduce = spec.reduce or spec.param or spec.full
-    gathers = [e for e in ops(events, op="all_gather") if e.phase in ("forward", "backward") and e.dtype in _FLOAT_DTYPES]
-    reductions = [e for e in ops(events, op=("reduce_scatter", "all_reduce"), phase="backward") if e.dtype in _FLOAT_DTYPES]
-    if not gathers and not reductions:
-        return KnobCheck("precision", "n/a", "no floating-point collective in forward or backward")
-    wrong_gather = sorted({e.dtype for e in gathers} - {param})
-    wrong_reduce = sorted({e.dtype for e in reductions} - {reduce})
-    if wrong_gather or wrong_reduce:
-        parts = []
-        if wrong_gather:
-            parts.append(f"all-gathers in {wrong_gather}, expected {param}")
-        if wrong_reduce:
-            parts.append(f"gradient reductions in {wrong_reduce}, expected {reduce}")
-        return KnobCheck("precision", "ignored", "; ".join(parts))
-    return KnobCheck("precision", "ok", f"all-gathers in {param}, reductions in {reduce}")
-
-
-def check_order_changed(
-    knob: str, value: Any, baseline_value: Any, events: Sequence[CommEvent], baseline: Sequence[CommEvent],
-    *, phase: str, steps: range,
-) -> KnobCheck:
-    """A prefetch setting must change the order of ``phase`` against the same case without it."""
-    mine = signature(events, phase=phase, steps=steps)
-    theirs = signature(baseline, phase=phase, steps=steps)
-    gathers = sum(1 for item in mine if item[1] == "all_gather")
-    if mine != theirs:
-        return KnobCheck(knob, "ok", f"{phase} order differs from {knob}={baseline_value!r} ({gathers} all-gathers)")
-    if not movable_gathers(theirs):
-        return KnobCheck(knob, "n/a", f"no all-gather in {phase} comes after anything else of its step: nothing to reorder")
-    return KnobCheck(
-        knob, "ignored",
-        f"{knob}={value!r}: the {phase} order of collectives and compute ({gathers} all-gathers) is the same as with {knob}={baseline_value!r}",
-    )
-
-
-def check_backward_prefetch_structure(events: Sequence[CommEvent], steps: range) -> KnobCheck:
-    """Without a baseline: a prefetching engine issues some backward all-gather right after another,
-    before the reduction of the unit in between."""
-    backward = [e for e in ops(events, phase="backward") if e.step in steps]
-    gathers = sum(1 for e in backward if e.op == "all_gather")
-    if gathers < 2:
-        return KnobCheck("backward_prefetch", "n/a", f"{gathers} all-gather(s) in backward: nothing to prefetch")
-    if any(a.op == b.op == "all_gather" for a, b in zip(backward, backward[1:])):
-        return KnobCheck("backward_prefetch", "ok", "an all-gather is issued before the previous unit's reduction")
-    return KnobCheck(
-        "backward_prefetch", "ignored", f"every one of {gathers} backward all-gathers waits for the previous unit's reduction"
-    )
-
-
-def check_offload(cpu_offload: bool, param_devices: set[str], device_type: str) -> KnobCheck:
-    if device_type == "cpu":
-        return KnobCheck("cpu_offload", "n/a", "the ranks compute on CPU: parameters are on CPU either way")
-    on_cpu = param_devices == {"cpu"}
-    if cpu_offload == on_cpu:
-        return KnobCheck("cpu_offload", "ok", f"sharded parameters on {sorted(param_devices)}")
-    expected = "CPU" if cpu_offload else device_type
-    return KnobCheck("cpu_offload", "ignored", f"cpu_offload={cpu_offload}: sharded parameters on {sorted(param_devices)}, expected {expected}")
-
-
-def check_use_orig_params(use_orig_params: bool, exposes_flat_params: bool | None) -> KnobCheck:
-    if exposes_flat_params is None:
-        return KnobCheck("use_orig_params", "n/a", "the engine has no flat parameters")
-    if exposes_flat_params != use_orig_params:
-        what = "flat parameters" if exposes_flat_params else "original parameters"
-        return KnobCheck("use_orig_params", "ok", f"module.parameters() yields {what}")
-    what = "flat parameters" if exposes_flat_params else "original parameters"
-    return KnobCheck("use_orig_params", "ignored", f"use_orig_params={use_orig_params} but module.parameters() yields {what}")
 
 
 # ---------------------------------------------------------------------------------------------------

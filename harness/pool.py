@@ -50,22 +50,18 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from harness.placement import Backend, xdist_worker
+from harness.rank import RankContext
+
 __all__ = [
     "PoolConfig",
     "PoolOutcome",
     "PoolStartError",
-    "RankContext",
     "RankError",
     "RankPool",
-    "assign_devices",
-    "default_backend",
-    "default_shard_size",
     "gpus_hidden",
-    "gpus_shared",
-    "xdist_worker",
 ]
 
-Backend = Literal["gloo", "nccl"]
 OutcomeStatus = Literal["ok", "error", "timeout", "crash"]
 
 #: characters of a rank's stderr a crash keeps.
@@ -163,46 +159,10 @@ class PoolStartError(RuntimeError):
 # Pure helpers
 
 
-def xdist_worker(env: dict[str, str] | None = None) -> tuple[int, int]:
-    """``(index, count)`` of this pytest-xdist worker; ``(0, 1)`` outside xdist."""
-    env = dict(os.environ) if env is None else env
-    worker = env.get("PYTEST_XDIST_WORKER", "")
-    if not worker:
-        return 0, 1
-    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
-    return index, max(int(env.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
 
 
-def assign_devices(world_size: int, n_devices: int, worker_index: int = 0, n_workers: int = 1) -> tuple[int, ...]:
-    """The GPUs one pool of ``world_size`` ranks takes in pytest-xdist worker ``worker_index`` of ``n_workers``.
-
-    Each worker owns a block of ``n_devices // n_workers`` consecutive GPUs, and every pool it starts
-    (whatever its world size) takes the first ``world_size`` of its block: where the block is big
-    enough, concurrent pools never share a GPU. Where it is not (8 workers on 2 GPUs), the workers
-    share the GPUs, worker ``i`` starting at GPU ``i * world_size`` modulo ``n_devices`` so each GPU
-    carries as many pools as the others. Sharing is sound (each pool has its own communicators and
-    GPUs time-slice between processes) but makes timings noisy: ``gpus_shared`` says when it happens.
-    """
-    if world_size < 1:
-        raise ValueError(f"assign_devices: world_size={world_size} must be at least 1")
-    if not 0 <= worker_index < n_workers:
-        raise ValueError(f"assign_devices: worker_index={worker_index} must be in [0, n_workers={n_workers})")
-    if world_size > n_devices:
-        raise ValueError(
-            f"assign_devices: world_size={world_size} needs one GPU per rank but only {n_devices} are visible; "
-            "run fewer ranks or on CPU (gloo)"
-        )
-    block = n_devices // n_workers
-    if world_size <= block:
-        first = worker_index * block
-        return tuple(range(first, first + world_size))
-    first = worker_index * world_size
-    return tuple((first + k) % n_devices for k in range(world_size))
 
 
-def gpus_shared(world_size: int, n_devices: int, n_workers: int = 1) -> bool:
-    """Whether ``assign_devices`` makes pools of different xdist workers share GPUs."""
-    return world_size > n_devices // n_workers
 
 
 @contextlib.contextmanager
@@ -229,107 +189,14 @@ def gpus_hidden(hide: bool = True) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def default_backend(world_size: int) -> Backend:
-    """``nccl`` when there is a GPU for every rank, else ``gloo`` on CPU (pytest-xdist workers share
-    GPUs where there are too few for each to own some: ``assign_devices``)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
 
 
-def default_shard_size(world_size: int, local_world_size: int | None = None) -> int:
-    """Shard-group size of the hybrid strategies: a node when there are several, else half the world.
-
-    On one host FSDP1's default (shard within the node) would make hybrid sharding the same as full
-    sharding, so a single host splits the world in two replicas instead.
-    """
-    if local_world_size and local_world_size < world_size and world_size % local_world_size == 0:
-        return local_world_size
-    if world_size >= 4 and world_size % 2 == 0:
-        return world_size // 2
-    return world_size
 
 
 # ---------------------------------------------------------------------------------------------------
 # Rank side
 
 
-@dataclass
-class RankContext:
-    """What a job sees on its rank: identity, device, and process groups cached for the pool's life.
-
-    Groups are created collectively (every rank, same order), so jobs ask for them through this
-    object rather than calling ``new_group`` per case, which would leak a communicator per case.
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    backend: str
-    device: torch.device
-    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def device_type(self) -> str:
-        return self.device.type
-
-    def world_group(self) -> dist.ProcessGroup:
-        return dist.distributed_c10d._get_default_group()
-
-    def singleton_group(self) -> dist.ProcessGroup:
-        """A group of this rank alone (every rank creates every rank's, in order)."""
-        if "singletons" not in self._cache:
-            self._cache["singletons"] = [dist.new_group([r]) for r in range(self.world_size)]
-        return self._cache["singletons"][self.rank]
-
-    def hybrid_groups(self, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """``(shard group, replicate group)`` of this rank for a shard-group size, as FSDP1 takes them."""
-        if self.world_size % shard_size:
-            raise ValueError(f"hybrid shard_size={shard_size} does not divide world_size={self.world_size}")
-        key = ("hybrid", shard_size)
-        if key not in self._cache:
-            replicas = self.world_size // shard_size
-            shard_groups = [dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)]
-            replicate_groups = [dist.new_group(list(range(j, self.world_size, shard_size))) for j in range(shard_size)]
-            self._cache[key] = (shard_groups[self.rank // shard_size], replicate_groups[self.rank % shard_size])
-        return self._cache[key]
-
-    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
-        """A device mesh over all ranks (``init_device_mesh``), cached by shape."""
-        key = ("mesh", shape, names)
-        if key not in self._cache:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._cache[key] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
-        return self._cache[key]
-
-    def singleton_mesh(self) -> Any:
-        """A one-rank device mesh over ``singleton_group()``."""
-        if "singleton_mesh" not in self._cache:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self._cache["singleton_mesh"] = DeviceMesh.from_group(self.singleton_group(), self.device_type)
-        return self._cache["singleton_mesh"]
-
-    def sequence_numbers(self) -> dict[str, int]:
-        """Collective sequence number of every multi-rank group this rank holds.
-
-        Keyed by what the group is and which global ranks it holds, so every member of a group
-        reports it under the same key.
-        """
-        groups: list[tuple[str, dist.ProcessGroup]] = [("world", self.world_group())]
-        for key, value in self._cache.items():
-            if isinstance(key, tuple) and key[0] == "hybrid":
-                groups += [(f"hybrid{key[1]}-shard", value[0]), (f"hybrid{key[1]}-replicate", value[1])]
-            elif isinstance(key, tuple) and key[0] == "mesh":
-                groups += [(f"mesh{key[1]}-{name}", value.get_group(dim)) for dim, name in enumerate(key[2])]
-        numbers: dict[str, int] = {}
-        for label, group in groups:
-            ranks = dist.get_process_group_ranks(group)
-            if len(ranks) > 1:
-                numbers[f"{label}{ranks}"] = group._get_sequence_number_for_group()
-        return numbers
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import torch
 from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
 from harness.parity import run_case_on_rank
-from harness.pool import PoolConfig, RankPool, assign_devices, default_backend, xdist_worker
+from harness.placement import assign_devices, default_backend, xdist_worker
+from harness.pool import PoolConfig, RankPool
 
 
 def parity_config(world_size: int = 2) -> PoolConfig:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from harness.case import CaseConfig
-from harness.pool import RankContext
+from harness.rank import RankContext
 from harness.trace import CommTrace
 
 #: a small healthy case: warms the fault pool, and after each fault proves the pool recovered.

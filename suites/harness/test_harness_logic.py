@@ -10,25 +10,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.adapters import ParamSlice, canonical_name, gradient_divide_factors
+from harness.adapters import ParamSlice, canonical_name
+from harness.references import gradient_divide_factors
 from harness.case import PRECISIONS, CaseConfig
-from harness.parity import (
-    DEFAULT_TOLERANCES,
-    Observation,
-    TolerancePolicy,
-    check_backward_prefetch_structure,
-    check_offload,
-    check_order_changed,
-    check_precision,
-    check_sharding,
-    check_use_orig_params,
-    compare_observations,
-    compare_tensors,
-    derive_budgets,
-    merge_quantities,
-    record_from_outcome,
-)
-from harness.pool import PoolOutcome, RankError, assign_devices, default_shard_size, xdist_worker
+from harness.compare import Observation, compare_observations, compare_tensors, derive_budgets, merge_quantities
+from harness.knobs import check_backward_prefetch_structure, check_offload, check_order_changed, check_precision, check_sharding, check_use_orig_params
+from harness.parity import record_from_outcome
+from harness.tolerance import DEFAULT_TOLERANCES, TolerancePolicy
+from harness.placement import assign_devices, default_shard_size, xdist_worker
+from harness.pool import PoolOutcome, RankError
 from harness.trace import CommEvent, movable_gathers, ops, signature, total_bytes
 
 # ---------------------------------------------------------------------------------------------------

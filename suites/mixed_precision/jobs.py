@@ -38,7 +38,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from harness.case import PRECISIONS
 from harness.models import gpu_sleep
-from harness.pool import PoolOutcome, RankContext
+from harness.pool import PoolOutcome
+from harness.rank import RankContext
 from harness.trace import TRACED, OpKind
 from suites.mixed_precision.models import (
     BUFFER_ORIG_DTYPE,

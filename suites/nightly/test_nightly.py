@@ -4,7 +4,6 @@ killed nightly resumed."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from harness.case import CaseConfig
-from harness.cli import select_cases
+from harness.runner import Selection, select_cases
 from harness.collector import ResultWriter, read_records
 from harness.records import CaseRecord, RunInfo
 from harness.pytest_plugin import needs_gpus
@@ -41,9 +40,7 @@ def _nightly(*args: str, timeout: float = 240, gpus: bool = False) -> subprocess
 
 
 def _tiny_cases() -> list[CaseConfig]:
-    selection = argparse.Namespace(matrix="smoke", engines=["torch-fsdp"], references=["local"], models=None,
-                                   steps=None, check_determinism=False, filter=[], limit=None)
-    return select_cases(selection, [2])
+    return select_cases(Selection(matrix="smoke", engines=["torch-fsdp"], references=["local"]), [2])
 
 
 def _write_results(path: Path, records: list[CaseRecord]) -> None:

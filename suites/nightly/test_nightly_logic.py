@@ -7,16 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.nightly import (
-    CPU_WORLD_SIZE,
-    Lane,
+from harness.cli.nightly import (
     NightlyConfig,
     baseline_source,
     exit_status,
     find_previous,
     parse_fuzz_totals,
-    plan_lanes,
 )
+from harness.placement import CPU_WORLD_SIZE, Lane, plan_lanes
 from suites.flat_param.campaign import PropertyRun, report
 
 

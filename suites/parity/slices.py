@@ -1,4 +1,4 @@
-"""The slices of the case matrix the generated parity suites run (see ``harness.pytest_cases``).
+"""The slices of the case matrix the generated parity suites run (see ``harness.pytest_plugin.cases``).
 
 One ``SuiteMatrix`` per suite, kept together so their sizes per lane can be read and tested in one
 place (``test_parity_plugin_logic.py`` pins the counts). Every suite also crosses the engines,
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import get_args
 
 from harness.case import PrecisionName, ShardingName
-from harness.pytest_cases import SuiteMatrix
+from harness.pytest_plugin.cases import SuiteMatrix
 
 STRATEGIES = list(get_args(ShardingName))
 

@@ -29,7 +29,7 @@ def pytest_configure(config):
 #: perturbed gradient) and a hang (a skipped collective; the case timeout makes it a timeout).
 SUITE = '''
 import pytest
-from harness.pytest_cases import SuiteMatrix
+from harness.pytest_plugin.cases import SuiteMatrix
 
 OK = SuiteMatrix("ok", axes={"cpu_offload": [False, True]}, fixed={"steps": 2})
 PERTURBED = SuiteMatrix("perturbed", axes={}, fixed={"steps": 2, "extras": (("fault", "perturb_grad_rank1"),)})

@@ -1,4 +1,4 @@
-"""The pure logic of the generated suites (``harness.pytest_cases``), without processes: option parsing,
+"""The pure logic of the generated suites (``harness.pytest_plugin.cases``), without processes: option parsing,
 suite slices per lane, where each xdist worker's ranks run, and what a record means to pytest."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from harness.case import CaseConfig
 from harness.matrix import invalid_reason, pairs_uncovered
-from harness.pool import gpus_shared
-from harness.pytest_cases import (
+from harness.placement import gpus_shared
+from harness.pytest_plugin.cases import (
     Agreement,
     ParityOptions,
     SuiteMatrix,

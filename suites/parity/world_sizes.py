@@ -13,7 +13,7 @@ suites enumerate, is left as it is.
 
 [Note: planted reduction bugs]
 Past two ranks a full-precision case's tolerance is widened by budgets derived from the reference's
-distance from float64 (``harness.parity.budget_source``). To show that the widened tolerance still
+distance from float64 (``harness.tolerance.budget_source``). To show that the widened tolerance still
 catches real bugs, ``run_planted_case_job`` runs a case on the built-in engine with a bug planted in
 its gradient reduction (``engine.collectives.reduce_scatter_grad``, patched in the rank process for
 that case only): every reduced shard off by a relative ``rel``. The references never call the
@@ -36,7 +36,9 @@ from harness.adapters import FSDP1Adapter, get_engine
 from harness.case import CaseConfig
 from harness.models import MODELS, ModelSpec, ZooModel, batch_generator, build_model
 from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import RankContext, RankPool, default_shard_size
+from harness.placement import default_shard_size
+from harness.pool import RankPool
+from harness.rank import RankContext
 from harness.records import CaseRecord
 
 __all__ = [

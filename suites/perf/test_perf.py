@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.perf import (
+from harness.cli.perf import (
     CPU_MODEL,
     GPT,
     GPTConfig,

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from wrap_models import FourLinears, nested_sequential
 
-from harness.pool import RankContext
+from harness.rank import RankContext
 from suites.seeds.api import FSDPApi, load_api
 
 InitMode = Literal["cpu", "cuda_before", "cuda_after"]

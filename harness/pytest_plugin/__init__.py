@@ -5,7 +5,7 @@ Loaded by the root ``conftest.py``. What it adds:
 - options ``--engine``, ``--reference``, ``--matrix`` (smoke | pairwise | full), ``--world-size``,
   ``--backend``, ``--case-timeout``, ``--results`` (see ``pytest --help``, group "parity");
 - ``@pytest.mark.parity_matrix(SuiteMatrix(...))`` on a test that takes ``parity_case``: the test is
-  parametrized with the suite's cases for the chosen lane (``harness.pytest_cases``), each with its
+  parametrized with the suite's cases for the chosen lane (``harness.pytest_plugin.cases``), each with its
   ``CaseConfig.full_id`` as test id (``-k 'full_shard-bf16'`` selects), marked ``slow`` outside the
   smoke lane and ``gpu`` where its ranks run on GPUs;
 - ``fsdp_api``: a test or fixture that takes it runs once per requested engine with torch FSDP1's API
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import pytest
 
 from harness.case import CaseConfig
-from harness.pytest_cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
+from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
 from harness.records import CaseRecord
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     config.stash[OPTIONS_KEY] = options
     config.addinivalue_line(
-        "markers", "parity_matrix(suite): parametrize the test's parity_case with a harness.pytest_cases.SuiteMatrix"
+        "markers", "parity_matrix(suite): parametrize the test's parity_case with a harness.pytest_plugin.cases.SuiteMatrix"
     )
     session = ParitySession(config, options)
     config.stash[SESSION_KEY] = session
@@ -108,7 +108,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     """Where the generated cases' ranks run, per world size (on the controller: before the workers start)."""
     import torch
 
-    from harness.pool import gpus_shared
+    from harness.placement import gpus_shared
 
     options = config.stash[OPTIONS_KEY]
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -204,7 +204,7 @@ def skip_here(reason: str) -> NoReturn:
 
 
 def _worker() -> tuple[int, int]:
-    from harness.pool import xdist_worker
+    from harness.placement import xdist_worker
 
     return xdist_worker()
 
@@ -393,7 +393,7 @@ class ParityRunner:
 
     def run(self, case: CaseConfig) -> CaseRecord:
         """The case's record when it passed; otherwise skips (unsupported) or fails the test."""
-        from harness.cli import run_case
+        from harness.runner import run_case
 
         pool = self.pools.pool_for(case.world_size)
         record = run_case(pool, case)

@@ -28,7 +28,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,10 +35,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.case import CaseConfig
-from harness.cli import BAD_VERDICTS, Progress, run_case, select_cases
+from harness.cli.options import add_selection
+from harness.placement import BackendChoice, n_gpus, plan_lanes
+from harness.runner import BAD_VERDICTS, CaseRunner, Progress, Selection, select_cases, under_torchrun
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
-BackendChoice = Literal["auto", "gloo", "nccl"]
 
 RESULTS_NAME = "results.jsonl"
 FUZZ_NAME = "fuzz.txt"
@@ -47,10 +47,8 @@ NIGHTLY_NAME = "nightly.json"
 NOT_RUN_NAME = "not_run.txt"
 DIFF_MD_NAME = "diff.md"
 DIFF_JSON_NAME = "diff.json"
-#: ranks per case on a machine without GPUs.
-CPU_WORLD_SIZE = 2
 #: the repository holding this package; the fuzz campaign lives in its ``suites/``.
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -110,11 +108,11 @@ class NightlyConfig:
             backend=args.backend, case_timeout_s=args.timeout, progress=not args.no_progress,
         )
 
-    def selection(self) -> argparse.Namespace:
-        """The selection options ``harness.cli.select_cases`` reads."""
-        return argparse.Namespace(
+    def selection(self) -> Selection:
+        """The cases this nightly selects (``harness.runner.select_cases``)."""
+        return Selection(
             matrix=self.matrix, engines=self.engines, references=self.references, models=self.models,
-            steps=self.steps, check_determinism=False, filter=self.filters, limit=self.limit,
+            steps=self.steps, filters=self.filters, limit=self.limit,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,39 +126,8 @@ class NightlyConfig:
 # Pure logic
 
 
-@dataclass(frozen=True)
-class Lane:
-    """One pool of the nightly: its world size, backend and GPUs (None on CPU)."""
-
-    world_size: int
-    backend: str
-    devices: tuple[int, ...] | None
 
 
-def plan_lanes(
-    world_sizes: Sequence[int] | None, backend: BackendChoice, n_gpus: int, matrix_world_sizes: Sequence[int]
-) -> tuple[dict[int, list[Lane]], dict[int, str]]:
-    """The pools per world size, and the world sizes that cannot run here with the reason.
-
-    With GPUs every world size gets ``n_gpus // world_size`` pools on disjoint GPUs, run side by side;
-    on CPU (or with ``backend='gloo'``) one pool per world size, 2 ranks unless asked otherwise.
-    """
-    use_nccl = backend == "nccl" or (backend == "auto" and n_gpus >= min(world_sizes or matrix_world_sizes))
-    if not use_nccl:
-        if world_sizes:
-            return {ws: [Lane(ws, "gloo", None)] for ws in world_sizes}, {}
-        others = {ws: f"on CPU the nightly runs {CPU_WORLD_SIZE} gloo ranks; pass --world-size {ws} to run these"
-                  for ws in matrix_world_sizes if ws != CPU_WORLD_SIZE}
-        return {CPU_WORLD_SIZE: [Lane(CPU_WORLD_SIZE, "gloo", None)]}, others
-    lanes: dict[int, list[Lane]] = {}
-    skipped: dict[int, str] = {}
-    for ws in world_sizes or matrix_world_sizes:
-        pools = n_gpus // ws
-        if pools < 1:
-            skipped[ws] = f"world size {ws} needs {ws} GPUs (one per rank); {n_gpus} visible"
-            continue
-        lanes[ws] = [Lane(ws, "nccl", tuple(range(i * ws, (i + 1) * ws))) for i in range(pools)]
-    return lanes, skipped
 
 
 def _has_results(path: Path) -> bool:
@@ -235,78 +202,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-class CaseRunner:
-    """Runs cases on several pools at once (one thread per pool) and records each as it ends.
-
-    The threads only wait on their pool's pipes; a case's record is written and counted under one
-    lock, and none is written once ``stop`` is set (Ctrl-C), so an interrupted case is never recorded
-    as the crash its killed ranks would look like.
-    """
-
-    def __init__(self, writer: Any, progress: Progress, deadline: float | None, case_timeout_s: float) -> None:
-        self.writer = writer
-        self.progress = progress
-        #: ``time.monotonic()`` after which no case is launched; None: no budget.
-        self.deadline = deadline
-        self.case_timeout_s = case_timeout_s
-        self.stop = threading.Event()
-        #: cases launched and recorded by this runner.
-        self.recorded = 0
-        #: one line per pool that could not (re)start or whose thread failed.
-        self.lane_errors: list[str] = []
-        self._lock = threading.Lock()
-
-    def over_budget(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
-        """Run ``cases`` on ``lanes``; returns the cases that were not launched."""
-        queue = collections.deque(cases)
-        threads = [threading.Thread(target=self._lane, args=(lane, queue), daemon=True, name=f"nightly-lane{i}")
-                   for i, lane in enumerate(lanes)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.2)  # a timed join lets Ctrl-C reach the main thread
-        return list(queue)
-
-    def interrupt(self) -> None:
-        with self._lock:
-            self.stop.set()
-
-    def _lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
-        from harness.pool import PoolConfig, PoolStartError, RankPool
-
-        config = PoolConfig(world_size=lane.world_size, backend=lane.backend, devices=lane.devices,  # type: ignore[arg-type]
-                            case_timeout_s=self.case_timeout_s)
-        case: CaseConfig | None = None
-        try:
-            with RankPool(config) as pool:
-                while True:
-                    with self._lock:
-                        if self.stop.is_set() or self.over_budget() or not queue:
-                            return
-                        case = queue.popleft()
-                    record = run_case(pool, case)
-                    with self._lock:
-                        if self.stop.is_set():
-                            return
-                        self.writer.append(record)
-                        self.progress.update(record, case.full_id)
-                        self.recorded += 1
-                        case = None
-        except PoolStartError as exc:
-            self._lane_failed(lane, case, queue, f"pool did not start: {str(exc).splitlines()[0]}")
-        except Exception as exc:  # noqa: BLE001 - a lane's failure must leave its case visible as not run
-            self._lane_failed(lane, case, queue, f"{type(exc).__name__}: {exc}")
-
-    def _lane_failed(self, lane: Lane, case: CaseConfig | None, queue: collections.deque[CaseConfig], why: str) -> None:
-        with self._lock:
-            if case is not None:
-                queue.appendleft(case)  # not recorded: another lane may take it, or it is listed as not run
-            where = f"GPUs {list(lane.devices)}" if lane.devices else "CPU"
-            self.lane_errors.append(f"world size {lane.world_size} on {where}: {why}")
 
 
 @dataclass
@@ -348,12 +243,6 @@ def run_fuzz(config: NightlyConfig, path: Path) -> FuzzOutcome:
     return outcome
 
 
-def _n_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _matrix_world_sizes() -> list[int]:
     from harness.matrix import AXES
 
@@ -379,7 +268,7 @@ def nightly(config: NightlyConfig) -> int:
         _write_json(state_path, state)
 
     # -- 1. cases ---------------------------------------------------------------------------------
-    lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, _n_gpus(), _matrix_world_sizes())
+    lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes())
     if not lanes:
         print(f"harness nightly: no world size can run here: {'; '.join(skipped_ws.values())}", file=sys.stderr)
         return 2
@@ -534,7 +423,8 @@ def _summary_text(state: Mapping[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The nightly's options on top of the selection options ``harness.cli`` adds."""
+    """The selection options and the nightly's own."""
+    add_selection(p)
     p.set_defaults(matrix="full")
     p.add_argument("--out", required=True, type=Path, help="the nightly's directory, e.g. reports/nightly/$(date +%%F)")
     p.add_argument("--resume", action="store_true", help="continue the nightly in --out (recorded cases and a finished fuzz are kept)")
@@ -552,9 +442,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from harness.cli import _under_torchrun
-
-    if _under_torchrun():
+    if under_torchrun():
         print("harness nightly: start it without torchrun; it starts its own ranks (one pool per group of GPUs)",
               file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from typing import Any, Literal, get_args
 
 from harness.case import CaseConfig, EngineName, ReferenceName
 from harness.matrix import AXES, SMOKE_VARIANTS, GeneratorName, generate
-from harness.pool import assign_devices
+from harness.placement import assign_devices
 from harness.records import CaseRecord
 
 __all__ = [
@@ -188,7 +188,7 @@ class SuiteMatrix:
     def cases(self, options: ParityOptions) -> list[CaseConfig]:
         """The suite's cases for the options' lane, engines, references and world sizes, in a stable
         order (engine, then lane order), without duplicates."""
-        from harness.cli import generate_cases
+        from harness.runner import generate_cases
 
         found: dict[str, CaseConfig] = {}
         for engine in options.engines:

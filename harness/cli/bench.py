@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from harness.pool import PoolConfig, RankContext, RankPool, assign_devices, default_backend, xdist_worker
+from harness.placement import assign_devices, default_backend, xdist_worker
+from harness.pool import PoolConfig, RankPool
+from harness.rank import RankContext
 
 #: the targets of the warm per-case overhead, by backend.
 TARGET_MS = {"gloo": 100.0, "nccl": 50.0}

@@ -1,7 +1,7 @@
 """``python -m harness perf``: training-step benchmark of our engine against torch FSDP1, same run.
 
 A GPT-like model (bias-free linears, pre-norm blocks, untied LM head; with the defaults on GPUs it is
-the model of /work/shared/anchors.md: vocab 32000, d 2048, 16 layers, 16 heads, 936.5M parameters,
+the GPT-like anchor model the team measures torch FSDP1, FSDP2 and DDP on: vocab 32000, d 2048, 16 layers, 16 heads, 936.5M parameters,
 batch 8 x 2048 tokens per GPU) is trained by every selected engine in turn on one persistent rank
 pool (``harness.pool.RankPool``: 2 GPUs with NCCL, or 2 gloo ranks on CPU with a tiny model), with
 one transformer block per unit, AdamW, and bf16 compute with fp32 gradient reduction:
@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.pool import RankContext
+from harness.rank import RankContext
 
 PerfEngine = Literal["builtin", "torch-fsdp", "torch-fsdp2", "ddp"]
 PerfStrategy = Literal["full_shard", "shard_grad_op", "no_shard"]
@@ -420,7 +420,7 @@ class PerfConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "PerfConfig":
-        from harness.pool import default_backend
+        from harness.placement import default_backend
 
         backend = args.backend if args.backend != "auto" else default_backend(args.world_size)
         base = GPTConfig() if backend == "nccl" else CPU_MODEL
@@ -436,7 +436,8 @@ class PerfConfig:
 def run(config: PerfConfig) -> tuple[list[PerfRow], str]:
     """Every planned run on one pool, in order, and the device the ranks ran on (asked of the ranks, so
     this process never touches the GPUs); raises ``PoolStartError`` when the ranks cannot start."""
-    from harness.pool import PoolConfig, RankPool, assign_devices
+    from harness.placement import assign_devices
+    from harness.pool import PoolConfig, RankPool
 
     devices = assign_devices(config.world_size, torch.cuda.device_count()) if config.backend == "nccl" else None
     pool_config = PoolConfig(world_size=config.world_size, backend=config.backend, devices=devices,

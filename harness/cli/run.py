@@ -1,0 +1,237 @@
+"""``python -m harness run|list|models``: run parity cases and record them, list them, describe the zoo.
+
+``run`` selects cases from a matrix generator (``harness.matrix``), runs them on a persistent rank
+pool (one per world size) and appends one record per case to a JSON Lines file through the
+collector; a progress bar shows the ETA. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
+ranks are torchrun's own: every rank walks the same case list and rank 0 records.
+
+Exit status of ``run``: 0 when every case passed or is unsupported, 1 when some failed, errored,
+timed out or crashed, 2 when the ranks could not start, 130 on Ctrl-C (rerun with ``--resume``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from harness.case import CaseConfig
+from harness.cli.options import add_selection
+from harness.runner import Progress, Selection, exit_status, run_case, select_cases, summary, under_torchrun
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# run on the pool
+
+
+def _default_out() -> Path:
+    return Path("results") / f"run-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+
+
+def main(args: argparse.Namespace) -> int:
+    if under_torchrun():
+        return _run_torchrun(args)
+    import torch
+
+    from harness.collector import ResultWriter, run_info
+    from harness.placement import assign_devices, default_backend, xdist_worker
+    from harness.pool import PoolConfig, PoolStartError, RankPool
+
+    world_sizes = args.world_size or [2]
+    cases = select_cases(Selection.from_args(args), world_sizes)
+    out = Path(args.out) if args.out else _default_out()
+    worker, workers = xdist_worker()
+    backends = {ws: (args.backend if args.backend != "auto" else default_backend(ws)) for ws in world_sizes}
+    info = run_info(",".join(sorted(set(backends.values()))))
+    start = time.monotonic()
+    try:
+        writer = ResultWriter(out, info, resume=args.resume)
+    except FileExistsError as exc:
+        print(f"harness run: {exc}", file=sys.stderr)
+        return 2
+    with writer:
+        done = writer.recorded_ids()
+        todo = [c for c in cases if c.full_id not in done]
+        if done:
+            print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
+        progress = Progress(len(todo), enabled=not args.no_progress)
+        try:
+            for ws in world_sizes:
+                group = [c for c in todo if c.world_size == ws]
+                if not group:
+                    continue
+                backend = backends[ws]
+                devices = assign_devices(ws, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
+                config = PoolConfig(world_size=ws, backend=backend, devices=devices, case_timeout_s=args.timeout)
+                with RankPool(config) as pool:
+                    for case in group:
+                        record = run_case(pool, case)
+                        writer.append(record)
+                        progress.update(record, case.full_id)
+        except PoolStartError as exc:
+            progress.close()
+            print(f"harness run: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            progress.close()
+            print(f"\ninterrupted; the ranks are stopped. Continue with: --out {out} --resume", file=sys.stderr)
+            return 130
+        progress.close()
+    print(summary(progress.counts, out, time.monotonic() - start))
+    return exit_status(progress.counts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# run under torchrun
+
+
+class _TorchrunWatchdog:
+    """The per-case time limit under torchrun: no parent can kill a hung rank, so on expiry every rank
+    dumps its stacks to stderr, rank 0 records the case as ``timeout`` with its own stack, and the
+    process exits (torchrun then stops the others; ``--resume`` continues after the case)."""
+
+    def __init__(self, rank: int, timeout_s: float, on_timeout: Any) -> None:
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
+        self._timer: threading.Timer | None = None
+        self._main = threading.main_thread().ident
+
+    def __enter__(self) -> "_TorchrunWatchdog":
+        self._timer = threading.Timer(self.timeout_s, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _fire(self) -> None:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        frame = sys._current_frames().get(self._main)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        try:
+            self.on_timeout(stack)
+        finally:
+            os._exit(124)
+
+
+def _run_torchrun(args: argparse.Namespace) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from harness.collector import ResultWriter, run_info
+    from harness.parity import record_from_outcome, run_case_on_rank
+    from harness.pool import PoolOutcome, RankError
+    from harness.rank import RankContext
+
+    rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
+    backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(hours=1))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=1))
+    ctx = RankContext(rank, ws, local_rank, local_ws, backend, device)
+    if args.world_size and args.world_size != [ws]:
+        print(f"harness run: --world-size {args.world_size} ignored under torchrun (WORLD_SIZE={ws})", file=sys.stderr)
+    cases = select_cases(Selection.from_args(args), [ws])
+    out = Path(args.out) if args.out else _default_out()
+
+    writer = ResultWriter(out, run_info(backend), resume=args.resume) if rank == 0 else None
+    # Every rank must walk the same list: rank 0 knows what the file already holds.
+    shared: list[Any] = [sorted(writer.recorded_ids()) if writer else None, str(out)]
+    dist.broadcast_object_list(shared, src=0)
+    done = set(shared[0])
+    todo = [c for c in cases if c.full_id not in done]
+    progress = Progress(len(todo), enabled=rank == 0 and not args.no_progress)
+    start = time.monotonic()
+    try:
+        for case in todo:
+            def record_timeout(stack: str, case: CaseConfig = case) -> None:
+                if writer is not None:
+                    outcome = PoolOutcome(
+                        "timeout", [None] * ws, f"no answer within {args.timeout:g} s under torchrun (run ended)",
+                        stacks={0: stack}, wall_s=args.timeout,
+                    )
+                    writer.append(record_from_outcome(case, outcome))
+
+            t0 = time.monotonic()
+            with _TorchrunWatchdog(rank, args.timeout, record_timeout):
+                try:
+                    answer: tuple[str, Any] = ("ok", run_case_on_rank(ctx, case))
+                except Exception as exc:  # every failure of a case is a result
+                    answer = ("raised", RankError.from_exception(rank, exc))
+                gathered: list[Any] = [None] * ws if rank == 0 else []
+                dist.gather_object(answer, gathered if rank == 0 else None, dst=0)
+            if writer is not None:
+                errors = {r: v for r, (kind, v) in enumerate(gathered) if kind == "raised"}
+                values = [v if kind == "ok" else None for kind, v in gathered]
+                status = "error" if errors else "ok"
+                reason = errors[min(errors)].line() if errors else ""
+                outcome = PoolOutcome(status, values, reason, errors, wall_s=time.monotonic() - t0)
+                record = record_from_outcome(case, outcome)
+                writer.append(record)
+                progress.update(record, case.full_id)
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        print(summary(progress.counts, out, time.monotonic() - start))
+    return exit_status(progress.counts) if rank == 0 else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# list, models, bench
+
+
+def main_list(args: argparse.Namespace) -> int:
+    cases = select_cases(Selection.from_args(args), args.world_size or [2])
+    for case in cases:
+        print(case.full_id)
+    print(f"{len(cases)} cases", file=sys.stderr)
+    return 0
+
+
+def main_models(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from harness.models import MODELS, build_model
+
+    rows = []
+    for name, spec in MODELS.items():
+        model = build_model(name)
+        rows.append((name, sum(p.numel() for p in model.parameters()), len(model.wrap_units()), spec.description))
+    print(tabulate(rows, headers=("model", "params", "units", "what")))
+    return 0
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    add_selection(p)
+    p.add_argument("--out", default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
+    p.add_argument("--resume", action="store_true", help="continue --out, skipping the cases it records")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="auto: NCCL with one GPU per rank when there are enough, else gloo on CPU")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_list_arguments(p: argparse.ArgumentParser) -> None:
+    add_selection(p)

@@ -1,0 +1,143 @@
+"""Knob checks: no setting of a case may be silently ignored by the engine under test.
+
+The sharding strategy shows in which all-gathers and reductions the engine's communication trace
+holds, the precision in their dtypes, a prefetch setting must reorder the trace against the same case
+without it (FSDP2, which cannot turn backward prefetch off, must show an all-gather issued ahead of the
+previous unit's reduction), offload must leave the sharded parameters on CPU and no offload on the
+device (which is also where ``init_mode="never"`` must have put them: the other init modes are the
+harness's own moves), ``use_orig_params`` decides whether flat parameters are exposed. A check that
+cannot see anything in a case (one unit, CPU-only ranks) says ``n/a`` rather than pass. Pure functions
+over the trace and plain facts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from harness.case import PrecisionSpec
+from harness.trace import CommEvent, movable_gathers, ops, signature
+
+__all__ = [
+    "KnobCheck",
+    "check_backward_prefetch_structure",
+    "check_offload",
+    "check_order_changed",
+    "check_precision",
+    "check_sharding",
+    "check_use_orig_params",
+]
+
+KnobStatus = Literal["ok", "ignored", "n/a"]
+
+
+@dataclass
+class KnobCheck:
+    """Whether a setting showed its effect: ``ok``, ``ignored`` (fails the case) or ``n/a`` (nothing to see)."""
+
+    knob: str
+    status: KnobStatus
+    reason: str
+
+
+_FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
+
+
+def check_sharding(strategy: str, events: Sequence[CommEvent], sharded_units: int, replicate_size: int = 1) -> KnobCheck:
+    """The strategy in the trace: which phases all-gather, and how gradients are reduced."""
+    fwd_ag = len(ops(events, op="all_gather", phase="forward"))
+    bwd_ag = len(ops(events, op="all_gather", phase="backward"))
+    rs = len(ops(events, op="reduce_scatter", phase="backward"))
+    ar = ops(events, op="all_reduce", phase="backward")
+    seen = f"forward all-gathers {fwd_ag}, backward all-gathers {bwd_ag}, reduce-scatters {rs}, all-reduces {len(ar)}"
+    knob = "sharding_strategy"
+    if strategy == "no_shard":
+        ok = fwd_ag + bwd_ag == 0 and rs == 0 and len(ar) > 0
+        expected = "no all-gather or reduce-scatter, gradients all-reduced"
+    elif strategy in ("shard_grad_op", "hybrid_shard_zero2"):
+        ok = fwd_ag > 0 and bwd_ag == 0 and rs > 0
+        expected = "all-gathers in forward only (parameters kept until backward ends), gradients reduce-scattered"
+    else:
+        if sharded_units == 0:
+            return KnobCheck(knob, "n/a", "no unit besides the root, which is never resharded after forward")
+        ok = fwd_ag > 0 and bwd_ag > 0 and rs > 0
+        expected = "parameters re-gathered in backward, gradients reduce-scattered"
+    if strategy.startswith("hybrid") and replicate_size > 1:
+        ok = ok and any(e.group_size == replicate_size for e in ar)
+        expected += f", and all-reduced across {replicate_size} replicas"
+    if ok:
+        return KnobCheck(knob, "ok", seen)
+    return KnobCheck(knob, "ignored", f"{strategy}: expected {expected}; saw {seen}")
+
+
+def check_precision(spec: PrecisionSpec, events: Sequence[CommEvent]) -> KnobCheck:
+    """All-gathers carry the compute dtype and gradient reductions the reduce dtype."""
+    param = spec.param or spec.full
+    reduce = spec.reduce or spec.param or spec.full
+    gathers = [e for e in ops(events, op="all_gather") if e.phase in ("forward", "backward") and e.dtype in _FLOAT_DTYPES]
+    reductions = [e for e in ops(events, op=("reduce_scatter", "all_reduce"), phase="backward") if e.dtype in _FLOAT_DTYPES]
+    if not gathers and not reductions:
+        return KnobCheck("precision", "n/a", "no floating-point collective in forward or backward")
+    wrong_gather = sorted({e.dtype for e in gathers} - {param})
+    wrong_reduce = sorted({e.dtype for e in reductions} - {reduce})
+    if wrong_gather or wrong_reduce:
+        parts = []
+        if wrong_gather:
+            parts.append(f"all-gathers in {wrong_gather}, expected {param}")
+        if wrong_reduce:
+            parts.append(f"gradient reductions in {wrong_reduce}, expected {reduce}")
+        return KnobCheck("precision", "ignored", "; ".join(parts))
+    return KnobCheck("precision", "ok", f"all-gathers in {param}, reductions in {reduce}")
+
+
+def check_order_changed(
+    knob: str, value: Any, baseline_value: Any, events: Sequence[CommEvent], baseline: Sequence[CommEvent],
+    *, phase: str, steps: range,
+) -> KnobCheck:
+    """A prefetch setting must change the order of ``phase`` against the same case without it."""
+    mine = signature(events, phase=phase, steps=steps)
+    theirs = signature(baseline, phase=phase, steps=steps)
+    gathers = sum(1 for item in mine if item[1] == "all_gather")
+    if mine != theirs:
+        return KnobCheck(knob, "ok", f"{phase} order differs from {knob}={baseline_value!r} ({gathers} all-gathers)")
+    if not movable_gathers(theirs):
+        return KnobCheck(knob, "n/a", f"no all-gather in {phase} comes after anything else of its step: nothing to reorder")
+    return KnobCheck(
+        knob, "ignored",
+        f"{knob}={value!r}: the {phase} order of collectives and compute ({gathers} all-gathers) is the same as with {knob}={baseline_value!r}",
+    )
+
+
+def check_backward_prefetch_structure(events: Sequence[CommEvent], steps: range) -> KnobCheck:
+    """Without a baseline: a prefetching engine issues some backward all-gather right after another,
+    before the reduction of the unit in between."""
+    backward = [e for e in ops(events, phase="backward") if e.step in steps]
+    gathers = sum(1 for e in backward if e.op == "all_gather")
+    if gathers < 2:
+        return KnobCheck("backward_prefetch", "n/a", f"{gathers} all-gather(s) in backward: nothing to prefetch")
+    if any(a.op == b.op == "all_gather" for a, b in zip(backward, backward[1:])):
+        return KnobCheck("backward_prefetch", "ok", "an all-gather is issued before the previous unit's reduction")
+    return KnobCheck(
+        "backward_prefetch", "ignored", f"every one of {gathers} backward all-gathers waits for the previous unit's reduction"
+    )
+
+
+def check_offload(cpu_offload: bool, param_devices: set[str], device_type: str) -> KnobCheck:
+    if device_type == "cpu":
+        return KnobCheck("cpu_offload", "n/a", "the ranks compute on CPU: parameters are on CPU either way")
+    on_cpu = param_devices == {"cpu"}
+    if cpu_offload == on_cpu:
+        return KnobCheck("cpu_offload", "ok", f"sharded parameters on {sorted(param_devices)}")
+    expected = "CPU" if cpu_offload else device_type
+    return KnobCheck("cpu_offload", "ignored", f"cpu_offload={cpu_offload}: sharded parameters on {sorted(param_devices)}, expected {expected}")
+
+
+def check_use_orig_params(use_orig_params: bool, exposes_flat_params: bool | None) -> KnobCheck:
+    if exposes_flat_params is None:
+        return KnobCheck("use_orig_params", "n/a", "the engine has no flat parameters")
+    if exposes_flat_params != use_orig_params:
+        what = "flat parameters" if exposes_flat_params else "original parameters"
+        return KnobCheck("use_orig_params", "ok", f"module.parameters() yields {what}")
+    what = "flat parameters" if exposes_flat_params else "original parameters"
+    return KnobCheck("use_orig_params", "ignored", f"use_orig_params={use_orig_params} but module.parameters() yields {what}")

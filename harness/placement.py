@@ -1,0 +1,140 @@
+"""Where ranks run: the one placement rule of the harness.
+
+Every front end (``run``, ``nightly``, ``bench``, ``perf``, the pytest plugin) asks this module which
+backend a pool of ``world_size`` ranks uses, which GPUs it takes (a disjoint block per pytest-xdist
+worker where there are enough GPUs, shared evenly where there are not), how many pools run side by
+side (``plan_lanes``), and how a hybrid strategy splits the world into shard groups. Pure functions
+over plain numbers; only ``default_backend`` and ``n_gpus`` look at the machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "Backend",
+    "BackendChoice",
+    "CPU_WORLD_SIZE",
+    "Lane",
+    "assign_devices",
+    "default_backend",
+    "default_shard_size",
+    "gpus_shared",
+    "n_gpus",
+    "plan_lanes",
+    "xdist_worker",
+]
+
+Backend = Literal["gloo", "nccl"]
+BackendChoice = Literal["auto", "gloo", "nccl"]
+
+#: ranks per case on a machine without GPUs when no world size is asked for.
+CPU_WORLD_SIZE = 2
+
+
+def n_gpus() -> int:
+    """The CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def xdist_worker(env: dict[str, str] | None = None) -> tuple[int, int]:
+    """``(index, count)`` of this pytest-xdist worker; ``(0, 1)`` outside xdist."""
+    env = dict(os.environ) if env is None else env
+    worker = env.get("PYTEST_XDIST_WORKER", "")
+    if not worker:
+        return 0, 1
+    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    return index, max(int(env.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+
+
+def assign_devices(world_size: int, n_devices: int, worker_index: int = 0, n_workers: int = 1) -> tuple[int, ...]:
+    """The GPUs one pool of ``world_size`` ranks takes in pytest-xdist worker ``worker_index`` of ``n_workers``.
+
+    Each worker owns a block of ``n_devices // n_workers`` consecutive GPUs, and every pool it starts
+    (whatever its world size) takes the first ``world_size`` of its block: where the block is big
+    enough, concurrent pools never share a GPU. Where it is not (8 workers on 2 GPUs), the workers
+    share the GPUs, worker ``i`` starting at GPU ``i * world_size`` modulo ``n_devices`` so each GPU
+    carries as many pools as the others. Sharing is sound (each pool has its own communicators and
+    GPUs time-slice between processes) but makes timings noisy: ``gpus_shared`` says when it happens.
+    """
+    if world_size < 1:
+        raise ValueError(f"assign_devices: world_size={world_size} must be at least 1")
+    if not 0 <= worker_index < n_workers:
+        raise ValueError(f"assign_devices: worker_index={worker_index} must be in [0, n_workers={n_workers})")
+    if world_size > n_devices:
+        raise ValueError(
+            f"assign_devices: world_size={world_size} needs one GPU per rank but only {n_devices} are visible; "
+            "run fewer ranks or on CPU (gloo)"
+        )
+    block = n_devices // n_workers
+    if world_size <= block:
+        first = worker_index * block
+        return tuple(range(first, first + world_size))
+    first = worker_index * world_size
+    return tuple((first + k) % n_devices for k in range(world_size))
+
+
+def gpus_shared(world_size: int, n_devices: int, n_workers: int = 1) -> bool:
+    """Whether ``assign_devices`` makes pools of different xdist workers share GPUs."""
+    return world_size > n_devices // n_workers
+
+
+def default_backend(world_size: int) -> Backend:
+    """``nccl`` when there is a GPU for every rank, else ``gloo`` on CPU (pytest-xdist workers share
+    GPUs where there are too few for each to own some: ``assign_devices``)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def default_shard_size(world_size: int, local_world_size: int | None = None) -> int:
+    """Shard-group size of the hybrid strategies: a node when there are several, else half the world.
+
+    On one host FSDP1's default (shard within the node) would make hybrid sharding the same as full
+    sharding, so a single host splits the world in two replicas instead.
+    """
+    if local_world_size and local_world_size < world_size and world_size % local_world_size == 0:
+        return local_world_size
+    if world_size >= 4 and world_size % 2 == 0:
+        return world_size // 2
+    return world_size
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One pool of the nightly: its world size, backend and GPUs (None on CPU)."""
+
+    world_size: int
+    backend: str
+    devices: tuple[int, ...] | None
+
+
+def plan_lanes(
+    world_sizes: Sequence[int] | None, backend: BackendChoice, n_gpus: int, matrix_world_sizes: Sequence[int]
+) -> tuple[dict[int, list[Lane]], dict[int, str]]:
+    """The pools per world size, and the world sizes that cannot run here with the reason.
+
+    With GPUs every world size gets ``n_gpus // world_size`` pools on disjoint GPUs, run side by side;
+    on CPU (or with ``backend='gloo'``) one pool per world size, 2 ranks unless asked otherwise.
+    """
+    use_nccl = backend == "nccl" or (backend == "auto" and n_gpus >= min(world_sizes or matrix_world_sizes))
+    if not use_nccl:
+        if world_sizes:
+            return {ws: [Lane(ws, "gloo", None)] for ws in world_sizes}, {}
+        others = {ws: f"on CPU the nightly runs {CPU_WORLD_SIZE} gloo ranks; pass --world-size {ws} to run these"
+                  for ws in matrix_world_sizes if ws != CPU_WORLD_SIZE}
+        return {CPU_WORLD_SIZE: [Lane(CPU_WORLD_SIZE, "gloo", None)]}, others
+    lanes: dict[int, list[Lane]] = {}
+    skipped: dict[int, str] = {}
+    for ws in world_sizes or matrix_world_sizes:
+        pools = n_gpus // ws
+        if pools < 1:
+            skipped[ws] = f"world size {ws} needs {ws} GPUs (one per rank); {n_gpus} visible"
+            continue
+        lanes[ws] = [Lane(ws, "nccl", tuple(range(i * ws, (i + 1) * ws))) for i in range(pools)]
+    return lanes, skipped

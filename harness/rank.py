@@ -1,0 +1,90 @@
+"""What a job sees on its rank: ``RankContext`` (identity, device, and process groups cached for the
+pool's life). Jobs run by ``harness.pool.RankPool`` (or under torchrun) take it as first argument."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankContext"]
+
+
+@dataclass
+class RankContext:
+    """What a job sees on its rank: identity, device, and process groups cached for the pool's life.
+
+    Groups are created collectively (every rank, same order), so jobs ask for them through this
+    object rather than calling ``new_group`` per case, which would leak a communicator per case.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def world_group(self) -> dist.ProcessGroup:
+        return dist.distributed_c10d._get_default_group()
+
+    def singleton_group(self) -> dist.ProcessGroup:
+        """A group of this rank alone (every rank creates every rank's, in order)."""
+        if "singletons" not in self._cache:
+            self._cache["singletons"] = [dist.new_group([r]) for r in range(self.world_size)]
+        return self._cache["singletons"][self.rank]
+
+    def hybrid_groups(self, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """``(shard group, replicate group)`` of this rank for a shard-group size, as FSDP1 takes them."""
+        if self.world_size % shard_size:
+            raise ValueError(f"hybrid shard_size={shard_size} does not divide world_size={self.world_size}")
+        key = ("hybrid", shard_size)
+        if key not in self._cache:
+            replicas = self.world_size // shard_size
+            shard_groups = [dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)]
+            replicate_groups = [dist.new_group(list(range(j, self.world_size, shard_size))) for j in range(shard_size)]
+            self._cache[key] = (shard_groups[self.rank // shard_size], replicate_groups[self.rank % shard_size])
+        return self._cache[key]
+
+    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+        """A device mesh over all ranks (``init_device_mesh``), cached by shape."""
+        key = ("mesh", shape, names)
+        if key not in self._cache:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._cache[key] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return self._cache[key]
+
+    def singleton_mesh(self) -> Any:
+        """A one-rank device mesh over ``singleton_group()``."""
+        if "singleton_mesh" not in self._cache:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._cache["singleton_mesh"] = DeviceMesh.from_group(self.singleton_group(), self.device_type)
+        return self._cache["singleton_mesh"]
+
+    def sequence_numbers(self) -> dict[str, int]:
+        """Collective sequence number of every multi-rank group this rank holds.
+
+        Keyed by what the group is and which global ranks it holds, so every member of a group
+        reports it under the same key.
+        """
+        groups: list[tuple[str, dist.ProcessGroup]] = [("world", self.world_group())]
+        for key, value in self._cache.items():
+            if isinstance(key, tuple) and key[0] == "hybrid":
+                groups += [(f"hybrid{key[1]}-shard", value[0]), (f"hybrid{key[1]}-replicate", value[1])]
+            elif isinstance(key, tuple) and key[0] == "mesh":
+                groups += [(f"mesh{key[1]}-{name}", value.get_group(dim)) for dim, name in enumerate(key[2])]
+        numbers: dict[str, int] = {}
+        for label, group in groups:
+            ranks = dist.get_process_group_ranks(group)
+            if len(ranks) > 1:
+                numbers[f"{label}{ranks}"] = group._get_sequence_number_for_group()
+        return numbers

@@ -1,0 +1,153 @@
+"""The references an engine is compared against: torch DDP and the unsharded local model.
+
+- ``build_ddp``: torch ``DistributedDataParallel`` over the same zoo model (rank-local parameters
+  ignored), trained like every engine.
+- ``LocalReference``: one process computing every rank's batch on an unsharded model, with the
+  precision casts the engine makes (see [Note: local reference]); with ``TRUTH_SPEC`` the same run in
+  float64, the truth tolerance budgets are measured against (``harness.tolerance``).
+
+[Note: local reference]
+For every rank ``r`` the local reference runs rank ``r``'s batch through a model holding rank
+``r``'s view of the parameters (the shared ones are the same tensors for all ranks; rank-local ones
+are ``r``'s own) with ``torch.func.functional_call``: parameters cast to the compute dtype, floating
+buffers to the buffer dtype and floating inputs to the compute dtype (what FSDP does to the root's
+inputs). Each rank's gradient is cast to the reduce dtype, divided by the pre-divide factor, summed
+over ranks, divided by the post-divide factor (FSDP1's split of ``1/world_size``) and cast to the
+full precision of the master weights, which an SGD-with-momentum optimizer then updates. A
+rank-local parameter's gradient is its own rank's, unreduced. The result equals DDP's averaged
+gradient in full precision and emulates the engine's rounding in mixed precision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, prepare_inputs, rank_local_param_names
+from harness.case import CaseConfig, PrecisionSpec
+from harness.dtypes import dtype_of
+from harness.models import ZooModel, build_model
+from harness.rank import RankContext
+
+__all__ = ["LocalReference", "ReferenceRun", "TRUTH_SPEC", "build_ddp", "gradient_divide_factors"]
+
+
+def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
+    """torch DDP in the case's full precision; rank-local parameters are left out of its all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model.to(ctx.device)
+    ignored = sorted(rank_local_param_names(model))
+    if ignored:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device_type == "cuda" else None)
+
+    def grads() -> list[ParamSlice]:
+        return [ParamSlice.full(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+
+    def params() -> list[ParamSlice]:
+        return [ParamSlice.full(n, p) for n, p in model.named_parameters()]
+
+    return EngineTrainee(ddp, model, grads, params, lambda: EngineFacts({ctx.device_type}, None))
+
+
+def gradient_divide_factors(world_size: int) -> tuple[float, float]:
+    """FSDP1's split of ``1 / world_size`` into a pre-reduction and a post-reduction division."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor), world_size / factor
+
+
+@dataclass
+class ReferenceRun:
+    """What the local reference computed, as rank ``rank`` of the engine sees it."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    #: per step: full gradient of every trainable parameter (rank ``rank``'s view).
+    grads: list[dict[str, torch.Tensor]]
+    #: full parameters at the end.
+    params: dict[str, torch.Tensor]
+
+
+class LocalReference:
+    """One process, no collectives: every rank's batch on an unsharded model ([Note: local reference])."""
+
+    def __init__(self, case: CaseConfig, spec: PrecisionSpec, device: torch.device, world_size: int) -> None:
+        self.case = case
+        self.spec = spec
+        self.device = device
+        self.world_size = world_size
+        self.full = dtype_of(spec.full)
+        self.compute = dtype_of(spec.param) or self.full
+        self.reduce = dtype_of(spec.reduce) or self.compute
+        self.buffer = dtype_of(spec.buffer)
+        first = build_model(case.model, seed=case.seed, rank=0, world_size=world_size)
+        if first.rank_local_modules():
+            self.replicas = [first] + [
+                build_model(case.model, seed=case.seed, rank=r, world_size=world_size) for r in range(1, world_size)
+            ]
+        else:
+            self.replicas = [first] * world_size
+        for m in {id(m): m for m in self.replicas}.values():
+            m.to(device=device, dtype=self.full)
+        self.local_names = rank_local_param_names(first)
+        # Master weights: the shared ones from replica 0, the rank-local ones per rank.
+        self.shared = {n: p for n, p in first.named_parameters() if n not in self.local_names}
+        self.local = [
+            {n: p for n, p in replica.named_parameters() if n in self.local_names} for replica in self.replicas
+        ]
+        masters = [p for p in self.shared.values() if p.requires_grad]
+        for params in self.local:
+            masters += [p for p in params.values() if p.requires_grad]
+        self.optimizer = torch.optim.SGD(masters, lr=case.lr, momentum=case.momentum)
+
+    def _view(self, r: int) -> dict[str, nn.Parameter]:
+        return {**self.shared, **self.local[r]}
+
+    def _rank_step(self, r: int, step: int) -> tuple[float, dict[str, torch.Tensor]]:
+        model = self.replicas[r]
+        inputs = prepare_inputs(model.get_input(seed=self.case.seed, step=step, rank=r), self.device, self.full)
+        inputs = tuple(t.to(self.compute) if t.is_floating_point() else t for t in inputs)
+        compute = {n: p.detach().to(self.compute).requires_grad_(p.requires_grad) for n, p in self._view(r).items()}
+        buffers = {
+            n: b.to(self.buffer) if self.buffer is not None and b.is_floating_point() else b
+            for n, b in model.named_buffers()
+        }
+        output = torch.func.functional_call(model, {**compute, **buffers}, inputs)
+        loss = model.get_loss(inputs, output)
+        trainable = [n for n, p in compute.items() if p.requires_grad]
+        grads = torch.autograd.grad(loss, [compute[n] for n in trainable], allow_unused=True)
+        return float(loss.detach().double()), {
+            n: g if g is not None else torch.zeros_like(compute[n]) for n, g in zip(trainable, grads)
+        }
+
+    def run(self, rank: int) -> ReferenceRun:
+        pre, post = gradient_divide_factors(self.world_size)
+        out = ReferenceRun([], [], [], {})
+        for step in range(self.case.steps):
+            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(self.world_size)))
+            for n, p in self.shared.items():
+                if p.requires_grad:
+                    total = sum(g[n].to(self.reduce) / pre for g in per_rank)
+                    p.grad = (total / post).to(self.full)
+            for r, params in enumerate(self.local):
+                for n, p in params.items():
+                    if p.requires_grad:
+                        p.grad = per_rank[r][n].to(self.reduce).to(self.full)
+            view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
+            out.losses.append(losses[rank])
+            out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
+            out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
+        return out
+
+
+#: The same run in float64 throughout: the yardstick mixed-precision budgets are measured with.
+TRUTH_SPEC = PrecisionSpec(full="float64", param=None, reduce=None, buffer=None)

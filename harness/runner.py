@@ -1,0 +1,254 @@
+"""The one case runner every front end shares: select cases, run them on pools, record, show progress.
+
+``select_cases`` turns a ``Selection`` (what the command line or a config asks for) into cases of the
+matrix; ``run_case`` runs one case on a pool and decides its record; ``CaseRunner`` drains a queue of
+cases over several pools side by side (one thread per pool, see ``harness.placement.plan_lanes``),
+writing each record as it ends; ``Progress`` is the bar and the per-verdict counts. The CLI's ``run``
+and ``nightly``, ``certify`` and the pytest plugin all run cases through here.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.case import CaseConfig
+from harness.placement import Lane
+from harness.records import CaseRecord
+
+if TYPE_CHECKING:
+    from harness.pool import RankPool
+
+__all__ = [
+    "BAD_VERDICTS",
+    "CaseRunner",
+    "Progress",
+    "Selection",
+    "SelectionError",
+    "exit_status",
+    "generate_cases",
+    "run_case",
+    "select_cases",
+    "summary",
+    "under_torchrun",
+]
+
+
+@dataclass
+class Selection:
+    """Which cases of the matrix to run (the selection options of every front end)."""
+
+    #: case generator of ``harness.matrix``: ``smoke``, ``pairwise`` or ``full``.
+    matrix: str = "smoke"
+    #: engines under test (None: every engine of the matrix).
+    engines: list[str] | None = None
+    #: references (None: the matrix's).
+    references: list[str] | None = None
+    #: models of ``harness.models.MODELS`` (None: the matrix's).
+    models: list[str] | None = None
+    #: training steps per case (None: ``CaseConfig``'s default).
+    steps: int | None = None
+    #: run each engine twice and require bitwise-equal results.
+    check_determinism: bool = False
+    #: keep cases whose full id contains one of these.
+    filters: list[str] = field(default_factory=list)
+    #: at most this many cases.
+    limit: int | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> "Selection":
+        """From the argparse namespace of a front end that added the selection options."""
+        return cls(
+            matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
+            steps=args.steps, check_determinism=bool(getattr(args, "check_determinism", False)),
+            filters=list(args.filter or []), limit=args.limit,
+        )
+
+
+#: verdicts that make ``run`` exit with status 1.
+BAD_VERDICTS = ("fail", "error", "timeout", "crash")
+
+
+class SelectionError(ValueError):
+    """The selection options name no valid cases (an unknown engine, model ...)."""
+
+
+def select_cases(selection: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
+    """The cases the selection options name, grouped by world size, in generator order."""
+    try:
+        return _select_cases(selection, world_sizes)
+    except ValueError as exc:
+        raise SelectionError(str(exc)) from exc
+
+
+def generate_cases(
+    matrix: str,
+    world_sizes: Sequence[int],
+    references: Sequence[str] | None = None,
+    axes: Mapping[str, Sequence[Any]] | None = None,
+    **fixed: Any,
+) -> list[CaseConfig]:
+    """The cases of generator ``matrix`` (``harness.matrix.generate`` over ``axes``, keywords pinned) for
+    every world size and reference, each pinned in turn, without duplicates, in generator order.
+
+    Shared by ``harness run`` and the generated pytest suites (``harness.pytest_plugin.cases``). References
+    are pinned in turn because a generator that keeps an axis at its first value (smoke) would
+    otherwise never show the second one; None keeps the matrix's reference axis.
+    """
+    from harness.matrix import generate
+
+    found: dict[str, CaseConfig] = {}
+    for ws in world_sizes:
+        for reference in references or [None]:
+            pinned = {**fixed, "world_size": ws, **({"reference": reference} if reference else {})}
+            for case in generate(matrix, axes=axes, **pinned):  # type: ignore[arg-type]
+                found.setdefault(case.full_id, case)
+    return list(found.values())
+
+
+def run_case(pool: "RankPool", case: CaseConfig) -> CaseRecord:
+    """Run one case on a started (or lazily starting) pool and decide its all-rank record."""
+    from harness.parity import record_from_outcome, run_case_on_rank
+
+    return record_from_outcome(case, pool.run(run_case_on_rank, case))
+
+
+def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
+    from harness.models import MODELS
+
+    unknown = [m for m in args.models or [] if m not in MODELS]
+    if unknown:
+        raise ValueError(f"--models: {unknown} not in harness.models.MODELS; choose from {sorted(MODELS)}")
+
+    axes: dict[str, list[Any]] = {}
+    if args.engines:
+        axes["engine"] = args.engines
+    if args.models:
+        axes["model"] = args.models
+    fixed: dict[str, Any] = {}
+    if args.steps is not None:
+        fixed["steps"] = args.steps
+    if args.check_determinism:
+        fixed["check_determinism"] = True
+    cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None, **fixed)
+    if args.filters:
+        cases = [c for c in cases if any(f in c.full_id for f in args.filters)]
+    if args.limit is not None:
+        cases = cases[: args.limit]
+    return cases
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+class Progress:
+    """The progress bar and the per-verdict counts; problems are printed above the bar as they come."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.bar = tqdm(total=total, unit="case", dynamic_ncols=True, disable=not enabled, file=sys.stderr)
+
+    def update(self, record: CaseRecord, full_id: str) -> None:
+        self.counts[record.verdict] += 1
+        if record.verdict in BAD_VERDICTS:
+            self.bar.write(f"{record.verdict:8s} {full_id}: {record.reason}", file=sys.stderr)
+        self.bar.set_postfix(dict(self.counts), refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def summary(counts: collections.Counter[str], out: Path, elapsed: float) -> str:
+    from tabulate import tabulate
+
+    rows = [(verdict, n) for verdict, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{sum(counts.values())} cases in {elapsed:.1f} s -> {out}"
+
+
+def exit_status(counts: collections.Counter[str]) -> int:
+    return 1 if any(counts[v] for v in BAD_VERDICTS) else 0
+
+
+class CaseRunner:
+    """Runs cases on several pools at once (one thread per pool) and records each as it ends.
+
+    The threads only wait on their pool's pipes; a case's record is written and counted under one
+    lock, and none is written once ``stop`` is set (Ctrl-C), so an interrupted case is never recorded
+    as the crash its killed ranks would look like.
+    """
+
+    def __init__(self, writer: Any, progress: Progress, deadline: float | None, case_timeout_s: float) -> None:
+        self.writer = writer
+        self.progress = progress
+        #: ``time.monotonic()`` after which no case is launched; None: no budget.
+        self.deadline = deadline
+        self.case_timeout_s = case_timeout_s
+        self.stop = threading.Event()
+        #: cases launched and recorded by this runner.
+        self.recorded = 0
+        #: one line per pool that could not (re)start or whose thread failed.
+        self.lane_errors: list[str] = []
+        self._lock = threading.Lock()
+
+    def over_budget(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
+        """Run ``cases`` on ``lanes``; returns the cases that were not launched."""
+        queue = collections.deque(cases)
+        threads = [threading.Thread(target=self._lane, args=(lane, queue), daemon=True, name=f"nightly-lane{i}")
+                   for i, lane in enumerate(lanes)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)  # a timed join lets Ctrl-C reach the main thread
+        return list(queue)
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self.stop.set()
+
+    def _lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
+        from harness.pool import PoolConfig, PoolStartError, RankPool
+
+        config = PoolConfig(world_size=lane.world_size, backend=lane.backend, devices=lane.devices,  # type: ignore[arg-type]
+                            case_timeout_s=self.case_timeout_s)
+        case: CaseConfig | None = None
+        try:
+            with RankPool(config) as pool:
+                while True:
+                    with self._lock:
+                        if self.stop.is_set() or self.over_budget() or not queue:
+                            return
+                        case = queue.popleft()
+                    record = run_case(pool, case)
+                    with self._lock:
+                        if self.stop.is_set():
+                            return
+                        self.writer.append(record)
+                        self.progress.update(record, case.full_id)
+                        self.recorded += 1
+                        case = None
+        except PoolStartError as exc:
+            self._lane_failed(lane, case, queue, f"pool did not start: {str(exc).splitlines()[0]}")
+        except Exception as exc:  # noqa: BLE001 - a lane's failure must leave its case visible as not run
+            self._lane_failed(lane, case, queue, f"{type(exc).__name__}: {exc}")
+
+    def _lane_failed(self, lane: Lane, case: CaseConfig | None, queue: collections.deque[CaseConfig], why: str) -> None:
+        with self._lock:
+            if case is not None:
+                queue.appendleft(case)  # not recorded: another lane may take it, or it is listed as not run
+            where = f"GPUs {list(lane.devices)}" if lane.devices else "CPU"
+            self.lane_errors.append(f"world size {lane.world_size} on {where}: {why}")
