@@ -13,11 +13,6 @@ from suites.layering.imports import find_cycles, import_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: circles the library/front-end split of harness/ is removing (the nightly command borrows the CLI's
-#: case selection and runner); any other circle fails, and so does this one once engine/ is involved.
-KNOWN_CIRCLES = [["harness.cli", "harness.nightly"]]
-
-
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = tmp_path / name
@@ -62,10 +57,9 @@ def test_engine_has_no_import_circle() -> None:
     assert not circles, f"import circles in engine/: {circles}"
 
 
-def test_no_new_import_circle_in_engine_harness_and_reports() -> None:
+def test_no_import_circle_in_engine_harness_and_reports() -> None:
     circles = find_cycles(import_graph(ROOT, ["engine", "harness", "reports"]))
-    unknown = [c for c in circles if c not in KNOWN_CIRCLES]
-    assert not unknown, f"import circles: {unknown}"
+    assert not circles, f"import circles: {circles}"
 
 
 def test_every_engine_module_imports_alone() -> None:
