@@ -5,7 +5,8 @@ wrong one is a ``ValueError`` that names the parameter, what it got and the type
 
 torch FSDP1's own enums and configuration dataclasses (``torch.distributed.fsdp.ShardingStrategy``,
 ``BackwardPrefetch``, ``MixedPrecision``, ``CPUOffload``, ``StateDictType`` and the state-dict
-configurations) are accepted as their equivalents here, so code written for torch FSDP1 runs by
+configurations, whose conversion lives in :mod:`engine.state_dict_config`) are accepted as their
+equivalents, so code written for torch FSDP1 runs by
 changing only its import, and code mixing both works. They are recognised by duck typing (the
 class name, a defining module under ``torch.distributed.fsdp``, the enum member's ``name``, the
 dataclass fields): the engine never imports ``torch.distributed.fsdp``.
@@ -22,12 +23,8 @@ import torch
 from engine.api import (
     BackwardPrefetch,
     CPUOffload,
-    FullStateDictConfig,
-    LocalStateDictConfig,
     MixedPrecision,
-    ShardedStateDictConfig,
     ShardingStrategy,
-    StateDictConfig,
     StateDictType,
 )
 
@@ -38,7 +35,6 @@ __all__ = [
     "as_device_id",
     "as_mixed_precision",
     "as_sharding_strategy",
-    "as_state_dict_config",
     "as_state_dict_type",
     "check_process_group",
     "is_torch_fsdp_object",
@@ -143,19 +139,6 @@ def as_mixed_precision(value: Any) -> MixedPrecision | None:
     for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         _check_dtype(getattr(mp, field), f"MixedPrecision.{field}")
     return mp
-
-
-def as_state_dict_config(value: Any, param: str = "state_dict_config") -> StateDictConfig | None:
-    """A state-dict configuration (ours or torch FSDP1's) as ours; None stays None."""
-    if value is None:
-        return None
-    for cls in (FullStateDictConfig, ShardedStateDictConfig, LocalStateDictConfig, StateDictConfig):
-        if isinstance(value, cls) or is_torch_fsdp_object(value, cls.__name__):
-            return _as_dataclass(value, cls, param)
-    raise ValueError(
-        f"{param}={_describe(value)} must be a FullStateDictConfig, ShardedStateDictConfig or "
-        f"LocalStateDictConfig (from engine or {TORCH_FSDP_MODULE}) or None"
-    )
 
 
 def _is_group(value: Any) -> bool:

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import engine
 from engine import FSDP
-from engine.arguments import as_state_dict_config, is_torch_fsdp_object
+from engine.arguments import is_torch_fsdp_object
 from engine.wrap import always_wrap_policy
 from suites.engine.models import NestedWrapped
 from suites.wrap.wrap_models import DummyProcessGroup
@@ -74,7 +74,7 @@ def test_state_dict_type_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match=r"state_dict_type='full' .*must be a StateDictType member"):
         with FSDP.state_dict_type(model, "full"):
             pass
-    with pytest.raises(ValueError, match=r"state_dict_config=\{\} .*must be a FullStateDictConfig"):
+    with pytest.raises(RuntimeError, match=r"state_dict_config of type FullStateDictConfig but got dict"):
         with FSDP.state_dict_type(model, engine.StateDictType.FULL_STATE_DICT, {}):
             pass
 
@@ -147,18 +147,8 @@ def test_torch_state_dict_type_and_configs_are_accepted(state_dict_type: object,
     model = FSDP(nn.Linear(2, 2), process_group=PG)
     with FSDP.state_dict_type(model, state_dict_type, config):
         assert model._state_dict_type is engine.StateDictType[state_dict_type.name]
-    ours = as_state_dict_config(config)
-    assert type(ours).__name__ == type(config).__name__ and type(ours).__module__.startswith("engine")
-    assert ours.offload_to_cpu == config.offload_to_cpu
-    if hasattr(config, "rank0_only"):
-        assert ours.rank0_only == config.rank0_only
-
-
-def test_torch_config_field_without_equivalent_is_refused_when_set() -> None:
-    config = torch_fsdp.ShardedStateDictConfig()
-    extra = [f for f in vars(config) if f not in ("offload_to_cpu",)]
-    if not extra:
-        pytest.skip(reason="this torch's ShardedStateDictConfig has no field beyond ours")
-    setattr(config, extra[0], not getattr(config, extra[0]))
-    with pytest.raises(ValueError, match=re.escape(f"ShardedStateDictConfig.{extra[0]}")):
-        as_state_dict_config(config)
+        ours = model._state_dict_config
+        assert type(ours).__name__ == type(config).__name__ and type(ours).__module__.startswith("engine")
+        assert ours.offload_to_cpu == config.offload_to_cpu
+        if hasattr(config, "rank0_only"):
+            assert ours.rank0_only == config.rank0_only

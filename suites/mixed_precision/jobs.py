@@ -285,22 +285,15 @@ def _check_buffers(model: nn.Module, expected: torch.dtype, when: str) -> None:
 
 
 def _check_state_dict(api: FSDPApi, model: nn.Module, full: torch.dtype, summoned: list[str]) -> None:
-    """Parameters are checkpointed in full precision, buffers in their original dtype (both engines).
-
-    The keys differ by design: torch FSDP1's default ``FULL_STATE_DICT`` gathers the original
-    parameters under their clean names; our engine's ``state_dict()`` is ``nn.Module``'s, over the
-    registered flat (sharded) parameters (see ``engine.FullyShardedDataParallel``'s docstring).
-    """
+    """Parameters are checkpointed in full precision, buffers in their original dtype (both engines),
+    under the clean names of the default ``FULL_STATE_DICT``."""
     raw_buffers = [n for n, _ in model.named_buffers()]
     buffers = {clean(n) for n in raw_buffers}
     sd = model.state_dict()
     for key, t in sd.items():
         want = BUFFER_ORIG_DTYPE if clean(key) in buffers else full
         assert t.dtype == want, f"state_dict[{key}] is {t.dtype}, expected {want}"
-    if api.is_torch:
-        want_keys = set(summoned) | buffers
-    else:
-        want_keys = {n for n, _ in model.named_parameters()} | set(raw_buffers)
+    want_keys = set(summoned) | buffers
     assert set(sd) == want_keys, f"{api.name}: state_dict keys {sorted(sd)}, expected {sorted(want_keys)}"
 
 
