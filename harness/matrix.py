@@ -10,8 +10,9 @@ Axis values are the ``Literal`` values of ``harness.case``; case ids are ``CaseC
 by ``full_id`` where engines and references are mixed).
 
 [Note: invalid versus uncovered]
-A combination is *invalid* when an engine cannot express it or raises on it by design (a rule below,
-each with its reason). Invalid combinations are left out of every generator. A *pair* of axis values is
+A combination is *invalid* when an engine cannot express it or raises on it by design (a rule, each with
+its reason: ``RULES`` below for what every engine meets, and each engine's own ``capability_rules``,
+declared by its adapter and read through ``harness.registry``, so a new engine needs no edit here). Invalid combinations are left out of every generator. A *pair* of axis values is
 *feasible* when at least one valid case holds both; the pairwise generator must cover exactly the feasible
 pairs. Feasibility is decided by search over the axes that some rule reads (the other axes never make a
 case invalid), so it stays exact when rules interact.
@@ -22,10 +23,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+
 from typing import Any, Literal, get_args
 
-from harness.case import CaseConfig, EngineName, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
+from harness.capabilities import Rule, for_engine
+from harness.case import CaseConfig, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName, is_hybrid
+from harness.registry import DEFAULT_ENGINES, resolve
 
 GeneratorName = Literal["full", "pairwise", "smoke"]
 
@@ -37,7 +40,8 @@ Pair = tuple[AxisValue, AxisValue]
 #: The default axes and their values, in the order ids and generators use. The first value of each axis
 #: is its baseline (what smoke cases keep unless they exercise that axis).
 AXES: dict[str, list[Any]] = {
-    "engine": list(get_args(EngineName)),
+    # Specs of ``harness.registry``; any registered engine or spec may be given with ``axes``.
+    "engine": list(DEFAULT_ENGINES),
     "reference": list(get_args(ReferenceName)),
     # Names from ``harness.models.MODELS``; override with ``axes={"model": [...]}``.
     "model": ["nested", "transformer"],
@@ -52,26 +56,14 @@ AXES: dict[str, list[Any]] = {
     "world_size": [2, 4],
     # Steps deepen a case rather than change its behaviour: one value by default.
     "steps": [5],
+    # Stress delays only make races visible (on CUDA): ``--stress`` pins ``delay``; ``axes=`` may add it.
+    "stress": ["none"],
 }
 
-_HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A constraint: every combination it matches is invalid, for ``reason``."""
-
-    #: short identifier, for tests and for filtering rules.
-    name: str
-    #: the ``CaseConfig`` fields it reads; it is evaluated once all of them are known.
-    axes: tuple[str, ...]
-    #: one line: why an engine cannot run such a case.
-    reason: str
-    #: True when the case (a mapping holding at least ``axes``) is invalid.
-    matches: Callable[[Mapping[str, Any]], bool]
-
-
-#: The constraints a PyTorch FSDP user runs into. Each reason names the behaviour that makes it invalid.
+#: The constraints every engine meets (FSDP's own), whatever the engine. Each reason names the behaviour
+#: that makes it invalid; what one engine cannot express is on its adapter (``engine_rules``).
 RULES: tuple[Rule, ...] = (
     Rule(
         "offload_after_wrap",
@@ -85,21 +77,7 @@ RULES: tuple[Rule, ...] = (
         ("sharding_strategy", "world_size"),
         "hybrid strategies shard within a group and replicate across groups; both need >= 2 ranks, so "
         "the world size must be >= 4 and even",
-        lambda c: c["sharding_strategy"] in _HYBRID and (c["world_size"] < 4 or c["world_size"] % 2 != 0),
-    ),
-    Rule(
-        "fsdp2_has_no_flat_params",
-        ("engine", "use_orig_params"),
-        "FSDP2 has no flat parameters: it always exposes the original parameters (as DTensors), so "
-        "use_orig_params=False does not exist there",
-        lambda c: c["engine"] == "torch-fsdp2" and not c["use_orig_params"],
-    ),
-    Rule(
-        "fsdp2_backward_prefetch",
-        ("engine", "backward_prefetch"),
-        "FSDP2 always prefetches the next all-gather before a module's backward (BACKWARD_PRE); it can "
-        "neither turn that off nor prefetch after the gradient computation (BACKWARD_POST)",
-        lambda c: c["engine"] == "torch-fsdp2" and c["backward_prefetch"] != "pre",
+        lambda c: is_hybrid(c["sharding_strategy"]) and (c["world_size"] < 4 or c["world_size"] % 2 != 0),
     ),
 )
 
@@ -113,9 +91,29 @@ def _as_mapping(case: CaseConfig | Mapping[str, Any]) -> Mapping[str, Any]:
     return {**_DEFAULTS, **case}
 
 
-def invalid_reasons(case: CaseConfig | Mapping[str, Any], rules: Sequence[Rule] = RULES) -> list[str]:
-    """The reason of every rule the case breaks; a mapping is completed with ``CaseConfig`` defaults."""
+def engine_rules(engines: Sequence[str]) -> tuple[Rule, ...]:
+    """The capability rules of every engine in ``engines`` (specs), as matrix rules reading ``engine``.
+
+    Resolving an engine checks it (``harness.registry.resolve``): a bad spec raises here, at selection.
+    """
+    out: list[Rule] = []
+    for engine in dict.fromkeys(engines):
+        adapter = resolve(engine)
+        out.extend(for_engine(engine, adapter.name, rule) for rule in adapter.capability_rules())
+    return tuple(out)
+
+
+def rules_for(engines: Sequence[str]) -> tuple[Rule, ...]:
+    """``RULES`` and the capability rules of ``engines``: every rule cases on those engines obey."""
+    return (*RULES, *engine_rules(engines))
+
+
+def invalid_reasons(case: CaseConfig | Mapping[str, Any], rules: Sequence[Rule] | None = None) -> list[str]:
+    """The reason of every rule the case breaks (default: ``RULES`` and its engine's rules); a mapping
+    is completed with ``CaseConfig`` defaults."""
     values = _as_mapping(case)
+    if rules is None:
+        rules = rules_for([values["engine"]])
     return [rule.reason for rule in rules if rule.matches(values)]
 
 
@@ -164,9 +162,11 @@ def resolve_axes(axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) 
 class _Space:
     """The varying axes over a fixed base, with the feasibility search the generators share."""
 
-    def __init__(self, axes: dict[str, list[Any]], base: dict[str, Any], rules: Sequence[Rule] = RULES) -> None:
+    def __init__(self, axes: dict[str, list[Any]], base: dict[str, Any], rules: Sequence[Rule] | None = None) -> None:
         self.axes = axes
         self.base = base
+        if rules is None:
+            rules = rules_for(axes["engine"] if "engine" in axes else [base["engine"]])
         self.rules = tuple(rules)
         self.order = list(axes)
         #: axes some rule reads: only these can make a case invalid, so only these are searched.

@@ -26,8 +26,8 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,17 +37,27 @@ from harness.adapters import (
     EngineFacts,
     EngineTrainee,
     ParamSlice,
-    get_engine,
+    has_float_buffers,
     prepare_inputs,
     rank_local_param_names,
 )
-from harness.case import CaseConfig, PrecisionSpec
-from harness.compare import Observation, compare_observations, derive_budgets, merge_quantities, worst_budgets
+from harness.case import CaseConfig, PrecisionSpec, is_hybrid
+from harness.compare import (
+    Finding,
+    Observation,
+    compare_observations,
+    derive_budgets,
+    measure_drift,
+    merge_drifts,
+    merge_quantities,
+    worst_budgets,
+)
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model, gpu_sleep
-from harness.placement import default_shard_size
+from harness.placement import hybrid_shard_size
 from harness.pool import PoolOutcome
 from harness.rank import RankContext
+from harness.registry import resolve
 from harness.knobs import (
     KnobCheck,
     check_backward_prefetch_structure,
@@ -58,11 +68,13 @@ from harness.knobs import (
     check_use_orig_params,
 )
 from harness.records import CaseRecord, QuantityError
-from harness.references import TRUTH_SPEC, LocalReference, build_ddp
-from harness.tolerance import TolerancePolicy, budget_source
+from harness.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
+from harness.stress import Stress
+from harness.stress import unsupported_reason as stress_unsupported_reason
+from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
 
-__all__ = ["FAULTS", "record_from_outcome", "run_case_on_rank"]
+__all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
 
 
 #: Fault injections a case can ask for with ``extras=(("fault", name),)``; they prove the pool's
@@ -70,14 +82,6 @@ __all__ = ["FAULTS", "record_from_outcome", "run_case_on_rank"]
 #: engine gradient nudged after every backward). ``ignore_option:<keyword>`` (an adapter dropping a
 #: setting, for the knob checks) is handled by the adapters.
 FAULTS = ("skip_collective_on_rank1", "exit_rank1", "segfault_rank1", "raise_rank1", "perturb_grad_rank1")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Observations and comparison (pure)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Knob checks (pure, over the trace and engine facts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,14 +160,18 @@ def train(
     *,
     trace: CommTrace | None = None,
     perturb: bool = False,
+    stress: Stress | None = None,
 ) -> Observation:
     """The shared training loop of engines and DDP: ``steps`` steps, reading gradients after each backward.
 
-    ``table`` describes the model's parameters, taken before wrapping.
+    ``table`` describes the model's parameters, taken before wrapping; ``stress`` (engines of a
+    stressed case) adds its optimizer and final-unshard delays.
     """
     zoo = trainee.zoo
     full = dtype_of(case.precision_spec.full)
     optimizer = torch.optim.SGD(trainee.trainable_parameters(), lr=case.lr, momentum=case.momentum)
+    if stress is not None:
+        stress.watch_optimizer(optimizer)
     obs = Observation()
     for step in range(steps):
         inputs = prepare_inputs(zoo.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device, full)
@@ -186,7 +194,7 @@ def train(
         gpu_sleep(zoo.sleeps.before_step_ms, ctx.device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    with _paused(trace):
+    with _paused(trace), (stress.around("around_summon") if stress is not None else contextlib.nullcontext()):
         obs.params = trainee.final_params()
     obs.notes.extend(trainee.notes)
     return obs
@@ -216,15 +224,27 @@ def _fresh_model(case: CaseConfig, ctx: RankContext) -> tuple[ZooModel, dict[str
 def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, steps: int) -> Observation:
     """Build and train the engine under a communication trace."""
     model, table = _fresh_model(case, ctx)
-    trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device))
-    with trace:
-        trace.watch_modules(model)
-        _mark_phase(trace, "setup", 0)
-        trainee = adapter.build(case, model, ctx)
-        perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
-        obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb)
+    stress = Stress(ctx.device) if case.stress == "delay" else None
+    trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device),
+                      around=stress.on_collective if stress is not None else None)
+    try:
+        with trace:
+            trace.watch_modules(model)
+            if stress is not None:
+                stress.watch_model(model)
+            _mark_phase(trace, "setup", 0)
+            trainee = adapter.build(case, model, ctx)
+            if stress is not None:
+                stress.watch_parameters(trainee.trainable_parameters())
+                stress.watch_no_sync(trainee.module)
+            perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
+            obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
+    finally:
+        if stress is not None:
+            stress.remove()
     obs.events = list(trace.events)
     obs.facts = trainee.facts()
+    obs.stress_points = dict(stress.counts) if stress is not None else {}
     return obs
 
 
@@ -237,7 +257,7 @@ def _run_reference(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> O
         if case.reference == "ddp":
             model, table = _fresh_model(case, ctx)
             return train(build_ddp(case, model, ctx), case, ctx, case.steps, table)
-        return Observation.from_reference(LocalReference(case, spec, ctx.device, ctx.world_size).run(ctx.rank))
+        return _local_observation(case, spec, ctx)
     except Exception as exc:
         raise ReferenceFailed(f"the {case.reference!r} reference failed: {type(exc).__name__}: {exc}") from exc
 
@@ -254,9 +274,8 @@ def knob_checks(
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
     events = engine.events
     facts = engine.facts if engine.facts is not None else EngineFacts(set(), None)
-    if case.sharding_strategy.startswith("hybrid"):
-        shard = int(case.extra.get("shard_size", default_shard_size(ctx.world_size, ctx.local_world_size)))
-        replicate = ctx.world_size // shard
+    if is_hybrid(case.sharding_strategy):
+        replicate = ctx.world_size // hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
     else:
         replicate = 1
     checks = [
@@ -324,31 +343,100 @@ def _inject_fault(case: CaseConfig, ctx: RankContext) -> None:
         raise RuntimeError(f"injected fault {fault}")
 
 
-def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
-    """The pool's job: the whole case as this rank sees it, as plain data (see ``record_from_outcome``)."""
-    if case.world_size != ctx.world_size:
-        return {"status": "unsupported", "reason": f"case world_size={case.world_size} but the ranks are {ctx.world_size}"}
-    adapter = get_engine(case.engine)
+@dataclass
+class RankResult:
+    """What one rank sends back from ``run_case_on_rank``: plain, picklable data, one fact per field."""
+
+    #: ``unsupported``: the engine cannot run the case here (``reason`` says why); ``ok``: it ran.
+    status: Literal["ok", "unsupported"]
+    reason: str = ""
+    #: every compared quantity, worst over the steps, as this rank saw it.
+    findings: list[Finding] = field(default_factory=list)
+    knobs: list[KnobCheck] = field(default_factory=list)
+    #: None when not checked.
+    deterministic: bool | None = None
+    #: the first difference between the two runs (empty when deterministic or not checked).
+    nondeterminism: str = ""
+    engine_s: float = 0.0
+    reference_s: float = 0.0
+    peak_mem_bytes: int = 0
+    bytes_all_gathered: int = 0
+    bytes_reduce_scattered: int = 0
+    #: collectives of the training phases, per kind.
+    collectives: dict[str, int] = field(default_factory=dict)
+    #: which run's distance widened the tolerances (``harness.tolerance.budget_source``).
+    budget_source: BudgetSource = "none"
+    #: mixed precision: per reference (``fp64``, ``no_param`` ...), the quantities an engine computing it fails.
+    resolvable: dict[str, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    #: stress mode: how often each delay point fired (``harness.stress``).
+    stress_points: dict[str, int] = field(default_factory=dict)
+    #: per quantity (``loss``, ``grad_norm``) and side (``engine``, ``reference``): this rank's value per step.
+    curves: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+
+def _unsupported(reason: str) -> RankResult:
+    return RankResult("unsupported", reason)
+
+
+def _local_observation(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> Observation:
+    return Observation.from_reference(LocalReference.for_case(case, spec, ctx.device, ctx.world_size).run(ctx.rank))
+
+
+def _budgets(
+    case: CaseConfig, spec: PrecisionSpec, ctx: RankContext, source: BudgetSource, reference: Observation, notes: list[str]
+) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """The case's budgets (``harness.tolerance``), worst over the ranks; under mixed precision also which
+    quantities each cast-dropping run resolves. Collective: every rank calls it alike."""
+    if source == "none":
+        return {}, {}
+    truth = _local_observation(case, TRUTH_SPEC, ctx)
+    if source in ("reference", "emulation"):
+        everyone: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(everyone, derive_budgets(reference, truth))
+        return worst_budgets(everyone), {}
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
-    reason = adapter.unsupported_reason(case, model, ctx)
+    others = {"fp64": truth}
+    for name, ablated in cast_ablations(spec, has_float_buffers(model)).items():
+        try:
+            others[name] = _local_observation(case, ablated, ctx)
+        except RuntimeError as exc:
+            # e.g. float32 activations into float16 BatchNorm buffers: an engine dropping this cast
+            # raises at the same place, it cannot pass on values.
+            notes.append(f"{name}: the model cannot run with that cast dropped ({exc}); an engine dropping it raises")
+    drifts: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(drifts, measure_drift(reference, others))
+    drift = merge_drifts(drifts)
+    derived = mixed_precision_budgets(drift.distances, drift.scales, spec.full)
+    resolvable = {name: sorted(q for q, b in derived.items() if name in b.resolvable) for name in others}
+    return {q: b.budget for q, b in derived.items()}, resolvable
+
+
+def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
+    """The pool's job: the whole case as this rank sees it (see ``record_from_outcome``)."""
+    if case.world_size != ctx.world_size:
+        return _unsupported(f"case world_size={case.world_size} but the ranks are {ctx.world_size}")
+    adapter = resolve(case.engine)  # the spec travels in the case; each rank resolves it once
+    model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
+    reason = stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
     if reason:
-        return {"status": "unsupported", "reason": reason}
+        return _unsupported(reason)
     _inject_fault(case, ctx)
     spec = adapter.effective_precision(case, model)
+    source = budget_source(spec, ctx.world_size)
+    notes: list[str] = []
 
     t0 = time.perf_counter()
-    reference = _run_reference(case, spec, ctx)
-    source = budget_source(spec, ctx.world_size)
-    budgets: dict[str, float] = {}
-    if source != "none":
-        # The local reference already emulates the casts; DDP computes in full precision.
-        measured = reference
-        if source == "emulation" and case.reference != "local":
-            measured = _run_reference(case.replace(reference="local"), spec, ctx)
-        truth = Observation.from_reference(LocalReference(case, TRUTH_SPEC, ctx.device, ctx.world_size).run(ctx.rank))
-        everyone: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(everyone, derive_budgets(measured, truth))
-        budgets = worst_budgets(everyone)
+    if source == "ablation":
+        # DDP computes in full precision: only the emulation says what the casts should give.
+        reference = _run_reference(case.replace(reference="local"), spec, ctx)
+        if case.reference != "local":
+            notes.append(f"mixed precision: compared with the local reference emulating the casts, not {case.reference}")
+    else:
+        reference = _run_reference(case, spec, ctx)
+    # Past 2 ranks the budget is the emulation's drift from float64, whichever reference is compared.
+    measured = reference if source != "emulation" or case.reference == "local" else _run_reference(case.replace(reference="local"), spec, ctx)
+    budgets, resolvable = _budgets(case, spec, ctx, source, measured, notes)
     reference_s = time.perf_counter() - t0
 
     if ctx.device_type == "cuda":
@@ -359,9 +447,9 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
     engine_s = time.perf_counter() - t0
     peak = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device_type == "cuda" else 0
 
-    policy = TolerancePolicy.for_precision(spec, budgets)
+    policy = TolerancePolicy.for_precision(spec, budgets, source)
     findings = compare_observations(engine, reference, policy)
-    checks = knob_checks(adapter, case, ctx, spec, engine)
+    checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
 
     deterministic: bool | None = None
     nondeterminism = ""
@@ -370,29 +458,36 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
         deterministic = not nondeterminism
 
     training = [e for e in engine.events if e.phase in ("forward", "backward", "step")]
-    return {
-        "status": "ok",
-        "reason": "",
-        "findings": [{**asdict(f.error), "step": f.step} for f in findings],
-        "knobs": [asdict(c) for c in checks],
-        "deterministic": deterministic,
-        "nondeterminism": nondeterminism,
-        "engine_s": engine_s,
-        "reference_s": reference_s,
-        "peak_mem_bytes": peak,
-        "bytes_all_gathered": total_bytes(training, "all_gather"),
-        "bytes_reduce_scattered": total_bytes(training, "reduce_scatter"),
-        "collectives": {
-            kind: len(ops(training, op=kind)) for kind in ("all_gather", "reduce_scatter", "all_reduce")
-        },
-        "mixed_precision_budgets": source == "emulation",
-        "budget_source": source,
-        "notes": engine.notes,
-        "curves": {
+    return RankResult(
+        "ok",
+        findings=findings,
+        knobs=checks,
+        deterministic=deterministic,
+        nondeterminism=nondeterminism,
+        engine_s=engine_s,
+        reference_s=reference_s,
+        peak_mem_bytes=peak,
+        bytes_all_gathered=total_bytes(training, "all_gather"),
+        bytes_reduce_scattered=total_bytes(training, "reduce_scatter"),
+        collectives={kind: len(ops(training, op=kind)) for kind in ("all_gather", "reduce_scatter", "all_reduce")},
+        budget_source=source,
+        resolvable=resolvable,
+        notes=notes + engine.notes,
+        stress_points=engine.stress_points,
+        curves={
             "loss": {"engine": engine.losses, "reference": reference.losses},
             "grad_norm": {"engine": engine.grad_norms, "reference": reference.grad_norms},
         },
-    }
+    )
+
+
+def knob_checks_off(case: CaseConfig) -> bool:
+    """``extras=(("knob_checks", "off"),)``: decide on values alone (how the planted cast-dropping engines
+    show that the tolerance catches them without the collective-dtype check)."""
+    value = case.extra.get("knob_checks", "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"extras knob_checks={value!r} must be 'on' or 'off'")
+    return value == "off"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -427,20 +522,20 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
             detail["stderr_tails"] = {str(r): t for r, t in outcome.stderr_tails.items()}
         return CaseRecord(verdict=outcome.status, reason=outcome.reason, detail=detail, **base)
 
-    values: list[dict[str, Any]] = list(outcome.values)
-    unsupported = [v for v in values if v.get("status") == "unsupported"]
+    values: list[RankResult] = list(outcome.values)
+    unsupported = [v for v in values if v.status == "unsupported"]
     if unsupported:
-        return CaseRecord(verdict="unsupported", reason=unsupported[0]["reason"], **base)
+        return CaseRecord(verdict="unsupported", reason=unsupported[0].reason, **base)
 
-    errors, where = merge_quantities([v["findings"] for v in values])
-    knobs: dict[str, dict[str, Any]] = {}
+    errors, where = merge_quantities([v.findings for v in values])
+    rank_order = {"ignored": 2, "ok": 1, "n/a": 0}
+    knobs: dict[str, KnobCheck] = {}
     for v in values:
-        for check in v["knobs"]:
-            current = knobs.get(check["knob"])
-            rank_order = {"ignored": 2, "ok": 1, "n/a": 0}
-            if current is None or rank_order[check["status"]] > rank_order[current["status"]]:
-                knobs[check["knob"]] = check
-    determinism = [v["deterministic"] for v in values]
+        for check in v.knobs:
+            current = knobs.get(check.knob)
+            if current is None or rank_order[check.status] > rank_order[current.status]:
+                knobs[check.knob] = check
+    determinism = [v.deterministic for v in values]
     deterministic = None if any(d is None for d in determinism) else all(determinism)
 
     reasons: list[str] = []
@@ -450,16 +545,16 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         if len(failing) > 1:
             reasons[-1] += f" (+{len(failing) - 1} more)"
     for check in knobs.values():
-        if check["status"] == "ignored":
-            reasons.append(f"knob {check['knob']} ignored: {check['reason']}")
+        if check.status == "ignored":
+            reasons.append(f"knob {check.knob} ignored: {check.reason}")
     if deterministic is False:
-        nondet = next(v["nondeterminism"] for v in values if v["nondeterminism"])
+        nondet = next(v.nondeterminism for v in values if v.nondeterminism)
         reasons.append(f"not deterministic: {nondet}")
     if not errors:
         reasons.append("nothing was compared")
     curves = None
-    if all("curves" in v for v in values):
-        curves = {q: {side: [list(v["curves"][q][side]) for v in values] for side in ("engine", "reference")}
+    if all(v.curves for v in values):
+        curves = {q: {side: [list(v.curves[q][side]) for v in values] for side in ("engine", "reference")}
                   for q in ("loss", "grad_norm")}
 
     return CaseRecord(
@@ -467,18 +562,19 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         reason="; ".join(reasons),
         errors=errors,
         deterministic=deterministic,
-        peak_mem_bytes=max(v["peak_mem_bytes"] for v in values),
-        bytes_all_gathered=max(v["bytes_all_gathered"] for v in values),
-        bytes_reduce_scattered=max(v["bytes_reduce_scattered"] for v in values),
+        peak_mem_bytes=max(v.peak_mem_bytes for v in values),
+        bytes_all_gathered=max(v.bytes_all_gathered for v in values),
+        bytes_reduce_scattered=max(v.bytes_reduce_scattered for v in values),
         detail={
-            "knobs": list(knobs.values()),
+            "knobs": [asdict(c) for c in knobs.values()],
             "worst_at": {name: where[name] for name in (e.name for e in failing[:10])},
-            "engine_s": [v["engine_s"] for v in values],
-            "reference_s": [v["reference_s"] for v in values],
-            "collectives": values[0]["collectives"],
-            "mixed_precision_budgets": values[0]["mixed_precision_budgets"],
-            "budget_source": values[0].get("budget_source", "none"),
-            "notes": sorted({n for v in values for n in v["notes"]}),
+            "engine_s": [v.engine_s for v in values],
+            "reference_s": [v.reference_s for v in values],
+            "collectives": values[0].collectives,
+            "budget_source": values[0].budget_source,
+            "resolvable": values[0].resolvable,
+            "notes": sorted({n for v in values for n in v.notes}),
+            **({"stress_points": values[0].stress_points} if values[0].stress_points else {}),
         },
         curves=curves,
         **base,

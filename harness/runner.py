@@ -1,10 +1,18 @@
 """The one case runner every front end shares: select cases, run them on pools, record, show progress.
 
 ``select_cases`` turns a ``Selection`` (what the command line or a config asks for) into cases of the
-matrix; ``run_case`` runs one case on a pool and decides its record; ``CaseRunner`` drains a queue of
-cases over several pools side by side (one thread per pool, see ``harness.placement.plan_lanes``),
-writing each record as it ends; ``Progress`` is the bar and the per-verdict counts. The CLI's ``run``
-and ``nightly``, ``certify`` and the pytest plugin all run cases through here.
+matrix; ``interleave`` orders them so that a time budget spent early has still seen every engine,
+reference and model; ``run_case`` runs one case on a pool and decides its record (``run_repeated``:
+several runs folded by ``harness.repeats``); ``CaseRunner`` drains a queue of cases over several
+pools side by side (one thread per pool, see ``harness.placement.plan_lanes``), writing each record
+as it ends; ``Progress`` is the bar (its ETA is for what the budget will run) and the per-verdict
+counts. The CLI's ``run`` and ``nightly`` and the pytest plugin all run cases through here.
+
+[Note: the same results whatever the concurrency]
+A case's numbers depend only on the case: each pool is its own process group on its own ranks, every
+batch and initial parameter is a function of ``(seed, step, rank)``, and a rank's thread count does
+not depend on how many pools run (``harness.pool.PoolConfig.threads_per_rank``). Lanes change which
+pool runs a case and when, never what it computes; ``suites/harness`` checks it bitwise on CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from harness.case import CaseConfig
 from harness.placement import Lane
 from harness.records import CaseRecord
+from harness.repeats import merge_runs, needs_rerun
 
 if TYPE_CHECKING:
     from harness.pool import RankPool
@@ -33,8 +42,11 @@ __all__ = [
     "Selection",
     "SelectionError",
     "exit_status",
+    "expected_total",
     "generate_cases",
+    "interleave",
     "run_case",
+    "run_repeated",
     "select_cases",
     "summary",
     "under_torchrun",
@@ -47,7 +59,7 @@ class Selection:
 
     #: case generator of ``harness.matrix``: ``smoke``, ``pairwise`` or ``full``.
     matrix: str = "smoke"
-    #: engines under test (None: every engine of the matrix).
+    #: engines under test, names or specs of ``harness.registry`` (None: the matrix's default engines).
     engines: list[str] | None = None
     #: references (None: the matrix's).
     references: list[str] | None = None
@@ -57,7 +69,9 @@ class Selection:
     steps: int | None = None
     #: run each engine twice and require bitwise-equal results.
     check_determinism: bool = False
-    #: keep cases whose full id contains one of these.
+    #: the ``stress`` axis of every case (``delay``: ``--stress``).
+    stress: str = "none"
+    #: keep cases whose full id contains one of these (``a+b``: contains both ``a`` and ``b``).
     filters: list[str] = field(default_factory=list)
     #: at most this many cases.
     limit: int | None = None
@@ -68,12 +82,13 @@ class Selection:
         return cls(
             matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
             steps=args.steps, check_determinism=bool(getattr(args, "check_determinism", False)),
+            stress="delay" if getattr(args, "stress", False) else "none",
             filters=list(args.filter or []), limit=args.limit,
         )
 
 
-#: verdicts that make ``run`` exit with status 1.
-BAD_VERDICTS = ("fail", "error", "timeout", "crash")
+#: verdicts that make ``run`` exit with status 1 (a flaky case failed at least once: see ``harness.repeats``).
+BAD_VERDICTS = ("fail", "error", "timeout", "crash", "flaky")
 
 
 class SelectionError(ValueError):
@@ -120,6 +135,40 @@ def run_case(pool: "RankPool", case: CaseConfig) -> CaseRecord:
     return record_from_outcome(case, pool.run(run_case_on_rank, case))
 
 
+def run_repeated(pool: "RankPool", case: CaseConfig, repeat: int = 1, repeat_failures: int = 0) -> CaseRecord:
+    """``repeat`` runs of ``case``, then ``repeat_failures`` more when they did not all pass, folded
+    into one record by ``harness.repeats.merge_runs`` (disagreeing runs: ``flaky``)."""
+    if repeat < 1 or repeat_failures < 0:
+        raise ValueError(f"run_repeated: repeat={repeat} must be >= 1 and repeat_failures={repeat_failures} >= 0")
+    runs = [run_case(pool, case) for _ in range(repeat)]
+    if repeat_failures and needs_rerun(merge_runs(runs)):
+        runs += [run_case(pool, case) for _ in range(repeat_failures)]
+    return merge_runs(runs)
+
+
+#: the axes ``interleave`` spreads, outermost first.
+INTERLEAVE_AXES = ("world_size", "engine", "reference", "model", "sharding_strategy", "precision")
+
+
+def interleave(cases: Sequence[CaseConfig], axes: Sequence[str] = INTERLEAVE_AXES) -> list[CaseConfig]:
+    """The same cases, reordered so every prefix is spread over ``axes``: round robin over the values
+    of the first axis (in first-seen order), each value's cases interleaved by the remaining axes.
+
+    A run cut short by a time budget has then compared every engine against every reference on
+    every model before it goes deeper into any one of them.
+    """
+    if not axes:
+        return list(cases)
+    groups: dict[Any, list[CaseConfig]] = {}
+    for case in cases:
+        groups.setdefault(getattr(case, axes[0]), []).append(case)
+    columns = [interleave(group, axes[1:]) for group in groups.values()]
+    out: list[CaseConfig] = []
+    for depth in range(max((len(c) for c in columns), default=0)):
+        out.extend(column[depth] for column in columns if depth < len(column))
+    return out
+
+
 def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
     from harness.models import MODELS
 
@@ -127,9 +176,11 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
     if unknown:
         raise ValueError(f"--models: {unknown} not in harness.models.MODELS; choose from {sorted(MODELS)}")
 
+    from harness.registry import check_engines
+
     axes: dict[str, list[Any]] = {}
     if args.engines:
-        axes["engine"] = args.engines
+        axes["engine"] = check_engines(args.engines, "--engines")
     if args.models:
         axes["model"] = args.models
     fixed: dict[str, Any] = {}
@@ -137,9 +188,11 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
         fixed["steps"] = args.steps
     if args.check_determinism:
         fixed["check_determinism"] = True
+    if args.stress != "none":
+        fixed["stress"] = args.stress
     cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None, **fixed)
     if args.filters:
-        cases = [c for c in cases if any(f in c.full_id for f in args.filters)]
+        cases = [c for c in cases if any(all(part in c.full_id for part in f.split("+")) for f in args.filters)]
     if args.limit is not None:
         cases = cases[: args.limit]
     return cases
@@ -149,19 +202,37 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
-class Progress:
-    """The progress bar and the per-verdict counts; problems are printed above the bar as they come."""
+def expected_total(todo: int, done: int, elapsed_s: float, left_s: float | None) -> int:
+    """How many of ``todo`` cases a run will have finished: all of them without a budget, else those
+    done plus what the rate so far fits into the ``left_s`` seconds the budget has left."""
+    if left_s is None or done == 0 or elapsed_s <= 0:
+        return todo
+    return min(todo, done + int(done / elapsed_s * max(left_s, 0.0)))
 
-    def __init__(self, total: int, enabled: bool) -> None:
+
+class Progress:
+    """The progress bar and the per-verdict counts; problems are printed above the bar as they come.
+
+    Under a deadline the bar's total is what the budget will run (``expected_total``), so its ETA is
+    when the run will end, not when the whole selection would have.
+    """
+
+    def __init__(self, total: int, enabled: bool, deadline: float | None = None) -> None:
         from tqdm import tqdm
 
         self.counts: collections.Counter[str] = collections.Counter()
+        self.todo = total
+        self.deadline = deadline
+        self.start = time.monotonic()
         self.bar = tqdm(total=total, unit="case", dynamic_ncols=True, disable=not enabled, file=sys.stderr)
 
     def update(self, record: CaseRecord, full_id: str) -> None:
         self.counts[record.verdict] += 1
         if record.verdict in BAD_VERDICTS:
             self.bar.write(f"{record.verdict:8s} {full_id}: {record.reason}", file=sys.stderr)
+        if self.deadline is not None:
+            now = time.monotonic()
+            self.bar.total = expected_total(self.todo, self.bar.n + 1, now - self.start, self.deadline - now)
         self.bar.set_postfix(dict(self.counts), refresh=False)
         self.bar.update(1)
 
@@ -169,11 +240,17 @@ class Progress:
         self.bar.close()
 
 
+def rate_text(cases: int, elapsed_s: float) -> str:
+    """``12.3 cases/s``."""
+    return f"{cases / elapsed_s:.2f} cases/s" if elapsed_s > 0 else "- cases/s"
+
+
 def summary(counts: collections.Counter[str], out: Path, elapsed: float) -> str:
     from tabulate import tabulate
 
     rows = [(verdict, n) for verdict, n in sorted(counts.items(), key=lambda kv: -kv[1])]
-    return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{sum(counts.values())} cases in {elapsed:.1f} s -> {out}"
+    n = sum(counts.values())
+    return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{n} cases in {elapsed:.1f} s ({rate_text(n, elapsed)}) -> {out}"
 
 
 def exit_status(counts: collections.Counter[str]) -> int:
@@ -185,15 +262,23 @@ class CaseRunner:
 
     The threads only wait on their pool's pipes; a case's record is written and counted under one
     lock, and none is written once ``stop`` is set (Ctrl-C), so an interrupted case is never recorded
-    as the crash its killed ranks would look like.
+    as the crash its killed ranks would look like. Pools stay warm from one case to the next: a case
+    costs no process start, import or process-group set-up (``harness.pool``).
     """
 
-    def __init__(self, writer: Any, progress: Progress, deadline: float | None, case_timeout_s: float) -> None:
+    def __init__(self, writer: Any, progress: Progress, deadline: float | None, case_timeout_s: float,
+                 *, repeat: int = 1, repeat_failures: int = 0) -> None:
+        if repeat < 1 or repeat_failures < 0:
+            raise ValueError(f"CaseRunner: repeat={repeat} must be >= 1 and repeat_failures={repeat_failures} >= 0 "
+                             "(--repeat, --repeat-failures)")
         self.writer = writer
         self.progress = progress
         #: ``time.monotonic()`` after which no case is launched; None: no budget.
         self.deadline = deadline
         self.case_timeout_s = case_timeout_s
+        #: runs of every case, and extra runs of a case whose runs did not all pass.
+        self.repeat = repeat
+        self.repeat_failures = repeat_failures
         self.stop = threading.Event()
         #: cases launched and recorded by this runner.
         self.recorded = 0
@@ -204,10 +289,28 @@ class CaseRunner:
     def over_budget(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    def run_all(self, lanes: Mapping[int, Sequence[Lane]], cases: Sequence[CaseConfig],
+                budget_s: float | None = None) -> tuple[list[tuple[CaseConfig, str]], bool]:
+        """Every world size's cases on its lanes, one world size after the other (each plan fills the
+        GPUs on its own). Returns the cases not launched with why, and whether some pool failed."""
+        not_run: list[tuple[CaseConfig, str]] = []
+        pools_failed = False
+        for ws, group in lanes.items():
+            left = self.run(group, [c for c in cases if c.world_size == ws])
+            if not left:
+                continue
+            if self.over_budget():
+                why = f"time budget of {budget_s:g} s spent" if budget_s is not None else "time budget spent"
+            else:
+                pools_failed = True
+                why = "; ".join(self.lane_errors) or "no pool took it"
+            not_run += [(c, why) for c in left]
+        return not_run, pools_failed
+
     def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
         """Run ``cases`` on ``lanes``; returns the cases that were not launched."""
         queue = collections.deque(cases)
-        threads = [threading.Thread(target=self._lane, args=(lane, queue), daemon=True, name=f"nightly-lane{i}")
+        threads = [threading.Thread(target=self._lane, args=(lane, queue), daemon=True, name=f"harness-lane{i}")
                    for i, lane in enumerate(lanes)]
         for thread in threads:
             thread.start()
@@ -233,7 +336,7 @@ class CaseRunner:
                         if self.stop.is_set() or self.over_budget() or not queue:
                             return
                         case = queue.popleft()
-                    record = run_case(pool, case)
+                    record = run_repeated(pool, case, self.repeat, self.repeat_failures)
                     with self._lock:
                         if self.stop.is_set():
                             return

@@ -12,6 +12,12 @@ then removed cases, then other verdict changes. Any regression makes the CLI exi
   ``ratio_floor`` (tiny errors double by noise; 0 -> 0.3 is real drift).
 A new case that merely fails is listed as new, not as a regression: adding a case that exposes a known
 gap must not block the change that adds it.
+
+[Note: flaky cases]
+A repeated case whose runs disagree is ``flaky`` (``harness.repeats``). ``pass -> flaky`` is a
+regression: the case now fails in some runs, a race that appeared or that the run newly exposes.
+``flaky -> pass`` is only ``changed``, not a fix: a race that showed in some runs can pass any one run,
+so one clean result proves nothing. ``fail -> flaky`` and back are ``changed`` too.
 """
 
 from __future__ import annotations
@@ -116,7 +122,7 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
     severity = SEVERITY[nv]
     if nv in ("timeout", "crash") and ov != nv:
         return "regression", f"new {nv} (was {ov})", (severity, 0)
-    if ov == "pass" and nv in ("fail", "error"):
+    if ov == "pass" and nv in ("fail", "error", "flaky"):
         return "regression", f"pass → {nv}", (severity, -(n_ratio or 0.0))
     if ov == "pass" and nv == "unsupported":
         return "regression", "pass → unsupported", (4, 0)
@@ -126,7 +132,7 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
     ):
         growth = "×inf" if o_ratio == 0 else f"×{n_ratio / o_ratio:.3g}"
         return "regression", f"ratio {growth} ({fmt_ratio(o_ratio)} → {fmt_ratio(n_ratio)})", (5, -(n_ratio / max(o_ratio, 1e-300)))
-    if ov != "pass" and ov != "unsupported" and nv == "pass":
+    if ov not in ("pass", "unsupported", "flaky") and nv == "pass":
         return "fix", f"{ov} → pass", (SEVERITY[ov], 0)
     if ov != nv:
         return "changed", f"{ov} → {nv}", (severity, 0)

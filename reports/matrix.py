@@ -22,7 +22,16 @@ from typing import Any, Literal, get_args
 
 import pandas as pd
 
-from harness.case import CaseConfig, EngineName, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
+from harness.case import (
+    DEFAULT_ENGINES,
+    CaseConfig,
+    InitModeName,
+    PrecisionName,
+    PrefetchName,
+    ReferenceName,
+    ShardingName,
+    engine_name,
+)
 from harness.collector import BadLine, record_full_id
 from harness.records import VERDICTS, CaseRecord
 
@@ -40,12 +49,13 @@ COLUMNS: tuple[str, ...] = ("full_id", "case_id", *AXIS_COLUMNS, *OUTCOME_COLUMN
 
 #: The verdicts of a case that ran but did not finish cleanly.
 ERRORED = ("error", "timeout", "crash")
-#: How bad a verdict is, worst first: orders failing cases and picks a cell's status.
-SEVERITY: dict[str, int] = {"crash": 0, "timeout": 1, "error": 2, "fail": 3, "unsupported": 4, "pass": 5}
+#: How bad a verdict is, worst first: orders failing cases and picks a cell's status. A flaky case failed
+#: in some of its runs: as bad as a failure.
+SEVERITY: dict[str, int] = {"crash": 0, "timeout": 1, "error": 2, "fail": 3, "flaky": 3, "unsupported": 4, "pass": 5}
 
 #: Display order of the values of literal axes; other values sort after them, alphabetically.
 VALUE_ORDER: dict[str, list[Any]] = {
-    "engine": list(get_args(EngineName)),
+    "engine": list(DEFAULT_ENGINES),
     "reference": list(get_args(ReferenceName)),
     "sharding_strategy": list(get_args(ShardingName)),
     "precision": list(get_args(PrecisionName)),
@@ -56,7 +66,7 @@ VALUE_ORDER: dict[str, list[Any]] = {
     "use_orig_params": [False, True],
 }
 
-CellStatus = Literal["pass", "fail", "error", "unsupported", "empty"]
+CellStatus = Literal["pass", "fail", "flaky", "error", "unsupported", "empty"]
 
 _DEFAULTS = CaseConfig().to_dict()
 
@@ -86,6 +96,8 @@ def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None =
             "full_id": record_full_id(record),
             "case_id": record.case_id,
             **{axis: case.get(axis) for axis in AXIS_COLUMNS},
+            # A plugged engine's spec (``mine=fsdp1:pkg``) is shown by its name, as case ids show it.
+            "engine": engine_name(str(case.get("engine"))),
             "verdict": record.verdict,
             "worst_ratio": ratio,
             "worst_quantity": quantity,
@@ -143,6 +155,8 @@ class CellStats:
     #: error, timeout or crash.
     errored: int = 0
     unsupported: int = 0
+    #: runs of a repeated case disagreed (``harness.repeats``).
+    flaky: int = 0
     #: largest worst ratio among the cases, NaN when none compared numbers.
     worst_ratio: float = math.nan
     #: the most severe verdict among the cases ("" for none): names what went wrong in an error cell.
@@ -151,7 +165,7 @@ class CellStats:
     @property
     def total(self) -> int:
         """Cases that ran; unsupported ones are not counted (see [Note: what a cell counts])."""
-        return self.passed + self.failed + self.errored
+        return self.passed + self.failed + self.errored + self.flaky
 
     @property
     def status(self) -> CellStatus:
@@ -159,6 +173,8 @@ class CellStats:
             return "error"
         if self.failed:
             return "fail"
+        if self.flaky:
+            return "flaky"
         if self.passed:
             return "pass"
         if self.unsupported:
@@ -174,6 +190,7 @@ class CellStats:
             failed=int(verdicts.get("fail", 0)),
             errored=int(sum(verdicts.get(v, 0) for v in ERRORED)),
             unsupported=int(verdicts.get("unsupported", 0)),
+            flaky=int(verdicts.get("flaky", 0)),
             worst_ratio=float(ratios.max()) if ratios.notna().any() else math.nan,
             worst_verdict=min(verdicts.index, key=SEVERITY.__getitem__, default=""),
         )
@@ -197,7 +214,7 @@ def cell_label(stats: CellStats) -> str:
         return ""
     if stats.status == "unsupported":
         return f"unsupported ({stats.unsupported})"
-    detail = stats.worst_verdict if stats.status == "error" else fmt_ratio(stats.worst_ratio)
+    detail = stats.worst_verdict if stats.status in ("error", "flaky") else fmt_ratio(stats.worst_ratio)
     label = f"{stats.passed}/{stats.total} · {detail}"
     if stats.unsupported:
         label += f" +{stats.unsupported}u"
@@ -359,7 +376,7 @@ class Summary:
     @property
     def ok(self) -> bool:
         """Every case that ran passed and every input line was readable."""
-        return not self.bad_lines and all(self.verdicts.get(v, 0) == 0 for v in ("fail", *ERRORED))
+        return not self.bad_lines and all(self.verdicts.get(v, 0) == 0 for v in ("fail", "flaky", *ERRORED))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,8 +1,9 @@
 """``python -m harness run|list|models``: run parity cases and record them, list them, describe the zoo.
 
-``run`` selects cases from a matrix generator (``harness.matrix``), runs them on a persistent rank
-pool (one per world size) and appends one record per case to a JSON Lines file through the
-collector; a progress bar shows the ETA. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
+``run`` selects cases from a matrix generator (``harness.matrix``), runs them on persistent rank pools
+(several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
+``harness.runner.CaseRunner``) and appends one record per case to a JSON Lines file through the
+collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
 ranks are torchrun's own: every rank walks the same case list and rank 0 records.
 
 Exit status of ``run``: 0 when every case passed or is unsupported, 1 when some failed, errored,
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.case import CaseConfig
-from harness.cli.options import add_selection
-from harness.runner import Progress, Selection, exit_status, run_case, select_cases, summary, under_torchrun
+from harness.cli.options import add_execution, add_selection
+from harness.runner import CaseRunner, Progress, Selection, exit_status, select_cases, summary, under_torchrun
 
 
 
@@ -35,21 +36,34 @@ def _default_out() -> Path:
     return Path("results") / f"run-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
 
 
+def plan_run_lanes(world_sizes: list[int], backend: str, n_gpus: int, host: Any, pools: int | None) -> tuple[dict[int, list[Any]], dict[int, str]]:
+    """``run``'s lanes: each world size on NCCL where there is a GPU per rank (``auto``), else on gloo."""
+    from harness.placement import plan_lanes
+
+    lanes: dict[int, list[Any]] = {}
+    skipped: dict[int, str] = {}
+    for ws in world_sizes:
+        choice = backend if backend != "auto" else ("nccl" if n_gpus >= ws else "gloo")
+        got, why = plan_lanes([ws], choice, n_gpus, [ws], host=host, pools=pools)  # type: ignore[arg-type]
+        lanes.update(got)
+        skipped.update(why)
+    return lanes, skipped
+
+
 def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
-    import torch
-
     from harness.collector import ResultWriter, run_info
-    from harness.placement import assign_devices, default_backend, xdist_worker
-    from harness.pool import PoolConfig, PoolStartError, RankPool
+    from harness.placement import host_facts, n_gpus
 
     world_sizes = args.world_size or [2]
     cases = select_cases(Selection.from_args(args), world_sizes)
     out = Path(args.out) if args.out else _default_out()
-    worker, workers = xdist_worker()
-    backends = {ws: (args.backend if args.backend != "auto" else default_backend(ws)) for ws in world_sizes}
-    info = run_info(",".join(sorted(set(backends.values()))))
+    lanes, skipped = plan_run_lanes(world_sizes, args.backend, n_gpus(), host_facts(), args.pools_per_gpu)
+    for ws, why in skipped.items():
+        print(f"harness run: world size {ws} skipped: {why}", file=sys.stderr)
+    backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
+    info = run_info(",".join(backends))
     start = time.monotonic()
     try:
         writer = ResultWriter(out, info, resume=args.resume)
@@ -58,34 +72,35 @@ def main(args: argparse.Namespace) -> int:
         return 2
     with writer:
         done = writer.recorded_ids()
-        todo = [c for c in cases if c.full_id not in done]
+        todo = [c for c in cases if c.full_id not in done and c.world_size in lanes]
         if done:
             print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
+        print(f"harness run: {len(todo)} cases on {lane_text(lanes)}", file=sys.stderr)
         progress = Progress(len(todo), enabled=not args.no_progress)
+        runner = CaseRunner(writer, progress, None, args.timeout, repeat=args.repeat, repeat_failures=args.repeat_failures)
         try:
-            for ws in world_sizes:
-                group = [c for c in todo if c.world_size == ws]
-                if not group:
-                    continue
-                backend = backends[ws]
-                devices = assign_devices(ws, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
-                config = PoolConfig(world_size=ws, backend=backend, devices=devices, case_timeout_s=args.timeout)
-                with RankPool(config) as pool:
-                    for case in group:
-                        record = run_case(pool, case)
-                        writer.append(record)
-                        progress.update(record, case.full_id)
-        except PoolStartError as exc:
-            progress.close()
-            print(f"harness run: {exc}", file=sys.stderr)
-            return 2
+            not_run, pools_failed = runner.run_all(lanes, todo)
         except KeyboardInterrupt:
+            runner.interrupt()
             progress.close()
             print(f"\ninterrupted; the ranks are stopped. Continue with: --out {out} --resume", file=sys.stderr)
             return 130
         progress.close()
+    if pools_failed:
+        print(f"harness run: {len(not_run)} case(s) not run: {not_run[0][1]}", file=sys.stderr)
+        return 2
     print(summary(progress.counts, out, time.monotonic() - start))
     return exit_status(progress.counts)
+
+
+def lane_text(lanes: dict[int, list[Any]]) -> str:
+    """``4 pools of 2 ranks (nccl, GPUs [0, 1])``, per world size."""
+    parts = []
+    for ws, group in lanes.items():
+        devices = sorted({d for lane in group for d in (lane.devices or ())})
+        where = f"GPUs {devices}" if devices else "CPU"
+        parts.append(f"{len(group)} pool(s) of {ws} ranks ({group[0].backend}, {where})")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,6 +246,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: NCCL with one GPU per rank when there are enough, else gloo on CPU")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_execution(p)
 
 
 def add_list_arguments(p: argparse.ArgumentParser) -> None:
