@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable, Generic, Hashable, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.fully_sharded import FullyShardedDataParallel
-    from engine.precision import BufferPrecision
-    from engine.unit import FsdpUnit
+from engine.precision import BufferPrecision
+
+#: a unit; the context only orders and lists them (the units import the context, not the reverse).
+U = TypeVar("U", bound=Hashable)
 
 __all__ = ["AllGatherLimiter", "ExecOrder", "RootContext", "Streams"]
 
@@ -70,7 +70,7 @@ class AllGatherLimiter:
 
 
 @dataclass
-class ExecOrder:
+class ExecOrder(Generic[U]):
     """Order in which units ran their pre- and post-forward in the first iteration.
 
     Backward runs roughly in reverse post-forward order, so the unit before ``u`` in
@@ -79,25 +79,25 @@ class ExecOrder:
     iteration: later orders are only compared against it.
     """
 
-    pre_forward: list["FsdpUnit"] = field(default_factory=list)
-    post_forward: list["FsdpUnit"] = field(default_factory=list)
+    pre_forward: list[U] = field(default_factory=list)
+    post_forward: list[U] = field(default_factory=list)
     frozen: bool = False
 
-    def record_pre_forward(self, unit: "FsdpUnit") -> None:
+    def record_pre_forward(self, unit: U) -> None:
         if not self.frozen and unit not in self.pre_forward:
             self.pre_forward.append(unit)
 
-    def record_post_forward(self, unit: "FsdpUnit") -> None:
+    def record_post_forward(self, unit: U) -> None:
         if not self.frozen and unit not in self.post_forward:
             self.post_forward.append(unit)
 
-    def next_forward(self, unit: "FsdpUnit") -> "FsdpUnit | None":
+    def next_forward(self, unit: U) -> "U | None":
         if not self.frozen or unit not in self.pre_forward:
             return None
         i = self.pre_forward.index(unit)
         return self.pre_forward[i + 1] if i + 1 < len(self.pre_forward) else None
 
-    def next_backward(self, unit: "FsdpUnit") -> "FsdpUnit | None":
+    def next_backward(self, unit: U) -> "U | None":
         if unit not in self.post_forward:
             return None
         i = self.post_forward.index(unit)
@@ -105,7 +105,7 @@ class ExecOrder:
 
 
 @dataclass
-class RootContext:
+class RootContext(Generic[U]):
     """Everything the units of one root share."""
 
     #: compute device of the root (every unit computes on it).
@@ -113,13 +113,13 @@ class RootContext:
     streams: Streams
     limiter: AllGatherLimiter
     #: every unit with parameters in the root's tree, in module order.
-    units: list["FsdpUnit"]
-    exec_order: ExecOrder = field(default_factory=ExecOrder)
+    units: list[U]
+    #: the root's final callback, queued by the first pre-backward hook of a backward.
+    finish_backward: Callable[[], None]
+    exec_order: ExecOrder[U] = field(default_factory=ExecOrder)
     #: set when the first pre-backward hook of a backward queues the final callback.
     final_callback_queued: bool = False
     #: number of root forwards so far (the exec order freezes at the second).
     forward_count: int = 0
-    #: every FSDP instance in the root's tree (root first), including those without parameters.
-    states: list["FullyShardedDataParallel"] = field(default_factory=list)
     #: the floating-point buffers of the tree with their original and compute dtypes.
-    buffers: "BufferPrecision | None" = None
+    buffers: BufferPrecision | None = None

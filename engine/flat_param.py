@@ -11,9 +11,11 @@ A :class:`FlatParamHandle` owns, for one unit:
   the tensor object persists so views and saved tensors stay valid across a re-gather
   ([Note: one unsharded leaf, storage freed in place]).
 
-The layout arithmetic lives in :mod:`engine.layout` (pure, no tensors). Communication lives in the
-runtime; this module does no collective, so metadata for any world size can be computed in one
-process with a process-group test double that has only ``rank()`` and ``size()``.
+The layout arithmetic lives in :mod:`engine.layout` (pure, no tensors); how the original
+parameters appear on their modules in :mod:`engine.param_views` and the adoption of user changes to
+them in :mod:`engine.writeback` (mixins of the handle). Communication lives in the unit; this
+module does no collective, so metadata for any world size can be computed in one process with a
+process-group test double that has only ``rank()`` and ``size()``.
 
 [Note: one unsharded leaf, storage freed in place]
 FSDP1 swaps ``flat_param.data`` between the shard and the unsharded buffer, so one object's meaning
@@ -26,7 +28,6 @@ tripping the in-place-modification check.
 
 from __future__ import annotations
 
-import contextlib
 from enum import Enum, auto
 from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
@@ -35,6 +36,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from engine.layout import FlatLayout, ParamEntry, ShardParamInfo, aligned_numel, build_layout
+from engine.param_views import ParamInfo, SharedParamInfo, _flat_view, _is_truly_contiguous
+from engine.writeback import Writeback, WritebackResult
 
 __all__ = [
     "FlatParameter",
@@ -70,25 +73,6 @@ class RankAndSize(Protocol):
     def size(self) -> int: ...
 
 
-class ParamInfo(NamedTuple):
-    """Where an original parameter is registered: ``getattr(module, param_name)``."""
-
-    param_name: str
-    module: nn.Module
-    module_name: str
-
-
-class SharedParamInfo(NamedTuple):
-    """A second (or later) registration of a parameter already in the flat parameter."""
-
-    param_name: str
-    module: nn.Module
-    module_name: str
-    prim_param_name: str
-    prim_module: nn.Module
-    prim_module_name: str
-
-
 class FlatParamShardMetadata(NamedTuple):
     """This rank's shard, per original parameter it holds (padding never appears).
 
@@ -102,13 +86,6 @@ class FlatParamShardMetadata(NamedTuple):
     param_contiguities: tuple[bool, ...]
     param_numels: tuple[int, ...]
     param_offsets: tuple[tuple[int, int], ...]
-
-
-class WritebackResult(NamedTuple):
-    """What :meth:`FlatParamHandle.writeback_orig_params` copied into the flat buffers."""
-
-    params: bool
-    grads: bool
 
 
 class FlatParameter(nn.Parameter):
@@ -163,31 +140,7 @@ class FlatParameter(nn.Parameter):
         return len(self._layout.params)
 
 
-def _is_truly_contiguous(t: Tensor) -> bool:
-    # 1x1 channels-last conv weights report both contiguities; only a unit last stride makes a
-    # plain ``view`` of the flat segment reproduce the original strides.
-    return t.dim() == 0 or (t.stride(-1) == 1 and t.is_contiguous())
-
-
-def _flat_view(t: Tensor) -> Tensor:
-    """The parameter's elements in storage order (what the flat buffer holds)."""
-    t = t.detach()
-    return t.reshape(-1) if _is_truly_contiguous(t) else t.as_strided((t.numel(),), (1,))
-
-
-def _set_tensor_attr(module: nn.Module, name: str, value: Tensor) -> None:
-    """Register ``value`` as a plain tensor attribute, removing a parameter of that name."""
-    module._parameters.pop(name, None)
-    setattr(module, name, value)
-
-
-def _set_param_attr(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    if name in module.__dict__:
-        delattr(module, name)
-    module._parameters[name] = param
-
-
-class FlatParamHandle:
+class FlatParamHandle(Writeback):
     """Flattens, shards and unflattens one unit's parameters; owns both flat buffers.
 
     Arguments and their names are torch FSDP1's, so code written against its ``FlatParamHandle``
@@ -395,10 +348,6 @@ class FlatParamHandle:
     def uses_sharded_strategy(self) -> bool:
         return self._sharding_strategy != HandleShardingStrategy.NO_SHARD
 
-    @property
-    def is_sharded(self) -> bool:
-        return self._is_sharded
-
     @torch.no_grad()
     def shard(self) -> None:
         """Replace the flat parameter's data by this rank's shard (once, at construction).
@@ -548,315 +497,6 @@ class FlatParamHandle:
         storage = t.untyped_storage()
         if storage.size() > 0:
             storage.resize_(0)
-
-    # ------------------------------------------------------------------ views
-    def unflat_views(self, flat: Tensor) -> list[Tensor]:
-        """Views into ``flat`` (an unsharded flat tensor, padded or not) shaped like each original
-        parameter. Differentiable when ``flat`` requires grad."""
-        if flat.numel() < self.layout.total_numel:
-            raise ValueError(
-                f"unflat_views needs an unsharded tensor of at least {self.layout.total_numel} elements, "
-                f"got {flat.numel()}"
-            )
-        views = []
-        for entry, start in zip(self.layout.params, self.layout.param_offsets()):
-            segment = flat.narrow(0, start, entry.numel)
-            views.append(segment.view(entry.shape) if entry.contiguous else segment.as_strided(entry.shape, entry.stride))
-        return views
-
-    def use_unsharded_views(self, as_params: bool, source: Tensor | None = None) -> None:
-        """Point every original parameter's module attribute at a view of the unsharded buffer.
-
-        ``as_params=False`` (compute) registers plain ``Tensor`` views so autograd flows into the
-        unsharded leaf; ``as_params=True`` (``summon_full_params``) registers ``nn.Parameter``s,
-        the original objects when ``use_orig_params`` so optimizer references stay valid.
-        """
-        source = self.unsharded_flat_param if source is None else source
-        if source is None:
-            raise RuntimeError(f"{self!r}: no unsharded flat parameter to take views of")
-        with torch.enable_grad():
-            views = self.unflat_views(source)
-        for i, (view, info) in enumerate(zip(views, self._param_infos)):
-            if as_params and self._use_orig_params:
-                param = self._orig_params[i]
-                param.data = view.detach()
-                _set_param_attr(info.module, info.param_name, param)
-            elif as_params:
-                _set_param_attr(
-                    info.module, info.param_name, nn.Parameter(view.detach(), requires_grad=self._param_requires_grad[i])
-                )
-            else:
-                _set_tensor_attr(info.module, info.param_name, view)
-        for j, info in enumerate(self._shared_param_infos):
-            prim = getattr(info.prim_module, info.prim_param_name)
-            if as_params and self._use_orig_params:
-                shared = self._shared_orig_params[j]
-                shared.data = prim.data
-                _set_param_attr(info.module, info.param_name, shared)
-            elif as_params:
-                _set_param_attr(info.module, info.param_name, prim)
-            else:
-                _set_tensor_attr(info.module, info.param_name, prim)
-
-    @torch.no_grad()
-    def use_sharded_views(self) -> None:
-        """Make each original parameter a 1-D view of its part of the local shard (``use_orig_params``).
-
-        A parameter with nothing in this shard gets a size-0 tensor; the ``Parameter`` objects are
-        the originals, so optimizers built over them keep stepping the shard.
-        """
-        if not self._use_orig_params:
-            raise RuntimeError(f"{self!r}: sharded views exist only with use_orig_params=True")
-        if not self.uses_sharded_strategy:
-            for i, (view, info) in enumerate(zip(self.unflat_views(self.flat_param), self._param_infos)):
-                self._orig_params[i].data = view
-                _set_param_attr(info.module, info.param_name, self._orig_params[i])
-            self._register_shared_orig_params()
-            return
-        flat = self.flat_param.data
-        empty = flat.new_empty(0)
-        for param, info, sinfo in zip(self._orig_params, self._param_infos, self.flat_param._shard_param_infos):
-            param.data = flat[sinfo.offset_in_shard : sinfo.offset_in_shard + sinfo.numel_in_shard] if sinfo.in_shard else empty
-            _set_param_attr(info.module, info.param_name, param)
-        self._register_shared_orig_params()
-
-    def _register_shared_orig_params(self) -> None:
-        for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
-            prim = getattr(info.prim_module, info.prim_param_name)
-            shared.data = prim.data
-            _set_param_attr(info.module, info.param_name, shared)
-
-    def shard_views(self, shard: Tensor) -> list[Tensor | None]:
-        """For a tensor shaped like the local shard (its gradient, say), each original parameter's
-        1-D part of it, or None where the parameter is not in this shard."""
-        return [
-            shard[i.offset_in_shard : i.offset_in_shard + i.numel_in_shard] if i.in_shard else None
-            for i in self.flat_param._shard_param_infos
-        ]
-
-    @torch.no_grad()
-    def use_sharded_grad_views(self) -> None:
-        """Expose ``flat_param.grad`` through the original parameters' ``.grad`` (``use_orig_params``)."""
-        grad = self.flat_param.grad
-        views = self.shard_views(grad) if (grad is not None and self.uses_sharded_strategy) else None
-        if grad is not None and not self.uses_sharded_strategy:
-            views = self.unflat_views(grad)
-        for i, param in enumerate(self._orig_params):
-            view = None if views is None else views[i]
-            if view is None or not param.requires_grad:
-                param.grad = None
-            elif view.dtype != param.dtype:
-                # Low-precision gradients (keep_low_precision_grads) on full-precision parameters:
-                # autograd forbids the dtype mismatch through ``.grad =``, so go through ``.data``.
-                if param.grad is None:
-                    param.grad = torch.empty_like(param)
-                param.grad.data = view.view(param.shape)
-            else:
-                param.grad = view.view(param.shape)
-        for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
-            prim = getattr(info.prim_module, info.prim_param_name)
-            if shared is not prim:
-                shared.grad = prim.grad
-
-    # ------------------------------------------------------------------ runtime views
-    def param_needs_grad(self, i: int) -> bool:
-        """Whether original parameter ``i`` is trainable now (with ``use_orig_params`` a user may
-        freeze a parameter after wrapping)."""
-        if self._use_orig_params:
-            return self._orig_params[i].requires_grad
-        return self.flat_param.requires_grad
-
-    def _use_unsharded_views(self, as_params: bool) -> None:
-        """The runtime's switch to compute views of the unsharded leaf (``as_params=False``).
-
-        Compute views are plain ``Tensor``s (autograd flows into the leaf); frozen parameters'
-        views are detached so no gradient is computed for them. With ``use_orig_params`` the
-        views are registered in ``module._parameters`` so ``named_parameters()`` inside forward
-        yields the original names and shapes. The views are remembered
-        (``compute_views``) so a change between forward and backward can be detected.
-        """
-        if as_params:
-            self.use_unsharded_views(as_params=True)
-            return
-        leaf = self.unsharded_flat_param
-        if leaf is None:
-            raise RuntimeError(f"{self!r}: no unsharded flat parameter to take views of")
-        with torch.enable_grad():
-            views = self.unflat_views(leaf)
-        registered: list[Tensor] = []
-        for i, (view, info) in enumerate(zip(views, self._param_infos)):
-            if not self.param_needs_grad(i):
-                view = view.detach()
-            self._set_compute_attr(info.module, info.param_name, view)
-            registered.append(view)
-        for info in self._shared_param_infos:
-            prim = getattr(info.prim_module, info.prim_param_name)
-            self._set_compute_attr(info.module, info.param_name, prim)
-            registered.append(prim)
-        #: the tensors registered for compute, in param then shared-param order.
-        self.compute_views: tuple[Tensor, ...] = tuple(registered)
-
-    def _set_compute_attr(self, module: nn.Module, name: str, view: Tensor) -> None:
-        if self._use_orig_params:
-            module.__dict__.pop(name, None)
-            module._parameters[name] = view  # type: ignore[assignment]
-        else:
-            _set_tensor_attr(module, name, view)
-
-    def compute_views_changed(self) -> list[str]:
-        """FQNs whose registered tensor is no longer the compute view set by
-        ``_use_unsharded_views`` (replaced, or its ``.data`` swapped)."""
-        views = getattr(self, "compute_views", ())
-        leaf = self.unsharded_flat_param
-        leaf_ptr = leaf.untyped_storage().data_ptr() if leaf is not None else None
-        infos = [(i.module, i.param_name, i.module_name) for i in self._param_infos] + [
-            (i.module, i.param_name, i.module_name) for i in self._shared_param_infos
-        ]
-        changed = []
-        for (module, name, module_name), view in zip(infos, views):
-            current = module._parameters.get(name, module.__dict__.get(name))
-            fqn = f"{module_name}.{name}" if module_name else name
-            if current is not view or (view.numel() > 0 and view.untyped_storage().data_ptr() != leaf_ptr):
-                changed.append(fqn)
-        return changed
-
-    @torch.no_grad()
-    def use_unsharded_grad_views(self, grad: Tensor) -> None:
-        """Expose an unsharded gradient (accumulated under ``no_sync()``) through the original
-        parameters' ``.grad``, each shaped like its parameter.
-
-        Between iterations a parameter's data is its sharded (1-D, full-precision, maybe CPU)
-        view, so the gradient view can differ in shape, dtype and device; ``.grad =`` refuses
-        that, so such gradients are installed through ``.grad.data`` (as torch FSDP1 does).
-        """
-        if not self._use_orig_params:
-            return
-        views = self.unflat_views(grad)
-        for i, (param, view) in enumerate(zip(self._orig_params, views)):
-            if not param.requires_grad:
-                param.grad = None
-            elif param.shape != view.shape or param.dtype != view.dtype or param.device != view.device:
-                if param.grad is None:
-                    param.grad = torch.empty_like(param)
-                param.grad.data = view
-            else:
-                param.grad = view
-        for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
-            prim = getattr(info.prim_module, info.prim_param_name)
-            if shared is not prim:
-                shared.grad = prim.grad
-
-    # ------------------------------------------------------------------ writeback
-    def _orig_param_segments(self) -> list[tuple[int, int, torch.Size]]:
-        """Per original parameter: ``(offset, numel, expected shape)`` of its part of
-        ``flat_param`` (the local shard, or the whole buffer for NO_SHARD)."""
-        if not self.uses_sharded_strategy:
-            return [
-                (start, e.numel, torch.Size(e.shape))
-                for e, start in zip(self.layout.params, self.layout.param_offsets())
-            ]
-        return [
-            (i.offset_in_shard, i.numel_in_shard, torch.Size([i.numel_in_shard])) if i.in_shard else (0, 0, torch.Size([0]))
-            for i in self.flat_param._shard_param_infos
-        ]
-
-    def reset_flat_grad_if_all_none(self) -> bool:
-        """``flat_param.grad = None`` when every original parameter's ``.grad`` is None (the
-        optimizer zeroed them with ``set_to_none``); the cheap part of gradient writeback that
-        runs even when the writeback check is skipped. Returns whether it reset."""
-        if not self._use_orig_params or self.flat_param.grad is None:
-            return False
-        if all(p.grad is None for p in self._orig_params):
-            self.flat_param.grad = None
-            return True
-        return False
-
-    @torch.no_grad()
-    def writeback_orig_params(self, check_grads: bool = True, check_params: bool = True) -> "WritebackResult":
-        """Adopt user changes to the original parameters (``.data`` swapped, ``Parameter``
-        replaced) and to their ``.grad`` into ``flat_param`` and ``flat_param.grad``
-        (``use_orig_params``; call while the sharded views are registered).
-
-        Returns what was written (parameters, gradients). A changed shape raises ``RuntimeError``: the flat
-        layout is fixed at construction. ``check_params=False`` (between forward and backward,
-        when the module attributes are compute views) looks only at the gradients of the
-        ``Parameter`` objects the optimizer holds.
-        """
-        if not self._use_orig_params:
-            return WritebackResult(False, False)
-        flat = self.flat_param
-        flat_ptr = flat.untyped_storage().data_ptr()
-        wrote_params = wrote_grads = False
-        orig = list(self._orig_params)
-        grad_none = []
-        for i, ((offset, numel, shape), info) in enumerate(zip(self._orig_param_segments(), self._param_infos)):
-            fqn = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
-            current = info.module._parameters.get(info.param_name) if check_params else orig[i]
-            if not isinstance(current, nn.Parameter):
-                raise RuntimeError(
-                    f"Original parameter {fqn} is no longer an nn.Parameter registered on its module "
-                    f"(found {type(current).__name__}): assign an nn.Parameter to change it"
-                )
-            moved = numel > 0 and (current.numel() == 0 or current.untyped_storage().data_ptr() != flat_ptr)
-            if check_params and (current is not orig[i] or moved or current.shape != shape):
-                if current.shape != shape:
-                    raise RuntimeError(
-                        f"Cannot writeback when the parameter shape changes\nExpects {shape} but got "
-                        f"{current.shape} for {fqn}: keep the (sharded) shape the parameter has between "
-                        "iterations, or change it inside summon_full_params()"
-                    )
-                segment = flat.data[offset : offset + numel]
-                if numel > 0:
-                    segment.copy_(current.detach().reshape(-1) if self.uses_sharded_strategy else _flat_view(current))
-                    current.data = self.unflat_views(flat.data)[i] if not self.uses_sharded_strategy else segment
-                orig[i] = current
-                wrote_params = True
-            if not check_grads:
-                continue
-            grad = current.grad
-            flat_grad = flat.grad
-            if grad is None:
-                grad_none.append(True)
-                if flat_grad is not None and numel > 0:
-                    flat_grad[offset : offset + numel].zero_()
-                continue
-            grad_none.append(False)
-            same = (
-                flat_grad is not None
-                and grad.numel() > 0
-                and grad.untyped_storage().data_ptr() == flat_grad.untyped_storage().data_ptr()
-            )
-            if same or numel == 0:
-                continue
-            if grad.shape != shape:
-                raise RuntimeError(
-                    f"Cannot writeback when the gradient shape changes\nExpects {shape} but got "
-                    f"{grad.shape} for the gradient of {fqn}: assign a gradient shaped like the parameter"
-                )
-            if flat_grad is None:
-                flat_grad = torch.zeros_like(flat)
-                flat.grad = flat_grad
-            flat_grad[offset : offset + numel].copy_(grad.detach().reshape(-1))
-            wrote_grads = True
-        self._orig_params = tuple(orig)
-        if check_grads and flat.grad is not None and grad_none and all(grad_none):
-            # Every original gradient was set to None (``zero_grad()``): so is the flat one.
-            flat.grad = None
-        elif check_grads and (wrote_params or wrote_grads):
-            self.use_sharded_grad_views()
-        return WritebackResult(wrote_params, wrote_grads)
-
-    @contextlib.contextmanager
-    def unflatten_as_params(self) -> Iterator[None]:
-        """Within the context, original parameters are ``nn.Parameter`` views of the unsharded buffer."""
-        self.use_unsharded_views(as_params=True)
-        try:
-            yield
-        finally:
-            if self._use_orig_params and self._is_sharded:
-                self.use_sharded_views()
-            else:
-                self.use_unsharded_views(as_params=False)
 
     # ------------------------------------------------------------------ introspection
     @property

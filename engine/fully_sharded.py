@@ -1,10 +1,13 @@
 """``FullyShardedDataParallel``: the FSDP1 public API over our units and runtime.
 
 The class is thin: construction resolves groups and devices, optionally auto-wraps children,
-materializes and syncs the module states, and flattens the parameters no child took into one
-:class:`~engine.flat_param.FlatParamHandle`; forward delegates to :mod:`engine.runtime`.
-Utilities (``no_sync``, ``summon_full_params``, ``clip_grad_norm_``) live here because they are
-FSDP1 methods; their logic is in :mod:`engine.summon` and :mod:`engine.grad_norm`.
+materializes and syncs the module states, flattens the parameters no child took into one
+:class:`~engine.flat_param.FlatParamHandle` under an :class:`~engine.unit.FsdpUnit`, and hands
+both to its :class:`~engine.state.ModuleState`, whose hooks ``forward`` calls. Utilities
+(``no_sync``, ``summon_full_params``, ``clip_grad_norm_``) live here because they are FSDP1
+methods; their logic is in :mod:`engine.summon` and :mod:`engine.grad_norm`. Arguments are
+checked in :mod:`engine.arguments`. Dependencies point down: nothing in the engine imports this
+module but the package's ``__init__``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from engine import runtime
 from engine.api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
@@ -29,12 +31,18 @@ from engine.api import (
     StateDictType,
     to_handle_strategy,
 )
+from engine.arguments import normalize_arguments
 from engine.checkpoint_methods import CheckpointMethods
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
-from engine.precision import full_prec_in_eval_from_env, managed_buffers
+from engine.grad_norm import clip_grad_norm
+from engine.lifecycle import TrainingLifecycle, TrainingState
+from engine.module_tree import is_fsdp, managed_buffers, managed_modules
+from engine.precision import full_prec_in_eval_from_env
 from engine.state_dict import post_state_dict_hook
-from engine.unit import FsdpUnit, TrainingState
+from engine.state import ModuleState
+from engine.summon import summon_full_params
+from engine.unit import FsdpUnit
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
 
@@ -47,10 +55,6 @@ FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 _FLATTENED = "_fsdp_flattened"
 
 ProcessGroupArg = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    return getattr(type(module), "_is_fsdp_unit", False)
 
 
 def _resolve_groups(
@@ -119,44 +123,16 @@ def _default_hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return shard, replicate
 
 
-def _managed_modules(module: nn.Module, ignored: set[nn.Module]) -> Iterator[nn.Module]:
-    """``module`` and its descendants, not entering nested units or ignored modules."""
-    stack = [module]
-    seen: set[int] = set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        yield m
-        for child in reversed(list(m.children())):
-            if not _is_fsdp(child) and child not in ignored:
-                stack.append(child)
-
-
 def _managed_params(module: nn.Module, ignored_modules: set[nn.Module], ignored_params: set[int]) -> list[nn.Parameter]:
     params: list[nn.Parameter] = []
     seen: set[int] = set()
-    for m in _managed_modules(module, ignored_modules):
+    for m in managed_modules(module, ignored_modules):
         for p in m._parameters.values():
             if p is None or id(p) in seen or id(p) in ignored_params or getattr(p, _FLATTENED, False):
                 continue
             seen.add(id(p))
             params.append(p)
     return params
-
-
-def _managed_buffers(module: nn.Module, ignored_modules: set[nn.Module]) -> list[Tensor]:
-    return [b for m in _managed_modules(module, ignored_modules) for b in m._buffers.values() if b is not None]
-
-
-def _device_from_id(device_id: int | torch.device | None) -> torch.device | None:
-    if device_id is None:
-        return None
-    device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _materialize(
@@ -166,7 +142,7 @@ def _materialize(
     ignored_modules: set[nn.Module],
 ) -> None:
     """Materialize meta-device states of the modules this unit manages (FSDP1's rules)."""
-    modules = list(_managed_modules(module, ignored_modules))
+    modules = list(managed_modules(module, ignored_modules))
     on_meta = any(
         t.is_meta for m in modules for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None
     )
@@ -189,7 +165,7 @@ def _materialize(
 
 def _move_states(module: nn.Module, device: torch.device, ignored_modules: set[nn.Module]) -> None:
     with torch.no_grad():
-        for m in _managed_modules(module, ignored_modules):
+        for m in managed_modules(module, ignored_modules):
             for p in m._parameters.values():
                 if p is not None and p.device != device:
                     p.data = p.data.to(device)
@@ -253,7 +229,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
     FSDP1; see :mod:`engine.state_dict` for the few deliberate differences.
     """
 
-    #: marks instances as units for ``engine.wrap`` (already-wrapped detection) and the runtime.
+    #: marks instances for ``engine.wrap`` (already-wrapped detection) and ``engine.module_tree``.
     _is_fsdp_unit = True
 
     def __init__(
@@ -275,16 +251,25 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
         device_mesh: Any = None,
     ) -> None:
-        super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
-        if not isinstance(strategy, ShardingStrategy):
-            raise ValueError(f"sharding_strategy={sharding_strategy!r} must be an engine.ShardingStrategy member")
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise ValueError(f"backward_prefetch={backward_prefetch!r} must be a BackwardPrefetch member or None")
-        if cpu_offload is None:
-            cpu_offload = CPUOffload()
+        args = normalize_arguments(
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+        )
+        super().__init__()
+        strategy = args.sharding_strategy
+        cpu_offload, backward_prefetch, mixed_precision = args.cpu_offload, args.backward_prefetch, args.mixed_precision
+        sync_module_states, forward_prefetch = args.sync_module_states, args.forward_prefetch
+        limit_all_gathers, use_orig_params = args.limit_all_gathers, args.use_orig_params
         shard_group, replicate_group = _resolve_groups(strategy, process_group, device_mesh)
         if strategy not in HYBRID_STRATEGIES and shard_group.size() == 1 and strategy != ShardingStrategy.NO_SHARD:
             # One rank holds everything: sharding is NO_SHARD (FSDP1 switches the same way).
@@ -310,7 +295,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
             }
             wrap.auto_wrap(module, auto_wrap_policy, FullyShardedDataParallel, ignored_mods, ignored_params, root_kwargs)
 
-        dev_from_id = _device_from_id(device_id)
+        dev_from_id = args.device_id
         init_device = dev_from_id or (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available() and _uses_nccl(shard_group)
@@ -324,28 +309,15 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         compute_device = _compute_device(params, dev_from_id, shard_group)
         if sync_module_states:
             groups = [shard_group] + ([replicate_group] if replicate_group is not None else [])
-            _sync_states(params + _managed_buffers(module, ignored_mods), groups, compute_device)
+            _sync_states(params + managed_buffers(module, ignored_mods), groups, compute_device)
 
         self._fsdp_wrapped_module = module
-        #: None until the first forward (or utility) decides; then whether this is the root.
-        self._is_root: bool | None = None
-        #: shared with every unit of the root's tree at lazy init.
-        self._ctx: RootContext | None = None
-        #: False inside ``no_sync()``: gradients accumulate unsharded.
-        self._sync_gradients = True
-        self._training_state = TrainingState.IDLE
-        self._compute_device = compute_device
-        self._limit_all_gathers = limit_all_gathers
-        self._mixed_precision = mixed_precision
-        #: FSDP_USE_FULL_PREC_IN_EVAL=1 at construction: in eval mode, ignore mixed precision.
-        self._use_full_prec_in_eval = full_prec_in_eval_from_env()
         self._sharding_strategy = strategy
         self._use_orig_params = use_orig_params
         self._cpu_offload = cpu_offload
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config = FullStateDictConfig()
         self._optim_state_dict_config = FullOptimStateDictConfig()
-        self._ignored_modules = ignored_mods
         # FSDP1's public state attributes, read by tools and tests written against it.
         self.process_group = shard_group
         self.rank = shard_group.rank()
@@ -357,7 +329,8 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         self.cpu_offload = cpu_offload
         self.limit_all_gathers = limit_all_gathers
         self._replicate_group = replicate_group
-        self._unit: FsdpUnit | None = None
+        lifecycle = TrainingLifecycle(type(module).__name__)
+        unit: FsdpUnit | None = None
         if params:
             mp = mixed_precision or MixedPrecision()
             handle = FlatParamHandle(
@@ -377,7 +350,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
                 setattr(p, _FLATTENED, True)
             if not use_orig_params:
                 module.register_parameter(FLAT_PARAM, handle.flat_param)
-            self._unit = FsdpUnit(
+            unit = FsdpUnit(
                 handle,
                 module_name=type(module).__name__,
                 strategy=strategy,
@@ -387,7 +360,20 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
                 backward_prefetch=backward_prefetch,
                 forward_prefetch=forward_prefetch,
                 keep_low_precision_grads=mp.keep_low_precision_grads,
+                lifecycle=lifecycle,
             )
+        #: everything below the public API: the unit, the settings the hooks read, the hooks.
+        self._fsdp_state = ModuleState(
+            wrapper=self,
+            module=module,
+            unit=unit,
+            lifecycle=lifecycle,
+            compute_device=compute_device,
+            mixed_precision=mixed_precision,
+            use_full_prec_in_eval=full_prec_in_eval_from_env(),
+            limit_all_gathers=limit_all_gathers,
+            ignored_modules=ignored_mods,
+        )
         self._register_state_dict_hook(_buffers_in_original_dtype)
         # Registered after the dtype hook, which reads the unconverted (wrapped) names.
         self._register_state_dict_hook(post_state_dict_hook)
@@ -404,7 +390,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
             if isinstance(item, nn.Parameter):
                 params.add(item)
             elif isinstance(item, nn.Module):
-                if _is_fsdp(item):
+                if is_fsdp(item):
                     raise ValueError(
                         f"ignored_modules must not contain FSDP units but got a {type(item).__name__}: "
                         "ignore the wrapped module instead"
@@ -417,10 +403,6 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         for m in mods:
             params.update(m.parameters())
         return mods, params
-
-    def _own_buffers(self, ignored_modules: set[nn.Module]) -> list[Tensor]:
-        """Buffers of the modules this unit manages (not those of nested units or ignored modules)."""
-        return managed_buffers(_managed_modules(self._fsdp_wrapped_module, ignored_modules))
 
     # ------------------------------------------------------------------ module protocol
     @property
@@ -440,19 +422,58 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._training_state == TrainingState.SUMMON_FULL_PARAMS:
+        state = self._fsdp_state
+        if state.lifecycle.state == TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError(
                 f"FSDP unit wrapping {type(self.module).__name__}: forward inside summon_full_params "
                 "is not supported; run forward outside the context (or copy the summoned parameters "
                 "into an unwrapped module)"
             )
-        if self._is_root is None:
-            runtime.lazy_init(self)
-        if self._is_root:
-            args, kwargs = runtime.root_pre_forward(self, args, kwargs)
-        args, kwargs = runtime.pre_forward(self, args, kwargs)
+        if state.is_root is None:
+            state.lazy_init()
+        if state.is_root:
+            args, kwargs = state.root_pre_forward(args, kwargs)
+        args, kwargs = state.pre_forward(args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
-        return runtime.post_forward(self, output)
+        return state.post_forward(output)
+
+    # The module state's fields under the names FSDP1's instances (and tools written against
+    # them) use; the state is their only owner.
+    @property
+    def _unit(self) -> FsdpUnit | None:
+        return self._fsdp_state.unit
+
+    @property
+    def _is_root(self) -> bool | None:
+        return self._fsdp_state.is_root
+
+    @property
+    def _ctx(self) -> RootContext | None:
+        return self._fsdp_state.ctx
+
+    @property
+    def _sync_gradients(self) -> bool:
+        return self._fsdp_state.sync_gradients
+
+    @_sync_gradients.setter
+    def _sync_gradients(self, value: bool) -> None:
+        self._fsdp_state.sync_gradients = value
+
+    @property
+    def _training_state(self) -> TrainingState:
+        return self._fsdp_state.lifecycle.state
+
+    @property
+    def _compute_device(self) -> torch.device:
+        return self._fsdp_state.compute_device
+
+    @property
+    def _mixed_precision(self) -> MixedPrecision | None:
+        return self._fsdp_state.mixed_precision
+
+    @property
+    def _ignored_modules(self) -> set[nn.Module]:
+        return self._fsdp_state.ignored_modules
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """Inside ``summon_full_params`` names carry no ``_fsdp_wrapped_module.`` prefix (FSDP1)."""
@@ -470,11 +491,11 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
         """Every unit in ``module``'s tree (``root_only``: those with no unit above them)."""
         if not root_only:
-            return [m for m in module.modules() if _is_fsdp(m)]
+            return [m for m in module.modules() if is_fsdp(m)]
         roots: list[FullyShardedDataParallel] = []
         inside: set[int] = set()
         for m in module.modules():
-            if _is_fsdp(m) and id(m) not in inside:
+            if is_fsdp(m) and id(m) not in inside:
                 roots.append(m)  # type: ignore[arg-type]
                 inside.update(id(sub) for sub in m.modules())
         return roots
@@ -490,25 +511,25 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
 
     @property
     def training_state(self) -> TrainingState:
-        return self._training_state
+        return self._fsdp_state.lifecycle.state
 
     def _ensure_root(self, what: str) -> RootContext:
-        if self._is_root is None:
-            runtime.lazy_init(self)
-        if not self._is_root:
+        state = self._fsdp_state
+        if state.is_root is None:
+            state.lazy_init()
+        if not state.is_root:
             raise RuntimeError(
                 f"{what} should only be called on the root FSDP instance, but it was called on a "
                 f"nested unit wrapping {type(self.module).__name__}: call it on the outermost "
                 "FullyShardedDataParallel"
             )
-        units = self._ctx.units
-        busy = [u for u in units if u.training_state != TrainingState.IDLE]
+        busy = [s for s in state.tree if not s.lifecycle.idle]
         if busy:
             raise RuntimeError(
-                f"{what} cannot run during forward or backward (unit {busy[0].module_name} is "
-                f"{busy[0].training_state.name}): call it between iterations"
+                f"{what} cannot run during forward or backward (unit {busy[0].lifecycle.owner} is "
+                f"{busy[0].lifecycle.state.name}): call it between iterations"
             )
-        return self._ctx
+        return state.ctx
 
     # ------------------------------------------------------------------ utilities
     @contextlib.contextmanager
@@ -530,8 +551,6 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         with_grads: bool = False,
     ) -> Iterator[None]:
         """Within the context, the original parameters are full ``nn.Parameter``s (full precision)."""
-        from engine.summon import summon_full_params
-
         with summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
@@ -539,15 +558,13 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of every parameter under this root to a total norm of ``max_norm``
         (norm over all shards); returns the total norm before clipping."""
-        from engine.grad_norm import clip_grad_norm
-
         ctx = self._ensure_root("clip_grad_norm_()")
-        return clip_grad_norm(self, ctx, max_norm, norm_type)
+        return clip_grad_norm(self, self.process_group, ctx, max_norm, norm_type)
 
     def check_is_root(self) -> bool:
         """Whether this instance is the root of its tree (decided at lazy initialization)."""
         if self._is_root is None:
-            runtime.lazy_init(self)
+            self._fsdp_state.lazy_init()
         return bool(self._is_root)
 
     def extra_repr(self) -> str:

@@ -8,16 +8,14 @@ manages) are identical on every rank and are counted once, locally.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch import Tensor
 
 from engine.context import RootContext
-
-if TYPE_CHECKING:
-    from engine.fully_sharded import FullyShardedDataParallel
 
 __all__ = ["clip_grad_norm"]
 
@@ -30,7 +28,10 @@ def _norm_stat(grads: list[Tensor], p: float, device: torch.device) -> Tensor:
     return norms.max() if math.isinf(p) else norms.pow(p).sum()
 
 
-def clip_grad_norm(root: "FullyShardedDataParallel", ctx: RootContext, max_norm: float, norm_type: float) -> Tensor:
+def clip_grad_norm(root: nn.Module, group: Any, ctx: RootContext, max_norm: float, norm_type: float) -> Tensor:
+    """Clip every gradient under ``root`` (the root instance, as a module; its units are
+    ``ctx.units``) to a total norm of ``max_norm``; sharded gradients' statistics are all-reduced
+    over ``group``. Returns the total norm before clipping."""
     p = float(norm_type)
     if p <= 0 and not math.isinf(p):
         raise ValueError(f"norm_type={norm_type} must be positive or inf")
@@ -52,7 +53,7 @@ def clip_grad_norm(root: "FullyShardedDataParallel", ctx: RootContext, max_norm:
     device = ctx.device
     local = _norm_stat(sharded, p, device)
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    dist.all_reduce(local, op=op, group=root.process_group)
+    dist.all_reduce(local, op=op, group=group)
     rest = _norm_stat(replicated, p, device)
     if math.isinf(p):
         total = torch.maximum(local, rest)

@@ -87,10 +87,6 @@ class FlatLayout:
         return sum(self.numels_with_padding)
 
     @property
-    def unpadded_numel(self) -> int:
-        return sum(p.numel for p in self.params)
-
-    @property
     def shard_numel(self) -> int:
         """Numel of every rank's shard, right padding included."""
         return chunk_size(self.total_numel, self.world_size)

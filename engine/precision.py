@@ -28,7 +28,6 @@ from enum import Enum, auto
 from typing import Any, Iterable, NamedTuple
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 from torch.utils._pytree import tree_map_only
 
@@ -38,7 +37,6 @@ __all__ = [
     "BufferState",
     "cast_floating_tensors",
     "full_prec_in_eval_from_env",
-    "managed_buffers",
 ]
 
 #: FSDP1's environment variable: ``1`` runs modules in eval mode in full precision.
@@ -129,12 +127,3 @@ class BufferPrecision:
     def original_dtype(self, t: Tensor) -> torch.dtype | None:
         """The dtype ``t`` had at initialization, None if it is not a managed buffer."""
         return self._original_by_id.get(id(t))
-
-    def compute_dtypes(self) -> list[torch.dtype]:
-        """The dtype each buffer has in :attr:`BufferState.COMPUTE`, in management order."""
-        return [b.compute or b.original for b in self._buffers]
-
-
-def managed_buffers(modules: Iterable[nn.Module]) -> list[Tensor]:
-    """The buffers registered directly on ``modules``."""
-    return [b for m in modules for b in m._buffers.values() if b is not None]

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Protocol
 import torch.distributed as dist
 import torch.nn as nn
 
+from engine.arguments import as_state_dict_type
 from engine.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -96,15 +97,8 @@ def clean_fqn(name: str) -> str:
 
 
 def _as_state_dict_type(value: Any) -> StateDictType:
-    if isinstance(value, StateDictType):
-        return value
-    name = getattr(value, "name", None)
-    if name in StateDictType.__members__:
-        return StateDictType[name]
-    raise ValueError(
-        f"state_dict_type={value!r} must be a StateDictType member (FULL_STATE_DICT, "
-        "SHARDED_STATE_DICT or LOCAL_STATE_DICT)"
-    )
+    # One rule for every enum argument of the engine (ours or torch FSDP1's member).
+    return as_state_dict_type(value)
 
 
 def _convert_config(config: Any, expected: type, what: str) -> Any:

@@ -10,27 +10,22 @@ were before: sharded views, or the compute views a pending backward expects.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from engine import collectives, runtime
-from engine.flat_param import _flat_view
-from engine.unit import FsdpUnit, ShardedState, TrainingState, ViewState
-
-if TYPE_CHECKING:
-    from engine.fully_sharded import FullyShardedDataParallel
+from engine import collectives
+from engine.module_tree import is_fsdp
+from engine.param_views import _flat_view, same_storage
+from engine.state import ModuleState
+from engine.unit import FsdpUnit, ShardedState, ViewState
 
 __all__ = ["summon_full_params"]
 
 _FLAT_PARAM = "_flat_param"
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    return getattr(type(module), "_is_fsdp_unit", False)
 
 
 @contextlib.contextmanager
@@ -47,27 +42,28 @@ def summon_full_params(
             "summon_full_params(rank0_only=True, writeback=True) is not supported: other ranks have "
             "nothing to write back from; pass writeback=False"
         )
-    states = [m for m in module.modules() if _is_fsdp(m)]
-    if not states:
+    wrappers = [m for m in module.modules() if is_fsdp(m)]
+    if not wrappers:
         yield
         return
     if not recurse:
         inside: set[int] = set()
         top = []
-        for s in states:
-            if id(s) not in inside:
-                top.append(s)
-                inside.update(id(sub) for sub in s.modules())
-        states = top
+        for w in wrappers:
+            if id(w) not in inside:
+                top.append(w)
+                inside.update(id(sub) for sub in w.modules())
+        wrappers = top
+    states: list[ModuleState] = [w._fsdp_state for w in wrappers]
     for s in states:
-        if s._is_root is None:
-            runtime.lazy_init(s)
+        if s.is_root is None:
+            s.lazy_init()
     for s in states:
-        busy = s._unit is not None and s._unit.training_state != TrainingState.IDLE
-        if busy or s._training_state != TrainingState.IDLE:
+        if not s.lifecycle.idle:
             raise RuntimeError(
                 f"summon_full_params cannot be entered during forward or backward or while already "
-                f"summoned (unit wrapping {type(s.module).__name__}): call it between iterations"
+                f"summoned (unit wrapping {s.lifecycle.owner} is {s.lifecycle.state.name}): call it "
+                "between iterations"
             )
     with contextlib.ExitStack() as stack:
         for s in states:
@@ -75,54 +71,44 @@ def summon_full_params(
         yield
 
 
-@contextlib.contextmanager
-def _state_summoning(state: "FullyShardedDataParallel") -> Iterator[None]:
-    state._training_state = TrainingState.SUMMON_FULL_PARAMS
-    try:
-        yield
-    finally:
-        state._training_state = TrainingState.IDLE
-
-
-def _gather_full(unit: FsdpUnit, flat: Tensor) -> Tensor:
-    """The unsharded (padded) flat tensor in ``flat``'s dtype; ``flat`` itself for NO_SHARD."""
+def _gather_full(unit: FsdpUnit, flat: Tensor, to_cpu: bool) -> Tensor:
+    """The unsharded (padded) flat tensor in ``flat``'s dtype, on the CPU when ``to_cpu``, else
+    on the compute device (for every strategy and with CPU offload too, as FSDP1's). NO_SHARD
+    returns ``flat`` itself where it already lives there (edits then land in it directly)."""
     handle = unit.handle
+    target = torch.device("cpu") if to_cpu else unit.device
     if not handle.uses_sharded_strategy:
-        return flat
+        return flat if flat.device == target else flat.to(target)
     out = torch.empty(handle.layout.padded_unsharded_numel, dtype=flat.dtype, device=unit.device)
     collectives.all_gather_flat(flat, lambda: out, unit.process_group, None, unit.device, flat.dtype)
-    return out
+    return out.cpu() if to_cpu and out.device.type != "cpu" else out
 
 
 @contextlib.contextmanager
 def _summon_state(
-    state: "FullyShardedDataParallel",
+    state: ModuleState,
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> Iterator[None]:
-    unit = state._unit
+    unit = state.unit
     if unit is None:
-        with _state_summoning(state):
+        with state.lifecycle.summoning():
             yield
         return
     handle = unit.handle
     flat = handle.flat_param
-    state._training_state = TrainingState.SUMMON_FULL_PARAMS
-    try:
+    with state.lifecycle.summoning():
         with torch.no_grad():
             unit.writeback()
             prior_views = unit.view_state
             snapshot = _snapshot_attrs(handle)
-            full = _gather_full(unit, flat.data)
+            full = _gather_full(unit, flat.data, offload_to_cpu)
             full_grad = None
             if with_grads:
                 grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
-                full_grad = _gather_full(unit, grad.data)
-            if offload_to_cpu and full.device.type != "cpu":
-                full = full.cpu()
-                full_grad = full_grad.cpu() if full_grad is not None else None
+                full_grad = _gather_full(unit, grad.data, offload_to_cpu)
             show = not rank0_only or dist.get_rank() == 0
             wrapped = state.module
             flat_registered = wrapped._parameters.pop(_FLAT_PARAM, None)
@@ -140,8 +126,6 @@ def _summon_state(
                 if flat_registered is not None:
                     wrapped._parameters[_FLAT_PARAM] = flat_registered
                 _restore_views(unit, prior_views, snapshot)
-    finally:
-        state._training_state = TrainingState.IDLE
 
 
 def _registered_params(handle) -> list[nn.Parameter]:
@@ -151,9 +135,8 @@ def _registered_params(handle) -> list[nn.Parameter]:
 def _write_back(unit: FsdpUnit, full: Tensor) -> None:
     """Copy edits made inside the context into this rank's shard."""
     handle = unit.handle
-    full_ptr = full.untyped_storage().data_ptr()
     for param, start, entry in zip(_registered_params(handle), handle.layout.param_offsets(), handle.layout.params):
-        if param.numel() > 0 and param.untyped_storage().data_ptr() != full_ptr:
+        if param.numel() > 0 and not same_storage(param, full):
             # ``.data`` (or the Parameter) was replaced inside the context.
             if tuple(param.shape) != entry.shape:
                 raise RuntimeError(
@@ -165,7 +148,7 @@ def _write_back(unit: FsdpUnit, full: Tensor) -> None:
     if handle.uses_sharded_strategy:
         start, _, _ = handle.layout.shard_bounds(handle.rank)
         flat.data.copy_(full[start : start + flat.numel()])
-    elif full.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+    elif not same_storage(full, flat):
         flat.data.copy_(full[: flat.numel()])
     if not unit.aliased and unit.sharded_state != ShardedState.SHARDED and unit.view_state == ViewState.SHARDED:
         # A prefetched unsharded copy is stale now; the next unshard gathers the edits. (With

@@ -3,8 +3,9 @@
 A unit is what one ``FullyShardedDataParallel`` instance manages: one all-gather before compute,
 one gradient reduction after backward. :class:`FsdpUnit` changes its unsharded buffer only
 through :meth:`unshard` / :meth:`wait_unshard` / :meth:`reshard` (which assert the current
-:class:`ShardedState`) and reduces gradients in :meth:`reduce_grad`. Hooks and ordering live in
-:mod:`engine.runtime`; communication in :mod:`engine.collectives`.
+:class:`ShardedState`) and reduces gradients in :meth:`reduce_grad`. Its training state is its
+instance's :class:`~engine.lifecycle.TrainingLifecycle` (one object, held by both). Hooks and
+ordering live in :mod:`engine.state`; communication in :mod:`engine.collectives`.
 """
 
 from __future__ import annotations
@@ -21,16 +22,9 @@ from engine import collectives, comm_hooks
 from engine.api import HYBRID_STRATEGIES, BackwardPrefetch, ShardingStrategy
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
+from engine.lifecycle import TrainingLifecycle, TrainingState
 
-__all__ = ["FsdpUnit", "ShardedState", "TrainingState", "ViewState", "skip_writeback_check"]
-
-
-class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
-    SUMMON_FULL_PARAMS = auto()
+__all__ = ["FsdpUnit", "ShardedState", "TrainingState", "ViewState", "offloaded_placement_error", "skip_writeback_check"]
 
 
 class ShardedState(Enum):
@@ -56,6 +50,25 @@ def skip_writeback_check() -> bool:
     return os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "0") == "1"
 
 
+def offloaded_placement_error(
+    offload_params: bool, found: torch.device, module_name: str, compute_device: torch.device
+) -> str | None:
+    """The error for a unit whose shard is on ``found``, or None where that is where it belongs.
+
+    With parameter offload the shard lives on the CPU; a module moved off it after wrapping
+    (``model.to("cuda")``) is refused at the next forward, as FSDP1 refuses it at its first,
+    instead of training on silently with parameters where offload says they are not.
+    """
+    if not offload_params or found.type == "cpu":
+        return None
+    return (
+        f"An FSDP-managed module with parameter CPU offloading enabled has parameters on {found} "
+        f"(unit wrapping {module_name}): do not move the module from the CPU after wrapping it with "
+        f"CPUOffload(offload_params=True); its parameters move to the compute device {compute_device} "
+        "only for forward and backward"
+    )
+
+
 class FsdpUnit:
     """A handle plus the communication state around it."""
 
@@ -70,6 +83,7 @@ class FsdpUnit:
         backward_prefetch: BackwardPrefetch | None,
         forward_prefetch: bool,
         keep_low_precision_grads: bool,
+        lifecycle: TrainingLifecycle | None = None,
     ) -> None:
         self.handle = handle
         #: class and position of the wrapped module, for error messages.
@@ -85,7 +99,8 @@ class FsdpUnit:
         #: FULL_SHARD and HYBRID_SHARD free the unsharded parameters after forward.
         self.reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
-        self.training_state = TrainingState.IDLE
+        #: the training state of the instance this unit belongs to (its owner's object, shared).
+        self.lifecycle = lifecycle if lifecycle is not None else TrainingLifecycle(module_name)
         self.sharded_state = ShardedState.SHARDED
         self.view_state = ViewState.SHARDED
         #: completion of the in-flight all-gather (CUDA); None when nothing is in flight.
@@ -107,6 +122,10 @@ class FsdpUnit:
         self.comm_hook: Callable[..., None] | None = None
         self.comm_hook_state: object = None
 
+    @property
+    def training_state(self) -> TrainingState:
+        return self.lifecycle.state
+
     # ------------------------------------------------------------------ lazy init
     @property
     def device(self) -> torch.device:
@@ -123,6 +142,7 @@ class FsdpUnit:
         flat = handle.flat_param
         if handle.unsharded_flat_param is not None:
             return
+        self.check_offloaded_placement()
         target = torch.device("cpu") if self.offload_params else self.device
         pin = self.offload_params and self.device.type == "cuda"
         if flat.device != target or (pin and not flat.is_pinned()):
@@ -145,6 +165,13 @@ class FsdpUnit:
             self.sharded_state = ShardedState.UNSHARDED
         self._post_backward_fn = post_backward
         self._hook_leaf(leaf)
+
+    def check_offloaded_placement(self) -> None:
+        """Refuse a shard that parameter offload says is on the CPU but is not (see
+        :func:`offloaded_placement_error`)."""
+        error = offloaded_placement_error(self.offload_params, self.handle.flat_param.device, self.module_name, self.device)
+        if error is not None:
+            raise RuntimeError(error)
 
     def _hook_leaf(self, leaf: Tensor) -> None:
         if leaf.requires_grad and self._post_backward_fn is not None:
@@ -362,7 +389,6 @@ class FsdpUnit:
     def reset_backward_flags(self) -> None:
         self.ran_pre_backward = False
         self.ran_post_backward = False
-        self.training_state = TrainingState.IDLE
 
     def __repr__(self) -> str:
         return f"FsdpUnit({self.module_name}, {self.strategy.name}, {self.sharded_state.name})"

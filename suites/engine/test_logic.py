@@ -90,7 +90,7 @@ def test_engine_never_imports_torch_fsdp() -> None:
     offenders = [p.name for p in ENGINE_DIR.glob("*.py") if pattern.search(p.read_text())]
     assert not offenders, f"engine modules mention torch.distributed.fsdp: {offenders}"
     code = (
-        "import sys, engine, engine.wrap, engine.runtime, engine.summon, engine.grad_norm; "
+        "import sys, engine, engine.wrap, engine.state, engine.summon, engine.grad_norm; "
         "bad = [m for m in sys.modules if m.startswith('torch.distributed.fsdp')]; "
         "assert not bad, bad"
     )

@@ -152,13 +152,13 @@ def check_pre_backward_hook_registration_after_state_dict(api: FSDPApi, rank: in
 
 
 def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
-    """Our engine registers the pre-backward hooks on the outputs in ``runtime.post_forward`` and keeps
-    each unit's post-backward hook handle on the unit."""
-    import engine.runtime as runtime
+    """Our engine registers the pre-backward hooks on the outputs in ``ModuleState.post_forward`` and
+    keeps each unit's post-backward hook handle on the unit."""
+    from engine.state import ModuleState
 
     model = SharedTransformer().wrap(api.wrap)
     calls = {"pre_backward_registered": 0}
-    orig_post_forward = runtime.post_forward
+    orig_post_forward = ModuleState.post_forward
 
     def counting_post_forward(state, output):
         out = orig_post_forward(state, output)
@@ -167,7 +167,7 @@ def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
         )
         return out
 
-    with mock.patch.object(runtime, "post_forward", counting_post_forward):
+    with mock.patch.object(ModuleState, "post_forward", counting_post_forward):
         model(*SharedTransformer.input(0, rank, CPU))
     assert calls["pre_backward_registered"] > 0
     units = [m._unit for m in api.FSDP.fsdp_modules(model) if m._unit is not None]

@@ -1,0 +1,126 @@
+"""Adopting user changes to the original parameters and their gradients into the flat buffers.
+
+With ``use_orig_params`` a user (or an optimizer) may replace an original parameter, its
+``.data`` or its ``.grad`` between iterations; this mixin of
+:class:`~engine.flat_param.FlatParamHandle` copies such changes into ``flat_param`` and
+``flat_param.grad`` before the next all-gather, so the flat buffers stay the truth. A change is
+seen as a parameter or gradient that no longer shows the storage the handle gave it
+(:func:`~engine.param_views.same_storage`); ``FSDP_SKIP_WRITEBACK_CHECK=1`` turns the check off
+(the unit decides when to call it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from engine.param_views import ParamViews, _flat_view, same_storage
+
+__all__ = ["Writeback", "WritebackResult"]
+
+
+class WritebackResult(NamedTuple):
+    """What :meth:`FlatParamHandle.writeback_orig_params` copied into the flat buffers."""
+
+    params: bool
+    grads: bool
+
+
+class Writeback(ParamViews):
+    """The writeback half of :class:`~engine.flat_param.FlatParamHandle` (a mixin)."""
+
+    def _orig_param_segments(self) -> list[tuple[int, int, torch.Size]]:
+        """Per original parameter: ``(offset, numel, expected shape)`` of its part of
+        ``flat_param`` (the local shard, or the whole buffer for NO_SHARD)."""
+        if not self.uses_sharded_strategy:
+            return [
+                (start, e.numel, torch.Size(e.shape))
+                for e, start in zip(self.layout.params, self.layout.param_offsets())
+            ]
+        return [
+            (i.offset_in_shard, i.numel_in_shard, torch.Size([i.numel_in_shard])) if i.in_shard else (0, 0, torch.Size([0]))
+            for i in self.flat_param._shard_param_infos
+        ]
+
+    def reset_flat_grad_if_all_none(self) -> bool:
+        """``flat_param.grad = None`` when every original parameter's ``.grad`` is None (the
+        optimizer zeroed them with ``set_to_none``); the cheap part of gradient writeback that
+        runs even when the writeback check is skipped. Returns whether it reset."""
+        if not self._use_orig_params or self.flat_param.grad is None:
+            return False
+        if all(p.grad is None for p in self._orig_params):
+            self.flat_param.grad = None
+            return True
+        return False
+
+    @torch.no_grad()
+    def writeback_orig_params(self, check_grads: bool = True, check_params: bool = True) -> "WritebackResult":
+        """Adopt user changes to the original parameters (``.data`` swapped, ``Parameter``
+        replaced) and to their ``.grad`` into ``flat_param`` and ``flat_param.grad``
+        (``use_orig_params``; call while the sharded views are registered).
+
+        Returns what was written (parameters, gradients). A changed shape raises ``RuntimeError``: the flat
+        layout is fixed at construction. ``check_params=False`` (between forward and backward,
+        when the module attributes are compute views) looks only at the gradients of the
+        ``Parameter`` objects the optimizer holds.
+        """
+        if not self._use_orig_params:
+            return WritebackResult(False, False)
+        flat = self.flat_param
+        wrote_params = wrote_grads = False
+        orig = list(self._orig_params)
+        grad_none = []
+        for i, ((offset, numel, shape), info) in enumerate(zip(self._orig_param_segments(), self._param_infos)):
+            fqn = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
+            current = info.module._parameters.get(info.param_name) if check_params else orig[i]
+            if not isinstance(current, nn.Parameter):
+                raise RuntimeError(
+                    f"Original parameter {fqn} is no longer an nn.Parameter registered on its module "
+                    f"(found {type(current).__name__}): assign an nn.Parameter to change it"
+                )
+            moved = numel > 0 and (current.numel() == 0 or not same_storage(current, flat))
+            if check_params and (current is not orig[i] or moved or current.shape != shape):
+                if current.shape != shape:
+                    raise RuntimeError(
+                        f"Cannot writeback when the parameter shape changes\nExpects {shape} but got "
+                        f"{current.shape} for {fqn}: keep the (sharded) shape the parameter has between "
+                        "iterations, or change it inside summon_full_params()"
+                    )
+                segment = flat.data[offset : offset + numel]
+                if numel > 0:
+                    segment.copy_(current.detach().reshape(-1) if self.uses_sharded_strategy else _flat_view(current))
+                    current.data = self.unflat_views(flat.data)[i] if not self.uses_sharded_strategy else segment
+                orig[i] = current
+                wrote_params = True
+            if not check_grads:
+                continue
+            grad = current.grad
+            flat_grad = flat.grad
+            if grad is None:
+                grad_none.append(True)
+                if flat_grad is not None and numel > 0:
+                    flat_grad[offset : offset + numel].zero_()
+                continue
+            grad_none.append(False)
+            same = flat_grad is not None and grad.numel() > 0 and same_storage(grad, flat_grad)
+            if same or numel == 0:
+                continue
+            if grad.shape != shape:
+                raise RuntimeError(
+                    f"Cannot writeback when the gradient shape changes\nExpects {shape} but got "
+                    f"{grad.shape} for the gradient of {fqn}: assign a gradient shaped like the parameter"
+                )
+            if flat_grad is None:
+                flat_grad = torch.zeros_like(flat)
+                flat.grad = flat_grad
+            flat_grad[offset : offset + numel].copy_(grad.detach().reshape(-1))
+            wrote_grads = True
+        self._orig_params = tuple(orig)
+        if check_grads and flat.grad is not None and grad_none and all(grad_none):
+            # Every original gradient was set to None (``zero_grad()``): so is the flat one.
+            flat.grad = None
+        elif check_grads and (wrote_params or wrote_grads):
+            self.use_sharded_grad_views()
+        return WritebackResult(wrote_params, wrote_grads)

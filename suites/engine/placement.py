@@ -1,0 +1,49 @@
+"""CPU-offload placement checks shared by the CPU lane (our engine on gloo) and the GPU lane (our
+engine and torch FSDP1 side by side on NCCL): one training step per configuration, recorded with
+``harness.param_devices`` at every point a user can observe.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.param_devices import PlacementLog, original_names, record_training_step
+from suites.engine.models import NestedWrapped, SharedTransformer
+
+MODELS = {"nested": NestedWrapped, "transformer": SharedTransformer}
+STRATEGY_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def configurations(strategies: tuple[str, ...] = STRATEGY_NAMES) -> list[tuple[str, str, bool]]:
+    """``(model, strategy name, use_orig_params)`` of every configuration checked."""
+    return list(itertools.product(MODELS, strategies, (False, True)))
+
+
+def offload_step(api: Any, model_name: str, strategy: str, use_orig_params: bool, device: torch.device) -> PlacementLog:
+    """One offloaded training step of ``model_name`` wrapped by ``api`` (an ``FSDPApi``), recorded."""
+    cls = MODELS[model_name]
+    model = cls(device)
+    names = original_names(model)
+    wrapped = model.wrap(
+        api.wrap,
+        sharding_strategy=api.ShardingStrategy[strategy],
+        cpu_offload=api.CPUOffload(offload_params=True),
+        use_orig_params=use_orig_params,
+    )
+    rank = dist.get_rank()
+    return record_training_step(
+        wrapped,
+        names,
+        make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        batch=cls.input(0, rank, device),
+        loss_fn=cls.loss,
+        summon=functools.partial(api.FSDP.summon_full_params, wrapped),
+        # FSDP1 refuses offload_to_cpu for NO_SHARD ("not supported yet").
+        summon_offload_to_cpu=strategy != "NO_SHARD",
+        no_sync=wrapped.no_sync,
+    )

@@ -1,0 +1,96 @@
+"""The project's import graph, read from the source (no module is imported), and its circles.
+
+Every ``import`` and ``from ... import`` counts, wherever it is written: at the top, under
+``if TYPE_CHECKING:``, inside a function. ``from package import name`` counts as an import of
+``package.name`` where that is a module of the tree, else of ``package``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+__all__ = ["find_cycles", "import_graph", "module_name"]
+
+
+def module_name(root: Path, path: Path) -> str:
+    """``engine/unit.py`` -> ``engine.unit``; ``engine/__init__.py`` -> ``engine``."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = current.split(".") if is_package else current.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph(root: Path, packages: list[str]) -> dict[str, set[str]]:
+    """``module -> modules of the tree it imports`` for every module under ``root/<package>``."""
+    files = {module_name(root, p): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    known = set(files)
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges: set[str] = set()
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            for target in targets:
+                # ``import a.b.c`` depends on the deepest module of the tree it names.
+                parts = target.split(".")
+                while parts and ".".join(parts) not in known:
+                    parts.pop()
+                if parts and ".".join(parts) != name:
+                    edges.add(".".join(parts))
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected components of more than one module
+    (Tarjan's algorithm), each sorted, largest first."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(v: str) -> None:
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found, key=lambda c: (-len(c), c))

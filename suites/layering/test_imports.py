@@ -1,0 +1,89 @@
+"""Layering: no import circle among the modules of engine/, harness/ and reports/ (imports anywhere
+in a module count), and every engine module imports alone, from a clean start.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from suites.layering.imports import find_cycles, import_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+def test_circle_through_type_checking_and_function_bodies_is_found(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n",
+            "pkg/b.py": "def f():\n    from . import c\n",
+            "pkg/c.py": "import pkg.a\n",
+            "pkg/d.py": "from pkg import a, b\nimport torch\n",
+        },
+    )
+    graph = import_graph(root, ["pkg"])
+    assert graph["pkg.d"] == {"pkg.a", "pkg.b"}
+    assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_one_way_imports_have_no_circle(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "low/__init__.py": "",
+            "low/base.py": "import math\n",
+            "high/__init__.py": "from high.top import run\n",
+            "high/top.py": "from low.base import math\nfrom low import base\n",
+        },
+    )
+    graph = import_graph(root, ["low", "high"])
+    assert graph["high.top"] == {"low.base"} and graph["high"] == {"high.top"}
+    assert find_cycles(graph) == []
+
+
+def test_engine_has_no_import_circle() -> None:
+    circles = find_cycles(import_graph(ROOT, ["engine"]))
+    assert not circles, f"import circles in engine/: {circles}"
+
+
+def test_no_import_circle_in_engine_harness_and_reports() -> None:
+    circles = find_cycles(import_graph(ROOT, ["engine", "harness", "reports"]))
+    assert not circles, f"import circles: {circles}"
+
+
+def test_every_engine_module_imports_alone() -> None:
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in (ROOT / "engine").rglob("*.py")
+    )
+    # One interpreter, and before each module every engine module is forgotten: each is imported
+    # first, as a user importing only it would.
+    code = textwrap.dedent(
+        f"""
+        import importlib, sys, traceback
+        failed = []
+        for name in {modules!r}:
+            for loaded in [m for m in sys.modules if m == "engine" or m.startswith("engine.")]:
+                del sys.modules[loaded]
+            try:
+                importlib.import_module(name)
+            except Exception:
+                failed.append(name + ": " + traceback.format_exc(limit=3))
+        assert not failed, "\\n".join(failed)
+        print(len({modules!r}))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(len(modules))
