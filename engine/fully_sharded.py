@@ -444,6 +444,13 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         return self._fsdp_state.unit
 
     @property
+    def _handle(self) -> FlatParamHandle | None:
+        """This unit's ``FlatParamHandle`` (None when it flattened nothing), under FSDP1's attribute name:
+        tools written for torch FSDP1 find the flat parameter through ``module._handle.flat_param``."""
+        unit = self._fsdp_state.unit
+        return unit.handle if unit is not None else None
+
+    @property
     def _is_root(self) -> bool | None:
         return self._fsdp_state.is_root
 

@@ -359,6 +359,8 @@ def _flat_params(root: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
     def candidates(module: nn.Module) -> Iterator[Any]:
         yield from module._parameters.values()
+        # FSDP1's ``_handle`` (an attribute in torch, a property elsewhere) holds the unit's flat parameter.
+        yield getattr(getattr(module, "_handle", None), "flat_param", None)
         for value in vars(module).values():
             if isinstance(value, (nn.Module, dict, list, tuple)) or value is None:
                 continue

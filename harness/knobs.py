@@ -44,8 +44,13 @@ class KnobCheck:
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
-def check_sharding(strategy: str, events: Sequence[CommEvent], sharded_units: int, replicate_size: int = 1) -> KnobCheck:
-    """The strategy in the trace: which phases all-gather, and how gradients are reduced."""
+def check_sharding(
+    strategy: str, events: Sequence[CommEvent], sharded_units: int, replicate_size: int = 1, world_size: int = 2
+) -> KnobCheck:
+    """The strategy in the trace: which phases all-gather, and how gradients are reduced. On one rank
+    there is nothing to gather or reduce (FSDP1 runs every strategy as NO_SHARD there): ``n/a``."""
+    if world_size == 1:
+        return KnobCheck("sharding_strategy", "n/a", "one rank: no all-gather or gradient reduction to observe")
     fwd_ag = len(ops(events, op="all_gather", phase="forward"))
     bwd_ag = len(ops(events, op="all_gather", phase="backward"))
     rs = len(ops(events, op="reduce_scatter", phase="backward"))

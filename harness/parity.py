@@ -145,7 +145,7 @@ def knob_checks(
     else:
         replicate = 1
     checks = [
-        check_sharding(case.sharding_strategy, events, _sharded_units(model), replicate),
+        check_sharding(case.sharding_strategy, events, _sharded_units(model), replicate, ctx.world_size),
         check_precision(spec, events),
         check_offload(case.cpu_offload, facts.param_devices, ctx.device_type),
         check_use_orig_params(case.use_orig_params, facts.exposes_flat_params),

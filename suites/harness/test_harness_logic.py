@@ -241,6 +241,9 @@ def test_check_sharding(strategy: str, trace: list[CommEvent], status: str) -> N
 
 def test_check_sharding_edge_cases() -> None:
     assert check_sharding("full_shard", SHARD_GRAD_OP, sharded_units=0).status == "n/a"
+    # One rank gathers and reduces nothing whatever the strategy; the same empty trace on two is ignored.
+    assert check_sharding("full_shard", [], sharded_units=2, world_size=1).status == "n/a"
+    assert check_sharding("full_shard", [], sharded_units=2, world_size=2).status == "ignored"
     # Hybrid with real replicas must all-reduce across them.
     assert check_sharding("hybrid_shard", FULL_SHARD, sharded_units=2, replicate_size=2).status == "ignored"
     hybrid = FULL_SHARD + [ev("all_reduce", "backward", group=2)]
