@@ -142,7 +142,7 @@ class FsdpUnit:
         flat = handle.flat_param
         if handle.unsharded_flat_param is not None:
             return
-        self.check_offloaded_placement()
+        self.check_offloaded_placement(original_params=True)
         target = torch.device("cpu") if self.offload_params else self.device
         pin = self.offload_params and self.device.type == "cuda"
         if flat.device != target or (pin and not flat.is_pinned()):
@@ -166,10 +166,16 @@ class FsdpUnit:
         self._post_backward_fn = post_backward
         self._hook_leaf(leaf)
 
-    def check_offloaded_placement(self) -> None:
+    def check_offloaded_placement(self, original_params: bool = False) -> None:
         """Refuse a shard that parameter offload says is on the CPU but is not (see
-        :func:`offloaded_placement_error`)."""
-        error = offloaded_placement_error(self.offload_params, self.handle.flat_param.device, self.module_name, self.device)
+        :func:`offloaded_placement_error`). ``original_params`` (at lazy init) checks the original
+        parameters too: with ``use_orig_params`` they are what ``module.to()`` moves, as FSDP1 sees
+        them at its first forward; later they legitimately show compute views between the hooks."""
+        found = self.handle.flat_param.device
+        if original_params and self.use_orig_params and found.type == "cpu":
+            moved = next((p.device for p in self.handle._orig_params if p.device.type != "cpu"), None)
+            found = moved if moved is not None else found
+        error = offloaded_placement_error(self.offload_params, found, self.module_name, self.device)
         if error is not None:
             raise RuntimeError(error)
 

@@ -43,7 +43,8 @@ def offload_step(api: Any, model_name: str, strategy: str, use_orig_params: bool
         batch=cls.input(0, rank, device),
         loss_fn=cls.loss,
         summon=functools.partial(api.FSDP.summon_full_params, wrapped),
-        # FSDP1 refuses offload_to_cpu for NO_SHARD ("not supported yet").
-        summon_offload_to_cpu=strategy != "NO_SHARD",
+        # FSDP1 refuses offload_to_cpu for NO_SHARD ("not supported yet"), which it runs every strategy
+        # as on one rank.
+        summon_offload_to_cpu=strategy != "NO_SHARD" and dist.get_world_size() > 1,
         no_sync=wrapped.no_sync,
     )

@@ -7,9 +7,12 @@ after ``summon_full_params`` with and without ``offload_to_cpu``, inside and aft
 every parameter and gradient must be on the same device in both, and where offload promises it.
 A module wrapped with offload and then moved to the GPU must fail at its first forward in both.
 
-Run on a machine with 2 GPUs::
+Run on a machine with GPUs::
 
     PYTHONPATH=. python3 -m pytest suites/engine/test_gpu_placement.py -m gpu -q
+
+With 2 GPUs or more the ranks are 2; with one GPU they are 1, where both engines run every strategy
+as NO_SHARD (FSDP1 switches on one rank), so one GPU checks the unsharded placement only.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ import torch
 import torch.distributed as dist
 
 from harness.param_devices import PlacementLog, offload_violations
+from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
 from suites.engine.models import NestedWrapped
 from suites.engine.placement import configurations, offload_step
 from suites.engine.ranks import session_tests
 from suites.seeds.api import load_api
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
+
+#: ranks of the session: 2 where there are 2 GPUs, else 1 (see the module docstring).
+WORLD = 2 if n_gpus() >= 2 else 1
 
 #: (point, use_orig_params) where the engines keep a gradient in different places by design: inside
 #: ``no_sync`` with ``use_orig_params=False`` torch FSDP1 leaves the unsharded accumulated gradient
@@ -100,4 +107,4 @@ def check_module_moved_to_gpu_after_offload_wrapping(rank: int, world_size: int)
 
 
 CHECKS = [check_offload_placement_matches_torch, check_module_moved_to_gpu_after_offload_wrapping]
-session, test_check = session_tests(CHECKS, backend="nccl", timeout_s=540)
+session, test_check = session_tests(CHECKS, world_size=WORLD, backend="nccl", timeout_s=540)
