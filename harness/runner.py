@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from harness.case import CaseConfig
 from harness.placement import Lane
@@ -32,7 +32,9 @@ __all__ = [
     "Progress",
     "Selection",
     "SelectionError",
+    "check_selection",
     "exit_status",
+    "file_counts",
     "generate_cases",
     "run_case",
     "select_cases",
@@ -80,8 +82,40 @@ class SelectionError(ValueError):
     """The selection options name no valid cases (an unknown engine, model ...)."""
 
 
+def check_selection(selection: Selection, world_sizes: Sequence[int] = ()) -> None:
+    """Refuse a selection naming what does not exist, by the option that names it.
+
+    The one place the names of the selection options are checked, before any case is generated, so
+    an error says ``--engines`` rather than the ``CaseConfig`` field it would otherwise fail in.
+    """
+    from harness.case import EngineName, ReferenceName
+    from harness.matrix import _GENERATORS
+    from harness.models import MODELS
+
+    def unknown(option: str, given: Sequence[Any] | None, known: Sequence[str], where: str) -> None:
+        wrong = [v for v in given or [] if v not in known]
+        if wrong:
+            raise SelectionError(f"{option}: {', '.join(map(repr, wrong))} not in {where}; choose from {', '.join(known)}")
+
+    unknown("--matrix", [selection.matrix], list(_GENERATORS), "harness.matrix's generators")
+    unknown("--engines", selection.engines, list(get_args(EngineName)), "the engines")
+    unknown("--references", selection.references, list(get_args(ReferenceName)), "the references")
+    unknown("--models", selection.models, sorted(MODELS), "harness.models.MODELS")
+    for option, value in (("--steps", selection.steps), ("--limit", selection.limit)):
+        if value is not None and value < 1:
+            raise SelectionError(f"{option}={value}: must be a positive integer")
+    bad_ws = [ws for ws in world_sizes if ws < 1]
+    if bad_ws:
+        raise SelectionError(f"--world-size {bad_ws}: every world size must be a positive integer")
+
+
 def select_cases(selection: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
-    """The cases the selection options name, grouped by world size, in generator order."""
+    """The cases the selection options name, grouped by world size, in generator order.
+
+    Raises ``SelectionError`` naming the option at fault: an unknown name, or ``--filter`` values
+    that match none of the cases (a run of nothing must not look like a green run).
+    """
+    check_selection(selection, world_sizes)
     try:
         return _select_cases(selection, world_sizes)
     except ValueError as exc:
@@ -121,12 +155,6 @@ def run_case(pool: "RankPool", case: CaseConfig) -> CaseRecord:
 
 
 def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
-    from harness.models import MODELS
-
-    unknown = [m for m in args.models or [] if m not in MODELS]
-    if unknown:
-        raise ValueError(f"--models: {unknown} not in harness.models.MODELS; choose from {sorted(MODELS)}")
-
     axes: dict[str, list[Any]] = {}
     if args.engines:
         axes["engine"] = args.engines
@@ -139,7 +167,13 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
         fixed["check_determinism"] = True
     cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None, **fixed)
     if args.filters:
-        cases = [c for c in cases if any(f in c.full_id for f in args.filters)]
+        kept = [c for c in cases if any(f in c.full_id for f in args.filters)]
+        if cases and not kept:
+            raise SelectionError(
+                f"--filter {' --filter '.join(map(repr, args.filters))} matches none of the {len(cases)} selected "
+                "cases; `python -m harness list` (same options, without --filter) prints their ids"
+            )
+        cases = kept
     if args.limit is not None:
         cases = cases[: args.limit]
     return cases
@@ -170,14 +204,24 @@ class Progress:
 
 
 def summary(counts: collections.Counter[str], out: Path, elapsed: float) -> str:
+    """The verdict table of the cases run now, and their rate: ``12 cases in 30.1 s (0.40 cases/s) -> out``."""
     from tabulate import tabulate
 
     rows = [(verdict, n) for verdict, n in sorted(counts.items(), key=lambda kv: -kv[1])]
-    return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{sum(counts.values())} cases in {elapsed:.1f} s -> {out}"
+    n = sum(counts.values())
+    rate = n / elapsed if elapsed > 0 else 0.0
+    return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{n} cases in {elapsed:.1f} s ({rate:.2f} cases/s) -> {out}"
 
 
-def exit_status(counts: collections.Counter[str]) -> int:
-    return 1 if any(counts[v] for v in BAD_VERDICTS) else 0
+def exit_status(counts: Mapping[str, int]) -> int:
+    """1 when any count of a ``BAD_VERDICTS`` verdict is non-zero, else 0."""
+    return 1 if any(counts.get(v, 0) for v in BAD_VERDICTS) else 0
+
+
+def file_counts(latest: Mapping[str, CaseRecord]) -> collections.Counter[str]:
+    """Verdict counts over the latest record of every case of a results file (``collector.latest_records``):
+    what a resumed run's exit status must reflect, the cases run before the resume included."""
+    return collections.Counter(record.verdict for record in latest.values())
 
 
 class CaseRunner:
@@ -199,6 +243,8 @@ class CaseRunner:
         self.recorded = 0
         #: one line per pool that could not (re)start or whose thread failed.
         self.lane_errors: list[str] = []
+        #: the results file could not be written: every lane stops and ``run`` raises this.
+        self.write_error: OSError | None = None
         self._lock = threading.Lock()
 
     def over_budget(self) -> bool:
@@ -214,6 +260,8 @@ class CaseRunner:
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.2)  # a timed join lets Ctrl-C reach the main thread
+        if self.write_error is not None:
+            raise self.write_error
         return list(queue)
 
     def interrupt(self) -> None:
@@ -237,7 +285,13 @@ class CaseRunner:
                     with self._lock:
                         if self.stop.is_set():
                             return
-                        self.writer.append(record)
+                        try:
+                            self.writer.append(record)
+                        except OSError as exc:
+                            # Losing results silently is worse than stopping: every lane stops.
+                            self.write_error = exc
+                            self.stop.set()
+                            return
                         self.progress.update(record, case.full_id)
                         self.recorded += 1
                         case = None

@@ -5,8 +5,10 @@ pool (one per world size) and appends one record per case to a JSON Lines file t
 collector; a progress bar shows the ETA. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
 ranks are torchrun's own: every rank walks the same case list and rank 0 records.
 
-Exit status of ``run``: 0 when every case passed or is unsupported, 1 when some failed, errored,
-timed out or crashed, 2 when the ranks could not start, 130 on Ctrl-C (rerun with ``--resume``).
+Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
+is unsupported, 1 when some failed, errored, timed out or crashed, 2 when an option cannot work
+(checked before any case runs), the ranks could not start or the results file could not be written,
+130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import shlex
 import sys
 import threading
 import time
@@ -22,8 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from harness.case import CaseConfig
-from harness.cli.options import add_selection
-from harness.runner import Progress, Selection, exit_status, run_case, select_cases, summary, under_torchrun
+from harness.cli.options import add_selection, positive_float
+from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.runner import (
+    BAD_VERDICTS,
+    Progress,
+    Selection,
+    exit_status,
+    file_counts,
+    run_case,
+    select_cases,
+    summary,
+    under_torchrun,
+)
 
 
 
@@ -35,57 +49,122 @@ def _default_out() -> Path:
     return Path("results") / f"run-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
 
 
+def report_command(out: Path) -> str:
+    """The command that builds the report of results file ``out`` (printed after every run)."""
+    report_dir = out.with_name(f"{out.stem}-report")
+    return f"python3 -m reports build {shlex.quote(str(out))} --out {shlex.quote(str(report_dir))}"
+
+
+def _refuse(message: str) -> int:
+    print(f"harness run: {message}", file=sys.stderr)
+    return 2
+
+
+def _machine_problem(args: argparse.Namespace, world_sizes: list[int]) -> str | None:
+    """Why the asked placement cannot run here (checked before any case), or None; warns when it can
+    but will crowd the machine."""
+    from harness.placement import available_memory, cpu_footprint, n_gpus
+
+    gpus = n_gpus()
+    if args.backend == "nccl" and gpus < max(world_sizes):
+        return (f"--backend nccl needs one GPU per rank ({max(world_sizes)} for --world-size {max(world_sizes)}) "
+                f"but {gpus} visible; use --backend gloo (CPU) or auto")
+    cpu = [ws for ws in world_sizes if args.backend == "gloo" or (args.backend == "auto" and gpus < ws)]
+    if cpu:
+        footprint = cpu_footprint(cpu, os.cpu_count() or 1, available_memory())
+        if footprint.oversubscribed:
+            print(f"harness run: warning: --world-size {max(cpu)} on CPU takes {footprint.describe()}; "
+                  "cases will be slow or run out of memory", file=sys.stderr)
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
-    import torch
-
-    from harness.collector import ResultWriter, run_info
-    from harness.placement import assign_devices, default_backend, xdist_worker
-    from harness.pool import PoolConfig, PoolStartError, RankPool
+    from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
+    from harness.pool import PoolStartError
 
     world_sizes = args.world_size or [2]
     cases = select_cases(Selection.from_args(args), world_sizes)
     out = Path(args.out) if args.out else _default_out()
-    worker, workers = xdist_worker()
-    backends = {ws: (args.backend if args.backend != "auto" else default_backend(ws)) for ws in world_sizes}
-    info = run_info(",".join(sorted(set(backends.values()))))
-    start = time.monotonic()
+    problem = out_path_problem(out)
+    if problem:
+        return _refuse(f"--out: {problem}")
+    problem = _machine_problem(args, world_sizes)
+    if problem:
+        return _refuse(problem)
+    resume = args.resume or args.rerun_failed
     try:
-        writer = ResultWriter(out, info, resume=args.resume)
-    except FileExistsError as exc:
-        print(f"harness run: {exc}", file=sys.stderr)
-        return 2
-    with writer:
-        done = writer.recorded_ids()
-        todo = [c for c in cases if c.full_id not in done]
-        if done:
-            print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
+        writer = ResultWriter(out, run_info(args.backend), resume=resume)
+    except FileExistsError:
+        return _refuse(f"--out {out} already holds results; add --resume to continue it, or choose a new --out")
+    except ResultsLocked as exc:
+        return _refuse(f"--out: {exc}")
+    except (ValueError, OSError) as exc:
+        return _refuse(f"--out {out}: {exc}")
+    with writer, terminate_as_interrupt():
+        for bad in writer.bad_lines:
+            print(f"warning: unreadable line {bad}", file=sys.stderr)
+        latest = dict(writer.resumed)
+        rerun = {i for i, r in latest.items() if r.verdict in BAD_VERDICTS} if args.rerun_failed else set()
+        todo = [c for c in cases if c.full_id not in latest or c.full_id in rerun]
+        if latest:
+            print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded"
+                  + (f", {len([c for c in cases if c.full_id in rerun])} not passing to rerun" if args.rerun_failed else ""),
+                  file=sys.stderr)
         progress = Progress(len(todo), enabled=not args.no_progress)
+        start = time.monotonic()
         try:
-            for ws in world_sizes:
-                group = [c for c in todo if c.world_size == ws]
-                if not group:
-                    continue
-                backend = backends[ws]
-                devices = assign_devices(ws, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
-                config = PoolConfig(world_size=ws, backend=backend, devices=devices, case_timeout_s=args.timeout)
-                with RankPool(config) as pool:
-                    for case in group:
-                        record = run_case(pool, case)
-                        writer.append(record)
-                        progress.update(record, case.full_id)
+            _run_on_pools(args, world_sizes, todo, writer, progress, latest)
         except PoolStartError as exc:
             progress.close()
-            print(f"harness run: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
+            return _refuse(str(exc))
+        except ResultWriteError as exc:
+            progress.close()
+            return _refuse(f"--out: {exc}; the {len(latest)} records written before it are kept: "
+                           f"free space and continue with --out {out} --resume")
+        except KeyboardInterrupt as exc:
             progress.close()
             print(f"\ninterrupted; the ranks are stopped. Continue with: --out {out} --resume", file=sys.stderr)
-            return 130
+            return interrupt_exit_status(exc)
         progress.close()
-    print(summary(progress.counts, out, time.monotonic() - start))
-    return exit_status(progress.counts)
+    elapsed = time.monotonic() - start
+    print(summary(progress.counts, out, elapsed))
+    counts = file_counts(latest)
+    if resume:
+        held = ", ".join(f"{v} {n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+        print(f"{out} holds {len(latest)} cases ({held}); the exit status covers them all"
+              + ("" if args.rerun_failed or not exit_status(counts) else "; --rerun-failed reruns the ones not passing"))
+    if writer.bad_lines:
+        print(f"warning: {len(writer.bad_lines)} unreadable line(s) in {out} (listed above)", file=sys.stderr)
+    print(f"report: {report_command(out)}")
+    return exit_status(counts)
+
+
+def _run_on_pools(
+    args: argparse.Namespace, world_sizes: list[int], todo: list[CaseConfig], writer: Any, progress: Progress,
+    latest: dict[str, Any],
+) -> None:
+    """Run ``todo`` on one pool per world size, appending each record as it ends (``latest`` follows)."""
+    import torch
+
+    from harness.placement import assign_devices, default_backend, xdist_worker
+    from harness.pool import PoolConfig, RankPool
+
+    worker, workers = xdist_worker()
+    for ws in world_sizes:
+        group = [c for c in todo if c.world_size == ws]
+        if not group:
+            continue
+        backend = args.backend if args.backend != "auto" else default_backend(ws)
+        devices = assign_devices(ws, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
+        config = PoolConfig(world_size=ws, backend=backend, devices=devices, case_timeout_s=args.timeout)
+        with RankPool(config) as pool:
+            for case in group:
+                record = run_case(pool, case)
+                writer.append(record)
+                latest[case.full_id] = record
+                progress.update(record, case.full_id)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,10 +305,14 @@ def main_models(args: argparse.Namespace) -> int:
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_selection(p)
     p.add_argument("--out", default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
-    p.add_argument("--resume", action="store_true", help="continue --out, skipping the cases it records")
+    p.add_argument("--resume", action="store_true",
+                   help="continue --out, skipping the cases it records; the exit status covers every case in the file")
+    p.add_argument("--rerun-failed", action="store_true",
+                   help="like --resume, but rerun the cases whose latest record is fail, error, timeout or crash "
+                        "(the new record supersedes the old one in reports)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="auto: NCCL with one GPU per rank when there are enough, else gloo on CPU")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
