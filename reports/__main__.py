@@ -1,4 +1,7 @@
-"""``python -m reports build RESULTS... --out DIR`` and ``python -m reports diff OLD NEW``."""
+"""``python -m reports build RESULTS... --out DIR`` and ``python -m reports diff OLD NEW``.
+
+``build`` exits 2 when its inputs hold no readable record: an empty report must not pass for a green one.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "build":
+            loaded = api.load(args.results)
+            if loaded.frame.empty:
+                for bad in loaded.bad_lines:
+                    print(f"warning: unreadable line {bad}", file=sys.stderr)
+                print(f"python -m reports build: no readable record in {', '.join(map(str, args.results))} "
+                      f"({len(loaded.bad_lines)} unreadable line(s)); nothing to report, no report written",
+                      file=sys.stderr)
+                return 2
             summary = api.build(args.results, args.out)
             v = summary.verdicts
             print(f"{summary.cases} cases ({', '.join(f'{k} {n}' for k, n in v.items() if n) or 'none'}) "

@@ -15,7 +15,8 @@ One straight line, every product written into the out directory as it is made:
 
 Exit status: 0 when every case passed or is unsupported, the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
-ranks could not start; 130 on Ctrl-C (rerun with ``--resume``).
+ranks could not start, ``--out`` cannot be the nightly's directory, or the results file could not be
+written; 130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.case import CaseConfig
-from harness.cli.options import add_selection
+from harness.cli.options import add_selection, positive_float
+from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import BackendChoice, n_gpus, plan_lanes
-from harness.runner import BAD_VERDICTS, CaseRunner, Progress, Selection, select_cases, under_torchrun
+from harness.runner import BAD_VERDICTS, CaseRunner, Progress, Selection, SelectionError, select_cases, under_torchrun
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
 
@@ -249,12 +251,41 @@ def _matrix_world_sizes() -> list[int]:
     return list(AXES["world_size"])
 
 
+def out_dir_problem(out: Path) -> str | None:
+    """Why ``out`` cannot be the nightly's directory (checked before anything runs), or None."""
+    from harness.collector import out_path_problem
+
+    if out.exists() and not out.is_dir():
+        return f"{out} is a file; the nightly writes a directory of products, name a directory"
+    return out_path_problem(out / RESULTS_NAME)
+
+
+def _cases_in(selection: Selection, world_size: int) -> int:
+    try:
+        return len(select_cases(selection, [world_size]))
+    except SelectionError:
+        return 0  # e.g. a --filter that matches only other world sizes
+
+
 def nightly(config: NightlyConfig) -> int:
     """Run the nightly described by ``config``; returns its exit status."""
-    from harness.collector import ResultWriter, run_info
+    with terminate_as_interrupt():
+        try:
+            return _nightly(config)
+        except KeyboardInterrupt as exc:  # between phases; the phases say where they stopped
+            print(f"\ninterrupted; rerun with: python -m harness nightly --out {config.out} --resume", file=sys.stderr)
+            return interrupt_exit_status(exc)
+
+
+def _nightly(config: NightlyConfig) -> int:
+    from harness.collector import ResultsLocked, ResultWriter, run_info
 
     start = time.monotonic()
     out = config.out
+    problem = out_dir_problem(out)
+    if problem:
+        print(f"harness nightly: --out: {problem}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / NIGHTLY_NAME
     earlier = _read_json(state_path) if config.resume else {}
@@ -270,16 +301,20 @@ def nightly(config: NightlyConfig) -> int:
     # -- 1. cases ---------------------------------------------------------------------------------
     lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes())
     if not lanes:
-        print(f"harness nightly: no world size can run here: {'; '.join(skipped_ws.values())}", file=sys.stderr)
+        print(f"harness nightly: no world size can run here (--backend {config.backend}): "
+              f"{'; '.join(skipped_ws.values())}", file=sys.stderr)
         return 2
     selection = config.selection()
     cases = select_cases(selection, list(lanes))
-    skipped = {ws: {"cases": len(select_cases(selection, [ws])), "reason": why} for ws, why in skipped_ws.items()}
+    skipped = {ws: {"cases": _cases_in(selection, ws), "reason": why} for ws, why in skipped_ws.items()}
     backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
     try:
         writer = ResultWriter(out / RESULTS_NAME, run_info(",".join(backends)), resume=config.resume)
     except FileExistsError as exc:
         print(f"harness nightly: {exc}; or pass --resume to continue that nightly", file=sys.stderr)
+        return 2
+    except ResultsLocked as exc:
+        print(f"harness nightly: --out: {exc}", file=sys.stderr)
         return 2
     cases_start = time.monotonic()
     deadline = start + config.time_budget_s if config.time_budget_s is not None else None
@@ -310,13 +345,21 @@ def nightly(config: NightlyConfig) -> int:
                     pools_failed = True
                     why = "; ".join(runner.lane_errors) or "no pool took it"
                 not_run += [(c, why) for c in left]
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             runner.interrupt()
             progress.close()
             state["cases"].update(recorded=runner.recorded, interrupted=True)
             save()
             print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
-            return 130
+            return interrupt_exit_status(exc)
+        except OSError as exc:  # the results file could not be written (runner.write_error)
+            runner.interrupt()
+            progress.close()
+            state["cases"].update(recorded=runner.recorded, write_error=str(exc))
+            save()
+            print(f"harness nightly: {exc}; the records written before it are kept: free space and rerun "
+                  f"with --out {out} --resume", file=sys.stderr)
+            return 2
         progress.close()
     _write_not_run(out / NOT_RUN_NAME, not_run)
     state["cases"].update(
@@ -338,10 +381,10 @@ def nightly(config: NightlyConfig) -> int:
     else:
         try:
             state["fuzz"] = dataclasses.asdict(run_fuzz(config, fuzz_path))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             save()
             print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
-            return 130
+            return interrupt_exit_status(exc)
     save()
 
     # -- 3. report ----------------------------------------------------------------------------------
@@ -437,7 +480,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch no case after this many seconds; the cases left are listed in not_run.txt")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="auto: NCCL with one GPU per rank when there are GPUs, else 2 gloo ranks on CPU")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
