@@ -147,11 +147,12 @@ def generate_cases(
     return list(found.values())
 
 
-def run_case(pool: "RankPool", case: CaseConfig) -> CaseRecord:
-    """Run one case on a started (or lazily starting) pool and decide its all-rank record."""
+def run_case(pool: "RankPool", case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
+    """Run one case on a started (or lazily starting) pool and decide its all-rank record; ``timeout_s``
+    overrides the pool's case timeout for this case."""
     from harness.parity import record_from_outcome, run_case_on_rank
 
-    return record_from_outcome(case, pool.run(run_case_on_rank, case))
+    return record_from_outcome(case, pool.run(run_case_on_rank, case, timeout_s=timeout_s))
 
 
 def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
