@@ -3,8 +3,10 @@
 Every front end (``run``, ``nightly``, ``bench``, ``perf``, the pytest plugin) asks this module which
 backend a pool of ``world_size`` ranks uses, which GPUs it takes (a disjoint block per pytest-xdist
 worker where there are enough GPUs, shared evenly where there are not), how many pools run side by
-side (``plan_lanes``), and how a hybrid strategy splits the world into shard groups. Pure functions
-over plain numbers; only ``default_backend`` and ``n_gpus`` look at the machine.
+side (``plan_lanes``), how a hybrid strategy splits the world into shard groups, and what CPU ranks
+will take from the machine (``cpu_footprint``, warned about before a run that crowds it). Pure
+functions over plain numbers; only ``default_backend``, ``n_gpus`` and ``available_memory`` look at
+the machine.
 """
 
 from __future__ import annotations

@@ -260,6 +260,16 @@ def out_dir_problem(out: Path) -> str | None:
     return out_path_problem(out / RESULTS_NAME)
 
 
+def _warn_crowded(lanes: Mapping[int, Sequence[Any]]) -> None:
+    from harness.placement import available_memory, cpu_footprint
+
+    cpu = [ws for ws, group in lanes.items() if any(lane.backend == "gloo" for lane in group)]
+    footprint = cpu_footprint(cpu, os.cpu_count() or 1, available_memory())
+    if cpu and footprint.oversubscribed:
+        print(f"harness nightly: warning: --world-size {max(cpu)} on CPU takes {footprint.describe()}; "
+              "cases will be slow or run out of memory", file=sys.stderr)
+
+
 def _cases_in(selection: Selection, world_size: int) -> int:
     try:
         return len(select_cases(selection, [world_size]))
@@ -304,6 +314,7 @@ def _nightly(config: NightlyConfig) -> int:
         print(f"harness nightly: no world size can run here (--backend {config.backend}): "
               f"{'; '.join(skipped_ws.values())}", file=sys.stderr)
         return 2
+    _warn_crowded(lanes)
     selection = config.selection()
     cases = select_cases(selection, list(lanes))
     skipped = {ws: {"cases": _cases_in(selection, ws), "reason": why} for ws, why in skipped_ws.items()}
