@@ -82,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
     from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
+    from harness.placement import default_backend
     from harness.pool import PoolStartError
 
     world_sizes = args.world_size or [2]
@@ -93,9 +94,10 @@ def main(args: argparse.Namespace) -> int:
     problem = _machine_problem(args, world_sizes)
     if problem:
         return _refuse(problem)
+    backends = sorted({args.backend if args.backend != "auto" else default_backend(ws) for ws in world_sizes})
     resume = args.resume or args.rerun_failed
     try:
-        writer = ResultWriter(out, run_info(args.backend), resume=resume)
+        writer = ResultWriter(out, run_info(",".join(backends)), resume=resume)
     except FileExistsError:
         return _refuse(f"--out {out} already holds results; add --resume to continue it, or choose a new --out")
     except ResultsLocked as exc:
@@ -121,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
             return _refuse(str(exc))
         except ResultWriteError as exc:
             progress.close()
-            return _refuse(f"--out: {exc}; the {len(latest)} records written before it are kept: "
+            return _refuse(f"--out: {exc}; every record written before it is kept: "
                            f"free space and continue with --out {out} --resume")
         except KeyboardInterrupt as exc:
             progress.close()
@@ -231,9 +233,11 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     cases = select_cases(Selection.from_args(args), [ws])
     out = Path(args.out) if args.out else _default_out()
 
-    writer = ResultWriter(out, run_info(backend), resume=args.resume) if rank == 0 else None
+    writer = ResultWriter(out, run_info(backend), resume=args.resume or args.rerun_failed) if rank == 0 else None
     # Every rank must walk the same list: rank 0 knows what the file already holds.
-    shared: list[Any] = [sorted(writer.recorded_ids()) if writer else None, str(out)]
+    keep = ({i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
+            if writer else None)
+    shared: list[Any] = [sorted(keep) if keep is not None else None, str(out)]
     dist.broadcast_object_list(shared, src=0)
     done = set(shared[0])
     todo = [c for c in cases if c.full_id not in done]
