@@ -397,6 +397,10 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
         "mixed_precision_budgets": source == "emulation",
         "budget_source": source,
         "notes": engine.notes,
+        "curves": {
+            "loss": {"engine": engine.losses, "reference": reference.losses},
+            "grad_norm": {"engine": engine.grad_norms, "reference": reference.grad_norms},
+        },
     }
 
 
@@ -462,6 +466,10 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         reasons.append(f"not deterministic: {nondet}")
     if not errors:
         reasons.append("nothing was compared")
+    curves = None
+    if all("curves" in v for v in values):
+        curves = {q: {side: [list(v["curves"][q][side]) for v in values] for side in ("engine", "reference")}
+                  for q in ("loss", "grad_norm")}
 
     return CaseRecord(
         verdict="fail" if reasons else "pass",
@@ -481,5 +489,6 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
             "budget_source": values[0].get("budget_source", "none"),
             "notes": sorted({n for v in values for n in v["notes"]}),
         },
+        curves=curves,
         **base,
     )

@@ -68,6 +68,10 @@ class CaseRecord:
     #: per-rank details kept for debugging (stacks of a timeout, stderr tail of a crash ...).
     detail: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
+    #: per-step values of both sides, per rank: ``{"loss": {"engine": [[step0, step1, ...] of rank 0,
+    #: ...], "reference": [...]}, "grad_norm": {...}}``, so a report can draw how a divergence grew.
+    #: None where not recorded (cases that did not finish, records written before it existed).
+    curves: dict[str, dict[str, list[list[float]]]] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:

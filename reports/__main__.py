@@ -1,6 +1,8 @@
-"""``python -m reports build RESULTS... --out DIR`` and ``python -m reports diff OLD NEW``.
+"""``python -m reports build RESULTS... --out DIR``, ``python -m reports diff OLD NEW`` and
+``python -m reports history NIGHTLY_DIR... --out DIR``.
 
-``build`` exits 2 when its inputs hold no readable record: an empty report must not pass for a green one.
+``build`` exits 2 when its inputs hold no readable record (and no ``--not-run`` list): an empty
+report must not pass for a green one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
+from reports.scope import parse_not_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,6 +24,16 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="build a report directory from results files")
     b.add_argument("results", nargs="+", type=Path, help="results files (JSON Lines) or report directories")
     b.add_argument("--out", required=True, type=Path, help="report directory to write")
+    b.add_argument("--cases", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=[],
+                   help="comma list of full ids (engine:reference:case_id) that get a case page even if they pass")
+    b.add_argument("--not-run", type=Path, default=None,
+                   help="file of selected cases that were not run (not_run.txt: '<full id>\\t<why>' per line); "
+                        "default: not_run.txt/nightly.json next to the results")
+    b.add_argument("--selected", type=int, default=None, help="how many cases the run selected (for the banner)")
+
+    h = sub.add_parser("history", help="trend page over several nightly directories")
+    h.add_argument("dirs", nargs="+", type=Path, help="nightly (or run) directories, ordered by name")
+    h.add_argument("--out", required=True, type=Path, help="directory to write history.md/.html/.json and plots into")
 
     d = sub.add_parser("diff", help="compare two results; exits 1 on a regression")
     d.add_argument("old", type=Path, help="report directory or results file")
@@ -37,19 +50,31 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "history":
+            from reports.history import history
+
+            result = history(args.dirs, args.out)
+            print(f"{len(result.nights)} nights, {len(result.of_kind('regressed'))} regression(s), "
+                  f"{len(result.of_kind('fixed'))} fix(es), {len(result.failing)} failing now -> {args.out}/: "
+                  f"{', '.join(result.files)}")
+            return 0
         if args.command == "build":
-            loaded = api.load(args.results)
-            if loaded.frame.empty:
-                for bad in loaded.bad_lines:
-                    print(f"warning: unreadable line {bad}", file=sys.stderr)
-                print(f"python -m reports build: no readable record in {', '.join(map(str, args.results))} "
-                      f"({len(loaded.bad_lines)} unreadable line(s)); nothing to report, no report written",
-                      file=sys.stderr)
-                return 2
-            summary = api.build(args.results, args.out)
+            not_run = parse_not_run(args.not_run.read_text(encoding="utf-8")) if args.not_run else None
+            if not not_run:
+                loaded = api.load(args.results)
+                if loaded.frame.empty:
+                    for bad in loaded.bad_lines:
+                        print(f"warning: unreadable line {bad}", file=sys.stderr)
+                    print(f"python -m reports build: no readable record in {', '.join(map(str, args.results))} "
+                          f"({len(loaded.bad_lines)} unreadable line(s)); nothing to report, no report written",
+                          file=sys.stderr)
+                    return 2
+            summary = api.build(args.results, args.out, cases=args.cases, not_run=not_run, selected=args.selected)
             v = summary.verdicts
+            pages = sum(f.endswith(".html") and f.startswith("cases/") for f in summary.files)
+            shown = [f for f in summary.files if not f.startswith("cases/")]
             print(f"{summary.cases} cases ({', '.join(f'{k} {n}' for k, n in v.items() if n) or 'none'}) "
-                  f"-> {args.out}/: {', '.join(summary.files)}")
+                  f"-> {args.out}/: {', '.join(shown)}, {pages} case page(s) in cases/")
             for bad in summary.bad_lines:
                 print(f"warning: unreadable line {bad}", file=sys.stderr)
             return 0

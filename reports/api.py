@@ -1,8 +1,10 @@
-"""The two entry points, ``build`` and ``diff``: read inputs, call the pure tables, write outputs.
+"""The entry points ``build`` and ``diff``: read inputs, call the pure tables, write outputs.
 
 Inputs are results files (JSON Lines from ``harness.collector``) or report directories (their
 ``results.csv``, plus the unreadable lines their ``summary.json`` recorded), so a diff can compare
-last night's report directory with today's raw results.
+last night's report directory with today's raw results. Next to an input, a ``nightly.json`` and a
+``not_run.txt`` say what the run left out (``reports.scope``); a report built from results files also
+gets one page per case that did not pass (``reports.case_page``).
 """
 
 from __future__ import annotations
@@ -10,20 +12,29 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from harness.collector import BadLine, PathLike, read_records
-from reports import render
+from harness.collector import BadLine, PathLike, read_records, record_full_id
+from harness.records import CaseRecord
+from reports import render, render_html, render_md
+from reports.attribution import attribute, attributions_dict
+from reports.case_page import CASES_DIR, write_case_pages
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR, DiffResult, diff_frames
-from reports.matrix import Summary, frame_from_csv, latest, marginals, parity_matrices, records_frame, summarize
+from reports.grid import build_grid
+from reports.matrix import Summary, frame_from_csv, latest, marginals, parity_matrices, records_frame, sort_failing, summarize
+from reports.scope import RunScope, merge_scopes, not_run_frame, parse_not_run, scope_from_nightly
 
 CSV_NAME = "results.csv"
 SUMMARY_NAME = "summary.json"
 MARKDOWN_NAME = "matrix.md"
 HTML_NAME = "matrix.html"
+NIGHTLY_NAME = "nightly.json"
+NOT_RUN_NAME = "not_run.txt"
+#: diffs the report links to when they sit in its directory.
+DIFF_NAMES = ("diff.html", "diff.md")
 
 
 @dataclass
@@ -35,9 +46,28 @@ class Loaded:
     #: older records of a case replaced by a newer one.
     superseded: int
     inputs: list[str]
+    #: the full record of each case of ``frame`` read from a results file (none from ``results.csv``).
+    records: dict[str, CaseRecord] = field(default_factory=dict)
+    #: what the inputs' runs left out, from ``nightly.json``/``not_run.txt`` beside them; None if whole.
+    scope: RunScope | None = None
 
 
-def _load_one(path: Path) -> tuple[pd.DataFrame, list[BadLine]]:
+def read_scope(directory: Path) -> RunScope | None:
+    """The scope ``directory``'s ``nightly.json`` and ``not_run.txt`` describe; None when it has neither."""
+    not_run_path, nightly_path = directory / NOT_RUN_NAME, directory / NIGHTLY_NAME
+    not_run = parse_not_run(not_run_path.read_text(encoding="utf-8")) if not_run_path.exists() else []
+    state: dict = {}
+    if nightly_path.exists():
+        try:
+            state = json.loads(nightly_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            state = {}
+    if state:
+        return scope_from_nightly(state, not_run)
+    return RunScope(None, not_run, [], NOT_RUN_NAME) if not_run else None
+
+
+def _load_one(path: Path) -> tuple[pd.DataFrame, list[BadLine], list[CaseRecord]]:
     if path.is_dir():
         csv = path / CSV_NAME
         if not csv.exists():
@@ -47,11 +77,11 @@ def _load_one(path: Path) -> tuple[pd.DataFrame, list[BadLine]]:
         summary = path / SUMMARY_NAME
         if summary.exists():
             bad = [BadLine(**b) for b in json.loads(summary.read_text()).get("bad_lines", [])]
-        return frame, bad
+        return frame, bad, []
     if not path.exists():
         raise FileNotFoundError(f"results file {path} does not exist")
     records, bad = read_records(path)
-    return records_frame(records, sources=[str(path)] * len(records)), bad
+    return records_frame(records, sources=[str(path)] * len(records)), bad, records
 
 
 def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
@@ -59,42 +89,86 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not paths:
         raise ValueError("reports: give at least one results file or report directory")
-    frames, bad_lines = [], []
+    frames, bad_lines, records = [], [], []
     for path in paths:
-        frame, bad = _load_one(path)
+        frame, bad, recs = _load_one(path)
         frames.append(frame)
         bad_lines += bad
+        records += recs
     frames = [f for f in frames if not f.empty]
     frame = pd.concat(frames, ignore_index=True) if frames else records_frame([])
     frame, superseded = latest(frame)
-    return Loaded(frame, bad_lines, superseded, [str(p) for p in paths])
+    # The same winner as ``latest``: the newest time, the later input on a tie.
+    by_id = {record_full_id(r): r for r in sorted(records, key=lambda r: r.time)}
+    scope = merge_scopes(read_scope(p if p.is_dir() else p.parent) for p in paths)
+    return Loaded(frame, bad_lines, superseded, [str(p) for p in paths], by_id, scope)
 
 
-def build(paths: PathLike | Iterable[PathLike], out_dir: PathLike) -> Summary:
+def build(
+    paths: PathLike | Iterable[PathLike], out_dir: PathLike, *, cases: Iterable[str] = (),
+    not_run: Sequence[tuple[str, str]] | None = None, selected: int | None = None,
+) -> Summary:
     """Write the report of ``paths`` into ``out_dir``: matrix.md, matrix.html, results.csv, one PNG
-    heatmap per matrix and summary.json. Returns the summary (also in summary.json)."""
+    heatmap per matrix, one page per case that did not pass (and per full id in ``cases``) under
+    ``cases/``, and summary.json. Returns the summary (also in summary.json).
+
+    ``not_run`` (``(full id, why)`` pairs) and ``selected`` describe a partial run; by default they
+    come from a ``nightly.json``/``not_run.txt`` next to the inputs.
+    """
     loaded = load(paths)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     frame = loaded.frame
+    scope = loaded.scope
+    if not_run is not None or selected is not None:
+        scope = RunScope(selected, list(not_run or []), [], "arguments")
+    scope = scope if scope is not None and scope.partial else None
+    banner = scope.banner() if scope is not None else ""
     matrices = parity_matrices(frame)
     margs = marginals(frame)
+    attributions = attribute(frame)
     summary = summarize(
         frame, matrices, out_dir=str(out), inputs=loaded.inputs,
         superseded=loaded.superseded, bad_lines=loaded.bad_lines,
     )
+    summary.attribution = attributions_dict(attributions)
+    summary.scope = scope.to_dict() if scope is not None else None
 
-    # Heatmaps of matrices from an earlier build into the same directory would read as current.
+    # Heatmaps and case pages from an earlier build into the same directory would read as current.
     wanted = {m.heatmap for m in summary.matrices}
     for stale in out.glob("heatmap_*.png"):
         if stale.name not in wanted:
             stale.unlink()
     for matrix, ms in zip(matrices, summary.matrices):
         render.heatmap(matrix, str(out / ms.heatmap))
+
+    asked = set(cases)
+    unknown = asked - set(frame["full_id"]) if not frame.empty else asked
+    if unknown:
+        raise ValueError(f"--cases: {sorted(unknown)[:5]} not in the results; give full ids (engine:reference:case_id)")
+    chosen = sort_failing(frame) if not frame.empty else frame
+    if asked:
+        chosen = pd.concat([chosen, frame[frame["full_id"].isin(asked) & (frame["verdict"] == "pass")]])
+    page_rows = [row for _, row in chosen.iterrows()]
+    case_files = write_case_pages(page_rows, loaded.records, out, banner=banner)
+    current = set(case_files)
+    for stale in (out / CASES_DIR).glob("*"):
+        if stale.is_file() and f"{CASES_DIR}/{stale.name}" not in current:
+            stale.unlink()
+
+    links = {"Markdown": MARKDOWN_NAME, "results.csv": CSV_NAME}
+    links.update({name: name for name in DIFF_NAMES if (out / name).exists()})
     frame.to_csv(out / CSV_NAME, index=False)
-    (out / MARKDOWN_NAME).write_text(render.markdown(summary, matrices, margs, frame), encoding="utf-8")
-    (out / HTML_NAME).write_text(render.html_page(summary, matrices, margs), encoding="utf-8")
-    summary.files = [MARKDOWN_NAME, HTML_NAME, CSV_NAME, *sorted(wanted), SUMMARY_NAME]
+    grid = build_grid(frame, not_run_frame(scope))
+    pages = {str(row["full_id"]) for row in page_rows}
+    (out / MARKDOWN_NAME).write_text(render_md.markdown(
+        summary, matrices, margs, frame, attributions=attributions, banner=banner,
+        links={"HTML report": HTML_NAME, **{k: v for k, v in links.items() if k != "Markdown"}}, pages=pages,
+    ), encoding="utf-8")
+    (out / HTML_NAME).write_text(render_html.html_page(
+        summary, matrices, margs, frame=frame, grid=grid, attributions=attributions, banner=banner, links=links,
+    ), encoding="utf-8")
+    summary.files = [MARKDOWN_NAME, HTML_NAME, CSV_NAME, *sorted(wanted), *case_files, SUMMARY_NAME]
     (out / SUMMARY_NAME).write_text(json.dumps(summary.to_dict(), indent=2, allow_nan=False, default=_json_default) + "\n", encoding="utf-8")
     return summary
 

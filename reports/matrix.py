@@ -351,6 +351,10 @@ class Summary:
     matrices: list[MatrixSummary]
     #: output files, relative to ``out_dir``.
     files: list[str] = field(default_factory=list)
+    #: ``reports.attribution.attributions_dict``: per engine and reference, the terms that explain its failures.
+    attribution: list[dict[str, Any]] = field(default_factory=list)
+    #: ``reports.scope.RunScope.to_dict`` of a run that did not run its whole selection; None when whole or unknown.
+    scope: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

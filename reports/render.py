@@ -1,4 +1,5 @@
-"""Writers: the parity tables as Markdown (CI job summary), HTML (one self-contained page), PNG heatmaps.
+"""Colours, PNG heatmaps and the diff as Markdown; the report pages are ``reports.render_md`` (Markdown,
+the CI job summary) and ``reports.render_html`` (the main HTML page).
 
 Every function takes the pure tables of ``reports.matrix`` and returns text or writes one file; none
 reads results. Colours are shared by the HTML and the PNGs: a cell is coloured by its worst error
@@ -8,27 +9,17 @@ its status says more (errors, refusals, failures without a numeric error).
 
 from __future__ import annotations
 
-import html
 import math
-from collections.abc import Sequence
 
 import matplotlib.colors as mcolors
 import numpy as np
-import pandas as pd
 from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from tabulate import tabulate
 
 from reports.diff import DiffResult
-from reports.matrix import (
-    CellStats,
-    ParityMatrix,
-    Summary,
-    cell_label,
-    fmt_ratio,
-    sort_failing,
-)
+from reports.matrix import CellStats, ParityMatrix, Summary, fmt_ratio
 
 #: log10 of the worst ratio spans this range on the colour scale; beyond it colours saturate.
 LOG_RATIO_RANGE = 3.0
@@ -79,10 +70,11 @@ def _text_colour(background: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Markdown
+# Shared by the Markdown and HTML writers
 
 
-def _md_run_lines(summary: Summary) -> list[str]:
+def run_lines(summary: Summary) -> list[str]:
+    """One Markdown bullet per run the report's records came from."""
     lines = []
     for run in summary.runs:
         facts = [f"torch {run.get('torch_version')}", f"backend {run.get('backend')}", f"host {run.get('host')}"]
@@ -92,180 +84,6 @@ def _md_run_lines(summary: Summary) -> list[str]:
             facts.append(f"rev {str(run['git_rev'])[:12]}")
         lines.append(f"- run `{run.get('run_id')}`: " + ", ".join(facts))
     return lines
-
-
-def _md_bad_lines(summary: Summary) -> list[str]:
-    if not summary.bad_lines:
-        return []
-    lines = ["", f"## ⚠️ {len(summary.bad_lines)} unreadable result line(s)", "",
-             "Records cut by a killed run or corrupt; their cases are missing from the tables.", ""]
-    rows = [[b.path, b.line, b.reason, b.head[:80]] for b in summary.bad_lines]
-    lines.append(tabulate(rows, headers=["file", "line", "reason", "start of line"], tablefmt="github", disable_numparse=True))
-    return lines
-
-
-def markdown(summary: Summary, matrices: Sequence[ParityMatrix], marginal_tables: dict[str, pd.DataFrame], frame: pd.DataFrame) -> str:
-    """The whole report as GitHub-flavoured Markdown, small enough for a CI job summary."""
-    v = summary.verdicts
-    ran = sum(v.values()) - v.get("unsupported", 0)
-    head = "✅" if summary.ok else "❌"
-    lines = [
-        f"# {head} Parity report: {v.get('pass', 0)}/{ran} cases pass",
-        "",
-        ", ".join(f"{name}: {count}" for name, count in v.items() if count) or "no cases",
-        "",
-        *_md_run_lines(summary),
-    ]
-    if summary.superseded:
-        lines.append(f"- {summary.superseded} older record(s) replaced by a newer record of the same case")
-    lines += _md_bad_lines(summary)
-    lines += ["", "Cells: passed/total · worst error relative to tolerance (≤ 1 is within tolerance); "
-              "`+Nu`: N unsupported. Columns: precision, then backward prefetch."]
-    for m in matrices:
-        t = m.totals
-        lines += ["", f"## {m.title}: {t.passed}/{t.total} pass, worst ratio {fmt_ratio(t.worst_ratio)}", ""]
-        headers = ["strategy"] + [f"{p}<br>{b}" for p, b in m.columns]
-        rows = []
-        for s in m.rows:
-            row = [s]
-            for p, b in m.columns:
-                stats = m.cell(s, p, b)
-                label = cell_label(stats)
-                row.append(f"{STATUS_ICONS[stats.status]} {label}".strip())
-            rows.append(row)
-        lines.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
-    failing = sort_failing(frame[frame["verdict"] != "unsupported"])
-    if len(failing):
-        lines += ["", f"## Cases that did not pass ({len(failing)})", ""]
-        rows = [
-            [r["verdict"], r["full_id"], fmt_ratio(r["worst_ratio"]), r["worst_quantity"], str(r["reason"])[:120]]
-            for _, r in failing.head(MAX_LISTED).iterrows()
-        ]
-        lines.append(tabulate(rows, headers=["verdict", "case", "ratio", "quantity", "reason"], tablefmt="github", disable_numparse=True))
-        if len(failing) > MAX_LISTED:
-            lines.append(f"\n… and {len(failing) - MAX_LISTED} more (see matrix.html or results.csv)")
-    unsupported = frame[frame["verdict"] == "unsupported"]
-    if len(unsupported):
-        by_reason = unsupported.groupby(["engine", "reason"], sort=True).size().reset_index(name="cases")
-        lines += ["", f"## Unsupported ({len(unsupported)})", "",
-                  tabulate(by_reason.values.tolist(), headers=["engine", "reason", "cases"], tablefmt="github", disable_numparse=True)]
-    if marginal_tables:
-        lines += ["", "## Per axis", "", "passed/total per engine, for each value of each axis.", ""]
-        for axis, table in marginal_tables.items():
-            lines += [tabulate(table.reset_index(), headers="keys", tablefmt="github", showindex=False, disable_numparse=True), ""]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-# ---------------------------------------------------------------------------------------------------
-# HTML
-
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
-table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }
-th, td { border: 1px solid #999; padding: 3px 6px; text-align: center; vertical-align: top; }
-th { background: #f0f0f0; }
-td.row { text-align: left; font-weight: bold; background: #f7f7f7; }
-td.cell { min-width: 5.5em; }
-details summary { cursor: pointer; }
-details ul { text-align: left; margin: 4px 0; padding-left: 1.2em; font-size: 11px; max-width: 40em; }
-.warn { background: #fff3cd; border: 1px solid #e0b000; padding: 0.5em 1em; }
-.legend span { display: inline-block; padding: 2px 8px; margin-right: 6px; border: 1px solid #999; }
-code { font-size: 12px; }
-"""
-
-
-def _html_cell(m: ParityMatrix, strategy: str, precision: str, prefetch: str) -> str:
-    stats = m.cell(strategy, precision, prefetch)
-    colour = cell_colour(stats)
-    style = f"background:{colour};color:{_text_colour(colour)}"
-    label = html.escape(cell_label(stats))
-    bad = sort_failing(m.cell_cases(strategy, precision, prefetch))
-    if bad.empty:
-        return f'<td class="cell" style="{style}">{label}</td>'
-    items = []
-    for _, r in bad.head(MAX_LISTED).iterrows():
-        items.append(
-            f"<li><b>{html.escape(r['verdict'])}</b> <code>{html.escape(r['case_id'])}</code>"
-            + (f" ratio {html.escape(fmt_ratio(r['worst_ratio']))}" if not math.isnan(r["worst_ratio"]) else "")
-            + (f" ({html.escape(r['worst_quantity'])})" if r["worst_quantity"] else "")
-            + (f": {html.escape(str(r['reason']))}" if r["reason"] else "")
-            + "</li>"
-        )
-    if len(bad) > MAX_LISTED:
-        items.append(f"<li>… and {len(bad) - MAX_LISTED} more</li>")
-    return (
-        f'<td class="cell" style="{style}"><details><summary>{label}</summary>'
-        f'<ul style="color:#222;background:#fff">{"".join(items)}</ul></details></td>'
-    )
-
-
-def _html_matrix(m: ParityMatrix) -> str:
-    t = m.totals
-    parts = [f"<h2>{html.escape(m.title)}: {t.passed}/{t.total} pass, worst ratio {fmt_ratio(t.worst_ratio)}</h2>",
-             "<table><tr><th rowspan=2>strategy</th>"]
-    parts += [f'<th colspan="{len(m.prefetches)}">{html.escape(p)}</th>' for p in m.precisions]
-    parts.append("</tr><tr>")
-    parts += [f"<th>bwd {html.escape(b)}</th>" for _, b in m.columns]
-    parts.append("</tr>")
-    for s in m.rows:
-        parts.append(f'<tr><td class="row">{html.escape(s)}</td>')
-        parts += [_html_cell(m, s, p, b) for p, b in m.columns]
-        parts.append("</tr>")
-    parts.append("</table>")
-    return "".join(parts)
-
-
-def _html_legend() -> str:
-    samples = [
-        ("within tolerance (ratio 0.01)", cell_colour(CellStats(passed=1, worst_ratio=0.01))),
-        ("at tolerance (ratio 1)", cell_colour(CellStats(passed=1, worst_ratio=1.0))),
-        ("beyond (ratio 100)", cell_colour(CellStats(failed=1, worst_ratio=100.0))),
-        ("failed, no numeric error", STATUS_COLOURS["fail_no_ratio"]),
-        ("error / timeout / crash", STATUS_COLOURS["error"]),
-        ("unsupported", STATUS_COLOURS["unsupported"]),
-    ]
-    spans = "".join(
-        f'<span style="background:{c};color:{_text_colour(c)}">{html.escape(name)}</span>' for name, c in samples
-    )
-    return f'<p class="legend">{spans}</p>'
-
-
-def html_page(summary: Summary, matrices: Sequence[ParityMatrix], marginal_tables: dict[str, pd.DataFrame]) -> str:
-    """One self-contained page (inline CSS, no scripts): a failing cell opens its failing cases."""
-    v = summary.verdicts
-    ran = sum(v.values()) - v.get("unsupported", 0)
-    parts = [
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Parity report</title>",
-        f"<style>{_CSS}</style></head><body>",
-        f"<h1>Parity report: {v.get('pass', 0)}/{ran} cases pass</h1>",
-        "<p>" + html.escape(", ".join(f"{k}: {n}" for k, n in v.items() if n) or "no cases") + "</p>",
-        "<ul>" + "".join(f"<li>{html.escape(line[2:])}</li>" for line in _md_run_lines(summary)) + "</ul>",
-    ]
-    if summary.superseded:
-        parts.append(f"<p>{summary.superseded} older record(s) replaced by a newer record of the same case.</p>")
-    if summary.bad_lines:
-        rows = "".join(
-            f"<tr><td>{html.escape(b.path)}</td><td>{b.line}</td><td>{html.escape(b.reason)}</td>"
-            f"<td><code>{html.escape(b.head)}</code></td></tr>"
-            for b in summary.bad_lines
-        )
-        parts.append(
-            f'<div class="warn"><h2>⚠️ {len(summary.bad_lines)} unreadable result line(s)</h2>'
-            "<p>Records cut by a killed run or corrupt; their cases are missing from the tables.</p>"
-            f"<table><tr><th>file</th><th>line</th><th>reason</th><th>start of line</th></tr>{rows}</table></div>"
-        )
-    parts.append(
-        "<p>Cells: passed/total · worst error relative to tolerance (≤ 1 is within tolerance); "
-        "<code>+Nu</code>: N unsupported. Click a cell to list the cases that did not pass.</p>"
-    )
-    parts.append(_html_legend())
-    parts += [_html_matrix(m) for m in matrices]
-    if marginal_tables:
-        parts.append("<h2>Per axis</h2><p>passed/total per engine, for each value of each axis.</p>")
-        for axis, table in marginal_tables.items():
-            parts.append(table.to_html(escape=True, border=0))
-    parts.append("</body></html>")
-    return "\n".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Training parity of the engine against unsharded references, run inside rank processes.
 
-Two references, as the issue asks:
+Two references:
 - ``local``: one unsharded copy of the model on every rank that sees *every* rank's batch (the
   concatenation); its loss must equal the mean of the ranks' losses and its parameters the
   wrapped model's full parameters;

@@ -1,13 +1,14 @@
-"""Run many checks in one set of rank processes (spawned once per test module).
+"""Run many checks in one set of rank processes (started once per test module).
 
 Torch's own FSDP tests spawn ``world_size`` processes per test, which costs seconds each on a
 small machine. Here a test module lists its checks (module-level functions ``check(rank,
-world_size)``), one :class:`RankSession` spawns the ranks once, every rank runs every check in
-order in the same process group, and each pytest test asserts the outcome of its check.
+world_size)``), one :class:`harness.pool.RankPool` starts the ranks once, every check runs on
+every rank in order in the same process group, and each pytest test asserts the outcome of its check.
 
-A check that fails on a rank aborts that rank's session (the remaining checks would pair their
-collectives with a peer still inside the failed one); those checks report which failure stopped
-them. Every collective has the process group's timeout, so a hang surfaces as a failure.
+The pool is the harness's own, so a check that hangs is a timeout with every rank's stack, a rank
+that dies is a crash with its stderr, and a check that fails on one rank while its peers wait in a
+collective is an error after the pool's grace period; in each case the pool is respawned and the
+next check runs on fresh ranks.
 
 A check may call ``pytest.skip(reason=...)`` before its first collective (on every rank alike, e.g. a
 feature the engine under test lacks here): the test skips with that reason and the session goes on.
@@ -18,20 +19,14 @@ Checks can take leading arguments (``args``, e.g. the engine API of the seed con
 from __future__ import annotations
 
 import dataclasses
-import os
-import queue
-import tempfile
-import time
-import traceback
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness.pool import gpus_hidden
+from harness.placement import assign_devices, n_gpus, xdist_worker
+from harness.pool import PoolConfig, PoolOutcome, RankPool
+from harness.rank import RankContext
 
 __all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_tests"]
 
@@ -63,45 +58,35 @@ class CheckOutcome:
         return "\n".join(f"--- rank {r} ---\n{e}" for r, e in enumerate(self.errors) if e is not None)
 
 
-def _worker(
-    rank: int,
-    world_size: int,
-    init_file: str,
-    backend: str,
-    checks: Sequence[Check],
-    results: "mp.Queue[tuple[int, str, str | None, str | None]]",
-    timeout_s: float,
-    args: tuple[Any, ...] = (),
-) -> None:
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    failed: str | None = None
+def _run_check(ctx: RankContext, job: tuple[Check, tuple[Any, ...]]) -> str | None:
+    """The pool job: one check on this rank; returns the skip reason, or None when it ran."""
+    check, args = job
+    torch.manual_seed(0)
     try:
-        for check in checks:
-            name = check.__name__
-            if failed is not None:
-                results.put((rank, name, f"not run: check {failed} failed earlier on this rank", None))
-                continue
-            try:
-                torch.manual_seed(0)
-                check(*args, rank, world_size)
-                results.put((rank, name, None, None))
-            except pytest.skip.Exception as skip:
-                results.put((rank, name, None, str(skip.msg)))
-            except BaseException:  # noqa: BLE001 - reported to the parent
-                failed = name
-                results.put((rank, name, traceback.format_exc(), None))
-    finally:
-        if failed is None:
-            dist.destroy_process_group()
+        check(*args, ctx.rank, ctx.world_size)
+    except pytest.skip.Exception as skip:
+        return str(skip.msg)
+    return None
+
+
+def outcome_of_check(name: str, outcome: PoolOutcome, world_size: int) -> CheckOutcome:
+    """A pool outcome as a check outcome: each rank's traceback, or why it gave no answer."""
+    if outcome.status == "ok":
+        return CheckOutcome(name, (None,) * world_size, tuple(outcome.values))
+    errors: list[str | None] = []
+    skips: list[str | None] = []
+    for r in range(world_size):
+        # After an error, a rank with neither a traceback nor a stack answered normally.
+        answered = outcome.status == "error" and r not in outcome.errors and r not in outcome.stacks
+        if r in outcome.errors:
+            errors.append(outcome.errors[r].traceback)
+        elif answered:
+            errors.append(None)
+        else:
+            detail = outcome.stacks.get(r) or outcome.stderr_tails.get(r, "")
+            errors.append(f"{outcome.status}: {outcome.reason}\n{detail}".rstrip())
+        skips.append(outcome.values[r] if answered else None)
+    return CheckOutcome(name, tuple(errors), tuple(skips))
 
 
 def run_checks(
@@ -109,51 +94,21 @@ def run_checks(
     world_size: int = 2,
     backend: str = "gloo",
     timeout_s: float = 120.0,
-    collective_timeout_s: float = 60.0,
     args: tuple[Any, ...] = (),
 ) -> dict[str, CheckOutcome]:
-    """Spawn ``world_size`` ranks, run every check on each (``check(*args, rank, world_size)``),
-    return outcomes by check name."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(
-                target=_worker,
-                args=(rank, world_size, init_file, backend, list(checks), results, collective_timeout_s, args),
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        with gpus_hidden(backend == "gloo"):  # gloo sessions are the CPU lane, on a GPU host too
-            for p in procs:
-                p.start()
-        errors: dict[str, list[str | None]] = {c.__name__: ["rank did not report"] * world_size for c in checks}
-        skips: dict[str, list[str | None]] = {c.__name__: [None] * world_size for c in checks}
-        expected = len(checks) * world_size
-        got = 0
-        deadline = time.monotonic() + timeout_s
-        while got < expected and time.monotonic() < deadline:
-            try:
-                rank, name, err, skip = results.get(timeout=1.0)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                continue
-            errors[name][rank] = err
-            skips[name][rank] = skip
-            got += 1
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        if got < expected:
-            for name, errs in errors.items():
-                for r, e in enumerate(errs):
-                    if e == "rank did not report":
-                        errs[r] = f"rank {r} did not report within {timeout_s:.0f}s (crashed or hung; exit codes {[p.exitcode for p in procs]})"
-    return {name: CheckOutcome(name, tuple(errs), tuple(skips[name])) for name, errs in errors.items()}
+    """Start ``world_size`` ranks once, run every check on each (``check(*args, rank, world_size)``),
+    return outcomes by check name; ``timeout_s`` bounds each check. ``nccl`` takes one GPU per rank
+    (``harness.placement.assign_devices``: a disjoint block per pytest-xdist worker where they fit)."""
+    devices = None
+    if backend == "nccl":
+        devices = assign_devices(world_size, n_gpus(), *xdist_worker())
+    config = PoolConfig(world_size=world_size, backend=backend, devices=devices, case_timeout_s=timeout_s,  # type: ignore[arg-type]
+                        threads_per_rank=1 if backend == "gloo" else None)
+    outcomes: dict[str, CheckOutcome] = {}
+    with RankPool(config) as pool:
+        for check in checks:
+            outcomes[check.__name__] = outcome_of_check(check.__name__, pool.run(_run_check, (check, args)), world_size)
+    return outcomes
 
 
 class RankSession:

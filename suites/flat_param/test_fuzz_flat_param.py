@@ -41,7 +41,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op"),
 ]
 
-#: the alignment the spec asks for, in bytes (TorchInductor's assumption about parameter addresses).
+#: the alignment flat parameters keep, in bytes (TorchInductor's assumption about parameter addresses).
 ALIGN_BYTES = 16
 SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
 ALL_STRATEGIES = (*SHARDED, "NO_SHARD")

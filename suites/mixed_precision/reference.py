@@ -23,8 +23,7 @@ run itself rather than guessed:
    nearest of them and fp64, so dropping any single cast that changes the numbers fails too.
 
 Engine-independent: nothing here imports the engine or ``torch.distributed``; the API takes a
-model, an input function, a loss function and an optimizer factory, so the lead can move it into
-the harness unchanged.
+model, an input function, a loss function and an optimizer factory, so any runner can use it.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import reports
 from harness.case import CaseConfig
 from harness.collector import read_records
 from reports.__main__ import main
+from reports.case_page import case_href, case_slug
 from reports.matrix import CellStats, cell_label, latest, marginals, parity_matrices, records_frame
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,7 +124,10 @@ def test_build_writes_every_output(built) -> None:
     for name in pngs:
         image = matplotlib.image.imread(out / name)
         assert image.shape[0] > 200 and image.shape[1] > 400
-    assert set(summary.files) == {"matrix.md", "matrix.html", "results.csv", "summary.json", *pngs}
+    pages = {f"cases/{case_slug(r.case['engine'] + ':' + r.case['reference'] + ':' + r.case_id)}.html"
+             for r in records if r.verdict != "pass"}
+    case_pngs = {f for f in summary.files if f.startswith("cases/") and f.endswith(".png")}
+    assert set(summary.files) == {"matrix.md", "matrix.html", "results.csv", "summary.json", *pngs, *pages, *case_pngs}
     assert all((out / f).stat().st_size > 0 for f in summary.files)
 
     assert summary.cases == len(records)
@@ -142,7 +146,9 @@ def test_build_writes_every_output(built) -> None:
     for m in summary.matrices:
         assert f"## {m.engine} vs {m.reference} · {m.model}" in md
     html = (out / "matrix.html").read_text()
-    assert html.startswith("<!DOCTYPE html>") and "<script" not in html and "http" not in html
+    # Self-contained: one inline script (the filters), nothing fetched from elsewhere.
+    assert html.startswith("<!DOCTYPE html>") and html.count("<script") == 1 and "http" not in html
+    assert "<script src" not in html
 
 
 def test_a_failing_cell_opens_its_failing_cases_in_html(tmp_path: Path) -> None:
@@ -156,7 +162,8 @@ def test_a_failing_cell_opens_its_failing_cases_in_html(tmp_path: Path) -> None:
     html = (tmp_path / "out" / "matrix.html").read_text()
     assert html.count("<details>") == 1
     assert f"<code>{bad.case_id}</code>" in html and f"<code>{good.case_id}</code>" not in html
-    assert "&lt;script&gt;" in html and "<script>" not in html
+    assert f'href="{case_href(bad.full_id)}"' in html, "a failing cell links to its case page"
+    assert "&lt;script&gt;" in html and "<script>alert" not in html
 
 
 def test_cut_results_file_still_builds_and_reports_the_cut_record(small_results: Path, tmp_path: Path) -> None:

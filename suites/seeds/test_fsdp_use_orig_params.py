@@ -362,17 +362,22 @@ def check_no_reshard_and_mixed_precision(api: FSDPApi, rank: int, world_size: in
         use_orig_params=True,
     )
     x = fsdp.get_input(CPU)
-    fsdp(*x)
+    # Compute runs in bf16 in train and eval (no FSDP_USE_FULL_PREC_IN_EVAL) and summoned parameters
+    # are in full precision, whatever the order of train/eval switches and summons without
+    # resharding after forward.
+    assert fsdp(*x).dtype == torch.bfloat16
     with api.FSDP.summon_full_params(fsdp):
-        pass
+        assert {p.dtype for p in fsdp.parameters()} == {torch.float32}
     fsdp.train()
-    fsdp(*x)
+    assert fsdp(*x).dtype == torch.bfloat16
     fsdp.eval()
-    fsdp(*x)
+    assert fsdp(*x).dtype == torch.bfloat16
     fsdp.train()
-    fsdp(*x).sum().backward()
+    loss = fsdp(*x).sum()
+    assert loss.dtype == torch.bfloat16 and torch.isfinite(loss)
+    loss.backward()
     fsdp.eval()
-    fsdp(*x)
+    assert fsdp(*x).dtype == torch.bfloat16
     with api.FSDP.state_dict_type(fsdp, api.StateDictType.SHARDED_STATE_DICT):
         fsdp.load_state_dict(fsdp.state_dict())
     fsdp(*x).sum().backward()

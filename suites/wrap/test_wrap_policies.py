@@ -443,9 +443,17 @@ def test_frozen_params(policy_name: str, use_orig_params: bool) -> None:
 
 def test_frozen_params_accepts_uniform_units() -> None:
     lora = CustomPolicy(lambda m: isinstance(m, (LoraAttention, LoraDecoder)) or _is_lora_linear(m))
+    model = LoraModel()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        RecordingUnit(LoraModel(), auto_wrap_policy=lora, use_orig_params=False)
+        root = RecordingUnit(model, auto_wrap_policy=lora, use_orig_params=False)
+    # Every unit the policy chose was built, each holding parameters of one requires_grad value only.
+    units = [m for m in root.modules() if isinstance(m, RecordingUnit) and m is not root]
+    expected = sum(1 for m in model.modules() if isinstance(m, (LoraAttention, LoraDecoder)) or _is_lora_linear(m))
+    assert len(units) == expected > 0
+    for unit in units:
+        own = [p for p in unit.module.parameters(recurse=False)]
+        assert len({p.requires_grad for p in own}) <= 1
 
 
 def _is_lora_linear(module: nn.Module) -> bool:

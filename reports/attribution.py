@@ -1,0 +1,231 @@
+"""Failure attribution: which settings make cases fail, as short conjunctions of axis values.
+
+Pure functions over a ``latest`` frame (one row per case). For each engine and reference, the cases
+that ran are split into failing (fail, error, timeout, crash) and passing ones; ``unsupported`` cases
+ran nothing and take no side. A *term* is a conjunction of up to ``max_literals`` axis values, each
+from a different axis (``no_shard & offload & orig``), that matches at least one failing case and no
+passing case. The explanation is a greedy set cover of the failing cases by such terms.
+
+[Note: how terms are chosen]
+- Candidates are every conjunction of 1 to ``max_literals`` values seen among the failing cases that
+  matches no passing case. A candidate that contains a shorter candidate is dropped: the shorter one
+  covers at least as much and says it with fewer words.
+- Greedy: take the candidate covering the most failing cases not covered yet; ties go to fewer
+  literals, then to more failing cases in all, then to the display text (alphabetical), so the
+  result is deterministic. Repeat until nothing more is covered.
+- A term that explains fewer than ``min_support`` failing cases is not a pattern: in a sparse matrix
+  (pairwise) almost any single case is isolated by some three values. Those cases are reported as
+  unexplained together with the cases no short term separates from passing ones (noise, flakes, or a
+  cause that needs more than ``max_literals`` settings).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from reports.matrix import AXIS_COLUMNS, ERRORED, ordered
+
+#: Axes a term may use: everything that describes a case except the engine and reference it is grouped by.
+TERM_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a not in ("engine", "reference"))
+#: Failing verdicts; ``unsupported`` is neither failing nor passing.
+FAILING: tuple[str, ...] = ("fail", *ERRORED)
+MAX_LITERALS = 3
+MIN_SUPPORT = 2
+
+
+@dataclass(frozen=True, order=True)
+class AxisValue:
+    """One literal of a term: ``axis == value``."""
+
+    axis: str
+    value: Any
+
+    def __str__(self) -> str:
+        # The spelling of case ids (``harness.case.CaseConfig.case_id``), so a term reads like the ids it matches.
+        a, v = self.axis, self.value
+        if isinstance(v, (bool, np.bool_)):
+            short = {"cpu_offload": "offload", "use_orig_params": "orig", "forward_prefetch": "fwd_prefetch"}.get(a, a)
+            return short if v else f"not {short}"
+        if a == "backward_prefetch":
+            return f"bwd_{v}"
+        if a == "init_mode":
+            return f"init_{v}"
+        if a == "world_size":
+            return f"ws{v}"
+        if a == "steps":
+            return f"steps{v}"
+        return str(v)
+
+
+@dataclass
+class Term:
+    """A conjunction that matches failing cases only."""
+
+    literals: tuple[AxisValue, ...]
+    #: failing cases it matches (all of them, not only those it was the first to cover).
+    covered: int
+    #: failing cases it covered that no earlier term did.
+    newly_covered: int
+    #: full ids of the failing cases it matches, sorted.
+    cases: list[str] = field(repr=False)
+
+    @property
+    def text(self) -> str:
+        return " & ".join(str(lit) for lit in self.literals)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "term": self.text,
+            "literals": [{"axis": lit.axis, "value": _plain(lit.value)} for lit in self.literals],
+            "covered": self.covered, "newly_covered": self.newly_covered, "cases": list(self.cases),
+        }
+
+
+@dataclass
+class Attribution:
+    """The explanation of one engine's failures against one reference."""
+
+    engine: str
+    reference: str
+    failing: int
+    passing: int
+    terms: list[Term]
+    #: failing cases no term of at least ``min_support`` cases explains, sorted.
+    unexplained: list[str]
+    max_literals: int = MAX_LITERALS
+
+    @property
+    def explained(self) -> int:
+        return self.failing - len(self.unexplained)
+
+    @property
+    def separable(self) -> bool:
+        """Every failing case is covered by a short term."""
+        return not self.unexplained
+
+    def lines(self) -> list[str]:
+        """Plain-text sentences, shared by the Markdown and HTML reports."""
+        head = f"{self.engine} vs {self.reference}"
+        if not self.failing:
+            return [f"{head}: no failing case ({self.passing} pass)."]
+        out = [f"`{t.text}`: {t.covered}/{self.failing} failing case(s), no passing case" for t in self.terms]
+        if self.unexplained:
+            n = len(self.unexplained)
+            out.append(
+                f"{n}/{self.failing} failing case(s) not separated from the passing ones by any conjunction "
+                f"of up to {self.max_literals} axis values shared by two or more failing cases"
+            )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine, "reference": self.reference, "failing": self.failing,
+            "passing": self.passing, "explained": self.explained, "separable": self.separable,
+            "max_literals": self.max_literals, "terms": [t.to_dict() for t in self.terms],
+            "unexplained": list(self.unexplained),
+        }
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if hasattr(value, "item") else value
+
+
+def _literal_masks(cases: pd.DataFrame, axes: Sequence[str]) -> dict[AxisValue, np.ndarray]:
+    masks: dict[AxisValue, np.ndarray] = {}
+    for axis in axes:
+        column = cases[axis].to_numpy()
+        for value in ordered(axis, cases[axis]):
+            masks[AxisValue(axis, _plain(value))] = column == value
+    return masks
+
+
+def _sort_key(lits: Iterable[AxisValue]) -> tuple[int, ...]:
+    return tuple(TERM_AXES.index(lit.axis) if lit.axis in TERM_AXES else 99 for lit in lits)
+
+
+def explain(
+    cases: pd.DataFrame, *, max_literals: int = MAX_LITERALS, min_support: int = MIN_SUPPORT,
+    axes: Sequence[str] = TERM_AXES,
+) -> tuple[list[Term], list[str], int, int]:
+    """Terms explaining the failing rows of ``cases`` (one engine and reference); see the module note.
+
+    Returns ``(terms, unexplained full ids, failing, passing)``.
+    """
+    if max_literals < 1:
+        raise ValueError(f"attribution: max_literals={max_literals} must be at least 1")
+    ran = cases[cases["verdict"] != "unsupported"].reset_index(drop=True)
+    fail = ran["verdict"].isin(FAILING).to_numpy()
+    ids = ran["full_id"].to_numpy()
+    n_fail, n_pass = int(fail.sum()), int((ran["verdict"] == "pass").sum())
+    if not n_fail:
+        return [], [], 0, n_pass
+    axes = [a for a in axes if a in ran.columns]
+    masks = _literal_masks(ran, axes)
+    passing = ran["verdict"].to_numpy() == "pass"
+    # Literals that hold for some failing case: the only ones a term can use.
+    usable = [lit for lit, m in masks.items() if (m & fail).any()]
+
+    valid: dict[tuple[AxisValue, ...], np.ndarray] = {}
+    for size in range(1, max_literals + 1):
+        for combo in itertools.combinations(usable, size):
+            if len({lit.axis for lit in combo}) < size:
+                continue
+            if any(sub in valid for k in range(1, size) for sub in itertools.combinations(combo, k)):
+                continue  # a shorter term inside it already separates; see the module note
+            match = np.logical_and.reduce([masks[lit] for lit in combo])
+            if (match & passing).any() or not (match & fail).any():
+                continue
+            valid[combo] = match & fail
+
+    terms: list[Term] = []
+    uncovered = fail.copy()
+    candidates = sorted(valid.items(), key=lambda kv: (len(kv[0]), _sort_key(kv[0]), [str(x) for x in kv[0]]))
+    while True:
+        best: tuple[tuple[AxisValue, ...], np.ndarray] | None = None
+        best_key: tuple[Any, ...] | None = None
+        for combo, match in candidates:
+            gain = int((match & uncovered).sum())
+            if gain < min_support:
+                continue
+            key = (-gain, len(combo), -int(match.sum()), " & ".join(str(x) for x in combo))
+            if best_key is None or key < best_key:
+                best, best_key = (combo, match), key
+        if best is None:
+            break
+        combo, match = best
+        gain = int((match & uncovered).sum())
+        terms.append(Term(tuple(sorted(combo, key=lambda lit: _sort_key([lit]))), int(match.sum()), gain,
+                          sorted(str(i) for i in ids[match])))
+        uncovered &= ~match
+    return terms, sorted(str(i) for i in ids[uncovered]), n_fail, n_pass
+
+
+def attribute(
+    frame: pd.DataFrame, *, max_literals: int = MAX_LITERALS, min_support: int = MIN_SUPPORT,
+) -> list[Attribution]:
+    """One ``Attribution`` per (engine, reference) in the frame, in display order."""
+    out: list[Attribution] = []
+    if frame.empty:
+        return out
+    for engine in ordered("engine", frame["engine"]):
+        for reference in ordered("reference", frame["reference"]):
+            group = frame[(frame["engine"] == engine) & (frame["reference"] == reference)]
+            if group.empty:
+                continue
+            terms, unexplained, n_fail, n_pass = explain(group, max_literals=max_literals, min_support=min_support)
+            out.append(Attribution(engine, reference, n_fail, n_pass, terms, unexplained, max_literals))
+    return out
+
+
+def attributions_dict(attributions: Sequence[Attribution]) -> list[dict[str, Any]]:
+    """The attributions as plain data (``summary.json``'s ``attribution``, a certificate's section)."""
+    return [a.to_dict() for a in attributions]
+
+
+__all__ = ["AxisValue", "Term", "Attribution", "explain", "attribute", "attributions_dict", "TERM_AXES"]

@@ -1,0 +1,102 @@
+"""The report as GitHub-flavoured Markdown (matrix.md, small enough for a CI job summary).
+
+Top to bottom: the partial-run banner, the verdict counts, links (HTML page, diff), the failure
+attribution, the cases that did not pass (each linking to its page), one table per engine x reference
+x model, the unsupported cases by reason, and the per-axis tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pandas as pd
+from tabulate import tabulate
+
+from reports.attribution import Attribution
+from reports.case_page import case_href
+from reports.matrix import ParityMatrix, Summary, cell_label, fmt_ratio, sort_failing
+from reports.render import MAX_LISTED, STATUS_ICONS, run_lines
+
+
+def _bad_lines(summary: Summary) -> list[str]:
+    if not summary.bad_lines:
+        return []
+    lines = ["", f"## ⚠️ {len(summary.bad_lines)} unreadable result line(s)", "",
+             "Records cut by a killed run or corrupt; their cases are missing from the tables.", ""]
+    rows = [[b.path, b.line, b.reason, b.head[:80]] for b in summary.bad_lines]
+    lines.append(tabulate(rows, headers=["file", "line", "reason", "start of line"], tablefmt="github", disable_numparse=True))
+    return lines
+
+
+def attribution_lines(attributions: Sequence[Attribution]) -> list[str]:
+    """The attribution as Markdown bullets (also the summary of a CI job)."""
+    lines: list[str] = []
+    for a in attributions:
+        if not a.failing:
+            lines.append(f"- **{a.engine} vs {a.reference}**: no failing case ({a.passing} pass)")
+            continue
+        lines.append(f"- **{a.engine} vs {a.reference}**: {a.failing} failing, {a.passing} passing")
+        lines += [f"  - {line}" for line in a.lines()]
+    return lines
+
+
+def markdown(
+    summary: Summary, matrices: Sequence[ParityMatrix], marginal_tables: Mapping[str, pd.DataFrame], frame: pd.DataFrame,
+    *, attributions: Sequence[Attribution] = (), banner: str = "", links: Mapping[str, str] | None = None,
+    pages: set[str] | None = None,
+) -> str:
+    """The whole report. ``pages``: full ids that have a case page (linked); None links every failing case."""
+    v = summary.verdicts
+    ran = sum(v.values()) - v.get("unsupported", 0)
+    head = "✅" if summary.ok else "❌"
+    lines = [f"> ⚠️ **{banner}**", ""] if banner else []
+    lines += [
+        f"# {head} Parity report: {v.get('pass', 0)}/{ran} cases pass",
+        "",
+        ", ".join(f"{name}: {count}" for name, count in v.items() if count) or "no cases",
+        "",
+        *run_lines(summary),
+    ]
+    if summary.superseded:
+        lines.append(f"- {summary.superseded} older record(s) replaced by a newer record of the same case")
+    if links:
+        lines += ["", " · ".join(f"[{label}]({href})" for label, href in links.items())]
+    lines += _bad_lines(summary)
+    if attributions:
+        lines += ["", "## Failure attribution", "",
+                  "The fewest conjunctions of axis values that match the failing cases and no passing case.", ""]
+        lines += attribution_lines(attributions)
+    failing = sort_failing(frame[frame["verdict"] != "unsupported"]) if not frame.empty else frame
+    if len(failing):
+        lines += ["", f"## Cases that did not pass ({len(failing)})", ""]
+        rows = []
+        for _, r in failing.head(MAX_LISTED).iterrows():
+            case = f"[{r['full_id']}]({case_href(r['full_id'])})" if pages is None or r["full_id"] in pages else r["full_id"]
+            rows.append([r["verdict"], case, fmt_ratio(r["worst_ratio"]), r["worst_quantity"], str(r["reason"])[:120]])
+        lines.append(tabulate(rows, headers=["verdict", "case", "ratio", "quantity", "reason"], tablefmt="github", disable_numparse=True))
+        if len(failing) > MAX_LISTED:
+            lines.append(f"\n… and {len(failing) - MAX_LISTED} more (see matrix.html or results.csv)")
+    lines += ["", "Cells: passed/total · worst error relative to tolerance (≤ 1 is within tolerance); "
+              "`+Nu`: N unsupported. Columns: precision, then backward prefetch."]
+    for m in matrices:
+        t = m.totals
+        lines += ["", f"## {m.title}: {t.passed}/{t.total} pass, worst ratio {fmt_ratio(t.worst_ratio)}", ""]
+        headers = ["strategy"] + [f"{p}<br>{b}" for p, b in m.columns]
+        rows = []
+        for s in m.rows:
+            row = [s]
+            for p, b in m.columns:
+                stats = m.cell(s, p, b)
+                row.append(f"{STATUS_ICONS[stats.status]} {cell_label(stats)}".strip())
+            rows.append(row)
+        lines.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    unsupported = frame[frame["verdict"] == "unsupported"] if not frame.empty else frame
+    if len(unsupported):
+        by_reason = unsupported.groupby(["engine", "reason"], sort=True).size().reset_index(name="cases")
+        lines += ["", f"## Unsupported ({len(unsupported)})", "",
+                  tabulate(by_reason.values.tolist(), headers=["engine", "reason", "cases"], tablefmt="github", disable_numparse=True)]
+    if marginal_tables:
+        lines += ["", "## Per axis", "", "passed/total per engine, for each value of each axis.", ""]
+        for table in marginal_tables.values():
+            lines += [tabulate(table.reset_index(), headers="keys", tablefmt="github", showindex=False, disable_numparse=True), ""]
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,135 @@
+"""What a run left out: the cases it selected but did not run, and why; pure, over plain data.
+
+A nightly with a time budget, or one whose pools failed, records fewer cases than it selected. Its
+``nightly.json`` says how many were selected and why the rest were not run, and ``not_run.txt`` lists
+them (``<full id>\\t<why>`` per line). Every report page opens with a banner built from a ``RunScope``
+so a partial run never reads as complete.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+import pandas as pd
+
+from harness.case import InitModeName, PrecisionName, PrefetchName, ShardingName
+
+
+@dataclass
+class RunScope:
+    """How much of its selection a run ran."""
+
+    #: cases the run selected (None when unknown).
+    selected: int | None = None
+    #: ``(full id, why)`` of every selected case that was not run.
+    not_run: list[tuple[str, str]] = field(default_factory=list)
+    #: why cases were not even selected (``world size 4: 35 cases: needs 4 GPUs``).
+    not_selected: list[str] = field(default_factory=list)
+    #: where this came from (``nightly.json``, ``not_run.txt``, the command line).
+    source: str = ""
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.not_run or self.not_selected)
+
+    def reasons(self) -> dict[str, int]:
+        """Cases not run per reason, most first."""
+        return dict(collections.Counter(why for _, why in self.not_run).most_common())
+
+    def banner(self) -> str:
+        """One sentence for the top of every page; empty when the run was whole."""
+        parts = []
+        if self.not_run:
+            of = f" of {self.selected:,}" if self.selected is not None else ""
+            why = "; ".join(f"{why} ({n:,})" if len(self.reasons()) > 1 else why for why, n in self.reasons().items())
+            parts.append(f"Partial run: {len(self.not_run):,}{of} selected cases were not run ({why}); "
+                         "the tables count only the cases that ran.")
+        parts += [f"Not selected: {line}." for line in self.not_selected]
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"selected": self.selected, "not_run": len(self.not_run), "reasons": self.reasons(),
+                "not_selected": list(self.not_selected), "source": self.source}
+
+
+def parse_not_run(text: str) -> list[tuple[str, str]]:
+    """``not_run.txt``'s lines as ``(full id, why)``; a line without a reason gets ``not run``."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        full_id, _, why = line.partition("\t")
+        out.append((full_id.strip(), why.strip() or "not run"))
+    return out
+
+
+def scope_from_nightly(state: Mapping[str, Any], not_run: Sequence[tuple[str, str]] = ()) -> RunScope:
+    """The scope ``nightly.json`` describes; ``not_run`` from ``not_run.txt`` when it exists.
+
+    Without the list, ``nightly.json``'s counts per reason stand in (the banner needs only counts).
+    """
+    cases = state.get("cases") or {}
+    listed = list(not_run)
+    if not listed and cases.get("not_run"):
+        for why, n in (cases.get("not_run_reasons") or {"not run": cases["not_run"]}).items():
+            listed += [("", why)] * int(n)
+    skipped = [
+        f"world size {ws}: {info.get('cases', '?')} case(s): {info.get('reason', '')}"
+        for ws, info in (cases.get("world_sizes_skipped") or {}).items()
+    ]
+    selected = cases.get("selected")
+    return RunScope(int(selected) if selected is not None else None, listed, skipped, "nightly.json")
+
+
+def merge_scopes(scopes: Iterable[RunScope]) -> RunScope | None:
+    """One scope for a report of several inputs; None when none says anything."""
+    scopes = [s for s in scopes if s is not None]
+    if not scopes:
+        return None
+    selected = None if any(s.selected is None for s in scopes) else sum(s.selected or 0 for s in scopes)
+    return RunScope(
+        selected, [x for s in scopes for x in s.not_run], [x for s in scopes for x in s.not_selected],
+        ", ".join(dict.fromkeys(s.source for s in scopes if s.source)),
+    )
+
+
+_PRECISIONS = sorted(get_args(PrecisionName), key=len, reverse=True)
+_STRATEGIES = sorted(get_args(ShardingName), key=len, reverse=True)
+_ID = re.compile(
+    r"^(?P<engine>[^:]+):(?P<reference>[^:]+):(?P<sharding_strategy>" + "|".join(_STRATEGIES) + r")-"
+    r"(?P<precision>" + "|".join(_PRECISIONS) + r")-bwd_(?P<backward_prefetch>" + "|".join(get_args(PrefetchName)) + r")"
+    r"(?P<fwd>-fwd_prefetch)?(?P<offload>-offload)?(?P<orig>-orig)?"
+    r"(?:-init_(?P<init_mode>" + "|".join(get_args(InitModeName)) + r"))?"
+    r"-(?P<model>[A-Za-z0-9_]+)(?:-ws(?P<world_size>\d+))?(?:-steps(?P<steps>\d+))?$"
+)
+
+
+def case_from_full_id(full_id: str) -> dict[str, Any] | None:
+    """The axes of a case from its full id (``harness.case.CaseConfig.full_id``); None if it is not one."""
+    m = _ID.match(full_id)
+    if m is None:
+        return None
+    return {
+        "full_id": full_id, "engine": m["engine"], "reference": m["reference"], "model": m["model"],
+        "sharding_strategy": m["sharding_strategy"], "precision": m["precision"],
+        "backward_prefetch": m["backward_prefetch"], "forward_prefetch": bool(m["fwd"]),
+        "cpu_offload": bool(m["offload"]), "use_orig_params": bool(m["orig"]),
+        "init_mode": m["init_mode"] or "before", "world_size": int(m["world_size"] or 2),
+        "steps": int(m["steps"] or 5),
+    }
+
+
+def not_run_frame(scope: RunScope | None) -> pd.DataFrame:
+    """The not-run cases whose ids parse, one row each with their axes and ``why``."""
+    rows = []
+    for full_id, why in scope.not_run if scope is not None else []:
+        case = case_from_full_id(full_id)
+        if case is not None:
+            rows.append({**case, "why": why})
+    columns = ["full_id", "engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch",
+               "forward_prefetch", "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps", "why"]
+    return pd.DataFrame(rows, columns=columns)

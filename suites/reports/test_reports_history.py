@@ -1,0 +1,83 @@
+"""History across nights: verdicts and ratios per night, fixes and regressions with their nights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from history_nights import NIGHTS, fixed_case, hung_case, night_cases, regressed_case, write_nights
+
+from reports.__main__ import main
+from reports.history import failing_now, flatten_numbers, history, sibling_nights, transitions
+
+
+@pytest.fixture(scope="module")
+def three_nights(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], Path]:
+    tmp = tmp_path_factory.mktemp("history")
+    nights = write_nights(tmp / "nightly")
+    return nights, tmp / "history"
+
+
+def test_a_fix_and_a_regression_are_shown_with_the_nights_they_changed(three_nights) -> None:
+    nights, out = three_nights
+    result = history(list(reversed(nights)), out)  # ordered by name, whatever the argument order
+    assert result.nights == list(NIGHTS)
+    (fixed,) = result.of_kind("fixed")
+    (regressed,) = result.of_kind("regressed")
+    assert (fixed["full_id"], fixed["night"], fixed["previous_night"]) == (fixed_case().full_id, NIGHTS[1], NIGHTS[0])
+    assert (regressed["full_id"], regressed["night"], regressed["old"], regressed["new"]) == (
+        regressed_case().full_id, NIGHTS[2], "pass", "fail")
+    failing = {f["full_id"]: f for f in result.failing}
+    assert set(failing) == {regressed_case().full_id, hung_case().full_id}
+    assert (failing[hung_case().full_id]["failing since"], failing[hung_case().full_id]["nights failing"]) == (NIGHTS[0], 3)
+    assert failing[regressed_case().full_id]["failing since"] == NIGHTS[2]
+
+    md = (out / "history.md").read_text()
+    assert f"| {NIGHTS[1]} | {fixed_case().full_id} | fail → pass | {NIGHTS[0]}" in md
+    assert f"| {NIGHTS[2]} | {regressed_case().full_id} | pass → fail | {NIGHTS[1]}" in md
+    assert f"{NIGHTS[1]}: Partial run: 2 of {len(night_cases())} selected cases were not run" in md
+    assert "step_time_ratio.full_shard" in md
+    html = (out / "history.html").read_text()
+    for png in ("history_verdicts.png", "history_ratios.png", "history_perf.png"):
+        assert (out / png).stat().st_size > 5_000 and f'src="{png}"' in html
+    assert json.loads((out / "history.json").read_text())["nights"] == list(NIGHTS)
+
+
+def test_a_night_that_did_not_run_a_case_changes_nothing() -> None:
+    timeline = pd.DataFrame({"n1": ["fail", "pass"], "n2": ["", "pass"], "n3": ["fail", "timeout"]}, index=["a", "b"])
+    changes = transitions(timeline)
+    assert [(c.full_id, c.night, c.previous_night, c.kind) for c in changes] == [("b", "n3", "n2", "regressed")]
+    now = failing_now(timeline).set_index("full_id")
+    assert now.loc["a", "failing since"] == "n1" and now.loc["a", "nights failing"] == 2
+    assert now.loc["b", "failing since"] == "n3" and now.loc["b", "first failed"] == "n3"
+
+
+def test_perf_sections_flatten_to_numbers() -> None:
+    assert flatten_numbers({"a": {"b": 1.5, "c": [2, {"d": 3}]}, "ok": True, "s": "x", "n": float("nan")}) == {
+        "a.b": 1.5, "a.c.0": 2.0, "a.c.1.d": 3.0}
+
+
+def test_cli_history(three_nights, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    nights, _ = three_nights
+    assert main(["history", *map(str, nights), "--out", str(tmp_path / "h")]) == 0
+    assert "1 regression(s), 1 fix(es), 2 failing now" in capsys.readouterr().out
+    assert main(["history", str(tmp_path / "missing"), "--out", str(tmp_path / "h2")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_harness_history_is_the_same_page(three_nights, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from harness.cli import main as harness_main
+
+    nights, _ = three_nights
+    assert harness_main(["history", *map(str, nights), "--out", str(tmp_path / "h")]) == 0
+    assert "1 regression(s), 1 fix(es), 2 failing now" in capsys.readouterr().out
+    assert (tmp_path / "h" / "history.html").exists()
+
+
+def test_a_nightly_finds_itself_and_the_nights_before_it(three_nights, tmp_path: Path) -> None:
+    nights, _ = three_nights
+    (nights[0].parent / "2026-11-19-empty").mkdir(exist_ok=True)  # no results: not a night
+    assert sibling_nights(nights[1]) == nights[:2]
+    assert sibling_nights(nights[2], limit=2) == nights[1:]
