@@ -3,11 +3,18 @@
 from engine.api import (
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
     FullStateDictConfig,
+    LocalOptimStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
     StateDictType,
 )
 from engine.flat_param import FlatParameter, FlatParamHandle, HandleShardingStrategy
@@ -16,6 +23,13 @@ from engine.grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BackwardPrefetch",
+    "FullOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "StateDictConfig",
+    "StateDictSettings",
     "CPUOffload",
     "FSDP",
     "FlatParamHandle",

@@ -26,6 +26,12 @@ __all__ = [
     "FullStateDictConfig",
     "ShardedStateDictConfig",
     "LocalStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "OptimStateKeyType",
+    "StateDictSettings",
     "to_handle_strategy",
 ]
 
@@ -117,15 +123,57 @@ class StateDictConfig:
 
 @dataclass
 class FullStateDictConfig(StateDictConfig):
-    #: True: only rank 0 materializes the full state dict (others get an empty dict).
+    #: True: only rank 0 (of each unit's shard group) materializes the full state dict; the other
+    #: ranks take part in the gathers and get an empty dict.
     rank0_only: bool = False
 
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    pass
+    """Values are ``DTensor``s over the shard group, each rank holding its dim-0 chunk."""
 
 
 @dataclass
 class LocalStateDictConfig(StateDictConfig):
-    pass
+    """Values are the flat shards, one ``ShardedTensor`` per unit under ``<unit>._flat_param``."""
+
+
+@dataclass
+class OptimStateDictConfig:
+    """Base of the optimizer state-dict configurations (FSDP1 offloads optimizer state by default)."""
+
+    #: True: tensors are copied to CPU.
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    #: True: only rank 0 of the group gets the state (others an empty dict); loading broadcasts
+    #: rank 0's state to the others.
+    rank0_only: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Per-parameter state as ``DTensor``s over the shard group, like the model's sharded state."""
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class StateDictSettings:
+    """What ``set_state_dict_type`` returns (the previous settings) and ``get_state_dict_type`` reports."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+class OptimStateKeyType(Enum):
+    """How ``rekey_optim_state_dict`` keys the state: by parameter name or by position."""
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()

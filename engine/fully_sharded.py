@@ -22,14 +22,18 @@ from engine.api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
     StateDictType,
     to_handle_strategy,
 )
+from engine.checkpoint_methods import CheckpointMethods
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
 from engine.precision import full_prec_in_eval_from_env, managed_buffers
+from engine.state_dict import post_state_dict_hook
 from engine.unit import FsdpUnit, TrainingState
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
@@ -240,13 +244,13 @@ def _set_on_units(units: list[Any], attr: str, value: Any) -> Iterator[None]:
             setattr(u, attr, prev)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(CheckpointMethods, nn.Module):
     """Shards a module's parameters across data-parallel ranks (torch FSDP1's API).
 
     See torch's ``FullyShardedDataParallel`` for the meaning of each argument; the differences:
-    ``ignored_states`` accepts modules or parameters; state-dict types are recorded by
-    :meth:`state_dict_type` but ``state_dict()`` is ``nn.Module``'s (over flat or sharded
-    parameters).
+    ``ignored_states`` accepts modules or parameters. State dicts, optimizer state and
+    communication hooks (the :class:`~engine.checkpoint_methods.CheckpointMethods` methods) follow
+    FSDP1; see :mod:`engine.state_dict` for the few deliberate differences.
     """
 
     #: marks instances as units for ``engine.wrap`` (already-wrapped detection) and the runtime.
@@ -339,6 +343,8 @@ class FullyShardedDataParallel(nn.Module):
         self._use_orig_params = use_orig_params
         self._cpu_offload = cpu_offload
         self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config = FullStateDictConfig()
+        self._optim_state_dict_config = FullOptimStateDictConfig()
         self._ignored_modules = ignored_mods
         # FSDP1's public state attributes, read by tools and tests written against it.
         self.process_group = shard_group
@@ -383,6 +389,8 @@ class FullyShardedDataParallel(nn.Module):
                 keep_low_precision_grads=mp.keep_low_precision_grads,
             )
         self._register_state_dict_hook(_buffers_in_original_dtype)
+        # Registered after the dtype hook, which reads the unconverted (wrapped) names.
+        self._register_state_dict_hook(post_state_dict_hook)
 
     @staticmethod
     def _ignored(
@@ -536,19 +544,11 @@ class FullyShardedDataParallel(nn.Module):
         ctx = self._ensure_root("clip_grad_norm_()")
         return clip_grad_norm(self, ctx, max_norm, norm_type)
 
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: Any = None,
-        optim_state_dict_config: Any = None,
-    ) -> Iterator[None]:
-        """Record ``state_dict_type`` on every unit for the duration (read by state-dict code)."""
-        if not isinstance(state_dict_type, StateDictType):
-            raise ValueError(f"state_dict_type={state_dict_type!r} must be an engine.StateDictType member")
-        with _set_on_units(FullyShardedDataParallel.fsdp_modules(module), "_state_dict_type", state_dict_type):
-            yield
+    def check_is_root(self) -> bool:
+        """Whether this instance is the root of its tree (decided at lazy initialization)."""
+        if self._is_root is None:
+            runtime.lazy_init(self)
+        return bool(self._is_root)
 
     def extra_repr(self) -> str:
         return f"sharding_strategy={self._sharding_strategy.name}, use_orig_params={self._use_orig_params}"

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engine import collectives
+from engine import collectives, comm_hooks
 from engine.api import HYBRID_STRATEGIES, BackwardPrefetch, ShardingStrategy
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
@@ -103,6 +103,9 @@ class FsdpUnit:
         #: full precision in eval is used).
         self._post_backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._post_backward_fn: Callable[[Tensor], None] | None = None
+        #: ``register_comm_hook``: replaces the built-in gradient reduction (see engine.comm_hooks).
+        self.comm_hook: Callable[..., None] | None = None
+        self.comm_hook_state: object = None
 
     # ------------------------------------------------------------------ lazy init
     @property
@@ -284,7 +287,17 @@ class FsdpUnit:
         # gradient instead of adding into one being reduced.
         leaf.grad = None
         stream = ctx.streams.post_backward
-        if handle.uses_sharded_strategy:
+        if self.comm_hook is not None:
+            result = comm_hooks.run_comm_hook(
+                self.comm_hook,
+                self.comm_hook_state,
+                unsharded_grad,
+                handle.reduce_dtype,
+                handle.uses_sharded_strategy,
+                handle.world_size,
+                stream,
+            )
+        elif handle.uses_sharded_strategy:
             result = collectives.reduce_scatter_grad(
                 unsharded_grad, self.process_group, self.replicate_group, handle.reduce_dtype, stream
             )

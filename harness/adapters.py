@@ -9,10 +9,14 @@ reference it claims to hold.
 - ``FSDP1Adapter``: any engine with torch FSDP1's public API, parametrized by the namespace that
   provides ``FullyShardedDataParallel``, ``ShardingStrategy``, ``BackwardPrefetch``, ``CPUOffload``
   and ``MixedPrecision``: ``torch.distributed.fsdp`` for ``torch-fsdp``, the ``engine`` package for
-  ``builtin``. Units are wrapped by hand, bottom-up (only the constructor is needed, no wrap policy).
-- ``FSDP2Adapter``: ``fully_shard`` per unit, then on the root. FULL_SHARD and SHARD_GRAD_OP map to
-  ``reshard_after_forward`` True/False, the hybrid strategies to a 2-D (replicate, shard) mesh;
-  what FSDP2 cannot express is ``unsupported`` with the reason.
+  ``builtin``, any package for ``NAME=fsdp1:MODULE``. Units are wrapped by hand, bottom-up (only the
+  constructor is needed, no wrap policy).
+- ``FSDP2Adapter``: ``fully_shard`` per unit, then on the root, from torch or from any namespace with
+  ``fully_shard``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy`` (``NAME=fsdp2:MODULE``). FULL_SHARD and SHARD_GRAD_OP map to ``reshard_after_forward`` True/False,
+  the hybrid strategies to a 2-D (replicate, shard) mesh.
+What an engine cannot express is declared by its adapter: ``capability_rules`` (combinations of axis
+values the matrix leaves out, with the reason) and ``unsupported_reason`` (what only a rank can tell:
+its device, the model). Which adapter a ``CaseConfig.engine`` names is ``harness.registry``'s job.
 The references (DDP and the local model) are in ``harness.references``.
 """
 
@@ -29,14 +33,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from harness.case import CaseConfig, PrecisionSpec
+from harness.capabilities import Rule, first_reason
+from harness.case import CaseConfig, PrecisionSpec, is_hybrid
 from harness.dtypes import dtype_of
 from harness.models import ZooModel
-from harness.placement import default_shard_size
+from harness.placement import hybrid_shard_size
 from harness.rank import RankContext
 
 __all__ = [
-    "ENGINES",
     "EngineAdapter",
     "FSDP1Adapter",
     "FSDP1Namespace",
@@ -44,7 +48,6 @@ __all__ = [
     "ParamSlice",
     "EngineTrainee",
     "canonical_name",
-    "get_engine",
     "has_float_buffers",
     "prepare_inputs",
     "rank_local_param_names",
@@ -119,15 +122,13 @@ def _parent_slots(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     return slots
 
 
-def _hybrid(strategy: str) -> bool:
-    return strategy in ("hybrid_shard", "hybrid_shard_zero2")
-
-
 def _ignored_option(case: CaseConfig) -> str | None:
-    """The engine option a ``("fault", "ignore_option:<name>")`` case tells the adapter to drop.
+    """The engine option a ``("fault", "ignore_option:<name>")`` case tells the adapter to drop: a
+    constructor keyword, or one field of the mixed-precision policy (``param_dtype``, ``reduce_dtype``,
+    ``buffer_dtype``).
 
-    Fault injection for the knob checks: an adapter that silently drops a setting must make the
-    case fail.
+    Fault injection for the knob checks and the tolerance: an adapter that silently drops a setting
+    must make the case fail.
     """
     fault = str(case.extra.get("fault", ""))
     return fault.split(":", 1)[1] if fault.startswith("ignore_option:") else None
@@ -138,10 +139,36 @@ def _ignored_option(case: CaseConfig) -> str | None:
 
 
 class EngineAdapter(ABC):
-    """Maps a neutral case to one engine and wraps models with it."""
+    """Maps a neutral case to one engine and wraps models with it.
 
-    #: the ``CaseConfig.engine`` value.
+    A plug-in engine subclasses this (or ``FSDP1Adapter``/``FSDP2Adapter``) and is named by a spec
+    ``NAME=MODULE:OBJECT`` or an entry point of the group ``fsdp_parity.engines`` (``harness.registry``).
+    """
+
+    #: the engine's name: case ids, reports and certificates show it.
     name: str
+    #: the module with torch FSDP1's public API the engine is driven through, or None when it has none
+    #: (the seed suites run on every engine that has one).
+    fsdp1_module: str | None = None
+
+    def capability_rules(self) -> tuple[Rule, ...]:
+        """Combinations of case axes (``CaseConfig`` fields, not ``engine``) this engine cannot express,
+        each with the reason; the matrix leaves them out of every generator for this engine."""
+        return ()
+
+    def unsupported(self, values: Any) -> str | None:
+        """Why the engine cannot express this case or mapping of axis values (every axis its rules
+        read), or None: the first of its ``capability_rules`` that matches."""
+        mapping = values.to_dict() if isinstance(values, CaseConfig) else values
+        return first_reason(self.capability_rules(), mapping)
+
+    def check(self) -> None:
+        """Import what the engine needs and raise (naming the missing module or name) if it is not there;
+        called once at start-up so a bad engine stops the run before anything runs."""
+
+    def version(self) -> str:
+        """The engine's version, for certificates: its module's ``__version__`` or package version."""
+        return "unknown"
 
     @abstractmethod
     def unsupported_reason(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
@@ -224,6 +251,7 @@ class FSDP1Adapter(EngineAdapter):
     def __init__(self, name: str, module_name: str, *, offload_needs_accelerator: bool = False) -> None:
         self.name = name
         self.module_name = module_name
+        self.fsdp1_module = module_name
         #: torch FSDP1 pins the offloaded shards' host memory, which needs an accelerator.
         self.offload_needs_accelerator = offload_needs_accelerator
         self._ns: FSDP1Namespace | None = None
@@ -233,6 +261,12 @@ class FSDP1Adapter(EngineAdapter):
         if self._ns is None:
             self._ns = FSDP1Namespace.load(self.module_name)
         return self._ns
+
+    def check(self) -> None:
+        self.ns  # noqa: B018 - loads and checks the namespace
+
+    def version(self) -> str:
+        return module_version(self.module_name)
 
     def unsupported_reason(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
         self.ns  # an engine that cannot be imported is an error, not unsupported: raise here
@@ -254,14 +288,15 @@ class FSDP1Adapter(EngineAdapter):
             "cpu_offload": ns.CPUOffload(offload_params=case.cpu_offload),
             "use_orig_params": case.use_orig_params,
         }
+        ignored = _ignored_option(case)
         if spec.is_mixed:
+            fields = {"param_dtype": spec.param, "reduce_dtype": spec.reduce, "buffer_dtype": spec.buffer}
             kwargs["mixed_precision"] = ns.MixedPrecision(
-                param_dtype=dtype_of(spec.param), reduce_dtype=dtype_of(spec.reduce), buffer_dtype=dtype_of(spec.buffer)
+                **{k: None if k == ignored else dtype_of(v) for k, v in fields.items()}
             )
         # FSDP1 refuses CPU modules without a device_id on CPU-only hosts; "never" leaves the move to it.
         if ctx.device_type == "cpu" or case.init_mode == "never":
             kwargs["device_id"] = ctx.device
-        ignored = _ignored_option(case)
         if ignored is not None:
             kwargs.pop(ignored, None)
         return kwargs
@@ -270,8 +305,8 @@ class FSDP1Adapter(EngineAdapter):
         ns = self.ns
         fsdp = ns.FullyShardedDataParallel
         kwargs = self.options(case, ctx)
-        if _hybrid(case.sharding_strategy):
-            group: Any = ctx.hybrid_groups(int(case.extra.get("shard_size", default_shard_size(ctx.world_size, ctx.local_world_size))))
+        if is_hybrid(case.sharding_strategy):
+            group: Any = ctx.hybrid_groups(hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size))
         else:
             group = ctx.world_group()
         if case.init_mode == "before":
@@ -382,36 +417,69 @@ def _fsdp1_facts(root: nn.Module) -> EngineFacts:
     )
 
 
+_FSDP2_NAMES = ("fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy")
+
+#: What ``fully_shard`` cannot express, whoever provides it.
+FSDP2_RULES: tuple[Rule, ...] = (
+    Rule(
+        "fsdp2_has_no_flat_params",
+        ("use_orig_params",),
+        "FSDP2 has no flat parameters: it always exposes the original parameters (as DTensors), so "
+        "use_orig_params=False does not exist there",
+        lambda c: not c["use_orig_params"],
+    ),
+    Rule(
+        "fsdp2_backward_prefetch",
+        ("backward_prefetch",),
+        "FSDP2 always prefetches the next all-gather before a module's backward (BACKWARD_PRE); it can "
+        "neither turn that off nor prefetch after the gradient computation (BACKWARD_POST)",
+        lambda c: c["backward_prefetch"] != "pre",
+    ),
+)
+
+
 class FSDP2Adapter(EngineAdapter):
-    """torch's ``fully_shard`` (FSDP2)."""
+    """``fully_shard`` (FSDP2): torch's (``module_name=None``) or any namespace's with its API."""
 
-    name = "torch-fsdp2"
+    def __init__(self, name: str = "torch-fsdp2", module_name: str | None = None) -> None:
+        self.name = name
+        #: None: torch's own, from ``torch.distributed.fsdp`` (2.6+) or ``torch.distributed._composable.fsdp``.
+        self.module_name = module_name
 
-    @staticmethod
-    def api() -> Any:
-        try:
-            from torch.distributed import fsdp as module
-
-            module.fully_shard  # noqa: B018 - 2.6+ exports it here
-        except (ImportError, AttributeError):
-            from torch.distributed._composable import fsdp as module  # type: ignore[no-redef]
+    def api(self) -> Any:
+        """The namespace providing ``fully_shard`` and its policies; raises naming a missing name."""
+        if self.module_name is None:
+            return torch_fsdp2_api()
+        module = importlib.import_module(self.module_name)
+        missing = [n for n in _FSDP2_NAMES if not hasattr(module, n)]
+        if missing:
+            raise AttributeError(
+                f"module {self.module_name!r} does not export {missing}; an FSDP2-API engine must export "
+                f"{list(_FSDP2_NAMES)} at package level"
+            )
         return module
+
+    def check(self) -> None:
+        self.api()
+
+    def version(self) -> str:
+        return module_version(self.module_name or "torch")
+
+    def capability_rules(self) -> tuple[Rule, ...]:
+        return FSDP2_RULES
 
     def unsupported_reason(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
         spec = case.precision_spec
+        name = self.name
         if case.sharding_strategy == "no_shard":
-            return "torch-fsdp2: fully_shard always shards; NO_SHARD has no equivalent (use DDP or replicate)"
-        if case.backward_prefetch != "pre":
-            return (
-                f"torch-fsdp2: backward prefetch is always BACKWARD_PRE (one module ahead); "
-                f"backward_prefetch={case.backward_prefetch!r} cannot be expressed"
-            )
-        if not case.use_orig_params:
-            return "torch-fsdp2: parameters are always the original ones (DTensors); use_orig_params=False does not exist"
+            return f"{name}: fully_shard always shards; NO_SHARD has no equivalent (use DDP or replicate)"
+        matrix_rule = self.unsupported(case)
+        if matrix_rule is not None:
+            return f"{name}: {matrix_rule}"
         if spec.buffer is not None and spec.buffer != spec.full and has_float_buffers(model):
-            return f"torch-fsdp2: MixedPrecisionPolicy has no buffer dtype; this model has floating buffers (buffer={spec.buffer})"
-        if model.rank_local_modules() and _hybrid(case.sharding_strategy):
-            return "torch-fsdp2: rank-local modules on a one-rank mesh inside a 2-D hybrid mesh are not supported"
+            return f"{name}: MixedPrecisionPolicy has no buffer dtype; this model has floating buffers (buffer={spec.buffer})"
+        if model.rank_local_modules() and is_hybrid(case.sharding_strategy):
+            return f"{name}: rank-local modules on a one-rank mesh inside a 2-D hybrid mesh are not supported"
         return None
 
     def effective_precision(self, case: CaseConfig, model: ZooModel) -> PrecisionSpec:
@@ -424,19 +492,20 @@ class FSDP2Adapter(EngineAdapter):
     def build(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
         api = self.api()
         spec = case.precision_spec
-        if _hybrid(case.sharding_strategy):
-            shard = int(case.extra.get("shard_size", default_shard_size(ctx.world_size, ctx.local_world_size)))
+        if is_hybrid(case.sharding_strategy):
+            shard = hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
             mesh = ctx.mesh((ctx.world_size // shard, shard), ("replicate", "shard"))
         else:
             mesh = ctx.mesh((ctx.world_size,), ("shard",))
         kwargs: dict[str, Any] = {
             "reshard_after_forward": case.sharding_strategy in ("full_shard", "hybrid_shard"),
         }
+        ignored = _ignored_option(case)
         if spec.is_mixed:
-            kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=dtype_of(spec.param), reduce_dtype=dtype_of(spec.reduce))
+            fields = {"param_dtype": spec.param, "reduce_dtype": spec.reduce}
+            kwargs["mp_policy"] = api.MixedPrecisionPolicy(**{k: None if k == ignored else dtype_of(v) for k, v in fields.items()})
         if case.cpu_offload:
             kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=ctx.device_type == "cuda")
-        ignored = _ignored_option(case)
         if ignored is not None:
             kwargs.pop(ignored, None)
         if case.init_mode == "before":
@@ -446,8 +515,9 @@ class FSDP2Adapter(EngineAdapter):
             api.fully_shard(unit, mesh=ctx.singleton_mesh() if id(unit) in local_units else mesh, **kwargs)
         api.fully_shard(model, mesh=mesh, **kwargs)
         if case.forward_prefetch and ignored != "forward_prefetch":
-            # FSDP2 prefetches forward all-gathers only when told which module comes next.
-            order = [m for m in model.modules() if isinstance(m, api.FSDPModule)]
+            # FSDP2 prefetches forward all-gathers only when told which module comes next (an FSDPModule's
+            # method; a namespace without it leaves the knob unset, which the knob check then reports).
+            order = [m for m in model.modules() if hasattr(m, "set_modules_to_forward_prefetch")]
             for current, following in zip(order, order[1:]):
                 current.set_modules_to_forward_prefetch([following])
         if case.init_mode == "after" and not case.cpu_offload:
@@ -508,29 +578,30 @@ def _fsdp2_full_params(model: nn.Module) -> list[ParamSlice]:
     return out
 
 
-ENGINES: dict[str, EngineAdapter] = {
-    "builtin": FSDP1Adapter("builtin", "engine"),
-    "torch-fsdp": FSDP1Adapter("torch-fsdp", "torch.distributed.fsdp", offload_needs_accelerator=True),
-    "torch-fsdp2": FSDP2Adapter(),
-}
-
-
-def get_engine(name: str) -> EngineAdapter:
+def torch_fsdp2_api() -> Any:
+    """torch's FSDP2 namespace: ``torch.distributed.fsdp`` from 2.6 on, the composable one before."""
     try:
-        return ENGINES[name]
-    except KeyError:
-        raise ValueError(f"engine={name!r} is not one of {sorted(ENGINES)}") from None
+        from torch.distributed import fsdp as module
+
+        module.fully_shard  # noqa: B018 - 2.6+ exports it here
+    except (ImportError, AttributeError):
+        from torch.distributed._composable import fsdp as module  # type: ignore[no-redef]
+    return module
 
 
-# ---------------------------------------------------------------------------------------------------
-# References
+def module_version(module_name: str) -> str:
+    """``__version__`` of the module or of its top package, else its distribution's version, else ``unknown``."""
+    from importlib import metadata
 
-
-
-
-
-
-
-
-
-
+    top = module_name.split(".")[0]
+    for name in dict.fromkeys((module_name, top)):
+        try:
+            version = getattr(importlib.import_module(name), "__version__", None)
+        except ImportError:
+            version = None
+        if version:
+            return str(version)
+    try:
+        return metadata.version(top)
+    except metadata.PackageNotFoundError:
+        return "unknown"

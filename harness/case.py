@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
-EngineName = Literal["builtin", "torch-fsdp", "torch-fsdp2"]
 ReferenceName = Literal["ddp", "local"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
 PrecisionName = Literal[
@@ -19,6 +18,45 @@ PrecisionName = Literal[
 ]
 PrefetchName = Literal["none", "pre", "post"]
 InitModeName = Literal["before", "after", "never"]
+#: ``delay``: the harness delays the CUDA compute stream where a missing stream wait would show
+#: (``harness.stress``); ``none``: no delays.
+StressName = Literal["none", "delay"]
+
+#: The strategies that shard within a group of ranks and replicate across groups.
+HYBRID_STRATEGIES: tuple[str, ...] = ("hybrid_shard", "hybrid_shard_zero2")
+
+
+def is_hybrid(strategy: str) -> bool:
+    """Whether a ``ShardingName`` shards within groups and replicates across them."""
+    return strategy in HYBRID_STRATEGIES
+
+
+_D = TypeVar("_D")
+
+
+def reduce_dtype_default(full: _D, param: _D | None, reduce: _D | None) -> _D:
+    """The dtype gradients are reduced in, FSDP1's rule: ``reduce`` if set, else ``param`` if set, else
+    ``full``. Works on dtype names and on ``torch.dtype`` alike."""
+    return reduce if reduce is not None else param if param is not None else full
+
+
+#: The engines a run tests when none is named (``harness.registry`` registers them; kept here, torch-free,
+#: so readers of results can order them without importing any engine).
+DEFAULT_ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2")
+
+
+def engine_name(spec: str) -> str:
+    """The name part of an engine spec: ``mine`` of ``mine=fsdp1:pkg``; a bare name is its own name."""
+    return spec.partition("=")[0].strip()
+OptimizerName = Literal["sgd", "adamw"]
+#: ``none`` trains straight through; ``full``/``sharded``/``local`` save after step ``checkpoint_step``
+#: with that state-dict type, rebuild and resume; ``dcp-reshard`` resumes at another world size.
+CheckpointName = Literal["none", "full", "sharded", "local", "dcp-reshard"]
+
+#: id segment of each checkpoint type (``--filter ckpt_`` selects them all).
+CHECKPOINT_SEGMENTS: dict[str, str] = {
+    "full": "ckpt_full", "sharded": "ckpt_sharded", "local": "ckpt_local", "dcp-reshard": "ckpt_dcp",
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +75,21 @@ class PrecisionSpec:
     @property
     def is_mixed(self) -> bool:
         return any(d is not None and d != self.full for d in (self.param, self.reduce, self.buffer))
+
+    @property
+    def compute(self) -> str:
+        """The dtype forward and backward compute in."""
+        return self.param if self.param is not None else self.full
+
+    @property
+    def reduced(self) -> str:
+        """The dtype gradients are reduced in (``reduce_dtype_default``)."""
+        return reduce_dtype_default(self.full, self.param, self.reduce)
+
+    def casts(self) -> tuple[str, str, str | None]:
+        """What the casts do to the numbers: compute, reduce and buffer dtype (None: buffers keep
+        theirs). Two specs with equal ``casts()`` train identically."""
+        return self.compute, self.reduced, None if self.buffer in (None, self.full) else self.buffer
 
 
 #: The precision configs of the matrix; names follow the seed's mixed-precision configs.
@@ -57,8 +110,9 @@ PRECISIONS: dict[str, PrecisionSpec] = {
 class CaseConfig:
     """One configuration to train on an engine and on a reference, compared step by step."""
 
-    #: the engine under test.
-    engine: EngineName = "torch-fsdp"
+    #: the engine under test: a name or spec of ``harness.registry`` (``builtin``, ``mine=fsdp1:pkg``);
+    #: checked against the registry when cases are selected, resolved again on every rank.
+    engine: str = "torch-fsdp"
     #: what the engine is compared against: DDP, or one unsharded process seeing every rank's data.
     reference: ReferenceName = "ddp"
     #: a name from ``harness.models.MODELS``.
@@ -76,20 +130,38 @@ class CaseConfig:
     steps: int = 5
     seed: int = 0
     lr: float = 0.01
+    #: SGD's momentum (``optimizer='sgd'``); AdamW uses its own betas (``harness.optim``).
     momentum: float = 0.9
+    #: the optimizer every side (engine, DDP, local reference) trains with (``harness.optim``).
+    optimizer: OptimizerName = "sgd"
+    #: save and resume mid-run (see ``CheckpointName``); the resumed run must match the uninterrupted
+    #: reference at the case's tolerance.
+    checkpoint: CheckpointName = "none"
+    #: the engine that loads the checkpoint (another one than ``engine``: cross-engine resume); None
+    #: resumes with ``engine``.
+    resume_engine: str | None = None
+    #: ``dcp-reshard`` only: ``(ranks that save, ranks that resume)``, ranks ``0..n-1`` of the case's
+    #: ``world_size`` ranks, which is the larger of the two; 1 resumes on rank 0 as a plain model.
+    reshard: tuple[int, ...] = ()
     #: run the case twice and require bitwise-identical results.
     check_determinism: bool = False
+    #: delays on the compute stream that turn stream races into failures (``harness.stress``).
+    stress: StressName = "none"
     #: free-form extras for adapters and tests (e.g. a fault to inject); must be hashable.
     extras: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.engine, str) or not engine_name(self.engine):
+            raise ValueError(f"CaseConfig.engine={self.engine!r} must be an engine name or spec (harness.registry)")
         for field, allowed in (
-            ("engine", get_args(EngineName)),
             ("reference", get_args(ReferenceName)),
             ("sharding_strategy", get_args(ShardingName)),
             ("precision", get_args(PrecisionName)),
             ("backward_prefetch", get_args(PrefetchName)),
             ("init_mode", get_args(InitModeName)),
+            ("stress", get_args(StressName)),
+            ("optimizer", get_args(OptimizerName)),
+            ("checkpoint", get_args(CheckpointName)),
         ):
             value = getattr(self, field)
             if value not in allowed:
@@ -98,6 +170,28 @@ class CaseConfig:
             raise ValueError(f"CaseConfig.world_size={self.world_size} must be at least 1")
         if self.steps < 1:
             raise ValueError(f"CaseConfig.steps={self.steps} must be at least 1")
+        if self.resume_engine is not None and (not isinstance(self.resume_engine, str) or not engine_name(self.resume_engine)):
+            raise ValueError(f"CaseConfig.resume_engine={self.resume_engine!r} must be None or an engine name or spec (harness.registry)")
+        if self.checkpoint != "none" and self.steps < 2:
+            raise ValueError(f"CaseConfig.checkpoint={self.checkpoint!r} needs steps >= 2 (save after one, resume for the rest)")
+        if (self.checkpoint == "dcp-reshard") != bool(self.reshard):
+            raise ValueError(
+                f"CaseConfig.reshard={self.reshard} goes with checkpoint='dcp-reshard' only, and that one needs it "
+                f"(e.g. reshard=(2, 4))"
+            )
+        if self.reshard and (
+            len(self.reshard) != 2 or min(self.reshard) < 1 or self.reshard[0] == self.reshard[1]
+            or max(self.reshard) != self.world_size
+        ):
+            raise ValueError(
+                f"CaseConfig.reshard={self.reshard} must be (save ranks, resume ranks), two different positive "
+                f"counts whose larger one is world_size={self.world_size}"
+            )
+
+    @property
+    def checkpoint_step(self) -> int:
+        """Steps trained before the checkpoint is saved: the first half, rounded down (at least one)."""
+        return max(1, self.steps // 2)
 
     @property
     def precision_spec(self) -> PrecisionSpec:
@@ -128,16 +222,32 @@ class CaseConfig:
             parts.append(f"ws{self.world_size}")
         if self.steps != 5:
             parts.append(f"steps{self.steps}")
+        if self.optimizer != "sgd":
+            parts.append(self.optimizer)
+        if self.checkpoint != "none":
+            parts.append(CHECKPOINT_SEGMENTS[self.checkpoint])
+        if self.reshard:
+            parts.append(f"{self.reshard[0]}to{self.reshard[1]}")
+        if self.resume_engine is not None:
+            parts.append(f"resume_{self.resume_engine}")
+        if self.stress != "none":
+            parts.append(f"stress_{self.stress}")
         return "-".join(parts)
 
     @property
     def full_id(self) -> str:
         """The case id qualified by engine and reference: unique within a results file."""
-        return f"{self.engine}:{self.reference}:{self.case_id}"
+        return f"{self.engine_name}:{self.reference}:{self.case_id}"
+
+    @property
+    def engine_name(self) -> str:
+        """The engine's name (``engine`` may be a spec ``NAME=...``)."""
+        return engine_name(self.engine)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["extras"] = [list(kv) for kv in self.extras]
+        d["reshard"] = list(self.reshard)
         return d
 
     @classmethod
@@ -145,6 +255,7 @@ class CaseConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
         kwargs["extras"] = tuple(tuple(kv) for kv in kwargs.get("extras", ()))
+        kwargs["reshard"] = tuple(kwargs.get("reshard", ()))
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> "CaseConfig":

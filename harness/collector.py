@@ -185,7 +185,7 @@ def record_full_id(record: CaseRecord) -> str:
     except (TypeError, ValueError):
         # A record from an older schema whose case no longer validates still has an identity.
         case = record.case
-        return f"{case.get('engine', '?')}:{case.get('reference', '?')}:{record.case_id}"
+        return f"{str(case.get('engine', '?')).partition('=')[0]}:{case.get('reference', '?')}:{record.case_id}"
 
 
 def _jsonable(value: Any) -> Any:

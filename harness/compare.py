@@ -4,7 +4,9 @@ far the engine is from the reference per quantity (pure functions over tensors; 
 ``compare_observations`` gives a ``Finding`` per quantity (``loss@<step>``, ``grad_norm@<step>``,
 ``grad:<name>``, ``param:<name>``), worst over the steps, under a ``harness.tolerance.TolerancePolicy``;
 ``derive_budgets`` measures a run's distance to float64 (the budgets the policy widens ``atol`` by);
-``merge_quantities`` folds every rank's findings into one per quantity.
+``merge_quantities`` folds every rank's findings into one per quantity; ``measure_drift`` and
+``merge_drifts`` measure, under mixed precision, how far the emulating reference is from the runs a
+cast-dropping engine would compute (``harness.tolerance.mixed_precision_budgets`` reads them).
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from harness.tolerance import BUDGET_FACTOR, TolerancePolicy
 from harness.trace import CommEvent
 
 __all__ = [
+    "Drift",
     "Finding",
     "Observation",
     "combine",
     "compare_observations",
     "compare_tensors",
     "derive_budgets",
+    "magnitudes",
+    "measure_drift",
+    "merge_drifts",
     "merge_quantities",
     "worst_budgets",
 ]
@@ -50,6 +56,8 @@ class Observation:
     notes: list[str] = field(default_factory=list)
     #: what the engine did with its parameters (engines only).
     facts: EngineFacts | None = None
+    #: how often each stress delay fired (``harness.stress``; engines of a stressed case only).
+    stress_points: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_reference(cls, run: ReferenceRun) -> "Observation":
@@ -164,6 +172,55 @@ def derive_budgets(emulated: Observation, truth: Observation, factor: float = BU
     return {f.error.name: factor * f.error.max_abs for f in compare_observations(emulated, truth, policy)}
 
 
+def distances(a: Observation, b: Observation) -> dict[str, float]:
+    """Per quantity, the largest absolute difference of two runs (worst over the steps)."""
+    return derive_budgets(a, b, factor=1.0)
+
+
+def magnitudes(obs: Observation) -> dict[str, float]:
+    """Per quantity, the largest magnitude a run shows (what torch's rtol scales with)."""
+    out: dict[str, float] = {}
+    for step, loss in enumerate(obs.losses):
+        out[f"loss@{step}"] = abs(loss)
+    for step, norm in enumerate(obs.grad_norms):
+        out[f"grad_norm@{step}"] = abs(norm)
+    for slices, prefix in [(s, "grad") for s in obs.grads] + [(obs.params, "param")]:
+        for piece in slices:
+            name = f"{prefix}:{piece.name}"
+            value = float(piece.value.detach().double().abs().max()) if piece.numel else 0.0
+            out[name] = max(value, out.get(name, 0.0))
+    return out
+
+
+@dataclass
+class Drift:
+    """Under mixed precision, how far the emulating reference is on one rank (or, merged, on any)."""
+
+    #: per reference (``fp64``, ``no_param`` ...) and quantity: the distance from the emulation.
+    distances: dict[str, dict[str, float]]
+    #: per quantity: the emulation's magnitude.
+    scales: dict[str, float]
+
+
+def measure_drift(emulated: Observation, others: dict[str, Observation]) -> Drift:
+    """This rank's ``Drift``: ``emulated`` against each run of ``others``."""
+    return Drift({name: distances(emulated, other) for name, other in others.items()}, magnitudes(emulated))
+
+
+def merge_drifts(per_rank: Sequence[Drift]) -> Drift:
+    """Every rank's drift as one, the largest per reference and quantity: on the rank where a dropped
+    cast moves a quantity most, the engine that drops it is off by the full distance."""
+    merged = Drift({}, {})
+    for drift in per_rank:
+        for name, per in drift.distances.items():
+            target = merged.distances.setdefault(name, {})
+            for q, d in per.items():
+                target[q] = max(d, target.get(q, 0.0))
+        for q, d in drift.scales.items():
+            merged.scales[q] = max(d, merged.scales.get(q, 0.0))
+    return merged
+
+
 def worst_budgets(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """Every rank's derived budgets as one: the largest per quantity (see the module docstring)."""
     merged: dict[str, float] = {}
@@ -173,18 +230,18 @@ def worst_budgets(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     return merged
 
 
-def merge_quantities(per_rank: Sequence[Sequence[dict[str, Any]]]) -> tuple[list[QuantityError], dict[str, dict[str, Any]]]:
+def merge_quantities(per_rank: Sequence[Sequence[Finding]]) -> tuple[list[QuantityError], dict[str, dict[str, Any]]]:
     """All ranks' findings into one ``QuantityError`` per quantity (the worst), and where it was."""
     merged: dict[str, QuantityError] = {}
     where: dict[str, dict[str, Any]] = {}
     for rank, findings in enumerate(per_rank):
         for f in findings:
-            error = QuantityError(**{k: f[k] for k in QuantityError.__dataclass_fields__})
+            error = f.error
             current = merged.get(error.name)
             worse = True
             if current is not None:
                 error, worse = combine(current, error)
             merged[error.name] = error
             if worse:
-                where[error.name] = {"rank": rank, "step": f.get("step")}
+                where[error.name] = {"rank": rank, "step": f.step}
     return list(merged.values()), where

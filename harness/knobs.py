@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from harness.case import PrecisionSpec
+from harness.case import PrecisionSpec, is_hybrid
 from harness.trace import CommEvent, movable_gathers, ops, signature
 
 __all__ = [
@@ -63,7 +63,7 @@ def check_sharding(strategy: str, events: Sequence[CommEvent], sharded_units: in
             return KnobCheck(knob, "n/a", "no unit besides the root, which is never resharded after forward")
         ok = fwd_ag > 0 and bwd_ag > 0 and rs > 0
         expected = "parameters re-gathered in backward, gradients reduce-scattered"
-    if strategy.startswith("hybrid") and replicate_size > 1:
+    if is_hybrid(strategy) and replicate_size > 1:
         ok = ok and any(e.group_size == replicate_size for e in ar)
         expected += f", and all-reduced across {replicate_size} replicas"
     if ok:
@@ -73,8 +73,7 @@ def check_sharding(strategy: str, events: Sequence[CommEvent], sharded_units: in
 
 def check_precision(spec: PrecisionSpec, events: Sequence[CommEvent]) -> KnobCheck:
     """All-gathers carry the compute dtype and gradient reductions the reduce dtype."""
-    param = spec.param or spec.full
-    reduce = spec.reduce or spec.param or spec.full
+    param, reduce = spec.compute, spec.reduced
     gathers = [e for e in ops(events, op="all_gather") if e.phase in ("forward", "backward") and e.dtype in _FLOAT_DTYPES]
     reductions = [e for e in ops(events, op=("reduce_scatter", "all_reduce"), phase="backward") if e.dtype in _FLOAT_DTYPES]
     if not gathers and not reductions:

@@ -10,8 +10,9 @@ Axis values are the ``Literal`` values of ``harness.case``; case ids are ``CaseC
 by ``full_id`` where engines and references are mixed).
 
 [Note: invalid versus uncovered]
-A combination is *invalid* when an engine cannot express it or raises on it by design (a rule below,
-each with its reason). Invalid combinations are left out of every generator. A *pair* of axis values is
+A combination is *invalid* when an engine cannot express it or raises on it by design (a rule, each with
+its reason: ``RULES`` below for what every engine meets, and each engine's own ``capability_rules``,
+declared by its adapter and read through ``harness.registry``, so a new engine needs no edit here). Invalid combinations are left out of every generator. A *pair* of axis values is
 *feasible* when at least one valid case holds both; the pairwise generator must cover exactly the feasible
 pairs. Feasibility is decided by search over the axes that some rule reads (the other axes never make a
 case invalid), so it stays exact when rules interact.
@@ -22,10 +23,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+
 from typing import Any, Literal, get_args
 
-from harness.case import CaseConfig, EngineName, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
+from harness.capabilities import Rule, for_engine
+from harness.case import (
+    CaseConfig,
+    CheckpointName,
+    InitModeName,
+    OptimizerName,
+    PrecisionName,
+    PrefetchName,
+    ReferenceName,
+    ShardingName,
+    is_hybrid,
+)
+from harness.registry import DEFAULT_ENGINES, resolve
 
 GeneratorName = Literal["full", "pairwise", "smoke"]
 
@@ -37,7 +50,8 @@ Pair = tuple[AxisValue, AxisValue]
 #: The default axes and their values, in the order ids and generators use. The first value of each axis
 #: is its baseline (what smoke cases keep unless they exercise that axis).
 AXES: dict[str, list[Any]] = {
-    "engine": list(get_args(EngineName)),
+    # Specs of ``harness.registry``; any registered engine or spec may be given with ``axes``.
+    "engine": list(DEFAULT_ENGINES),
     "reference": list(get_args(ReferenceName)),
     # Names from ``harness.models.MODELS``; override with ``axes={"model": [...]}``.
     "model": ["nested", "transformer"],
@@ -52,26 +66,28 @@ AXES: dict[str, list[Any]] = {
     "world_size": [2, 4],
     # Steps deepen a case rather than change its behaviour: one value by default.
     "steps": [5],
+    # Stress delays only make races visible (on CUDA): ``--stress`` pins ``delay``; ``axes=`` may add it.
+    "stress": ["none"],
+    # What is trained and how it is resumed, not how the engine shards it: one value by default, like
+    # steps, so the default products keep their size; WIDE_AXES holds every value (--optimizers,
+    # --checkpoints and the checkpoint suite ask for them).
+    "optimizer": ["sgd"],
+    "checkpoint": ["none"],
+    # Cross-engine resume (None: the saving engine resumes); set per case or by the checkpoint suite.
+    "resume_engine": [None],
 }
 
-_HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
+#: Every value the one-valued axes above can take, for selections and suites that widen them.
+WIDE_AXES: dict[str, list[Any]] = {
+    "optimizer": list(get_args(OptimizerName)),
+    "checkpoint": [c for c in get_args(CheckpointName) if c != "dcp-reshard"],
+    "resume_engine": [None, *DEFAULT_ENGINES],
+}
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A constraint: every combination it matches is invalid, for ``reason``."""
 
-    #: short identifier, for tests and for filtering rules.
-    name: str
-    #: the ``CaseConfig`` fields it reads; it is evaluated once all of them are known.
-    axes: tuple[str, ...]
-    #: one line: why an engine cannot run such a case.
-    reason: str
-    #: True when the case (a mapping holding at least ``axes``) is invalid.
-    matches: Callable[[Mapping[str, Any]], bool]
-
-
-#: The constraints a PyTorch FSDP user runs into. Each reason names the behaviour that makes it invalid.
+#: The constraints every engine meets (FSDP's own), whatever the engine. Each reason names the behaviour
+#: that makes it invalid; what one engine cannot express is on its adapter (``engine_rules``).
 RULES: tuple[Rule, ...] = (
     Rule(
         "offload_after_wrap",
@@ -85,23 +101,63 @@ RULES: tuple[Rule, ...] = (
         ("sharding_strategy", "world_size"),
         "hybrid strategies shard within a group and replicate across groups; both need >= 2 ranks, so "
         "the world size must be >= 4 and even",
-        lambda c: c["sharding_strategy"] in _HYBRID and (c["world_size"] < 4 or c["world_size"] % 2 != 0),
-    ),
-    Rule(
-        "fsdp2_has_no_flat_params",
-        ("engine", "use_orig_params"),
-        "FSDP2 has no flat parameters: it always exposes the original parameters (as DTensors), so "
-        "use_orig_params=False does not exist there",
-        lambda c: c["engine"] == "torch-fsdp2" and not c["use_orig_params"],
-    ),
-    Rule(
-        "fsdp2_backward_prefetch",
-        ("engine", "backward_prefetch"),
-        "FSDP2 always prefetches the next all-gather before a module's backward (BACKWARD_PRE); it can "
-        "neither turn that off nor prefetch after the gradient computation (BACKWARD_POST)",
-        lambda c: c["engine"] == "torch-fsdp2" and c["backward_prefetch"] != "pre",
+        lambda c: is_hybrid(c["sharding_strategy"]) and (c["world_size"] < 4 or c["world_size"] % 2 != 0),
     ),
 )
+
+#: What checkpoints can express ([Note: invalid versus uncovered]); kept apart so they can move to the
+#: engines' own capability declarations. ``dcp-reshard`` is not an axis value (its world sizes are a
+#: case field, ``reshard``); these rules still read it, for cases built by hand.
+CHECKPOINT_RULES: tuple[Rule, ...] = (
+    Rule(
+        "resume_needs_checkpoint",
+        ("checkpoint", "resume_engine"),
+        "resume_engine names the engine that loads a checkpoint; with checkpoint='none' nothing is saved or loaded",
+        lambda c: c["resume_engine"] is not None and c["checkpoint"] == "none",
+    ),
+    Rule(
+        "resume_engine_is_another",
+        ("engine", "resume_engine"),
+        "resume_engine is for resuming with another engine; the saving engine resumes when it is None",
+        lambda c: c["resume_engine"] is not None and c["resume_engine"] == c["engine"],
+    ),
+    Rule(
+        "fsdp2_no_local_state_dict",
+        ("engine", "checkpoint", "resume_engine"),
+        "FSDP2 has no LOCAL_STATE_DICT (no flat parameters whose local shards it could save); its checkpoints "
+        "are full or sharded (torch.distributed.checkpoint)",
+        lambda c: c["checkpoint"] == "local" and "torch-fsdp2" in (c["engine"], c["resume_engine"]),
+    ),
+    Rule(
+        "local_state_dict_same_engine",
+        ("checkpoint", "resume_engine"),
+        "a LOCAL state dict is the saving engine's own flat shards at its own world size: only that engine, "
+        "at that world size, can load it (use full or sharded to resume elsewhere)",
+        lambda c: c["checkpoint"] == "local" and c["resume_engine"] is not None,
+    ),
+    Rule(
+        "reshard_local_reference",
+        ("checkpoint", "reference"),
+        "a resharded run changes its world size half-way; DDP trains at one world size, the local reference "
+        "replays the change",
+        lambda c: c["checkpoint"] == "dcp-reshard" and c["reference"] != "local",
+    ),
+    Rule(
+        "reshard_one_dim",
+        ("checkpoint", "sharding_strategy", "resume_engine"),
+        "a resharded run saves and resumes on the first ranks of the world with one engine over one flat "
+        "group; hybrid strategies (2-D) and cross-engine resume are cases of their own",
+        lambda c: c["checkpoint"] == "dcp-reshard" and (is_hybrid(c["sharding_strategy"]) or c["resume_engine"] is not None),
+    ),
+    Rule(
+        "reshard_to_plain_full_precision",
+        ("checkpoint", "reshard", "precision"),
+        "resuming on one rank trains the plain, unwrapped model, which makes no mixed-precision casts",
+        lambda c: c["checkpoint"] == "dcp-reshard" and tuple(c["reshard"])[-1:] == (1,) and c["precision"] not in ("fp32", "fp64"),
+    ),
+)
+
+RULES = RULES + CHECKPOINT_RULES
 
 _FIELDS = {f.name for f in dataclasses.fields(CaseConfig)}
 _DEFAULTS: dict[str, Any] = {f.name: getattr(CaseConfig(), f.name) for f in dataclasses.fields(CaseConfig)}
@@ -113,9 +169,29 @@ def _as_mapping(case: CaseConfig | Mapping[str, Any]) -> Mapping[str, Any]:
     return {**_DEFAULTS, **case}
 
 
-def invalid_reasons(case: CaseConfig | Mapping[str, Any], rules: Sequence[Rule] = RULES) -> list[str]:
-    """The reason of every rule the case breaks; a mapping is completed with ``CaseConfig`` defaults."""
+def engine_rules(engines: Sequence[str]) -> tuple[Rule, ...]:
+    """The capability rules of every engine in ``engines`` (specs), as matrix rules reading ``engine``.
+
+    Resolving an engine checks it (``harness.registry.resolve``): a bad spec raises here, at selection.
+    """
+    out: list[Rule] = []
+    for engine in dict.fromkeys(engines):
+        adapter = resolve(engine)
+        out.extend(for_engine(engine, adapter.name, rule) for rule in adapter.capability_rules())
+    return tuple(out)
+
+
+def rules_for(engines: Sequence[str]) -> tuple[Rule, ...]:
+    """``RULES`` and the capability rules of ``engines``: every rule cases on those engines obey."""
+    return (*RULES, *engine_rules(engines))
+
+
+def invalid_reasons(case: CaseConfig | Mapping[str, Any], rules: Sequence[Rule] | None = None) -> list[str]:
+    """The reason of every rule the case breaks (default: ``RULES`` and its engine's rules); a mapping
+    is completed with ``CaseConfig`` defaults."""
     values = _as_mapping(case)
+    if rules is None:
+        rules = rules_for([values["engine"]])
     return [rule.reason for rule in rules if rule.matches(values)]
 
 
@@ -164,15 +240,23 @@ def resolve_axes(axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) 
 class _Space:
     """The varying axes over a fixed base, with the feasibility search the generators share."""
 
-    def __init__(self, axes: dict[str, list[Any]], base: dict[str, Any], rules: Sequence[Rule] = RULES) -> None:
+    def __init__(self, axes: dict[str, list[Any]], base: dict[str, Any], rules: Sequence[Rule] | None = None) -> None:
         self.axes = axes
         self.base = base
-        self.rules = tuple(rules)
+        if rules is None:
+            rules = rules_for(axes["engine"] if "engine" in axes else [base["engine"]])
+        # A rule no combination of these values can match invalidates nothing here; leaving it out keeps
+        # its axes out of the feasibility search (the one-valued checkpoint axes would widen it tenfold).
+        self.rules = tuple(r for r in rules if self._can_match(r))
         self.order = list(axes)
         #: axes some rule reads: only these can make a case invalid, so only these are searched.
         self.constrained = [a for a in self.order if any(a in r.axes for r in self.rules)]
         #: feasibility of partial assignments to constrained axes, keyed by their sorted items.
         self._memo: dict[tuple[AxisValue, ...], dict[str, Any] | None] = {}
+
+    def _can_match(self, rule: Rule) -> bool:
+        domains = [self.axes.get(a, [self.base[a]]) for a in rule.axes]
+        return any(rule.matches({**self.base, **dict(zip(rule.axes, values))}) for values in itertools.product(*domains))
 
     def violates(self, assign: Mapping[str, Any]) -> bool:
         """True if a rule whose axes are all known (assigned or fixed) matches."""
@@ -302,6 +386,10 @@ SMOKE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"sharding_strategy": "shard_grad_op", "precision": "bf16", "backward_prefetch": "pre", "use_orig_params": True},
     {"sharding_strategy": "no_shard", "precision": "fp16", "forward_prefetch": True},
     {"precision": "reduce_only", "cpu_offload": True, "backward_prefetch": "post", "init_mode": "never"},
+    # Seen only where the axes hold these values (WIDE_AXES); elsewhere they fall back to the baseline.
+    {"checkpoint": "full"},
+    {"checkpoint": "sharded", "optimizer": "adamw"},
+    {"checkpoint": "local", "optimizer": "adamw"},
 )
 
 

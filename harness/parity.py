@@ -1,7 +1,7 @@
 """Parity: train an engine and a reference on identical data, compare, check the knobs, decide.
 
 On every rank, ``run_case_on_rank`` (the pool's job) builds the case's model, trains the reference
-and then the engine for ``case.steps`` steps of SGD with momentum (each rank its own deterministic
+and then the engine for ``case.steps`` steps of the case's optimizer (each rank its own deterministic
 batch per step, seeded by ``(seed, step, rank)``), and compares, as this rank sees them:
 
 - ``loss@<step>`` and ``grad_norm@<step>``: the rank's loss and the norm of the gradient its
@@ -19,35 +19,35 @@ error, into one ``CaseRecord``: the verdict is all-rank.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from harness.adapters import (
-    EngineAdapter,
-    EngineFacts,
-    EngineTrainee,
-    ParamSlice,
-    get_engine,
-    prepare_inputs,
-    rank_local_param_names,
+from harness.adapters import EngineAdapter, EngineFacts, has_float_buffers
+from harness.case import CaseConfig, PrecisionSpec, is_hybrid
+from harness.checkpoint import CHECKPOINT_FAULTS, unsupported_checkpoint
+from harness.compare import (
+    Finding,
+    Observation,
+    compare_observations,
+    derive_budgets,
+    measure_drift,
+    merge_drifts,
+    merge_quantities,
+    worst_budgets,
 )
-from harness.case import CaseConfig, PrecisionSpec
-from harness.compare import Observation, compare_observations, derive_budgets, merge_quantities, worst_budgets
-from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model, gpu_sleep
-from harness.placement import default_shard_size
+from harness.placement import hybrid_shard_size
 from harness.pool import PoolOutcome
 from harness.rank import RankContext
+from harness.registry import resolve
 from harness.knobs import (
     KnobCheck,
     check_backward_prefetch_structure,
@@ -58,173 +58,59 @@ from harness.knobs import (
     check_use_orig_params,
 )
 from harness.records import CaseRecord, QuantityError
-from harness.references import TRUTH_SPEC, LocalReference, build_ddp
-from harness.tolerance import TolerancePolicy, budget_source
+from harness.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
+from harness.stress import Stress
+from harness.stress import unsupported_reason as stress_unsupported_reason
+from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
+from harness.resume import run_resumed
+from harness.training import fresh_model, mark_phase, train
 
-__all__ = ["FAULTS", "record_from_outcome", "run_case_on_rank"]
+__all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
 
 
 #: Fault injections a case can ask for with ``extras=(("fault", name),)``; they prove the pool's
 #: watchdog (a rank that skips a collective, hangs in its first forward while rank 0 waits for it,
-#: exits, segfaults or raises) and the comparison (rank 1's engine gradient nudged after every backward). ``ignore_option:<keyword>`` (an adapter dropping a
-#: setting, for the knob checks) is handled by the adapters.
-FAULTS = ("skip_collective_on_rank1", "hang_in_forward_rank1", "exit_rank1", "segfault_rank1", "raise_rank1", "perturb_grad_rank1")
+#: exits, segfaults or raises), the comparison (rank 1's engine gradient nudged after every backward),
+#: and the resume check (``harness.checkpoint``: the optimizer state dropped or mixed up on load).
+#: ``ignore_option:<keyword>`` (an adapter dropping a setting, for the knob checks) is handled by the adapters.
+FAULTS = ("skip_collective_on_rank1", "hang_in_forward_rank1", "exit_rank1", "segfault_rank1", "raise_rank1",
+          "perturb_grad_rank1", *CHECKPOINT_FAULTS)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Observations and comparison (pure)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Knob checks (pure, over the trace and engine facts)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Training (rank side)
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """An original parameter as the unwrapped model has it (wrappers rename and flatten)."""
-
-    numel: int
-    trainable: bool
-    #: belongs to a rank-local module: this rank's own, never reduced.
-    rank_local: bool
-
-
-def _param_table(model: ZooModel) -> dict[str, ParamInfo]:
-    local = rank_local_param_names(model)
-    return {name: ParamInfo(p.numel(), p.requires_grad, name in local) for name, p in model.named_parameters()}
-
-
-def _gather_grad_norm(slices: Sequence[ParamSlice], table: dict[str, ParamInfo], ctx: RankContext) -> tuple[float, dict[str, int]]:
-    """This rank's gradient norm from every rank's pieces, and the elements no piece covered.
-
-    Shared pieces are counted once however many ranks hold them (replicas, NO_SHARD); rank-local
-    ones are this rank's own.
-    """
-    local_names = {name for name, info in table.items() if info.rank_local}
-    mine = [(s.name, s.start, s.numel, float(s.value.double().pow(2).sum())) for s in slices if s.name not in local_names]
-    everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    unique: dict[tuple[str, int, int], float] = {}
-    for part in everyone:
-        for name, start, numel, sq in part:
-            unique.setdefault((name, start, numel), sq)
-    total = sum(unique.values())
-    local_slices = [s for s in slices if s.name in local_names]
-    total += sum(float(s.value.double().pow(2).sum()) for s in local_slices)
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for name, start, numel in unique:
-        ranges.setdefault(name, []).append((start, start + numel))
-    for s in local_slices:
-        ranges.setdefault(s.name, []).append((s.start, s.start + s.numel))
-    gaps: dict[str, int] = {}
-    for name, info in table.items():
-        if not info.trainable:
-            continue
-        numel = info.numel
-        covered, end = 0, 0
-        for lo, hi in sorted(ranges.get(name, [])):
-            lo = max(lo, end)
-            if hi > lo:
-                covered += hi - lo
-                end = hi
-        if covered < numel:
-            gaps[name] = numel - covered
-    return math.sqrt(total), gaps
-
-
-def _mark_phase(trace: CommTrace | None, phase: str, step: int) -> None:
-    """Tell the trace what the next collectives belong to."""
-    if trace is not None:
-        trace.phase, trace.step = phase, step
-
-
-def _paused(trace: CommTrace | None) -> contextlib.AbstractContextManager[None]:
-    return trace.paused() if trace is not None else contextlib.nullcontext()
-
-
-def train(
-    trainee: EngineTrainee,
-    case: CaseConfig,
-    ctx: RankContext,
-    steps: int,
-    table: dict[str, ParamInfo],
-    *,
-    trace: CommTrace | None = None,
-    perturb: bool = False,
-) -> Observation:
-    """The shared training loop of engines and DDP: ``steps`` steps, reading gradients after each backward.
-
-    ``table`` describes the model's parameters, taken before wrapping.
-    """
-    zoo = trainee.zoo
-    full = dtype_of(case.precision_spec.full)
-    optimizer = torch.optim.SGD(trainee.trainable_parameters(), lr=case.lr, momentum=case.momentum)
-    obs = Observation()
-    for step in range(steps):
-        inputs = prepare_inputs(zoo.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device, full)
-        _mark_phase(trace, "forward", step)
-        output = trainee.module(*inputs)
-        loss = zoo.get_loss(inputs, output)
-        _mark_phase(trace, "backward", step)
-        zoo.run_backward(loss)
-        if perturb:
-            _perturb_gradient(trainee)
-        with _paused(trace):
-            slices = trainee.grad_slices()
-            norm, gaps = _gather_grad_norm(slices, table, ctx)
-        obs.losses.append(float(loss.detach().double()))
-        obs.grad_norms.append(norm)
-        obs.grads.append(slices)
-        for name, missing in gaps.items():
-            obs.coverage_gaps[name] = max(missing, obs.coverage_gaps.get(name, 0))
-        _mark_phase(trace, "step", step)
-        gpu_sleep(zoo.sleeps.before_step_ms, ctx.device)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    with _paused(trace):
-        obs.params = trainee.final_params()
-    obs.notes.extend(trainee.notes)
-    return obs
-
-
-@torch.no_grad()
-def _perturb_gradient(trainee: EngineTrainee) -> None:
-    """The ``perturb_grad_rank1`` fault: an engine bug that adds 0.01 to one gradient element."""
-    for p in trainee.trainable_parameters():
-        grad = p.grad
-        if grad is None:
-            continue
-        # A DTensor's local shard: an op on the DTensor itself would be a collective on one rank.
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        if local.numel():
-            local.view(-1)[0] += 0.01
-            return
-
-
-def _fresh_model(case: CaseConfig, ctx: RankContext) -> tuple[ZooModel, dict[str, ParamInfo]]:
-    """The case's model on CPU in its full-precision dtype, and its parameter table (before wrapping)."""
-    model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
-    model.to(dtype_of(case.precision_spec.full))
-    return model, _param_table(model)
+# Training (rank side; the loop itself is ``harness.training``)
 
 
 def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, steps: int) -> Observation:
-    """Build and train the engine under a communication trace."""
-    model, table = _fresh_model(case, ctx)
-    trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device))
-    with trace:
-        trace.watch_modules(model)
-        _mark_phase(trace, "setup", 0)
-        trainee = adapter.build(case, model, ctx)
-        perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
-        obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb)
+    """Build and train the engine under a communication trace; a checkpoint case saves and resumes
+    half-way (``harness.resume``) when it trains past its checkpoint step; a stressed case delays the
+    compute stream at the race points (``harness.stress``)."""
+    model, table = fresh_model(case, ctx)
+    stress = Stress(ctx.device) if case.stress == "delay" else None
+    trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device),
+                      around=stress.on_collective if stress is not None else None)
+    perturb = case.extra.get("fault") == "perturb_grad_rank1" and ctx.rank == 1
+    try:
+        with trace:
+            if case.checkpoint != "none" and steps > case.checkpoint_step:
+                obs, trainee = run_resumed(adapter, case, ctx, steps, trace, perturb)
+            else:
+                trace.watch_modules(model)
+                if stress is not None:
+                    stress.watch_model(model)
+                mark_phase(trace, "setup", 0)
+                trainee = adapter.build(case, model, ctx)
+                if stress is not None:
+                    stress.watch_parameters(trainee.trainable_parameters())
+                    stress.watch_no_sync(trainee.module)
+                obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
+    finally:
+        if stress is not None:
+            stress.remove()
     obs.events = list(trace.events)
     obs.facts = trainee.facts()
+    obs.stress_points = dict(stress.counts) if stress is not None else {}
     return obs
 
 
@@ -235,9 +121,9 @@ class ReferenceFailed(RuntimeError):
 def _run_reference(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> Observation:
     try:
         if case.reference == "ddp":
-            model, table = _fresh_model(case, ctx)
+            model, table = fresh_model(case, ctx)
             return train(build_ddp(case, model, ctx), case, ctx, case.steps, table)
-        return Observation.from_reference(LocalReference(case, spec, ctx.device, ctx.world_size).run(ctx.rank))
+        return _local_observation(case, spec, ctx)
     except Exception as exc:
         raise ReferenceFailed(f"the {case.reference!r} reference failed: {type(exc).__name__}: {exc}") from exc
 
@@ -254,9 +140,8 @@ def knob_checks(
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
     events = engine.events
     facts = engine.facts if engine.facts is not None else EngineFacts(set(), None)
-    if case.sharding_strategy.startswith("hybrid"):
-        shard = int(case.extra.get("shard_size", default_shard_size(ctx.world_size, ctx.local_world_size)))
-        replicate = ctx.world_size // shard
+    if is_hybrid(case.sharding_strategy):
+        replicate = ctx.world_size // hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
     else:
         replicate = 1
     checks = [
@@ -315,8 +200,8 @@ def _inject_fault(case: CaseConfig, ctx: RankContext) -> None:
         return
     if fault not in FAULTS:
         raise ValueError(f"extras fault={fault!r} is not one of {list(FAULTS)} or 'ignore_option:<keyword>'")
-    if fault == "perturb_grad_rank1":
-        return  # applied inside the engine's training loop
+    if fault == "perturb_grad_rank1" or fault in CHECKPOINT_FAULTS:
+        return  # applied inside the engine's training loop, or when it loads its checkpoint
     if fault == "skip_collective_on_rank1":
         if ctx.rank != 1:
             dist.all_reduce(torch.zeros(1, device=ctx.device))
@@ -333,31 +218,117 @@ def _inject_fault(case: CaseConfig, ctx: RankContext) -> None:
         raise RuntimeError(f"injected fault {fault}")
 
 
-def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
-    """The pool's job: the whole case as this rank sees it, as plain data (see ``record_from_outcome``)."""
-    if case.world_size != ctx.world_size:
-        return {"status": "unsupported", "reason": f"case world_size={case.world_size} but the ranks are {ctx.world_size}"}
-    adapter = get_engine(case.engine)
+@dataclass
+class RankResult:
+    """What one rank sends back from ``run_case_on_rank``: plain, picklable data, one fact per field."""
+
+    #: ``unsupported``: the engine cannot run the case here (``reason`` says why); ``ok``: it ran.
+    status: Literal["ok", "unsupported"]
+    reason: str = ""
+    #: every compared quantity, worst over the steps, as this rank saw it.
+    findings: list[Finding] = field(default_factory=list)
+    knobs: list[KnobCheck] = field(default_factory=list)
+    #: None when not checked.
+    deterministic: bool | None = None
+    #: the first difference between the two runs (empty when deterministic or not checked).
+    nondeterminism: str = ""
+    engine_s: float = 0.0
+    reference_s: float = 0.0
+    peak_mem_bytes: int = 0
+    bytes_all_gathered: int = 0
+    bytes_reduce_scattered: int = 0
+    #: collectives of the training phases, per kind.
+    collectives: dict[str, int] = field(default_factory=dict)
+    #: which run's distance widened the tolerances (``harness.tolerance.budget_source``).
+    budget_source: BudgetSource = "none"
+    #: mixed precision: per reference (``fp64``, ``no_param`` ...), the quantities an engine computing it fails.
+    resolvable: dict[str, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    #: stress mode: how often each delay point fired (``harness.stress``).
+    stress_points: dict[str, int] = field(default_factory=dict)
+    #: per quantity (``loss``, ``grad_norm``) and side (``engine``, ``reference``): this rank's value per step.
+    curves: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+
+def _unsupported(reason: str) -> RankResult:
+    return RankResult("unsupported", reason)
+
+
+def _local_observation(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> Observation:
+    return Observation.from_reference(LocalReference.for_case(case, spec, ctx.device, ctx.world_size).run(ctx.rank))
+
+
+def _budgets(
+    case: CaseConfig, spec: PrecisionSpec, ctx: RankContext, source: BudgetSource, reference: Observation, notes: list[str]
+) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """The case's budgets (``harness.tolerance``), worst over the ranks; under mixed precision also which
+    quantities each cast-dropping run resolves. Collective: every rank calls it alike."""
+    if source == "none":
+        return {}, {}
+    truth = _local_observation(case, TRUTH_SPEC, ctx)
+    if source in ("reference", "emulation"):
+        everyone: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(everyone, derive_budgets(reference, truth))
+        return worst_budgets(everyone), {}
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
-    reason = adapter.unsupported_reason(case, model, ctx)
+    others = {"fp64": truth}
+    for name, ablated in cast_ablations(spec, has_float_buffers(model)).items():
+        try:
+            others[name] = _local_observation(case, ablated, ctx)
+        except RuntimeError as exc:
+            # e.g. float32 activations into float16 BatchNorm buffers: an engine dropping this cast
+            # raises at the same place, it cannot pass on values.
+            notes.append(f"{name}: the model cannot run with that cast dropped ({exc}); an engine dropping it raises")
+    drifts: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(drifts, measure_drift(reference, others))
+    drift = merge_drifts(drifts)
+    derived = mixed_precision_budgets(drift.distances, drift.scales, spec.full)
+    resolvable = {name: sorted(q for q, b in derived.items() if name in b.resolvable) for name in others}
+    return {q: b.budget for q, b in derived.items()}, resolvable
+
+
+def _resume_unsupported(adapter: EngineAdapter, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
+    """Why the engine that resumes the checkpoint cannot (cross-engine resume), or None."""
+    if case.checkpoint == "none":
+        return None
+    if case.checkpoint == "dcp-reshard":
+        return unsupported_checkpoint(adapter, adapter, "sharded", case.use_orig_params) or (
+            "a resharded run changes the world size half-way, and rank-local modules belong to one rank of "
+            "one world size" if model.rank_local_modules() else None)
+    loader = resolve(case.resume_engine) if case.resume_engine else adapter
+    if loader is not adapter:
+        reason = loader.unsupported_reason(case.replace(engine=loader.name, resume_engine=None), model, ctx)
+        if reason:
+            return f"resuming with {reason}"
+    return unsupported_checkpoint(adapter, loader, case.checkpoint, case.use_orig_params)
+
+
+def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
+    """The pool's job: the whole case as this rank sees it (see ``record_from_outcome``)."""
+    if case.world_size != ctx.world_size:
+        return _unsupported(f"case world_size={case.world_size} but the ranks are {ctx.world_size}")
+    adapter = resolve(case.engine)  # the spec travels in the case; each rank resolves it once
+    model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
+    reason = (stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
+              or _resume_unsupported(adapter, case, model, ctx))
     if reason:
-        return {"status": "unsupported", "reason": reason}
+        return _unsupported(reason)
     _inject_fault(case, ctx)
     spec = adapter.effective_precision(case, model)
+    source = budget_source(spec, ctx.world_size)
+    notes: list[str] = []
 
     t0 = time.perf_counter()
-    reference = _run_reference(case, spec, ctx)
-    source = budget_source(spec, ctx.world_size)
-    budgets: dict[str, float] = {}
-    if source != "none":
-        # The local reference already emulates the casts; DDP computes in full precision.
-        measured = reference
-        if source == "emulation" and case.reference != "local":
-            measured = _run_reference(case.replace(reference="local"), spec, ctx)
-        truth = Observation.from_reference(LocalReference(case, TRUTH_SPEC, ctx.device, ctx.world_size).run(ctx.rank))
-        everyone: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(everyone, derive_budgets(measured, truth))
-        budgets = worst_budgets(everyone)
+    if source == "ablation":
+        # DDP computes in full precision: only the emulation says what the casts should give.
+        reference = _run_reference(case.replace(reference="local"), spec, ctx)
+        if case.reference != "local":
+            notes.append(f"mixed precision: compared with the local reference emulating the casts, not {case.reference}")
+    else:
+        reference = _run_reference(case, spec, ctx)
+    # Past 2 ranks the budget is the emulation's drift from float64, whichever reference is compared.
+    measured = reference if source != "emulation" or case.reference == "local" else _run_reference(case.replace(reference="local"), spec, ctx)
+    budgets, resolvable = _budgets(case, spec, ctx, source, measured, notes)
     reference_s = time.perf_counter() - t0
 
     if ctx.device_type == "cuda":
@@ -368,9 +339,9 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
     engine_s = time.perf_counter() - t0
     peak = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device_type == "cuda" else 0
 
-    policy = TolerancePolicy.for_precision(spec, budgets)
+    policy = TolerancePolicy.for_precision(spec, budgets, source)
     findings = compare_observations(engine, reference, policy)
-    checks = knob_checks(adapter, case, ctx, spec, engine)
+    checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
 
     deterministic: bool | None = None
     nondeterminism = ""
@@ -379,29 +350,36 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
         deterministic = not nondeterminism
 
     training = [e for e in engine.events if e.phase in ("forward", "backward", "step")]
-    return {
-        "status": "ok",
-        "reason": "",
-        "findings": [{**asdict(f.error), "step": f.step} for f in findings],
-        "knobs": [asdict(c) for c in checks],
-        "deterministic": deterministic,
-        "nondeterminism": nondeterminism,
-        "engine_s": engine_s,
-        "reference_s": reference_s,
-        "peak_mem_bytes": peak,
-        "bytes_all_gathered": total_bytes(training, "all_gather"),
-        "bytes_reduce_scattered": total_bytes(training, "reduce_scatter"),
-        "collectives": {
-            kind: len(ops(training, op=kind)) for kind in ("all_gather", "reduce_scatter", "all_reduce")
-        },
-        "mixed_precision_budgets": source == "emulation",
-        "budget_source": source,
-        "notes": engine.notes,
-        "curves": {
+    return RankResult(
+        "ok",
+        findings=findings,
+        knobs=checks,
+        deterministic=deterministic,
+        nondeterminism=nondeterminism,
+        engine_s=engine_s,
+        reference_s=reference_s,
+        peak_mem_bytes=peak,
+        bytes_all_gathered=total_bytes(training, "all_gather"),
+        bytes_reduce_scattered=total_bytes(training, "reduce_scatter"),
+        collectives={kind: len(ops(training, op=kind)) for kind in ("all_gather", "reduce_scatter", "all_reduce")},
+        budget_source=source,
+        resolvable=resolvable,
+        notes=notes + engine.notes,
+        stress_points=engine.stress_points,
+        curves={
             "loss": {"engine": engine.losses, "reference": reference.losses},
             "grad_norm": {"engine": engine.grad_norms, "reference": reference.grad_norms},
         },
-    }
+    )
+
+
+def knob_checks_off(case: CaseConfig) -> bool:
+    """``extras=(("knob_checks", "off"),)``: decide on values alone (how the planted cast-dropping engines
+    show that the tolerance catches them without the collective-dtype check)."""
+    value = case.extra.get("knob_checks", "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"extras knob_checks={value!r} must be 'on' or 'off'")
+    return value == "off"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -436,20 +414,20 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
             detail["stderr_tails"] = {str(r): t for r, t in outcome.stderr_tails.items()}
         return CaseRecord(verdict=outcome.status, reason=outcome.reason, detail=detail, **base)
 
-    values: list[dict[str, Any]] = list(outcome.values)
-    unsupported = [v for v in values if v.get("status") == "unsupported"]
+    values: list[RankResult] = list(outcome.values)
+    unsupported = [v for v in values if v.status == "unsupported"]
     if unsupported:
-        return CaseRecord(verdict="unsupported", reason=unsupported[0]["reason"], **base)
+        return CaseRecord(verdict="unsupported", reason=unsupported[0].reason, **base)
 
-    errors, where = merge_quantities([v["findings"] for v in values])
-    knobs: dict[str, dict[str, Any]] = {}
+    errors, where = merge_quantities([v.findings for v in values])
+    rank_order = {"ignored": 2, "ok": 1, "n/a": 0}
+    knobs: dict[str, KnobCheck] = {}
     for v in values:
-        for check in v["knobs"]:
-            current = knobs.get(check["knob"])
-            rank_order = {"ignored": 2, "ok": 1, "n/a": 0}
-            if current is None or rank_order[check["status"]] > rank_order[current["status"]]:
-                knobs[check["knob"]] = check
-    determinism = [v["deterministic"] for v in values]
+        for check in v.knobs:
+            current = knobs.get(check.knob)
+            if current is None or rank_order[check.status] > rank_order[current.status]:
+                knobs[check.knob] = check
+    determinism = [v.deterministic for v in values]
     deterministic = None if any(d is None for d in determinism) else all(determinism)
 
     reasons: list[str] = []
@@ -459,16 +437,16 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         if len(failing) > 1:
             reasons[-1] += f" (+{len(failing) - 1} more)"
     for check in knobs.values():
-        if check["status"] == "ignored":
-            reasons.append(f"knob {check['knob']} ignored: {check['reason']}")
+        if check.status == "ignored":
+            reasons.append(f"knob {check.knob} ignored: {check.reason}")
     if deterministic is False:
-        nondet = next(v["nondeterminism"] for v in values if v["nondeterminism"])
+        nondet = next(v.nondeterminism for v in values if v.nondeterminism)
         reasons.append(f"not deterministic: {nondet}")
     if not errors:
         reasons.append("nothing was compared")
     curves = None
-    if all("curves" in v for v in values):
-        curves = {q: {side: [list(v["curves"][q][side]) for v in values] for side in ("engine", "reference")}
+    if all(v.curves for v in values):
+        curves = {q: {side: [list(v.curves[q][side]) for v in values] for side in ("engine", "reference")}
                   for q in ("loss", "grad_norm")}
 
     return CaseRecord(
@@ -476,18 +454,19 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         reason="; ".join(reasons),
         errors=errors,
         deterministic=deterministic,
-        peak_mem_bytes=max(v["peak_mem_bytes"] for v in values),
-        bytes_all_gathered=max(v["bytes_all_gathered"] for v in values),
-        bytes_reduce_scattered=max(v["bytes_reduce_scattered"] for v in values),
+        peak_mem_bytes=max(v.peak_mem_bytes for v in values),
+        bytes_all_gathered=max(v.bytes_all_gathered for v in values),
+        bytes_reduce_scattered=max(v.bytes_reduce_scattered for v in values),
         detail={
-            "knobs": list(knobs.values()),
+            "knobs": [asdict(c) for c in knobs.values()],
             "worst_at": {name: where[name] for name in (e.name for e in failing[:10])},
-            "engine_s": [v["engine_s"] for v in values],
-            "reference_s": [v["reference_s"] for v in values],
-            "collectives": values[0]["collectives"],
-            "mixed_precision_budgets": values[0]["mixed_precision_budgets"],
-            "budget_source": values[0].get("budget_source", "none"),
-            "notes": sorted({n for v in values for n in v["notes"]}),
+            "engine_s": [v.engine_s for v in values],
+            "reference_s": [v.reference_s for v in values],
+            "collectives": values[0].collectives,
+            "budget_source": values[0].budget_source,
+            "resolvable": values[0].resolvable,
+            "notes": sorted({n for v in values for n in v.notes}),
+            **({"stress_points": values[0].stress_points} if values[0].stress_points else {}),
         },
         curves=curves,
         **base,

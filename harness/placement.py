@@ -3,10 +3,10 @@
 Every front end (``run``, ``nightly``, ``bench``, ``perf``, the pytest plugin) asks this module which
 backend a pool of ``world_size`` ranks uses, which GPUs it takes (a disjoint block per pytest-xdist
 worker where there are enough GPUs, shared evenly where there are not), how many pools run side by
-side (``plan_lanes``), how a hybrid strategy splits the world into shard groups, and what CPU ranks
-will take from the machine (``cpu_footprint``, warned about before a run that crowds it). Pure
-functions over plain numbers; only ``default_backend``, ``n_gpus`` and ``available_memory`` look at
-the machine.
+side (``plan_lanes``, ``pools_per_group``), how a hybrid strategy splits the world into shard groups,
+and what CPU ranks will take from the machine (``cpu_footprint``, warned about before a run that
+crowds it). Pure functions over plain numbers; only ``default_backend``, ``n_gpus``, ``host_facts``
+and ``available_memory`` look at the machine.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -23,6 +23,7 @@ __all__ = [
     "BackendChoice",
     "CPU_WORLD_SIZE",
     "Footprint",
+    "HostFacts",
     "Lane",
     "RANK_RSS_BYTES",
     "assign_devices",
@@ -30,9 +31,12 @@ __all__ = [
     "cpu_footprint",
     "default_backend",
     "default_shard_size",
+    "hybrid_shard_size",
     "gpus_shared",
+    "host_facts",
     "n_gpus",
     "plan_lanes",
+    "pools_per_group",
     "xdist_worker",
 ]
 
@@ -111,38 +115,107 @@ def default_shard_size(world_size: int, local_world_size: int | None = None) -> 
     return world_size
 
 
+def hybrid_shard_size(extras: dict[str, Any], world_size: int, local_world_size: int | None = None) -> int:
+    """A hybrid case's shard-group size: its ``shard_size`` extra, else ``default_shard_size``."""
+    return int(extras.get("shard_size", default_shard_size(world_size, local_world_size)))
+
+
 @dataclass(frozen=True)
 class Lane:
-    """One pool of the nightly: its world size, backend and GPUs (None on CPU)."""
+    """One pool of a run: its world size, backend and GPUs (None on CPU)."""
 
     world_size: int
     backend: str
     devices: tuple[int, ...] | None
 
 
+@dataclass(frozen=True)
+class HostFacts:
+    """What the number of pools side by side depends on."""
+
+    #: logical CPU cores this process may use.
+    cpu_cores: int
+    #: memory of the smallest visible GPU in bytes (0 without GPUs).
+    gpu_memory_bytes: int = 0
+
+
+def host_facts() -> HostFacts:
+    """This machine's ``HostFacts``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    memory = min((torch.cuda.get_device_properties(i).total_memory for i in range(n_gpus())), default=0)
+    return HostFacts(cpu_cores=cores, gpu_memory_bytes=memory)
+
+
+#: GPU memory one rank of a pool may take: the CUDA context (~0.5 GiB), NCCL's buffers and the caching
+#: allocator's blocks for the zoo's models (well under 1 GiB at peak), with room to spare.
+RANK_GPU_MEMORY = 4 << 30
+#: cores kept for the parent (the runner threads, the writer), a fuzz campaign running alongside the
+#: cases (the nightly's) and the rest of the machine.
+RESERVED_CORES = 3
+#: most pools sharing one group of GPUs: the processes time-slice each GPU, and beyond this the
+#: context switches cost more than the idle time they fill (the zoo's kernels leave GPUs idle ~90%).
+MAX_POOLS_PER_GROUP = 8
+
+
+def pools_per_group(world_size: int, backend: Backend, n_groups: int, host: HostFacts) -> int:
+    """How many pools of ``world_size`` ranks share each group of GPUs (or, on CPU, run at all).
+
+    A case is mostly host work (Python, kernel launches, small collectives) that leaves a GPU idle,
+    so pools side by side fill it: as many as the cores allow (one core per rank beyond
+    ``RESERVED_CORES``) and the GPU memory allows (``RANK_GPU_MEMORY`` per rank), at most
+    ``MAX_POOLS_PER_GROUP``. On CPU the ranks compete for the same cores, so a pool needs two cores
+    per rank to be worth starting. Never below 1. ``--pools-per-gpu`` overrides this.
+    """
+    if world_size < 1 or n_groups < 1:
+        raise ValueError(f"pools_per_group: world_size={world_size} and n_groups={n_groups} must be at least 1")
+    spare = max(host.cpu_cores - RESERVED_CORES, 0)
+    if backend == "gloo":
+        return max(1, min(MAX_POOLS_PER_GROUP, host.cpu_cores // (2 * world_size)))
+    by_cores = spare // (world_size * n_groups)
+    by_memory = host.gpu_memory_bytes // RANK_GPU_MEMORY if host.gpu_memory_bytes else MAX_POOLS_PER_GROUP
+    return max(1, min(MAX_POOLS_PER_GROUP, by_cores, by_memory))
+
+
 def plan_lanes(
-    world_sizes: Sequence[int] | None, backend: BackendChoice, n_gpus: int, matrix_world_sizes: Sequence[int]
+    world_sizes: Sequence[int] | None,
+    backend: BackendChoice,
+    n_gpus: int,
+    matrix_world_sizes: Sequence[int],
+    *,
+    host: HostFacts | None = None,
+    pools: int | None = None,
 ) -> tuple[dict[int, list[Lane]], dict[int, str]]:
     """The pools per world size, and the world sizes that cannot run here with the reason.
 
-    With GPUs every world size gets ``n_gpus // world_size`` pools on disjoint GPUs, run side by side;
-    on CPU (or with ``backend='gloo'``) one pool per world size, 2 ranks unless asked otherwise.
+    With GPUs every world size splits them into ``n_gpus // world_size`` disjoint groups and runs
+    ``pools`` pools on each group side by side (None: ``pools_per_group`` of ``host``; no host: 1);
+    on CPU (or with ``backend='gloo'``) ``pools`` pools per world size, 2 ranks unless asked otherwise.
+    Lanes are listed group by group, so the first lanes of a world size use every GPU.
     """
+    if pools is not None and pools < 1:
+        raise ValueError(f"plan_lanes: pools={pools} must be at least 1 (--pools-per-gpu)")
+
+    def count(ws: int, lane_backend: Backend, groups: int) -> int:
+        if pools is not None:
+            return pools
+        return pools_per_group(ws, lane_backend, groups, host) if host is not None else 1
+
     use_nccl = backend == "nccl" or (backend == "auto" and n_gpus >= min(world_sizes or matrix_world_sizes))
     if not use_nccl:
         if world_sizes:
-            return {ws: [Lane(ws, "gloo", None)] for ws in world_sizes}, {}
+            return {ws: [Lane(ws, "gloo", None)] * count(ws, "gloo", 1) for ws in world_sizes}, {}
         others = {ws: f"on CPU the nightly runs {CPU_WORLD_SIZE} gloo ranks; pass --world-size {ws} to run these"
                   for ws in matrix_world_sizes if ws != CPU_WORLD_SIZE}
-        return {CPU_WORLD_SIZE: [Lane(CPU_WORLD_SIZE, "gloo", None)]}, others
+        return {CPU_WORLD_SIZE: [Lane(CPU_WORLD_SIZE, "gloo", None)] * count(CPU_WORLD_SIZE, "gloo", 1)}, others
     lanes: dict[int, list[Lane]] = {}
     skipped: dict[int, str] = {}
     for ws in world_sizes or matrix_world_sizes:
-        pools = n_gpus // ws
-        if pools < 1:
+        groups = n_gpus // ws
+        if groups < 1:
             skipped[ws] = f"world size {ws} needs {ws} GPUs (one per rank); {n_gpus} visible"
             continue
-        lanes[ws] = [Lane(ws, "nccl", tuple(range(i * ws, (i + 1) * ws))) for i in range(pools)]
+        per_group = count(ws, "nccl", groups)
+        lanes[ws] = [Lane(ws, "nccl", tuple(range(i * ws, (i + 1) * ws))) for _ in range(per_group) for i in range(groups)]
     return lanes, skipped
 
 

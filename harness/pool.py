@@ -437,6 +437,13 @@ class RankPool:
         self._store = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def kill_ranks(self) -> None:
+        """Kill the ranks now, from any thread: a job waiting on them ends as a crash, and the owner's
+        ``close`` then removes the pool's files (how an interrupted run stops its pools at once)."""
+        for proc in list(self._procs):
+            if proc.is_alive():
+                proc.kill()
+
     def _kill(self) -> None:
         for proc in self._procs:
             if proc.is_alive():

@@ -33,7 +33,31 @@ class RankContext:
         return self.device.type
 
     def world_group(self) -> dist.ProcessGroup:
-        return dist.distributed_c10d._get_default_group()
+        """All ranks of this context: the default group, or the group of a ``prefix`` context."""
+        group = self._cache.get("prefix_group")
+        return group if group is not None else dist.distributed_c10d._get_default_group()
+
+    def prefix(self, n: int) -> "RankContext | None":
+        """A context over ranks ``0..n-1`` alone (a checkpoint saved on some ranks, resumed on others);
+        None on the ranks outside it. Collective: every rank calls it with the same ``n``.
+
+        Only the world group and one-dimensional meshes are remapped; hybrid groups are not (a case
+        that resumes at another world size runs no hybrid strategy).
+        """
+        if not 1 <= n <= self.world_size:
+            raise ValueError(f"RankContext.prefix: n={n} must be in [1, world_size={self.world_size}]")
+        key = ("prefix", n)
+        if key not in self._cache:
+            self.singleton_group()  # created collectively now, shared with the prefix context
+            self._cache[key] = self.world_group() if n == self.world_size else dist.new_group(list(range(n)))
+        if self.rank >= n:
+            return None
+        if n == self.world_size:
+            return self
+        sub = RankContext(self.rank, n, self.local_rank, min(self.local_world_size, n), self.backend, self.device)
+        sub._cache["prefix_group"] = self._cache[key]
+        sub._cache["singletons"] = self._cache["singletons"]
+        return sub
 
     def singleton_group(self) -> dist.ProcessGroup:
         """A group of this rank alone (every rank creates every rank's, in order)."""
@@ -57,9 +81,14 @@ class RankContext:
         """A device mesh over all ranks (``init_device_mesh``), cached by shape."""
         key = ("mesh", shape, names)
         if key not in self._cache:
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-            self._cache[key] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+            if "prefix_group" in self._cache:
+                if len(shape) != 1:
+                    raise ValueError(f"RankContext.mesh: a prefix context has one-dimensional meshes only, not {shape}")
+                self._cache[key] = DeviceMesh.from_group(self._cache["prefix_group"], self.device_type, mesh_dim_names=names)
+            else:
+                self._cache[key] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
         return self._cache[key]
 
     def singleton_mesh(self) -> Any:

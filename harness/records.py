@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-Verdict = Literal["pass", "fail", "unsupported", "error", "timeout", "crash"]
+#: ``flaky``: the runs of a repeated case disagreed (``CaseRecord.outcomes`` counts each); never a pass.
+Verdict = Literal["pass", "fail", "unsupported", "error", "timeout", "crash", "flaky"]
 VERDICTS: tuple[str, ...] = get_args(Verdict)
 
 #: bump when a field changes meaning; readers refuse newer majors.
@@ -68,6 +69,9 @@ class CaseRecord:
     #: per-rank details kept for debugging (stacks of a timeout, stderr tail of a crash ...).
     detail: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
+    #: runs per verdict of a repeated case (``{"pass": 3, "fail": 2}``); None when it ran once.
+    #: Optional: records written before it existed read as None.
+    outcomes: dict[str, int] | None = None
     #: per-step values of both sides, per rank: ``{"loss": {"engine": [[step0, step1, ...] of rank 0,
     #: ...], "reference": [...]}, "grad_norm": {...}}``, so a report can draw how a divergence grew.
     #: None where not recorded (cases that did not finish, records written before it existed).

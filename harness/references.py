@@ -4,7 +4,8 @@
   ignored), trained like every engine.
 - ``LocalReference``: one process computing every rank's batch on an unsharded model, with the
   precision casts the engine makes (see [Note: local reference]); with ``TRUTH_SPEC`` the same run in
-  float64, the truth tolerance budgets are measured against (``harness.tolerance``).
+  float64, the truth tolerance budgets are measured against, and with a ``cast_ablations`` spec what
+  an engine that ignores one ``MixedPrecision`` field computes (``harness.tolerance``).
 
 [Note: local reference]
 For every rank ``r`` the local reference runs rank ``r``'s batch through a model holding rank
@@ -13,7 +14,8 @@ are ``r``'s own) with ``torch.func.functional_call``: parameters cast to the com
 buffers to the buffer dtype and floating inputs to the compute dtype (what FSDP does to the root's
 inputs). Each rank's gradient is cast to the reduce dtype, divided by the pre-divide factor, summed
 over ranks, divided by the post-divide factor (FSDP1's split of ``1/world_size``) and cast to the
-full precision of the master weights, which an SGD-with-momentum optimizer then updates. A
+full precision of the master weights, which the case's optimizer (``harness.optim``, the engine's
+class and hyperparameters) then updates. A
 rank-local parameter's gradient is its own rank's, unreduced. The result equals DDP's averaged
 gradient in full precision and emulates the engine's rounding in mixed precision.
 """
@@ -21,7 +23,8 @@ gradient in full precision and emulates the engine's rounding in mixed precision
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -30,9 +33,10 @@ from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, prepare_inp
 from harness.case import CaseConfig, PrecisionSpec
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model
+from harness.optim import build_optimizer
 from harness.rank import RankContext
 
-__all__ = ["LocalReference", "ReferenceRun", "TRUTH_SPEC", "build_ddp", "gradient_divide_factors"]
+__all__ = ["LocalReference", "ReferenceRun", "TRUTH_SPEC", "build_ddp", "cast_ablations", "gradient_divide_factors"]
 
 
 def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
@@ -74,44 +78,95 @@ class ReferenceRun:
     params: dict[str, torch.Tensor]
 
 
-class LocalReference:
-    """One process, no collectives: every rank's batch on an unsharded model ([Note: local reference])."""
+def case_schedule(case: CaseConfig) -> list[int]:
+    """Ranks taking part in each step of a case: ``world_size`` throughout, or a resharded checkpoint's
+    saving ranks up to the checkpoint and its resuming ranks after it (``CaseConfig.reshard``)."""
+    if not case.reshard:
+        return [case.world_size] * case.steps
+    saving, resuming = case.reshard
+    return [saving if step < case.checkpoint_step else resuming for step in range(case.steps)]
 
-    def __init__(self, case: CaseConfig, spec: PrecisionSpec, device: torch.device, world_size: int) -> None:
-        self.case = case
+
+#: ``inputs(step, rank)``: rank ``rank``'s batch at ``step`` (on any device, in any dtype).
+InputFn = Callable[[int, int], Sequence[torch.Tensor]]
+#: ``loss(inputs, output)``: the scalar a rank runs backward from.
+LossFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
+
+
+class LocalReference:
+    """One process, no collectives: every rank's batch on an unsharded model ([Note: local reference]).
+
+    ``replicas[r]`` is rank ``r``'s model (one object for every rank when nothing is rank-local);
+    ``local_names`` the rank-local parameters. ``for_case`` builds one from the zoo.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[nn.Module],
+        spec: PrecisionSpec,
+        device: torch.device,
+        *,
+        steps: int,
+        lr: float,
+        momentum: float,
+        inputs: InputFn,
+        loss: LossFn,
+        local_names: frozenset[str] = frozenset(),
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        schedule: Sequence[int] | None = None,
+    ) -> None:
+        if not replicas:
+            raise ValueError("LocalReference needs one model per rank (replicas is empty)")
         self.spec = spec
         self.device = device
-        self.world_size = world_size
+        self.world_size = len(replicas)
+        self.steps = steps
+        self.inputs = inputs
+        self.loss = loss
         self.full = dtype_of(spec.full)
-        self.compute = dtype_of(spec.param) or self.full
-        self.reduce = dtype_of(spec.reduce) or self.compute
+        self.compute = dtype_of(spec.compute)
+        self.reduce = dtype_of(spec.reduced)
         self.buffer = dtype_of(spec.buffer)
-        first = build_model(case.model, seed=case.seed, rank=0, world_size=world_size)
-        if first.rank_local_modules():
-            self.replicas = [first] + [
-                build_model(case.model, seed=case.seed, rank=r, world_size=world_size) for r in range(1, world_size)
-            ]
-        else:
-            self.replicas = [first] * world_size
+        self.replicas = list(replicas)
         for m in {id(m): m for m in self.replicas}.values():
             m.to(device=device, dtype=self.full)
-        self.local_names = rank_local_param_names(first)
+        self.local_names = set(local_names)
         # Master weights: the shared ones from replica 0, the rank-local ones per rank.
-        self.shared = {n: p for n, p in first.named_parameters() if n not in self.local_names}
+        self.shared = {n: p for n, p in self.replicas[0].named_parameters() if n not in self.local_names}
         self.local = [
             {n: p for n, p in replica.named_parameters() if n in self.local_names} for replica in self.replicas
         ]
         masters = [p for p in self.shared.values() if p.requires_grad]
         for params in self.local:
             masters += [p for p in params.values() if p.requires_grad]
-        self.optimizer = torch.optim.SGD(masters, lr=case.lr, momentum=case.momentum)
+        self.optimizer = make_optimizer(masters) if make_optimizer else torch.optim.SGD(masters, lr=lr, momentum=momentum)
+        #: ranks taking part in each step (a resharded checkpoint changes it half-way).
+        self.schedule = list(schedule) if schedule else [self.world_size] * steps
+        if max(self.schedule) > self.world_size:
+            raise ValueError(f"LocalReference: schedule {self.schedule} needs more ranks than the {self.world_size} replicas")
+
+    @classmethod
+    def for_case(cls, case: CaseConfig, spec: PrecisionSpec, device: torch.device, world_size: int) -> "LocalReference":
+        """The case's zoo model, one replica per rank where the model has rank-local modules, trained with
+        the case's optimizer (``harness.optim``) over the case's world-size schedule."""
+        first = build_model(case.model, seed=case.seed, rank=0, world_size=world_size)
+        if first.rank_local_modules():
+            replicas = [first] + [build_model(case.model, seed=case.seed, rank=r, world_size=world_size) for r in range(1, world_size)]
+        else:
+            replicas = [first] * world_size
+        return cls(
+            replicas, spec, device, steps=case.steps, lr=case.lr, momentum=case.momentum,
+            inputs=lambda step, r: replicas[r].get_input(seed=case.seed, step=step, rank=r),
+            loss=first.get_loss, local_names=frozenset(rank_local_param_names(first)),
+            make_optimizer=lambda masters: build_optimizer(case, masters), schedule=case_schedule(case),
+        )
 
     def _view(self, r: int) -> dict[str, nn.Parameter]:
         return {**self.shared, **self.local[r]}
 
     def _rank_step(self, r: int, step: int) -> tuple[float, dict[str, torch.Tensor]]:
         model = self.replicas[r]
-        inputs = prepare_inputs(model.get_input(seed=self.case.seed, step=step, rank=r), self.device, self.full)
+        inputs = prepare_inputs(self.inputs(step, r), self.device, self.full)
         inputs = tuple(t.to(self.compute) if t.is_floating_point() else t for t in inputs)
         compute = {n: p.detach().to(self.compute).requires_grad_(p.requires_grad) for n, p in self._view(r).items()}
         buffers = {
@@ -119,7 +174,7 @@ class LocalReference:
             for n, b in model.named_buffers()
         }
         output = torch.func.functional_call(model, {**compute, **buffers}, inputs)
-        loss = model.get_loss(inputs, output)
+        loss = self.loss(inputs, output)
         trainable = [n for n, p in compute.items() if p.requires_grad]
         grads = torch.autograd.grad(loss, [compute[n] for n in trainable], allow_unused=True)
         return float(loss.detach().double()), {
@@ -127,27 +182,47 @@ class LocalReference:
         }
 
     def run(self, rank: int) -> ReferenceRun:
-        pre, post = gradient_divide_factors(self.world_size)
+        """The run as rank ``rank`` sees it: the steps it takes part in, and the parameters if it takes
+        part in the last one."""
         out = ReferenceRun([], [], [], {})
-        for step in range(self.case.steps):
-            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(self.world_size)))
+        schedule = self.schedule
+        for step, world_size in enumerate(schedule):
+            pre, post = gradient_divide_factors(world_size)
+            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(world_size)))
             for n, p in self.shared.items():
                 if p.requires_grad:
                     total = sum(g[n].to(self.reduce) / pre for g in per_rank)
                     p.grad = (total / post).to(self.full)
-            for r, params in enumerate(self.local):
+            for r, params in enumerate(self.local[:world_size]):
                 for n, p in params.items():
                     if p.requires_grad:
                         p.grad = per_rank[r][n].to(self.reduce).to(self.full)
-            view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
-            out.losses.append(losses[rank])
-            out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
-            out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
+            if rank < world_size:
+                view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
+                out.losses.append(losses[rank])
+                out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
+                out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
+        if rank < schedule[-1]:
+            out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
         return out
 
 
 #: The same run in float64 throughout: the yardstick mixed-precision budgets are measured with.
 TRUTH_SPEC = PrecisionSpec(full="float64", param=None, reduce=None, buffer=None)
+
+
+def cast_ablations(spec: PrecisionSpec, has_float_buffers: bool) -> dict[str, PrecisionSpec]:
+    """``spec`` with one of its casts dropped (``no_param``, ``no_reduce``, ``no_buffer``): what an engine
+    that silently ignores exactly that ``MixedPrecision`` field computes. Only the ablations that change
+    the numbers: dropping ``reduce`` where it equals ``param`` (FSDP1 reduces in ``param`` then) or a
+    buffer cast on a model without floating buffers changes nothing, and costs a run for nothing."""
+    out: dict[str, PrecisionSpec] = {}
+    for field in ("param", "reduce", "buffer"):
+        if getattr(spec, field) is None or (field == "buffer" and not has_float_buffers):
+            continue
+        ablated = replace(spec, **{field: None})
+        if ablated.casts() != spec.casts():
+            out[f"no_{field}"] = ablated
+    return out

@@ -1,10 +1,18 @@
 """The one case runner every front end shares: select cases, run them on pools, record, show progress.
 
 ``select_cases`` turns a ``Selection`` (what the command line or a config asks for) into cases of the
-matrix; ``run_case`` runs one case on a pool and decides its record; ``CaseRunner`` drains a queue of
-cases over several pools side by side (one thread per pool, see ``harness.placement.plan_lanes``),
-writing each record as it ends; ``Progress`` is the bar and the per-verdict counts. The CLI's ``run``
-and ``nightly``, ``certify`` and the pytest plugin all run cases through here.
+matrix; ``interleave`` orders them so that a time budget spent early has still seen every engine,
+reference and model; ``run_case`` runs one case on a pool and decides its record (``run_repeated``:
+several runs folded by ``harness.repeats``); ``CaseRunner`` drains a queue of cases over several
+pools side by side (one thread per pool, see ``harness.placement.plan_lanes``), writing each record
+as it ends; ``Progress`` is the bar (its ETA is for what the budget will run) and the per-verdict
+counts. The CLI's ``run`` and ``nightly`` and the pytest plugin all run cases through here.
+
+[Note: the same results whatever the concurrency]
+A case's numbers depend only on the case: each pool is its own process group on its own ranks, every
+batch and initial parameter is a function of ``(seed, step, rank)``, and a rank's thread count does
+not depend on how many pools run (``harness.pool.PoolConfig.threads_per_rank``). Lanes change which
+pool runs a case and when, never what it computes; ``suites/harness`` checks it bitwise on CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from harness.case import CaseConfig
 from harness.placement import Lane
 from harness.records import CaseRecord
+from harness.repeats import merge_runs, needs_rerun
 
 if TYPE_CHECKING:
     from harness.pool import RankPool
@@ -34,9 +43,12 @@ __all__ = [
     "SelectionError",
     "check_selection",
     "exit_status",
+    "expected_total",
     "file_counts",
     "generate_cases",
+    "interleave",
     "run_case",
+    "run_repeated",
     "select_cases",
     "summary",
     "under_torchrun",
@@ -49,7 +61,7 @@ class Selection:
 
     #: case generator of ``harness.matrix``: ``smoke``, ``pairwise`` or ``full``.
     matrix: str = "smoke"
-    #: engines under test (None: every engine of the matrix).
+    #: engines under test, names or specs of ``harness.registry`` (None: the matrix's default engines).
     engines: list[str] | None = None
     #: references (None: the matrix's).
     references: list[str] | None = None
@@ -57,9 +69,15 @@ class Selection:
     models: list[str] | None = None
     #: training steps per case (None: ``CaseConfig``'s default).
     steps: int | None = None
+    #: optimizers (``harness.matrix.WIDE_AXES``; None: the matrix's, SGD with momentum).
+    optimizers: list[str] | None = None
+    #: checkpoint types: none, full, sharded, local (None: the matrix's, none).
+    checkpoints: list[str] | None = None
     #: run each engine twice and require bitwise-equal results.
     check_determinism: bool = False
-    #: keep cases whose full id contains one of these.
+    #: the ``stress`` axis of every case (``delay``: ``--stress``).
+    stress: str = "none"
+    #: keep cases whose full id contains one of these (``a+b``: contains both ``a`` and ``b``).
     filters: list[str] = field(default_factory=list)
     #: at most this many cases.
     limit: int | None = None
@@ -69,13 +87,15 @@ class Selection:
         """From the argparse namespace of a front end that added the selection options."""
         return cls(
             matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
-            steps=args.steps, check_determinism=bool(getattr(args, "check_determinism", False)),
+            steps=args.steps, optimizers=getattr(args, "optimizers", None), checkpoints=getattr(args, "checkpoints", None),
+            check_determinism=bool(getattr(args, "check_determinism", False)),
+            stress="delay" if getattr(args, "stress", False) else "none",
             filters=list(args.filter or []), limit=args.limit,
         )
 
 
-#: verdicts that make ``run`` exit with status 1.
-BAD_VERDICTS = ("fail", "error", "timeout", "crash")
+#: verdicts that make ``run`` exit with status 1 (a flaky case failed at least once: see ``harness.repeats``).
+BAD_VERDICTS = ("fail", "error", "timeout", "crash", "flaky")
 
 
 class SelectionError(ValueError):
@@ -88,9 +108,10 @@ def check_selection(selection: Selection, world_sizes: Sequence[int] = ()) -> No
     The one place the names of the selection options are checked, before any case is generated, so
     an error says ``--engines`` rather than the ``CaseConfig`` field it would otherwise fail in.
     """
-    from harness.case import EngineName, ReferenceName
+    from harness.case import ReferenceName
     from harness.matrix import _GENERATORS
     from harness.models import MODELS
+    from harness.registry import check_engines
 
     def unknown(option: str, given: Sequence[Any] | None, known: Sequence[str], where: str) -> None:
         wrong = [v for v in given or [] if v not in known]
@@ -98,7 +119,11 @@ def check_selection(selection: Selection, world_sizes: Sequence[int] = ()) -> No
             raise SelectionError(f"{option}: {', '.join(map(repr, wrong))} not in {where}; choose from {', '.join(known)}")
 
     unknown("--matrix", [selection.matrix], list(_GENERATORS), "harness.matrix's generators")
-    unknown("--engines", selection.engines, list(get_args(EngineName)), "the engines")
+    if selection.engines:
+        try:
+            check_engines(selection.engines, "--engines")
+        except ValueError as exc:
+            raise SelectionError(str(exc)) from exc
     unknown("--references", selection.references, list(get_args(ReferenceName)), "the references")
     unknown("--models", selection.models, sorted(MODELS), "harness.models.MODELS")
     for option, value in (("--steps", selection.steps), ("--limit", selection.limit)):
@@ -155,20 +180,67 @@ def run_case(pool: "RankPool", case: CaseConfig, timeout_s: float | None = None)
     return record_from_outcome(case, pool.run(run_case_on_rank, case, timeout_s=timeout_s))
 
 
+def run_repeated(pool: "RankPool", case: CaseConfig, repeat: int = 1, repeat_failures: int = 0) -> CaseRecord:
+    """``repeat`` runs of ``case``, then ``repeat_failures`` more when they did not all pass, folded
+    into one record by ``harness.repeats.merge_runs`` (disagreeing runs: ``flaky``)."""
+    if repeat < 1 or repeat_failures < 0:
+        raise ValueError(f"run_repeated: repeat={repeat} must be >= 1 and repeat_failures={repeat_failures} >= 0")
+    runs = [run_case(pool, case) for _ in range(repeat)]
+    if repeat_failures and needs_rerun(merge_runs(runs)):
+        runs += [run_case(pool, case) for _ in range(repeat_failures)]
+    return merge_runs(runs)
+
+
+#: the axes ``interleave`` spreads, outermost first.
+INTERLEAVE_AXES = ("world_size", "engine", "reference", "model", "sharding_strategy", "precision")
+
+
+def interleave(cases: Sequence[CaseConfig], axes: Sequence[str] = INTERLEAVE_AXES) -> list[CaseConfig]:
+    """The same cases, reordered so every prefix is spread over ``axes``: round robin over the values
+    of the first axis (in first-seen order), each value's cases interleaved by the remaining axes.
+
+    A run cut short by a time budget has then compared every engine against every reference on
+    every model before it goes deeper into any one of them.
+    """
+    if not axes:
+        return list(cases)
+    groups: dict[Any, list[CaseConfig]] = {}
+    for case in cases:
+        groups.setdefault(getattr(case, axes[0]), []).append(case)
+    columns = [interleave(group, axes[1:]) for group in groups.values()]
+    out: list[CaseConfig] = []
+    for depth in range(max((len(c) for c in columns), default=0)):
+        out.extend(column[depth] for column in columns if depth < len(column))
+    return out
+
+
 def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
+    from harness.registry import check_engines
+
     axes: dict[str, list[Any]] = {}
     if args.engines:
-        axes["engine"] = args.engines
+        axes["engine"] = check_engines(args.engines, "--engines")
     if args.models:
         axes["model"] = args.models
+    from harness.matrix import WIDE_AXES
+
+    for option, axis, values in (("--optimizers", "optimizer", args.optimizers), ("--checkpoints", "checkpoint", args.checkpoints)):
+        if values:
+            unknown = [v for v in values if v not in WIDE_AXES[axis]]
+            if unknown:
+                raise ValueError(f"{option}: {unknown} not among {WIDE_AXES[axis]} (dcp-reshard cases name their world "
+                                 "sizes: suites/checkpoint builds them)")
+            axes[axis] = values
     fixed: dict[str, Any] = {}
     if args.steps is not None:
         fixed["steps"] = args.steps
     if args.check_determinism:
         fixed["check_determinism"] = True
+    if args.stress != "none":
+        fixed["stress"] = args.stress
     cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None, **fixed)
     if args.filters:
-        kept = [c for c in cases if any(f in c.full_id for f in args.filters)]
+        kept = [c for c in cases if any(all(part in c.full_id for part in f.split("+")) for f in args.filters)]
         if cases and not kept:
             raise SelectionError(
                 f"--filter {' --filter '.join(map(repr, args.filters))} matches none of the {len(cases)} selected "
@@ -184,24 +256,47 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
-class Progress:
-    """The progress bar and the per-verdict counts; problems are printed above the bar as they come."""
+def expected_total(todo: int, done: int, elapsed_s: float, left_s: float | None) -> int:
+    """How many of ``todo`` cases a run will have finished: all of them without a budget, else those
+    done plus what the rate so far fits into the ``left_s`` seconds the budget has left."""
+    if left_s is None or done == 0 or elapsed_s <= 0:
+        return todo
+    return min(todo, done + int(done / elapsed_s * max(left_s, 0.0)))
 
-    def __init__(self, total: int, enabled: bool) -> None:
+
+class Progress:
+    """The progress bar and the per-verdict counts; problems are printed above the bar as they come.
+
+    Under a deadline the bar's total is what the budget will run (``expected_total``), so its ETA is
+    when the run will end, not when the whole selection would have.
+    """
+
+    def __init__(self, total: int, enabled: bool, deadline: float | None = None) -> None:
         from tqdm import tqdm
 
         self.counts: collections.Counter[str] = collections.Counter()
+        self.todo = total
+        self.deadline = deadline
+        self.start = time.monotonic()
         self.bar = tqdm(total=total, unit="case", dynamic_ncols=True, disable=not enabled, file=sys.stderr)
 
     def update(self, record: CaseRecord, full_id: str) -> None:
         self.counts[record.verdict] += 1
         if record.verdict in BAD_VERDICTS:
             self.bar.write(f"{record.verdict:8s} {full_id}: {record.reason}", file=sys.stderr)
+        if self.deadline is not None:
+            now = time.monotonic()
+            self.bar.total = expected_total(self.todo, self.bar.n + 1, now - self.start, self.deadline - now)
         self.bar.set_postfix(dict(self.counts), refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
+
+
+def rate_text(cases: int, elapsed_s: float) -> str:
+    """``12.3 cases/s``."""
+    return f"{cases / elapsed_s:.2f} cases/s" if elapsed_s > 0 else "- cases/s"
 
 
 def summary(counts: collections.Counter[str], out: Path, elapsed: float) -> str:
@@ -210,8 +305,7 @@ def summary(counts: collections.Counter[str], out: Path, elapsed: float) -> str:
 
     rows = [(verdict, n) for verdict, n in sorted(counts.items(), key=lambda kv: -kv[1])]
     n = sum(counts.values())
-    rate = n / elapsed if elapsed > 0 else 0.0
-    return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{n} cases in {elapsed:.1f} s ({rate:.2f} cases/s) -> {out}"
+    return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{n} cases in {elapsed:.1f} s ({rate_text(n, elapsed)}) -> {out}"
 
 
 def exit_status(counts: Mapping[str, int]) -> int:
@@ -230,15 +324,23 @@ class CaseRunner:
 
     The threads only wait on their pool's pipes; a case's record is written and counted under one
     lock, and none is written once ``stop`` is set (Ctrl-C), so an interrupted case is never recorded
-    as the crash its killed ranks would look like.
+    as the crash its killed ranks would look like. Pools stay warm from one case to the next: a case
+    costs no process start, import or process-group set-up (``harness.pool``).
     """
 
-    def __init__(self, writer: Any, progress: Progress, deadline: float | None, case_timeout_s: float) -> None:
+    def __init__(self, writer: Any, progress: Progress, deadline: float | None, case_timeout_s: float,
+                 *, repeat: int = 1, repeat_failures: int = 0) -> None:
+        if repeat < 1 or repeat_failures < 0:
+            raise ValueError(f"CaseRunner: repeat={repeat} must be >= 1 and repeat_failures={repeat_failures} >= 0 "
+                             "(--repeat, --repeat-failures)")
         self.writer = writer
         self.progress = progress
         #: ``time.monotonic()`` after which no case is launched; None: no budget.
         self.deadline = deadline
         self.case_timeout_s = case_timeout_s
+        #: runs of every case, and extra runs of a case whose runs did not all pass.
+        self.repeat = repeat
+        self.repeat_failures = repeat_failures
         self.stop = threading.Event()
         #: cases launched and recorded by this runner.
         self.recorded = 0
@@ -247,29 +349,67 @@ class CaseRunner:
         #: the results file could not be written: every lane stops and ``run`` raises this.
         self.write_error: OSError | None = None
         self._lock = threading.Lock()
+        #: the pools of the ``run`` under way and the events its lanes set when over, for ``interrupt``.
+        self._pools: list[RankPool] = []
+        self._done: list[threading.Event] = []
 
     def over_budget(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    def run_all(self, lanes: Mapping[int, Sequence[Lane]], cases: Sequence[CaseConfig],
+                budget_s: float | None = None) -> tuple[list[tuple[CaseConfig, str]], bool]:
+        """Every world size's cases on its lanes, one world size after the other (each plan fills the
+        GPUs on its own). Returns the cases not launched with why, and whether some pool failed."""
+        not_run: list[tuple[CaseConfig, str]] = []
+        pools_failed = False
+        for ws, group in lanes.items():
+            left = self.run(group, [c for c in cases if c.world_size == ws])
+            if not left:
+                continue
+            if self.over_budget():
+                why = f"time budget of {budget_s:g} s spent" if budget_s is not None else "time budget spent"
+            else:
+                pools_failed = True
+                why = "; ".join(self.lane_errors) or "no pool took it"
+            not_run += [(c, why) for c in left]
+        return not_run, pools_failed
+
     def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
         """Run ``cases`` on ``lanes``; returns the cases that were not launched."""
         queue = collections.deque(cases)
-        threads = [threading.Thread(target=self._lane, args=(lane, queue), daemon=True, name=f"nightly-lane{i}")
-                   for i, lane in enumerate(lanes)]
+        # Each lane sets its own event when it is over: a Thread.join that Ctrl-C interrupts can mark a
+        # running thread stopped (CPython 3.11), and ``interrupt`` must still wait for the pools to close.
+        self._done = [threading.Event() for _ in lanes]
+        threads = [threading.Thread(target=self._lane, args=(lane, queue, done), daemon=True, name=f"harness-lane{i}")
+                   for i, (lane, done) in enumerate(zip(lanes, self._done))]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.2)  # a timed join lets Ctrl-C reach the main thread
+        for done in self._done:
+            while not done.wait(0.2):  # a timed wait lets Ctrl-C reach the main thread
+                pass
         if self.write_error is not None:
             raise self.write_error
         return list(queue)
 
-    def interrupt(self) -> None:
+    def interrupt(self, wait_s: float = 30.0) -> None:
+        """Stop every lane: no case is launched or recorded any more, the running ones end with their
+        ranks killed, and each lane closes its pool (ranks gone, files removed) within ``wait_s``."""
         with self._lock:
             self.stop.set()
+            pools = list(self._pools)
+        for pool in pools:
+            pool.kill_ranks()
+        deadline = time.monotonic() + wait_s
+        for done in self._done:
+            done.wait(max(deadline - time.monotonic(), 0))
 
-    def _lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
+    def _lane(self, lane: Lane, queue: collections.deque[CaseConfig], done: threading.Event) -> None:
+        try:
+            self._run_lane(lane, queue)
+        finally:
+            done.set()
+
+    def _run_lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
         from harness.pool import PoolConfig, PoolStartError, RankPool
 
         config = PoolConfig(world_size=lane.world_size, backend=lane.backend, devices=lane.devices,  # type: ignore[arg-type]
@@ -277,12 +417,16 @@ class CaseRunner:
         case: CaseConfig | None = None
         try:
             with RankPool(config) as pool:
+                with self._lock:
+                    if self.stop.is_set():
+                        return
+                    self._pools.append(pool)
                 while True:
                     with self._lock:
                         if self.stop.is_set() or self.over_budget() or not queue:
                             return
                         case = queue.popleft()
-                    record = run_case(pool, case)
+                    record = run_repeated(pool, case, self.repeat, self.repeat_failures)
                     with self._lock:
                         if self.stop.is_set():
                             return

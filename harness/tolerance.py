@@ -29,10 +29,31 @@ Each quantity is a ``QuantityError`` (max absolute and relative error, the toler
   tolerances), and a gradient planted 1e-5 off still fails every zoo model at 4 and 8 ranks (worst
   ratio 2.4 on gpt to 29). A float64 case keeps the defaults at every world size: float64 is its own
   truth.
-- Mixed precision: a budget derived per quantity as ``BUDGET_FACTOR`` times the distance between
-  the local reference that emulates the engine's casts and the same run in float64, with the rtol of
-  the lowest-precision dtype the case computes or reduces in: a scalar such as a loss can land on a
-  lucky rounding in the emulation, so one rounding of the low-precision dtype is always allowed.
+- Mixed precision up to ``ORDER_FREE_WORLD_SIZE`` ranks (``ablation``): the engine is compared with
+  the local reference that emulates its casts (DDP computes in full precision, so a mixed-precision
+  case is compared with the emulation whatever its ``reference``), under torch's defaults for the
+  full dtype, widened per quantity by ``MIXED_PRECISION_FACTOR`` (0.5) times the distance from the
+  emulation to the nearest run an engine that drops casts would compute: the float64 run (every
+  cast dropped) and each ``harness.references.cast_ablations`` run (one ``MixedPrecision`` field
+  ignored), see ``ablation_budget``. The factor is below 1 on purpose: an engine that drops a cast
+  lands on that run, at the full distance from the emulation, so any factor of 1 or more would pass
+  it and the values could not tell an engine that ignores ``param_dtype``, ``reduce_dtype`` or
+  ``buffer_dtype`` from an honest one (the knob checks would be the only guard). An honest engine
+  rounds exactly as the emulation here (the same casts, a two-term sum): every mixed-precision case
+  of the pairwise lane on 2 gloo ranks measured ratio 0.0, and on 2 NCCL GPUs the built-in engine's
+  float16 cases matched the emulation bitwise. A run whose half distance is within torch's
+  tolerance at the quantity's magnitude cannot be told apart by values and is not *resolvable* for
+  that quantity (a cast with no numerical effect on the model); ``detail["resolvable"]`` of a record
+  says which quantities each run resolves.
+- Mixed precision past ``ORDER_FREE_WORLD_SIZE`` ranks (``emulation``): the order in which a
+  low-precision sum is taken (ring, tree, wider accumulators inside the backend) changes its rounding
+  by as much as the reduce cast itself, and training amplifies it: the honest engines ended 1.98 off
+  the emulation on a gradient of the bf16 transformer at 8 ranks, where summing the emulation's ranks
+  in reverse order moved it less than a fifth of that; at 4 ranks (hybrid, bf16) the loss landed one
+  bfloat16 rounding (0.0078) away. Values cannot resolve a dropped cast there (the precision knob
+  check does), so the budget is ``BUDGET_FACTOR`` times the emulation's distance to float64, with the
+  rtol of the lowest-precision dtype the case computes or reduces in: a scalar such as a loss can
+  land on a lucky rounding in the emulation, so one rounding of the low-precision dtype is allowed.
 
 A budget is the worst over the ranks (``harness.compare.worst_budgets``): every rank's loss measures
 the same drift of the shared parameters from float64, and on one rank the measured run can land next
@@ -43,6 +64,7 @@ budget only widens ``atol``; it never narrows torch's defaults.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,7 +73,18 @@ import torch
 from harness.case import PrecisionSpec
 from harness.dtypes import dtype_of
 
-__all__ = ["BUDGET_FACTOR", "BudgetSource", "DEFAULT_TOLERANCES", "ORDER_FREE_WORLD_SIZE", "TolerancePolicy", "budget_source"]
+__all__ = [
+    "BUDGET_FACTOR",
+    "BudgetSource",
+    "DEFAULT_TOLERANCES",
+    "DerivedBudget",
+    "MIXED_PRECISION_FACTOR",
+    "ORDER_FREE_WORLD_SIZE",
+    "TolerancePolicy",
+    "ablation_budget",
+    "budget_source",
+    "mixed_precision_budgets",
+]
 
 
 #: ``torch.testing.assert_close``'s default ``(rtol, atol)`` per dtype.
@@ -63,10 +96,15 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
-#: How far from the float64 run an engine may be, in multiples of how far the measured run is (the
-#: emulating reference under mixed precision, the reference itself past ``ORDER_FREE_WORLD_SIZE``).
-#: The engine rounds at the same places as that run, in another order.
+#: Past ``ORDER_FREE_WORLD_SIZE`` ranks: how far from the float64 run an engine may be, in multiples of
+#: how far the measured run is (the reference itself in full precision, the emulating reference under
+#: mixed precision). The engine rounds at the same places as that run, in another order.
 BUDGET_FACTOR = 4.0
+
+
+#: Under mixed precision, the multiple of the distance from the emulation to the nearest cast-dropping
+#: run that an engine may be off. Below 1, so that dropping a cast fails on values alone.
+MIXED_PRECISION_FACTOR = 0.5
 
 
 #: Up to this many ranks a gradient average rounds the same in any reduction order (one addition
@@ -74,10 +112,10 @@ BUDGET_FACTOR = 4.0
 ORDER_FREE_WORLD_SIZE = 2
 
 
-#: Which run's distance from float64 sets the budgets: none (torch's defaults), the local reference
-#: that emulates the engine's casts (mixed precision), or the reference itself (full precision past
-#: ``ORDER_FREE_WORLD_SIZE`` ranks).
-BudgetSource = Literal["none", "emulation", "reference"]
+#: Which runs set the budgets: none (torch's defaults); the emulation's distance to the runs that drop
+#: casts (mixed precision up to ``ORDER_FREE_WORLD_SIZE`` ranks); the emulation's distance to float64
+#: (mixed precision past it); the reference's own distance to float64 (full precision past it).
+BudgetSource = Literal["none", "ablation", "emulation", "reference"]
 
 
 @dataclass(frozen=True)
@@ -90,11 +128,16 @@ class TolerancePolicy:
     budgets: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def for_precision(cls, spec: PrecisionSpec, budgets: dict[str, float] | None = None) -> "TolerancePolicy":
-        """torch's defaults for the full dtype; under mixed precision the rtol of the lowest-precision
-        dtype the case computes or reduces in (one rounding there) and the derived ``budgets``."""
+    def for_precision(
+        cls, spec: PrecisionSpec, budgets: dict[str, float] | None = None, source: BudgetSource = "none"
+    ) -> "TolerancePolicy":
+        """torch's defaults for the full dtype, widened by the derived ``budgets``. Under ``emulation``
+        (mixed precision past ``ORDER_FREE_WORLD_SIZE`` ranks) the rtol of the lowest-precision dtype
+        the case computes or reduces in; under ``ablation`` the full dtype's, as a low-precision rtol
+        (1.6e-2 for bfloat16) would pass a dropped cast, whose effect on a parameter is a small
+        fraction of its value."""
         rtol, atol = DEFAULT_TOLERANCES.get(dtype_of(spec.full), DEFAULT_TOLERANCES[torch.float32])
-        if spec.is_mixed:
+        if source == "emulation":
             for name in (spec.param, spec.reduce):
                 if name is not None:
                     rtol = max(rtol, DEFAULT_TOLERANCES.get(dtype_of(name), (rtol, atol))[0])
@@ -110,7 +153,48 @@ def budget_source(spec: PrecisionSpec, world_size: int) -> BudgetSource:
     if world_size < 1:
         raise ValueError(f"budget_source: world_size={world_size} must be at least 1")
     if spec.is_mixed:
-        return "emulation"
+        return "ablation" if world_size <= ORDER_FREE_WORLD_SIZE else "emulation"
     if dtype_of(spec.full) == torch.float64 or world_size <= ORDER_FREE_WORLD_SIZE:
         return "none"
     return "reference"
+
+
+@dataclass(frozen=True)
+class DerivedBudget:
+    """One quantity's mixed-precision budget and what it was derived from."""
+
+    #: the absolute budget (widens ``atol`` where larger).
+    budget: float
+    #: the resolvable reference whose distance set it; empty when none resolves (no budget).
+    nearest: str
+    #: the references an engine computing them would fail on this quantity.
+    resolvable: tuple[str, ...]
+
+
+def ablation_budget(distances: Mapping[str, float], floor: float, factor: float = MIXED_PRECISION_FACTOR) -> DerivedBudget:
+    """``factor`` times the distance to the nearest reference whose ``factor``-fold distance exceeds
+    ``floor`` (what the tolerance allows anyway); no budget where none does."""
+    if not 0 < factor < 1:
+        raise ValueError(
+            f"ablation_budget: factor={factor} must be in (0, 1): at 1 or more an engine that drops a cast "
+            "(and lands on that run) would pass"
+        )
+    resolvable = {name: d for name, d in distances.items() if factor * d > floor}
+    if not resolvable:
+        return DerivedBudget(0.0, "", ())
+    nearest = min(resolvable, key=resolvable.__getitem__)
+    return DerivedBudget(factor * resolvable[nearest], nearest, tuple(sorted(resolvable)))
+
+
+def mixed_precision_budgets(
+    distances: Mapping[str, Mapping[str, float]], scales: Mapping[str, float], full: str
+) -> dict[str, DerivedBudget]:
+    """Per quantity: the ``ablation_budget`` from the emulation's ``distances`` (per reference name, per
+    quantity, worst over the ranks) and the quantity's magnitude ``scales`` (torch's tolerance there
+    is the floor)."""
+    rtol, atol = DEFAULT_TOLERANCES.get(dtype_of(full), DEFAULT_TOLERANCES[torch.float32])
+    quantities = sorted({q for per in distances.values() for q in per})
+    return {
+        q: ablation_budget({name: per.get(q, 0.0) for name, per in distances.items()}, atol + rtol * scales.get(q, 0.0))
+        for q in quantities
+    }

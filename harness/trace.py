@@ -13,6 +13,10 @@ dtype of a reduce-scatter is the reduce dtype the engine really used, and a pref
 change the order of the trace against the same case without it. Bytes all-gathered and
 reduce-scattered per case are sums over the trace.
 
+With ``keep_inputs=True`` each all-gather event also keeps its local shard (``TensorSeen``: dtype,
+device, storage address and a weak reference to the storage), which conformance jobs use to check
+that a low-precision shard copy was made when it must be and freed after its gather.
+
 Only calls made through the module attributes are seen: an engine that bound a collective at import
 time (``from torch.distributed import all_gather_into_tensor``) or calls the process group directly
 is invisible here, and its knob checks say so by failing.
@@ -24,15 +28,16 @@ import contextlib
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["CommEvent", "CommTrace", "OpKind", "TRACED", "movable_gathers", "ops", "signature", "total_bytes"]
+__all__ = ["CommEvent", "CommTrace", "OpKind", "TRACED", "TensorSeen", "dtypes", "movable_gathers", "ops", "signature", "total_bytes"]
 
 OpKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "compute"]
 
@@ -65,7 +70,33 @@ _FULL_SIDE: dict[str, str] = {
     "broadcast": "tensor",
 }
 
+#: The argument holding the local side of each all-gather (the rank's shard).
+_LOCAL_SIDE: dict[str, str] = {
+    "all_gather_into_tensor": "input_tensor",
+    "all_gather_single": "input_tensor",
+    "_all_gather_base": "input_tensor",
+    "all_gather": "tensor",
+}
+
 _NAMESPACES = (dist, dist.distributed_c10d)
+
+
+@dataclass(frozen=True)
+class TensorSeen:
+    """A tensor a collective was called with, as it was at call time."""
+
+    dtype: torch.dtype
+    device: torch.device
+    #: the storage's address at call time.
+    storage_ptr: int
+    #: the storage itself, weakly: recording must not keep freed memory alive. A storage's Python
+    #: object lives as long as the storage does (torch preserves it), whichever tensor views it.
+    storage: weakref.ref
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSeen":
+        storage = t.untyped_storage()
+        return cls(t.dtype, t.device, storage.data_ptr(), weakref.ref(storage))
 
 
 @dataclass(frozen=True)
@@ -85,6 +116,8 @@ class CommEvent:
     #: the phase the training loop had set: ``forward``, ``backward``, ``step`` or ``other``.
     phase: str
     step: int
+    #: the all-gather's local shard, kept only by a ``CommTrace(keep_inputs=True)``.
+    local: TensorSeen | None = field(default=None, compare=False, repr=False)
 
 
 def _full_side(name: str, bound: inspect.BoundArguments) -> tuple[int, int, str]:
@@ -109,14 +142,25 @@ class CommTrace:
 
     The training loop sets ``phase`` and ``step``; ``paused()`` hides the harness's own bookkeeping
     collectives (gathering norms, unsharding for the final comparison). ``before_reduce`` runs
-    before each reduce-scatter and all-reduce of the backward phase (the models' GPU sleeps).
+    before each reduce-scatter and all-reduce of the backward phase (the models' GPU sleeps);
+    ``around(when, kind, phase)`` runs before (``when="before"``) and after (``"after"``) every recorded
+    collective (``harness.stress``).
     """
 
-    def __init__(self, before_reduce: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        before_reduce: Callable[[], None] | None = None,
+        around: Callable[[str, str, str], None] | None = None,
+        *,
+        keep_inputs: bool = False,
+    ) -> None:
         self.events: list[CommEvent] = []
+        #: record each all-gather's local shard (``CommEvent.local``).
+        self.keep_inputs = keep_inputs
         self.phase = "other"
         self.step = 0
         self.before_reduce = before_reduce
+        self.around = around
         #: False while paused: calls pass through unrecorded.
         self._recording = False
         #: (namespace, name, original) for every patched function, to restore on exit.
@@ -193,16 +237,23 @@ class CommTrace:
             if bound is not None:
                 numel, nbytes, dtype = _full_side(name, bound)
                 group = bound.arguments.get("group")
+                local = bound.arguments.get(_LOCAL_SIDE.get(name, ""))
+                seen = TensorSeen.of(local) if self.keep_inputs and isinstance(local, torch.Tensor) else None
                 self.events.append(
-                    CommEvent(kind, name, numel, nbytes, dtype, _group_size(group), self.phase, self.step)
+                    CommEvent(kind, name, numel, nbytes, dtype, _group_size(group), self.phase, self.step, seen)
                 )
                 if self.before_reduce is not None and self.phase == "backward" and kind in ("reduce_scatter", "all_reduce"):
                     self.before_reduce()
+                if self.around is not None:
+                    self.around("before", kind, self.phase)
             self._depth.value = depth + 1
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 self._depth.value = depth
+            if bound is not None and self.around is not None:
+                self.around("after", kind, self.phase)
+            return result
 
         return traced
 
@@ -265,6 +316,11 @@ def movable_gathers(sig: Sequence[tuple[Any, ...]]) -> int:
             movable += 1
         seen_steps.add(item[0])
     return movable
+
+
+def dtypes(events: Sequence[CommEvent]) -> set[str]:
+    """The dtypes the collectives among ``events`` carried (markers have none)."""
+    return {e.dtype for e in events if e.op != "compute"}
 
 
 def total_bytes(events: Sequence[CommEvent], op: OpKind) -> int:

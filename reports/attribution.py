@@ -34,7 +34,7 @@ from reports.matrix import AXIS_COLUMNS, ERRORED, ordered
 #: Axes a term may use: everything that describes a case except the engine and reference it is grouped by.
 TERM_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a not in ("engine", "reference"))
 #: Failing verdicts; ``unsupported`` is neither failing nor passing.
-FAILING: tuple[str, ...] = ("fail", *ERRORED)
+FAILING: tuple[str, ...] = ("fail", "flaky", *ERRORED)
 MAX_LITERALS = 3
 MIN_SUPPORT = 2
 

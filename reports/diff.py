@@ -12,6 +12,12 @@ then removed cases, then other verdict changes. Any regression makes the CLI exi
   ``ratio_floor`` (tiny errors double by noise; 0 -> 0.3 is real drift).
 A new case that merely fails is listed as new, not as a regression: adding a case that exposes a known
 gap must not block the change that adds it.
+
+[Note: flaky cases]
+A repeated case whose runs disagree is ``flaky`` (``harness.repeats``). ``pass -> flaky`` is a
+regression: the case now fails in some runs, a race that appeared or that the run newly exposes.
+``flaky -> pass`` is only ``changed``, not a fix: a race that showed in some runs can pass any one run,
+so one clean result proves nothing. ``fail -> flaky`` and back are ``changed`` too.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import pandas as pd
 
 from harness.collector import BadLine
 from reports.matrix import ERRORED, SEVERITY, fmt_ratio
+from reports.resume_matrix import resume_suffix
 
 ChangeKind = Literal["regression", "fix", "new", "removed", "changed"]
 KIND_ORDER: dict[str, int] = {"regression": 0, "fix": 1, "new": 2, "removed": 3, "changed": 4}
@@ -37,9 +44,11 @@ _CELL_AXES = ("engine", "reference", "model", "sharding_strategy", "precision", 
 
 
 def cell_name(row: pd.Series | dict[str, Any]) -> str:
-    """``torch-fsdp vs ddp · nested · full_shard · bf16 · bwd pre``: the matrix cell of a case."""
-    return (f"{row['engine']} vs {row['reference']} · {row['model']} · {row['sharding_strategy']} · "
+    """``torch-fsdp vs ddp · nested · full_shard · bf16 · bwd pre``: the matrix cell of a case; a case off
+    the default optimizer or checkpoint adds them (``· adamw · ckpt sharded → builtin``)."""
+    name = (f"{row['engine']} vs {row['reference']} · {row['model']} · {row['sharding_strategy']} · "
             f"{row['precision']} · bwd {row['backward_prefetch']}")
+    return name + resume_suffix(row)
 
 
 def _ratio(value: Any) -> float | None:
@@ -116,7 +125,7 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
     severity = SEVERITY[nv]
     if nv in ("timeout", "crash") and ov != nv:
         return "regression", f"new {nv} (was {ov})", (severity, 0)
-    if ov == "pass" and nv in ("fail", "error"):
+    if ov == "pass" and nv in ("fail", "error", "flaky"):
         return "regression", f"pass → {nv}", (severity, -(n_ratio or 0.0))
     if ov == "pass" and nv == "unsupported":
         return "regression", "pass → unsupported", (4, 0)
@@ -126,7 +135,7 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
     ):
         growth = "×inf" if o_ratio == 0 else f"×{n_ratio / o_ratio:.3g}"
         return "regression", f"ratio {growth} ({fmt_ratio(o_ratio)} → {fmt_ratio(n_ratio)})", (5, -(n_ratio / max(o_ratio, 1e-300)))
-    if ov != "pass" and ov != "unsupported" and nv == "pass":
+    if ov not in ("pass", "unsupported", "flaky") and nv == "pass":
         return "fix", f"{ov} → pass", (SEVERITY[ov], 0)
     if ov != nv:
         return "changed", f"{ov} → {nv}", (severity, 0)

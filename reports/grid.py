@@ -19,7 +19,7 @@ import pandas as pd
 
 from reports.matrix import CellStats, ordered
 
-GridState = Literal["pass", "fail", "error", "unsupported", "not_run", "absent"]
+GridState = Literal["pass", "fail", "flaky", "error", "unsupported", "not_run", "absent"]
 CELL_KEYS = ("sharding_strategy", "precision", "backward_prefetch")
 
 
@@ -32,7 +32,7 @@ class GridCell:
     @property
     def state(self) -> GridState:
         status = self.stats.status
-        if status in ("pass", "fail", "error"):
+        if status in ("pass", "fail", "flaky", "error"):
             return status  # type: ignore[return-value]
         if self.not_run:
             return "not_run"

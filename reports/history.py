@@ -38,7 +38,7 @@ from reports.scope import RunScope
 
 RESULTS_NAME = "results.jsonl"
 VERDICT_COLOURS = {"pass": "#1a9850", "fail": "#d73027", "error": "#5b2a86", "timeout": "#8073ac",
-                   "crash": "#2d004b", "unsupported": "#bdbdbd"}
+                   "crash": "#2d004b", "unsupported": "#bdbdbd", "flaky": "#f781bf"}
 
 
 @dataclass

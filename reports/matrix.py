@@ -22,7 +22,18 @@ from typing import Any, Literal, get_args
 
 import pandas as pd
 
-from harness.case import CaseConfig, EngineName, InitModeName, PrecisionName, PrefetchName, ReferenceName, ShardingName
+from harness.case import (
+    DEFAULT_ENGINES,
+    CaseConfig,
+    CheckpointName,
+    InitModeName,
+    OptimizerName,
+    PrecisionName,
+    PrefetchName,
+    ReferenceName,
+    ShardingName,
+    engine_name,
+)
 from harness.collector import BadLine, record_full_id
 from harness.records import VERDICTS, CaseRecord
 
@@ -30,7 +41,12 @@ from harness.records import VERDICTS, CaseRecord
 AXIS_COLUMNS: tuple[str, ...] = (
     "engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch",
     "forward_prefetch", "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps",
+    "optimizer", "checkpoint", "resume_engine",
 )
+#: Axes that results written before them lack (read as their defaults).
+_LATER_AXES = ("optimizer", "checkpoint", "resume_engine")
+#: Axes ``marginals`` tabulates: cross-engine resume has its own matrix (``reports.resume_matrix``).
+MARGINAL_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a != "resume_engine")
 RUN_COLUMNS: tuple[str, ...] = ("run_id", "host", "torch_version", "backend", "gpu", "nccl_version", "git_rev")
 OUTCOME_COLUMNS: tuple[str, ...] = (
     "verdict", "worst_ratio", "worst_quantity", "reason", "deterministic", "wall_s", "peak_mem_bytes",
@@ -40,12 +56,13 @@ COLUMNS: tuple[str, ...] = ("full_id", "case_id", *AXIS_COLUMNS, *OUTCOME_COLUMN
 
 #: The verdicts of a case that ran but did not finish cleanly.
 ERRORED = ("error", "timeout", "crash")
-#: How bad a verdict is, worst first: orders failing cases and picks a cell's status.
-SEVERITY: dict[str, int] = {"crash": 0, "timeout": 1, "error": 2, "fail": 3, "unsupported": 4, "pass": 5}
+#: How bad a verdict is, worst first: orders failing cases and picks a cell's status. A flaky case failed
+#: in some of its runs: as bad as a failure.
+SEVERITY: dict[str, int] = {"crash": 0, "timeout": 1, "error": 2, "fail": 3, "flaky": 3, "unsupported": 4, "pass": 5}
 
 #: Display order of the values of literal axes; other values sort after them, alphabetically.
 VALUE_ORDER: dict[str, list[Any]] = {
-    "engine": list(get_args(EngineName)),
+    "engine": list(DEFAULT_ENGINES),
     "reference": list(get_args(ReferenceName)),
     "sharding_strategy": list(get_args(ShardingName)),
     "precision": list(get_args(PrecisionName)),
@@ -54,9 +71,11 @@ VALUE_ORDER: dict[str, list[Any]] = {
     "forward_prefetch": [False, True],
     "cpu_offload": [False, True],
     "use_orig_params": [False, True],
+    "optimizer": list(get_args(OptimizerName)),
+    "checkpoint": list(get_args(CheckpointName)),
 }
 
-CellStatus = Literal["pass", "fail", "error", "unsupported", "empty"]
+CellStatus = Literal["pass", "fail", "flaky", "error", "unsupported", "empty"]
 
 _DEFAULTS = CaseConfig().to_dict()
 
@@ -86,6 +105,10 @@ def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None =
             "full_id": record_full_id(record),
             "case_id": record.case_id,
             **{axis: case.get(axis) for axis in AXIS_COLUMNS},
+            # A plugged engine's spec (``mine=fsdp1:pkg``) is shown by its name, as case ids show it.
+            "engine": engine_name(str(case.get("engine"))),
+            # "" when the saving engine resumed (or nothing was saved): a plain value pandas can group.
+            "resume_engine": case.get("resume_engine") or "",
             "verdict": record.verdict,
             "worst_ratio": ratio,
             "worst_quantity": quantity,
@@ -104,7 +127,7 @@ def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None =
 
 def frame_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
     """A ``results.csv`` read back with ``pd.read_csv``, normalised to ``records_frame``'s shape."""
-    missing = [c for c in ("full_id", *AXIS_COLUMNS, "verdict") if c not in frame.columns]
+    missing = [c for c in ("full_id", *AXIS_COLUMNS, "verdict") if c not in frame.columns and c not in _LATER_AXES]
     if missing:
         raise ValueError(f"results.csv lacks columns {missing}; is it a report's results.csv?")
     frame = frame.reindex(columns=list(COLUMNS)).copy()
@@ -114,6 +137,9 @@ def frame_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
         frame[col] = frame[col].map(lambda v: v if isinstance(v, bool) else str(v) == "True")
     for col in ("world_size", "steps"):
         frame[col] = frame[col].astype(int)
+    # Results from before the optimizer and checkpoint axes hold their defaults.
+    for col, default in (("optimizer", _DEFAULTS["optimizer"]), ("checkpoint", _DEFAULTS["checkpoint"]), ("resume_engine", "")):
+        frame[col] = frame[col].astype(object).where(frame[col].notna(), default).astype(str)
     frame["worst_ratio"] = frame["worst_ratio"].astype(float)
     frame["time"] = frame["time"].fillna(0.0).astype(float)
     return frame
@@ -143,6 +169,8 @@ class CellStats:
     #: error, timeout or crash.
     errored: int = 0
     unsupported: int = 0
+    #: runs of a repeated case disagreed (``harness.repeats``).
+    flaky: int = 0
     #: largest worst ratio among the cases, NaN when none compared numbers.
     worst_ratio: float = math.nan
     #: the most severe verdict among the cases ("" for none): names what went wrong in an error cell.
@@ -151,7 +179,7 @@ class CellStats:
     @property
     def total(self) -> int:
         """Cases that ran; unsupported ones are not counted (see [Note: what a cell counts])."""
-        return self.passed + self.failed + self.errored
+        return self.passed + self.failed + self.errored + self.flaky
 
     @property
     def status(self) -> CellStatus:
@@ -159,6 +187,8 @@ class CellStats:
             return "error"
         if self.failed:
             return "fail"
+        if self.flaky:
+            return "flaky"
         if self.passed:
             return "pass"
         if self.unsupported:
@@ -174,6 +204,7 @@ class CellStats:
             failed=int(verdicts.get("fail", 0)),
             errored=int(sum(verdicts.get(v, 0) for v in ERRORED)),
             unsupported=int(verdicts.get("unsupported", 0)),
+            flaky=int(verdicts.get("flaky", 0)),
             worst_ratio=float(ratios.max()) if ratios.notna().any() else math.nan,
             worst_verdict=min(verdicts.index, key=SEVERITY.__getitem__, default=""),
         )
@@ -197,7 +228,7 @@ def cell_label(stats: CellStats) -> str:
         return ""
     if stats.status == "unsupported":
         return f"unsupported ({stats.unsupported})"
-    detail = stats.worst_verdict if stats.status == "error" else fmt_ratio(stats.worst_ratio)
+    detail = stats.worst_verdict if stats.status in ("error", "flaky") else fmt_ratio(stats.worst_ratio)
     label = f"{stats.passed}/{stats.total} · {detail}"
     if stats.unsupported:
         label += f" +{stats.unsupported}u"
@@ -286,7 +317,7 @@ def parity_matrices(frame: pd.DataFrame) -> list[ParityMatrix]:
     return out
 
 
-def marginals(frame: pd.DataFrame, axes: Sequence[str] = AXIS_COLUMNS) -> dict[str, pd.DataFrame]:
+def marginals(frame: pd.DataFrame, axes: Sequence[str] = MARGINAL_AXES) -> dict[str, pd.DataFrame]:
     """Per axis: one row per value, ``passed/total`` per engine and the worst ratio over all engines.
 
     Spots a failure shared by one value across everything else (e.g. every ``cpu_offload=True`` case).
@@ -359,7 +390,7 @@ class Summary:
     @property
     def ok(self) -> bool:
         """Every case that ran passed and every input line was readable."""
-        return not self.bad_lines and all(self.verdicts.get(v, 0) == 0 for v in ("fail", *ERRORED))
+        return not self.bad_lines and all(self.verdicts.get(v, 0) == 0 for v in ("fail", "flaky", *ERRORED))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -41,9 +41,10 @@ STATUS_COLOURS = {
     "error": "#5b2a86",  # error, timeout or crash: the case did not finish
     "fail_no_ratio": "#d73027",  # failed on something other than a numeric error (e.g. a dtype check)
     "unsupported": "#bdbdbd",
+    "flaky": "#f781bf",  # runs disagreed: failed in some, never a pass
     "empty": "#ffffff",
 }
-STATUS_ICONS = {"pass": "✅", "fail": "❌", "error": "💥", "unsupported": "➖", "empty": ""}
+STATUS_ICONS = {"pass": "✅", "fail": "❌", "flaky": "🎲", "error": "💥", "unsupported": "➖", "empty": ""}
 #: failing cases listed per cell in HTML and in total in Markdown; the rest are counted.
 MAX_LISTED = 50
 
@@ -51,7 +52,7 @@ MAX_LISTED = 50
 def cell_colour(stats: CellStats) -> str:
     """The hex colour of a cell."""
     status = stats.status
-    if status in ("error", "unsupported", "empty"):
+    if status in ("error", "flaky", "unsupported", "empty"):
         return STATUS_COLOURS[status]
     ratio = stats.worst_ratio
     if math.isnan(ratio):
@@ -110,7 +111,7 @@ def heatmap(m: ParityMatrix, path: str) -> None:
             if stats.status == "unsupported":
                 text = "unsup"
             else:
-                detail = stats.worst_verdict if stats.status == "error" else fmt_ratio(stats.worst_ratio)
+                detail = stats.worst_verdict if stats.status in ("error", "flaky") else fmt_ratio(stats.worst_ratio)
                 text = f"{stats.passed}/{stats.total}\n{detail}"
             ax.text(j, i, text, ha="center", va="center", fontsize=7.5,
                     color=_text_colour(cell_colour(stats)), linespacing=1.15)
@@ -143,6 +144,7 @@ def heatmap(m: ParityMatrix, path: str) -> None:
     legend = [
         Patch(facecolor=STATUS_COLOURS["fail_no_ratio"], edgecolor="black", label="failed (no numeric error)"),
         Patch(facecolor=STATUS_COLOURS["error"], edgecolor="black", label="error / timeout / crash"),
+        Patch(facecolor=STATUS_COLOURS["flaky"], edgecolor="black", label="flaky (runs disagree)"),
         Patch(facecolor=STATUS_COLOURS["unsupported"], edgecolor="black", label="unsupported"),
         Patch(facecolor=STATUS_COLOURS["empty"], edgecolor="black", label="no cases"),
     ]

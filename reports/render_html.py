@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from reports import resume_matrix
 from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.grid import Grid, GridCell, GridRow, GridSection
@@ -120,7 +121,7 @@ def _grid_cell(section: GridSection, row: GridRow, precision: str, prefetch: str
         text = "" if state == "absent" else esc(STATE_LABELS[state]) + (f"<br>{n}" if n else "")
         return f'<td class="cell {state}" style="{style}" title="{esc(label)}">{text}</td>'
     s = cell.stats
-    detail = s.worst_verdict if s.status == "error" else fmt_ratio(s.worst_ratio)
+    detail = s.worst_verdict if s.status in ("error", "flaky") else fmt_ratio(s.worst_ratio)
     extra = (f"<br>+{s.unsupported}u" if s.unsupported else "") + (f"<br>+{cell.not_run} not run" if cell.not_run else "")
     label = f"{s.passed}/{s.total}<br>{esc(detail)}{extra}"
     bad = sort_failing(section.cell_cases(row, precision, prefetch))
@@ -176,6 +177,7 @@ def legend_html() -> str:
         ("beyond (ratio 100)", f"background:{cell_colour(CellStats(failed=1, worst_ratio=100.0))};color:#fff"),
         ("failed, no numeric error", f"background:{STATUS_COLOURS['fail_no_ratio']};color:#fff"),
         ("error / timeout / crash", f"background:{STATUS_COLOURS['error']};color:#fff"),
+        ("flaky: runs disagree", f"background:{STATUS_COLOURS['flaky']};color:#000"),
         ("unsupported: the engine refused every case", STATE_STYLES["unsupported"]),
         ("not run: selected, left out (budget)", STATE_STYLES["not_run"]),
         ("not in the matrix: no such case generated", STATE_STYLES["absent"]),
@@ -262,6 +264,7 @@ def html_page(
     parts.append(legend_html())
     if grid is not None:
         parts.append(_filters(grid) + grid_html(grid))
+    parts.append(resume_matrix.html_section(frame))
     parts.append(f'<h2 id="failing">Cases that did not pass</h2>{failing_table_html(frame)}')
     unsupported = frame[frame["verdict"] == "unsupported"] if not frame.empty else frame
     parts.append(f'<h2 id="unsupported">Unsupported ({len(unsupported)})</h2>')

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 from tabulate import tabulate
 
+from reports import resume_matrix
 from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.matrix import ParityMatrix, Summary, cell_label, fmt_ratio, sort_failing
@@ -66,6 +67,7 @@ def markdown(
         lines += ["", "## Failure attribution", "",
                   "The fewest conjunctions of axis values that match the failing cases and no passing case.", ""]
         lines += attribution_lines(attributions)
+    lines += resume_matrix.markdown_lines(frame)
     failing = sort_failing(frame[frame["verdict"] != "unsupported"]) if not frame.empty else frame
     if len(failing):
         lines += ["", f"## Cases that did not pass ({len(failing)})", ""]

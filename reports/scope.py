@@ -16,7 +16,14 @@ from typing import Any, get_args
 
 import pandas as pd
 
-from harness.case import InitModeName, PrecisionName, PrefetchName, ShardingName
+from harness.case import (
+    CHECKPOINT_SEGMENTS,
+    InitModeName,
+    OptimizerName,
+    PrecisionName,
+    PrefetchName,
+    ShardingName,
+)
 
 
 @dataclass
@@ -104,8 +111,12 @@ _ID = re.compile(
     r"(?P<precision>" + "|".join(_PRECISIONS) + r")-bwd_(?P<backward_prefetch>" + "|".join(get_args(PrefetchName)) + r")"
     r"(?P<fwd>-fwd_prefetch)?(?P<offload>-offload)?(?P<orig>-orig)?"
     r"(?:-init_(?P<init_mode>" + "|".join(get_args(InitModeName)) + r"))?"
-    r"-(?P<model>[A-Za-z0-9_]+)(?:-ws(?P<world_size>\d+))?(?:-steps(?P<steps>\d+))?$"
+    r"-(?P<model>[A-Za-z0-9_]+)(?:-ws(?P<world_size>\d+))?(?:-steps(?P<steps>\d+))?"
+    r"(?:-(?P<optimizer>" + "|".join(o for o in get_args(OptimizerName) if o != "sgd") + r"))?"
+    r"(?:-(?P<checkpoint>" + "|".join(CHECKPOINT_SEGMENTS.values()) + r")(?:-\d+to\d+)?)?"
+    r"(?:-resume_(?P<resume_engine>.+?))?(?:-stress_(?P<stress>delay))?$"
 )
+_CHECKPOINTS = {segment: name for name, segment in CHECKPOINT_SEGMENTS.items()}
 
 
 def case_from_full_id(full_id: str) -> dict[str, Any] | None:
@@ -119,7 +130,8 @@ def case_from_full_id(full_id: str) -> dict[str, Any] | None:
         "backward_prefetch": m["backward_prefetch"], "forward_prefetch": bool(m["fwd"]),
         "cpu_offload": bool(m["offload"]), "use_orig_params": bool(m["orig"]),
         "init_mode": m["init_mode"] or "before", "world_size": int(m["world_size"] or 2),
-        "steps": int(m["steps"] or 5),
+        "steps": int(m["steps"] or 5), "optimizer": m["optimizer"] or "sgd",
+        "checkpoint": _CHECKPOINTS.get(m["checkpoint"] or "", "none"), "resume_engine": m["resume_engine"] or "",
     }
 
 
@@ -131,5 +143,6 @@ def not_run_frame(scope: RunScope | None) -> pd.DataFrame:
         if case is not None:
             rows.append({**case, "why": why})
     columns = ["full_id", "engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch",
-               "forward_prefetch", "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps", "why"]
+               "forward_prefetch", "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps",
+               "optimizer", "checkpoint", "resume_engine", "why"]
     return pd.DataFrame(rows, columns=columns)

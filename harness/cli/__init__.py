@@ -2,9 +2,10 @@
 
 One module per command, each with ``add_arguments(parser)`` and ``main(args) -> exit status``:
 ``run`` and ``list`` (``harness.cli.run``), ``models``, ``bench`` (pool overhead), ``nightly`` (matrix,
-fuzz, report, diff in one directory), ``history`` (trend over nightlies) and ``perf`` (training-step
-benchmark against torch). The shared selection options live in ``harness.cli.options``; every
-command runs cases through ``harness.runner``. Nothing in the library imports this package.
+fuzz, report, diff in one directory), ``history`` (trend over nightlies), ``certify`` (conformance
+certificate of one engine) and ``perf`` (training-step benchmark against torch). The shared selection
+options live in ``harness.cli.options``; every command runs cases through ``harness.runner``. Nothing
+in the library imports this package.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from harness.cli import bench, history, nightly, perf, run
+from harness.cli import bench, certify, history, nightly, perf, run
 from harness.runner import SelectionError
 
 __all__ = ["build_parser", "main"]
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("nightly", "the nightly: full matrix, fuzz campaign, report and diff into one directory",
          nightly.add_arguments, nightly.main),
         ("history", "trend page over several nightly directories", history.add_arguments, history.main),
+        ("certify", "conformance certificate of one engine: every behaviour family, Markdown/HTML/JSON",
+         certify.add_arguments, certify.main),
         ("perf", "training-step benchmark: our engine against torch FSDP1 (and DDP, FSDP2)", perf.add_arguments, perf.main),
     ]
     for name, help_text, add_arguments, fn in commands:

@@ -2,18 +2,25 @@
 
 One straight line, every product written into the out directory as it is made:
 
-1. the cases of the matrix (``full`` by default) on every local GPU (one pool per group of GPUs, the
-   pools running side by side), or on 2 gloo ranks on CPU when there are no GPUs: ``results.jsonl``,
-   one durable line per case (a killed nightly keeps every case it finished; ``--resume`` goes on);
-2. the flat-parameter fuzz campaign (``suites.flat_param.campaign``, profile ``nightly``): ``fuzz.txt``,
-   its output with examples per second;
+1. the cases of the matrix (``full`` by default) on every local GPU (several pools on each group of
+   GPUs side by side, as many as ``harness.placement.pools_per_group`` allows or ``--pools-per-gpu``
+   says), or on gloo ranks on CPU when there are no GPUs: ``results.jsonl``, one durable line per case
+   (a killed nightly keeps every case it finished; ``--resume`` goes on). Determinism is checked on a
+   sample (``determinism_sample``); ``--repeat``/``--repeat-failures`` rerun cases (``flaky`` verdicts);
+   under ``--time-budget-s`` the cases run interleaved (``harness.runner.interleave``);
+2. the flat-parameter fuzz campaign (``suites.flat_param.campaign``, profile ``nightly``; under a time
+   budget, what is left of it: ``fuzz_budget``): ``fuzz.txt``, its output with examples per second;
+   then the performance section (``harness.perf_section``): step time and peak memory of our engine
+   and torch FSDP1 on two GPUs, or a smoke check on CPU, kept under ``perf`` in ``nightly.json``;
 3. the report (``reports.build``): ``matrix.md``, ``matrix.html``, ``results.csv``, heatmaps, ``summary.json``;
-4. the diff against the previous nightly (the newest sibling directory whose name sorts before this
-   one, or ``--previous``): ``diff.md``, ``diff.json``;
-5. ``nightly.json``: counts per verdict, wall times, what was not run and why (rewritten after every
-   phase, ``complete: false`` until the end); ``not_run.txt`` lists the cases a time budget left out.
+4. the diff against the previous nightly (the newest sibling directory holding a ``nightly.json`` whose
+   name sorts before this one, or ``--previous``): ``diff.md``, ``diff.json``; and its performance ratios
+   (a ratio to torch FSDP1 more than 5% worse on the same device is a regression): ``perf_diff``;
+5. ``nightly.json``: counts per verdict, cases per second, wall times, nondeterministic engines per
+   configuration, what was not run and why (rewritten after every phase, ``complete: false`` until the
+   end); ``not_run.txt`` lists the cases a time budget left out.
 
-Exit status: 0 when every case passed or is unsupported, the fuzz campaign passed and nothing regressed
+Exit status: 0 when every case passed or is unsupported (a flaky case is bad), the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
 ranks could not start, ``--out`` cannot be the nightly's directory, or the results file could not be
 written; 130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
@@ -26,8 +33,6 @@ import collections
 import dataclasses
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -36,10 +41,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.case import CaseConfig
-from harness.cli.options import add_selection, positive_float
+from harness.cli.fuzz import FuzzOutcome, FuzzRun, fuzz_alongside, fuzz_budget, run_fuzz
+from harness.cli.options import add_execution, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
-from harness.placement import BackendChoice, n_gpus, plan_lanes
-from harness.runner import BAD_VERDICTS, CaseRunner, Progress, Selection, SelectionError, select_cases, under_torchrun
+from harness.placement import BackendChoice, host_facts, n_gpus, plan_lanes
+from harness.runner import (
+    BAD_VERDICTS,
+    CaseRunner,
+    Progress,
+    Selection,
+    SelectionError,
+    interleave,
+    select_cases,
+    under_torchrun,
+)
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
 
@@ -49,8 +64,6 @@ NIGHTLY_NAME = "nightly.json"
 NOT_RUN_NAME = "not_run.txt"
 DIFF_MD_NAME = "diff.md"
 DIFF_JSON_NAME = "diff.json"
-#: the repository holding this package; the fuzz campaign lives in its ``suites/``.
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -71,6 +84,9 @@ class NightlyConfig:
     world_sizes: list[int] | None = None
     #: training steps per case (None: ``CaseConfig``'s default).
     steps: int | None = None
+    #: optimizers and checkpoint types to widen the matrix with (None: the matrix's sgd and none).
+    optimizers: list[str] | None = None
+    checkpoints: list[str] | None = None
     #: keep cases whose full id contains one of these.
     filters: list[str] = field(default_factory=list)
     #: at most this many cases (for trial runs and tests).
@@ -91,6 +107,19 @@ class NightlyConfig:
     case_timeout_s: float = 300.0
     #: show the progress bar.
     progress: bool = True
+    #: every case under stress delays (``harness.stress``; CUDA only).
+    stress: bool = False
+    #: check determinism on every case; otherwise on ``determinism_sample``'s sample only.
+    check_determinism: bool = False
+    #: check determinism on a sample (one case per engine, strategy and world size).
+    determinism_sample: bool = True
+    #: runs of every case, and extra runs of one that did not pass (``harness.repeats``).
+    repeat: int = 1
+    repeat_failures: int = 0
+    #: pools side by side per group of GPUs (None: ``harness.placement.pools_per_group``).
+    pools_per_gpu: int | None = None
+    #: measure the performance section (``harness.perf_section``).
+    perf: bool = True
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -99,22 +128,32 @@ class NightlyConfig:
             raise ValueError(f"NightlyConfig.fuzz_max_examples={self.fuzz_max_examples} must be at least 1")
         if self.time_budget_s is not None and self.time_budget_s < 0:
             raise ValueError(f"NightlyConfig.time_budget_s={self.time_budget_s} must not be negative")
+        if self.repeat < 1 or self.repeat_failures < 0:
+            raise ValueError(f"NightlyConfig.repeat={self.repeat} must be >= 1 and repeat_failures={self.repeat_failures} >= 0")
+        if self.pools_per_gpu is not None and self.pools_per_gpu < 1:
+            raise ValueError(f"NightlyConfig.pools_per_gpu={self.pools_per_gpu} must be at least 1")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "NightlyConfig":
         return cls(
             out=args.out, matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
             world_sizes=args.world_size, steps=args.steps, filters=list(args.filter), limit=args.limit,
+            optimizers=args.optimizers, checkpoints=args.checkpoints,
             fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
             time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
             backend=args.backend, case_timeout_s=args.timeout, progress=not args.no_progress,
+            stress=args.stress, check_determinism=args.check_determinism,
+            determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
+            repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
+            perf=not args.no_perf,
         )
 
     def selection(self) -> Selection:
         """The cases this nightly selects (``harness.runner.select_cases``)."""
         return Selection(
             matrix=self.matrix, engines=self.engines, references=self.references, models=self.models,
-            steps=self.steps, filters=self.filters, limit=self.limit,
+            steps=self.steps, filters=self.filters, limit=self.limit, check_determinism=self.check_determinism,
+            stress="delay" if self.stress else "none", optimizers=self.optimizers, checkpoints=self.checkpoints,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,19 +171,47 @@ class NightlyConfig:
 
 
 
-def _has_results(path: Path) -> bool:
-    return any((path / name).exists() for name in ("results.csv", RESULTS_NAME))
-
-
 def find_previous(out: Path) -> Path | None:
-    """The newest earlier nightly: the sibling directory of ``out`` holding results whose name sorts
-    last among those before ``out``'s name (date names, ``2026-11-21``, sort by date)."""
+    """The newest earlier nightly: the sibling directory of ``out`` holding a ``nightly.json`` (what
+    only a nightly writes, so a results directory of ``harness run`` next to it is never taken) whose
+    name sorts last among those before ``out``'s name (date names, ``2026-11-21``, sort by date)."""
     out = Path(out)
     parent = out.parent
     if not parent.is_dir():
         return None
-    earlier = [d for d in parent.iterdir() if d.is_dir() and d.name < out.name and _has_results(d)]
+    earlier = [d for d in parent.iterdir() if d.is_dir() and d.name < out.name and (d / NIGHTLY_NAME).is_file()]
     return max(earlier, key=lambda d: d.name) if earlier else None
+
+
+def determinism_sample(cases: Sequence[CaseConfig]) -> list[CaseConfig]:
+    """The cases with determinism checked on the first of every engine, strategy and world size.
+
+    Checking runs the engine twice, so the nightly checks a sample; the same cases (same ids) every
+    night, so the sample's records compare with the previous nightly's."""
+    seen: set[tuple[str, str, int]] = set()
+    out = []
+    for case in cases:
+        key = (case.engine, case.sharding_strategy, case.world_size)
+        if key not in seen:
+            seen.add(key)
+            case = case.replace(check_determinism=True)
+        out.append(case)
+    return out
+
+
+def determinism_summary(records: Sequence[Any]) -> dict[str, Any]:
+    """Per engine and strategy (``builtin/full_shard``): cases checked and the nondeterministic ones."""
+    table: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if record.deterministic is None:
+            continue
+        key = f"{record.case['engine']}/{record.case['sharding_strategy']}"
+        entry = table.setdefault(key, {"checked": 0, "nondeterministic": []})
+        entry["checked"] += 1
+        if record.deterministic is False:
+            entry["nondeterministic"].append(f"{record.case['engine']}:{record.case['reference']}:{record.case_id}")
+    return {"configurations": dict(sorted(table.items())),
+            "nondeterministic": sorted(k for k, v in table.items() if v["nondeterministic"])}
 
 
 def baseline_source(previous: Path) -> Path:
@@ -154,19 +221,6 @@ def baseline_source(previous: Path) -> Path:
     if previous.is_dir() and not (previous / "results.csv").exists() and (previous / RESULTS_NAME).exists():
         return previous / RESULTS_NAME
     return previous
-
-
-_TOTAL_ROW = re.compile(r"^\|\s*total\s*\|[^|]*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+|nan)\s*\|", re.MULTILINE)
-
-
-def parse_fuzz_totals(text: str) -> dict[str, float] | None:
-    """``{"examples", "seconds", "examples_per_s"}`` from the campaign's table, None when it has none."""
-    match = None
-    for match in _TOTAL_ROW.finditer(text):
-        pass  # the last table is the campaign's
-    if match is None:
-        return None
-    return {"examples": int(match[1]), "seconds": float(match[2]), "examples_per_s": float(match[3])}
 
 
 def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool) -> tuple[int, list[str]]:
@@ -206,45 +260,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 
-@dataclass
-class FuzzOutcome:
-    """What the fuzz campaign did (``nightly.json``'s ``fuzz``)."""
-
-    profile: str
-    max_examples: int | None
-    #: pytest's exit status; None when the campaign did not run.
-    exit_code: int | None = None
-    examples: int | None = None
-    examples_per_s: float | None = None
-    wall_s: float = 0.0
-    #: why it did not run, when it did not.
-    skipped: str | None = None
-
-
-def run_fuzz(config: NightlyConfig, path: Path) -> FuzzOutcome:
-    """Run the fuzz campaign in a child process, its output streamed into ``path``."""
-    outcome = FuzzOutcome(config.fuzz_profile, config.fuzz_max_examples)
-    campaign = REPO_ROOT / "suites" / "flat_param" / "campaign.py"
-    if not campaign.exists():
-        outcome.skipped = f"{campaign} not found: run the nightly from a checkout of the repository"
-        return outcome
-    cmd = [sys.executable, "-m", "suites.flat_param.campaign", "--profile", config.fuzz_profile]
-    if config.fuzz_max_examples is not None:
-        cmd += ["--max-examples", str(config.fuzz_max_examples)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    start = time.monotonic()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"$ {' '.join(cmd[1:])}\n")
-        f.flush()
-        outcome.exit_code = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    outcome.wall_s = time.monotonic() - start
-    totals = parse_fuzz_totals(path.read_text(encoding="utf-8", errors="replace"))
-    if totals is not None:
-        outcome.examples = int(totals["examples"])
-        outcome.examples_per_s = totals["examples_per_s"]
-    return outcome
-
-
 def _matrix_world_sizes() -> list[int]:
     from harness.matrix import AXES
 
@@ -263,10 +278,16 @@ def out_dir_problem(out: Path) -> str | None:
 def _warn_crowded(lanes: Mapping[int, Sequence[Any]]) -> None:
     from harness.placement import available_memory, cpu_footprint
 
-    cpu = [ws for ws, group in lanes.items() if any(lane.backend == "gloo" for lane in group)]
-    footprint = cpu_footprint(cpu, os.cpu_count() or 1, available_memory())
-    if cpu and footprint.oversubscribed:
-        print(f"harness nightly: warning: --world-size {max(cpu)} on CPU takes {footprint.describe()}; "
+    # The CPU pools of one world size run side by side: their ranks are alive at once.
+    cpu = {ws: sum(1 for lane in group if lane.backend == "gloo") for ws, group in lanes.items()}
+    cpu = {ws: pools for ws, pools in cpu.items() if pools}
+    if not cpu:
+        return
+    ws = max(cpu, key=lambda w: w * cpu[w])
+    footprint = cpu_footprint([ws * cpu[ws]], os.cpu_count() or 1, available_memory())
+    if footprint.oversubscribed:
+        side = f" ({cpu[ws]} pools side by side, --pools-per-gpu)" if cpu[ws] > 1 else ""
+        print(f"harness nightly: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
               "cases will be slow or run out of memory", file=sys.stderr)
 
 
@@ -309,7 +330,9 @@ def _nightly(config: NightlyConfig) -> int:
         _write_json(state_path, state)
 
     # -- 1. cases ---------------------------------------------------------------------------------
-    lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes())
+    host = host_facts()
+    lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes(),
+                                   host=host, pools=config.pools_per_gpu)
     if not lanes:
         print(f"harness nightly: no world size can run here (--backend {config.backend}): "
               f"{'; '.join(skipped_ws.values())}", file=sys.stderr)
@@ -317,6 +340,8 @@ def _nightly(config: NightlyConfig) -> int:
     _warn_crowded(lanes)
     selection = config.selection()
     cases = select_cases(selection, list(lanes))
+    if config.determinism_sample:
+        cases = determinism_sample(cases)
     skipped = {ws: {"cases": _cases_in(selection, ws), "reason": why} for ws, why in skipped_ws.items()}
     backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
     try:
@@ -329,35 +354,35 @@ def _nightly(config: NightlyConfig) -> int:
         return 2
     cases_start = time.monotonic()
     deadline = start + config.time_budget_s if config.time_budget_s is not None else None
+    fuzz_path = out / FUZZ_NAME
+    alongside: FuzzRun | None = None
+    if fuzz_alongside(lanes, host.cpu_cores):
+        budget = fuzz_budget(config.time_budget_s, time.monotonic() - start)
+        if _fuzz_not_run(config, earlier, fuzz_path, budget) is None:
+            alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, fuzz_path, budget, progress=False).start()  # one bar on the terminal: the cases'
     with writer:
         done = writer.recorded_ids()
         todo = [c for c in cases if c.full_id not in done]
+        if deadline is not None:
+            todo = interleave(todo)  # a budget spent early has still compared every engine on every model
         if done:
             print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
         state["cases"] = {
             "selected": len(cases), "already_recorded": len(cases) - len(todo), "recorded": 0, "not_run": 0,
             "world_sizes": sorted(lanes), "backend": ",".join(backends),
             "lanes": [dataclasses.asdict(lane) for group in lanes.values() for lane in group],
-            "world_sizes_skipped": skipped,
+            "world_sizes_skipped": skipped, "order": "interleaved" if deadline is not None else "generator",
         }
         save()
-        progress = Progress(len(todo), enabled=config.progress)
-        runner = CaseRunner(writer, progress, deadline, config.case_timeout_s)
-        not_run: list[tuple[CaseConfig, str]] = []
-        pools_failed = False
+        progress = Progress(len(todo), enabled=config.progress, deadline=deadline)
+        runner = CaseRunner(writer, progress, deadline, config.case_timeout_s,
+                            repeat=config.repeat, repeat_failures=config.repeat_failures)
         try:
-            for ws, group in lanes.items():
-                left = runner.run(group, [c for c in todo if c.world_size == ws])
-                if not left:
-                    continue
-                if runner.over_budget():
-                    why = f"time budget of {config.time_budget_s:g} s spent"
-                else:
-                    pools_failed = True
-                    why = "; ".join(runner.lane_errors) or "no pool took it"
-                not_run += [(c, why) for c in left]
+            not_run, pools_failed = runner.run_all(lanes, todo, config.time_budget_s)
         except KeyboardInterrupt as exc:
             runner.interrupt()
+            if alongside is not None:
+                alongside.stop()
             progress.close()
             state["cases"].update(recorded=runner.recorded, interrupted=True)
             save()
@@ -365,6 +390,8 @@ def _nightly(config: NightlyConfig) -> int:
             return interrupt_exit_status(exc)
         except OSError as exc:  # the results file could not be written (runner.write_error)
             runner.interrupt()
+            if alongside is not None:
+                alongside.stop()
             progress.close()
             state["cases"].update(recorded=runner.recorded, write_error=str(exc))
             save()
@@ -373,29 +400,46 @@ def _nightly(config: NightlyConfig) -> int:
             return 2
         progress.close()
     _write_not_run(out / NOT_RUN_NAME, not_run)
+    cases_wall = time.monotonic() - cases_start
     state["cases"].update(
         recorded=runner.recorded, not_run=len(not_run),
         not_run_reasons=dict(collections.Counter(why for _, why in not_run)),
-        lane_errors=runner.lane_errors, wall_s=round(time.monotonic() - cases_start, 3),
+        lane_errors=runner.lane_errors, wall_s=round(cases_wall, 3),
+        cases_per_s=round(runner.recorded / cases_wall, 3) if cases_wall > 0 else None,
     )
     save()
     if not_run:
         print(f"harness nightly: {len(not_run)} case(s) not run, listed in {out / NOT_RUN_NAME}", file=sys.stderr)
 
     # -- 2. fuzz campaign -------------------------------------------------------------------------
-    fuzz_path = out / FUZZ_NAME
-    if config.fuzz_profile == "none":
-        fuzz = FuzzOutcome("none", config.fuzz_max_examples, skipped="--fuzz-profile none")
-        state["fuzz"] = dataclasses.asdict(fuzz)
-    elif config.resume and earlier.get("fuzz", {}).get("exit_code") is not None and fuzz_path.exists():
-        state["fuzz"] = {**earlier["fuzz"], "resumed_from_earlier_attempt": True}
+    if alongside is not None:
+        state["fuzz"] = {**dataclasses.asdict(alongside.wait()), "alongside_cases": True}
     else:
-        try:
-            state["fuzz"] = dataclasses.asdict(run_fuzz(config, fuzz_path))
-        except KeyboardInterrupt as exc:
-            save()
-            print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
-            return interrupt_exit_status(exc)
+        skip = _fuzz_not_run(config, earlier, fuzz_path, fuzz_budget(config.time_budget_s, time.monotonic() - start))
+        if skip is not None:
+            state["fuzz"] = skip
+        else:
+            try:
+                state["fuzz"] = dataclasses.asdict(
+                    run_fuzz(config.fuzz_profile, config.fuzz_max_examples, fuzz_path,
+                             fuzz_budget(config.time_budget_s, time.monotonic() - start), config.progress))
+            except KeyboardInterrupt as exc:
+                save()
+                print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
+                return interrupt_exit_status(exc)
+    save()
+
+    # -- 2b. performance: after the cases, so the GPUs are free ---------------------------------------
+    from harness import perf_section
+
+    if not config.perf:
+        state["perf"] = {"skipped": "--no-perf"}
+    elif config.resume and earlier.get("perf") and not earlier["perf"].get("skipped"):
+        state["perf"] = earlier["perf"]
+    elif deadline is not None and time.monotonic() > deadline:
+        state["perf"] = {"skipped": f"time budget of {config.time_budget_s:g} s spent"}
+    else:
+        state["perf"] = perf_section.run_section(n_gpus())
     save()
 
     # -- 3. report ----------------------------------------------------------------------------------
@@ -405,6 +449,7 @@ def _nightly(config: NightlyConfig) -> int:
     t0 = time.monotonic()
     summary = reports.build([out / RESULTS_NAME], out)
     state["verdicts"] = dict(summary.verdicts)
+    state["determinism"] = determinism_summary(_latest_records(out / RESULTS_NAME))
     state["report"] = {"files": summary.files, "bad_lines": len(summary.bad_lines), "wall_s": round(time.monotonic() - t0, 3)}
     save()
 
@@ -427,6 +472,9 @@ def _nightly(config: NightlyConfig) -> int:
             "previous": str(old), "exit_code": result.exit_code,
             "counts": result.to_dict()["counts"], "wall_s": round(time.monotonic() - t0, 3),
         }
+    perf_diff = perf_section.compare_sections(perf_section.previous_section(previous), state["perf"])
+    state["perf_diff"] = perf_diff.to_dict()
+    regressions += len(perf_diff.regressions)
     save()
 
     # -- 5. verdict ---------------------------------------------------------------------------------
@@ -436,6 +484,29 @@ def _nightly(config: NightlyConfig) -> int:
     save()
     print(_summary_text(state))
     return code
+
+
+def _fuzz_not_run(config: NightlyConfig, earlier: Mapping[str, Any], path: Path, budget: float | None) -> dict[str, Any] | None:
+    """``nightly.json``'s ``fuzz`` when the campaign is not to run now (and why), else None."""
+    if config.fuzz_profile == "none":
+        return dataclasses.asdict(FuzzOutcome("none", config.fuzz_max_examples, skipped="--fuzz-profile none"))
+    if config.resume and earlier.get("fuzz", {}).get("exit_code") is not None and path.exists():
+        return {**earlier["fuzz"], "resumed_from_earlier_attempt": True}
+    if budget is not None and budget <= 0:
+        return dataclasses.asdict(FuzzOutcome(
+            config.fuzz_profile, config.fuzz_max_examples, time_budget_s=0.0,
+            skipped=f"time budget of {config.time_budget_s:g} s spent by the cases"))
+    return None
+
+
+def _latest_records(path: Path) -> list[Any]:
+    """The newest record of every case in a results file."""
+    from harness.collector import read_records, record_full_id
+
+    latest = {}
+    for record in read_records(path)[0]:
+        latest[record_full_id(record)] = record
+    return list(latest.values())
 
 
 def _write_not_run(path: Path, not_run: Sequence[tuple[CaseConfig, str]]) -> None:
@@ -448,13 +519,23 @@ def _write_not_run(path: Path, not_run: Sequence[tuple[CaseConfig, str]]) -> Non
 def _summary_text(state: Mapping[str, Any]) -> str:
     from tabulate import tabulate
 
+    from harness import perf_section
+
     cases, fuzz, diff = state["cases"], state["fuzz"], state["diff"]
     verdicts = [(v, n) for v, n in state["verdicts"].items() if n]
     lines = [tabulate(verdicts, headers=("verdict", "cases")) if verdicts else "no cases recorded"]
+    rate = cases.get("cases_per_s")
     lines.append(
         f"cases: {cases['selected']} selected, {cases['already_recorded']} already recorded, "
-        f"{cases['recorded']} run now in {cases.get('wall_s', 0):.1f} s, {cases['not_run']} not run"
+        f"{cases['recorded']} run now in {cases.get('wall_s', 0):.1f} s "
+        f"({rate if rate is not None else '-'} cases/s on {len(cases['lanes'])} pools), {cases['not_run']} not run"
     )
+    determinism = state.get("determinism") or {}
+    if determinism.get("configurations"):
+        checked = sum(v["checked"] for v in determinism["configurations"].values())
+        bad = determinism["nondeterministic"]
+        lines.append(f"determinism: {checked} cases checked over {len(determinism['configurations'])} engine/strategy "
+                     f"configurations; nondeterministic: {', '.join(bad) if bad else 'none'}")
     for ws, skip in cases["world_sizes_skipped"].items():
         lines.append(f"world size {ws}: {skip['cases']} cases not selected: {skip['reason']}")
     if fuzz.get("skipped"):
@@ -467,6 +548,7 @@ def _summary_text(state: Mapping[str, Any]) -> str:
         lines.append(f"diff against {diff['previous']}: " + ", ".join(f"{k} {n}" for k, n in diff["counts"].items()))
     else:
         lines.append(f"diff: {diff.get('note')}")
+    lines += perf_section.summary_lines(state.get("perf"), state.get("perf_diff"))
     verdict = "ok" if state["exit_code"] == 0 else "; ".join(state["exit_reasons"])
     lines.append(f"nightly {verdict} (exit {state['exit_code']}) in {state['wall_s']:.1f} s -> {state['out']}")
     return "\n".join(lines)
@@ -488,11 +570,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Hypothesis profile of the fuzz campaign; none skips it")
     p.add_argument("--fuzz-max-examples", type=int, default=None, help="examples per fuzz property, overriding the profile")
     p.add_argument("--time-budget-s", type=float, default=None,
-                   help="launch no case after this many seconds; the cases left are listed in not_run.txt")
+                   help="the whole nightly's seconds: cases run interleaved (every engine, reference and model early) "
+                        "and none starts after the budget (the rest are listed in not_run.txt); the fuzz campaign "
+                        "gets what is left less 30 s for the report")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="auto: NCCL with one GPU per rank when there are GPUs, else 2 gloo ranks on CPU")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-determinism-sample", action="store_true",
+                   help="do not check determinism on the sample of one case per engine, strategy and world size")
+    add_execution(p)
+    p.add_argument("--no-perf", action="store_true", help="skip the performance section (step time and memory against torch FSDP1)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,11 +1,12 @@
 """Command-line options shared by the front ends: the case selection (``harness.runner.Selection``),
-and the value types that refuse a bad number where argparse reads it (naming the option)."""
+how the cases run (lanes, repeats), and the value types that refuse a bad number where argparse reads
+it (naming the option)."""
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_selection", "csv_list", "positive_float", "positive_int", "world_sizes"]
+__all__ = ["add_execution", "add_selection", "csv_list", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
 
 
 def csv_list(text: str) -> list[str]:
@@ -47,12 +48,41 @@ def world_sizes(text: str) -> list[int]:
 def add_selection(p: argparse.ArgumentParser) -> None:
     """The options ``harness.runner.Selection.from_args`` reads, plus ``--world-size``."""
     p.add_argument("--matrix", default="smoke", choices=("smoke", "pairwise", "full"), help="case generator (harness.matrix)")
-    p.add_argument("--engines", type=csv_list, default=None, help="comma list: builtin,torch-fsdp,torch-fsdp2 (default: all)")
+    p.add_argument("--engines", type=csv_list, default=None, help="comma list of engine names or specs: builtin,torch-fsdp,torch-fsdp2 (default: these), "
+                        "an entry point of fsdp_parity.engines, NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT")
     p.add_argument("--references", type=csv_list, default=None, help="comma list: ddp,local (default: the matrix's)")
     p.add_argument("--models", type=csv_list, default=None, help="comma list of harness.models.MODELS (default: the matrix's)")
     p.add_argument("--world-size", type=world_sizes, default=None,
                    help="ranks per case, comma list for several pools, repeats kept once (default 2; under torchrun its WORLD_SIZE)")
+    p.add_argument("--optimizers", type=csv_list, default=None, help="comma list: sgd,adamw (default: sgd)")
+    p.add_argument("--checkpoints", type=csv_list, default=None,
+                   help="comma list: none,full,sharded,local: save half-way and resume (default: none)")
     p.add_argument("--steps", type=positive_int, default=None, help="training steps per case (default: CaseConfig's 5)")
     p.add_argument("--check-determinism", action="store_true", help="run each engine twice and require bitwise-equal results")
-    p.add_argument("--filter", action="append", default=[], help="keep cases whose full id contains this (repeatable)")
+    p.add_argument("--stress", action="store_true",
+                   help="delay the CUDA compute stream where a missing stream wait would show (harness.stress); "
+                        "cases get the id segment stress_delay and are unsupported on CPU")
+    p.add_argument("--filter", action="append", default=[], help="keep cases whose full id contains this (repeatable: any of them; a+b: both a and b)")
     p.add_argument("--limit", type=positive_int, default=None, help="run at most this many cases")
+
+
+def non_negative_int(text: str) -> int:
+    """An option value that must be an integer of at least 0 (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def add_execution(p: argparse.ArgumentParser) -> None:
+    """How the selected cases run: pools side by side and repeats (``harness.runner.CaseRunner``)."""
+    p.add_argument("--pools-per-gpu", "--lanes", dest="pools_per_gpu", type=positive_int, default=None,
+                   help="rank pools side by side on each group of GPUs (on CPU: pools in all); default: "
+                        "chosen from the GPU memory and the cores (harness.placement.pools_per_group)")
+    p.add_argument("--repeat", type=positive_int, default=1,
+                   help="run every case N times; runs that disagree make the case flaky (never a pass)")
+    p.add_argument("--repeat-failures", type=non_negative_int, default=0,
+                   help="run a case that did not pass N more times (fail in every run stays fail, else flaky)")

@@ -1,8 +1,9 @@
 """``python -m harness run|list|models``: run parity cases and record them, list them, describe the zoo.
 
-``run`` selects cases from a matrix generator (``harness.matrix``), runs them on a persistent rank
-pool (one per world size) and appends one record per case to a JSON Lines file through the
-collector; a progress bar shows the ETA. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
+``run`` selects cases from a matrix generator (``harness.matrix``), runs them on persistent rank pools
+(several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
+``harness.runner.CaseRunner``) and appends one record per case to a JSON Lines file through the
+collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
 ranks are torchrun's own: every rank walks the same case list and rank 0 records.
 
 Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
@@ -25,15 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from harness.case import CaseConfig
-from harness.cli.options import add_selection, positive_float
+from harness.cli.options import add_execution, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.runner import (
     BAD_VERDICTS,
+    CaseRunner,
     Progress,
     Selection,
     exit_status,
     file_counts,
-    run_case,
     select_cases,
     summary,
     under_torchrun,
@@ -60,30 +61,60 @@ def _refuse(message: str) -> int:
     return 2
 
 
-def _machine_problem(args: argparse.Namespace, world_sizes: list[int]) -> str | None:
-    """Why the asked placement cannot run here (checked before any case), or None; warns when it can
-    but will crowd the machine."""
-    from harness.placement import available_memory, cpu_footprint, n_gpus
+def plan_run_lanes(world_sizes: list[int], backend: str, n_gpus: int, host: Any, pools: int | None) -> tuple[dict[int, list[Any]], dict[int, str]]:
+    """``run``'s lanes: each world size on NCCL where there is a GPU per rank (``auto``), else on gloo."""
+    from harness.placement import plan_lanes
 
-    gpus = n_gpus()
+    lanes: dict[int, list[Any]] = {}
+    skipped: dict[int, str] = {}
+    for ws in world_sizes:
+        choice = backend if backend != "auto" else ("nccl" if n_gpus >= ws else "gloo")
+        got, why = plan_lanes([ws], choice, n_gpus, [ws], host=host, pools=pools)  # type: ignore[arg-type]
+        lanes.update(got)
+        skipped.update(why)
+    return lanes, skipped
+
+
+def _machine_problem(args: argparse.Namespace, world_sizes: list[int], gpus: int, lanes: dict[int, list[Any]]) -> str | None:
+    """Why the asked placement cannot run here (checked before any case), or None; warns when it can
+    but will crowd the machine (the CPU pools of one world size run side by side)."""
+    from harness.placement import available_memory, cpu_footprint
+
     if args.backend == "nccl" and gpus < max(world_sizes):
         return (f"--backend nccl needs one GPU per rank ({max(world_sizes)} for --world-size {max(world_sizes)}) "
                 f"but {gpus} visible; use --backend gloo (CPU) or auto")
-    cpu = [ws for ws in world_sizes if args.backend == "gloo" or (args.backend == "auto" and gpus < ws)]
+    cpu = {ws: [lane for lane in group if lane.backend == "gloo"] for ws, group in lanes.items()}
+    cpu = {ws: group for ws, group in cpu.items() if group}
     if cpu:
-        footprint = cpu_footprint(cpu, os.cpu_count() or 1, available_memory())
+        ws = max(cpu, key=lambda w: w * len(cpu[w]))
+        footprint = cpu_footprint([ws * len(cpu[ws])], os.cpu_count() or 1, available_memory())
         if footprint.oversubscribed:
-            print(f"harness run: warning: --world-size {max(cpu)} on CPU takes {footprint.describe()}; "
+            side = f" ({len(cpu[ws])} pools side by side, --pools-per-gpu)" if len(cpu[ws]) > 1 else ""
+            print(f"harness run: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
                   "cases will be slow or run out of memory", file=sys.stderr)
     return None
+
+
+class _Recorded:
+    """The results writer as ``CaseRunner`` sees it, keeping ``latest`` (full id -> record) current so
+    the exit status covers the file's every case."""
+
+    def __init__(self, writer: Any, latest: dict[str, Any]) -> None:
+        self.writer = writer
+        self.latest = latest
+
+    def append(self, record: Any) -> None:
+        from harness.collector import record_full_id
+
+        self.writer.append(record)
+        self.latest[record_full_id(record)] = record
 
 
 def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
     from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
-    from harness.placement import default_backend
-    from harness.pool import PoolStartError
+    from harness.placement import host_facts, n_gpus
 
     world_sizes = args.world_size or [2]
     cases = select_cases(Selection.from_args(args), world_sizes)
@@ -91,10 +122,14 @@ def main(args: argparse.Namespace) -> int:
     problem = out_path_problem(out)
     if problem:
         return _refuse(f"--out: {problem}")
-    problem = _machine_problem(args, world_sizes)
+    gpus = n_gpus()
+    lanes, skipped = plan_run_lanes(world_sizes, args.backend, gpus, host_facts(), args.pools_per_gpu)
+    problem = _machine_problem(args, world_sizes, gpus, lanes)
     if problem:
         return _refuse(problem)
-    backends = sorted({args.backend if args.backend != "auto" else default_backend(ws) for ws in world_sizes})
+    for ws, why in skipped.items():
+        print(f"harness run: world size {ws} skipped: {why}", file=sys.stderr)
+    backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
     resume = args.resume or args.rerun_failed
     try:
         writer = ResultWriter(out, run_info(",".join(backends)), resume=resume)
@@ -109,27 +144,31 @@ def main(args: argparse.Namespace) -> int:
             print(f"warning: unreadable line {bad}", file=sys.stderr)
         latest = dict(writer.resumed)
         rerun = {i for i, r in latest.items() if r.verdict in BAD_VERDICTS} if args.rerun_failed else set()
-        todo = [c for c in cases if c.full_id not in latest or c.full_id in rerun]
+        todo = [c for c in cases if (c.full_id not in latest or c.full_id in rerun) and c.world_size in lanes]
         if latest:
-            print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded"
+            print(f"resuming {out}: {len([c for c in cases if c.full_id in latest and c.full_id not in rerun])} of "
+                  f"{len(cases)} cases already recorded"
                   + (f", {len([c for c in cases if c.full_id in rerun])} not passing to rerun" if args.rerun_failed else ""),
                   file=sys.stderr)
+        print(f"harness run: {len(todo)} cases on {lane_text(lanes)}", file=sys.stderr)
         progress = Progress(len(todo), enabled=not args.no_progress)
+        runner = CaseRunner(_Recorded(writer, latest), progress, None, args.timeout,
+                            repeat=args.repeat, repeat_failures=args.repeat_failures)
         start = time.monotonic()
         try:
-            _run_on_pools(args, world_sizes, todo, writer, progress, latest)
-        except PoolStartError as exc:
-            progress.close()
-            return _refuse(str(exc))
+            not_run, pools_failed = runner.run_all(lanes, todo)
         except ResultWriteError as exc:
             progress.close()
             return _refuse(f"--out: {exc}; every record written before it is kept: "
                            f"free space and continue with --out {out} --resume")
         except KeyboardInterrupt as exc:
+            runner.interrupt()
             progress.close()
             print(f"\ninterrupted; the ranks are stopped. Continue with: --out {out} --resume", file=sys.stderr)
             return interrupt_exit_status(exc)
         progress.close()
+    if pools_failed:
+        return _refuse(f"{len(not_run)} case(s) not run: {not_run[0][1]}")
     elapsed = time.monotonic() - start
     print(summary(progress.counts, out, elapsed))
     counts = file_counts(latest)
@@ -143,30 +182,14 @@ def main(args: argparse.Namespace) -> int:
     return exit_status(counts)
 
 
-def _run_on_pools(
-    args: argparse.Namespace, world_sizes: list[int], todo: list[CaseConfig], writer: Any, progress: Progress,
-    latest: dict[str, Any],
-) -> None:
-    """Run ``todo`` on one pool per world size, appending each record as it ends (``latest`` follows)."""
-    import torch
-
-    from harness.placement import assign_devices, default_backend, xdist_worker
-    from harness.pool import PoolConfig, RankPool
-
-    worker, workers = xdist_worker()
-    for ws in world_sizes:
-        group = [c for c in todo if c.world_size == ws]
-        if not group:
-            continue
-        backend = args.backend if args.backend != "auto" else default_backend(ws)
-        devices = assign_devices(ws, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
-        config = PoolConfig(world_size=ws, backend=backend, devices=devices, case_timeout_s=args.timeout)
-        with RankPool(config) as pool:
-            for case in group:
-                record = run_case(pool, case)
-                writer.append(record)
-                latest[case.full_id] = record
-                progress.update(record, case.full_id)
+def lane_text(lanes: dict[int, list[Any]]) -> str:
+    """``4 pools of 2 ranks (nccl, GPUs [0, 1])``, per world size."""
+    parts = []
+    for ws, group in lanes.items():
+        devices = sorted({d for lane in group for d in (lane.devices or ())})
+        where = f"GPUs {devices}" if devices else "CPU"
+        parts.append(f"{len(group)} pool(s) of {ws} ranks ({group[0].backend}, {where})")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,12 +335,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue --out, skipping the cases it records; the exit status covers every case in the file")
     p.add_argument("--rerun-failed", action="store_true",
-                   help="like --resume, but rerun the cases whose latest record is fail, error, timeout or crash "
+                   help="like --resume, but rerun the cases whose latest record is fail, error, timeout, crash or flaky "
                         "(the new record supersedes the old one in reports)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="auto: NCCL with one GPU per rank when there are enough, else gloo on CPU")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_execution(p)
 
 
 def add_list_arguments(p: argparse.ArgumentParser) -> None:

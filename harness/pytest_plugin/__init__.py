@@ -9,7 +9,8 @@ Loaded by the root ``conftest.py``. What it adds:
   ``CaseConfig.full_id`` as test id (``-k 'full_shard-bf16'`` selects), marked ``slow`` outside the
   smoke lane and ``gpu`` where its ranks run on GPUs;
 - ``fsdp_api``: a test or fixture that takes it runs once per requested engine with torch FSDP1's API
-  (``builtin``, ``torch-fsdp``; the seed conformance suites);
+  (of ``--engine``: ``builtin``, ``torch-fsdp``, any ``NAME=fsdp1:MODULE``; the seed conformance
+  suites); its value is the engine's spec, which the rank processes resolve again, its test id the name;
 - fixtures ``parity_options``, ``parity_pools`` (one rank pool per world size, started once per pytest
   process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
   verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
@@ -38,9 +39,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.case import CaseConfig, engine_name
 from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
 from harness.records import CaseRecord
+from harness.registry import DEFAULT_ENGINES
 
 if TYPE_CHECKING:
     from harness.collector import ResultWriter
@@ -66,8 +68,10 @@ RUN_ID_INPUT = "parity_run_id"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("parity", "generated parity cases (harness.pytest_plugin)")
-    group.addoption("--engine", default="builtin,torch-fsdp,torch-fsdp2",
-                    help="comma list of engines under test (default: all three); the seed suites run the FSDP1-API ones")
+    group.addoption("--engine", default=",".join(DEFAULT_ENGINES),
+                    help="comma list of engines under test: registered names or specs NAME=fsdp1:MODULE, "
+                         "NAME=fsdp2:MODULE, NAME=MODULE:OBJECT (harness.registry; default: builtin,torch-fsdp,"
+                         "torch-fsdp2); the seed suites run the ones with torch FSDP1's API")
     group.addoption("--reference", default="ddp,local", help="comma list of references: ddp,local (default: both)")
     group.addoption("--matrix", default="smoke", choices=("smoke", "pairwise", "full"),
                     help="lane: how each generated suite walks its slice of the case matrix (default: smoke)")
@@ -153,10 +157,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             ],
         )
     if "fsdp_api" in metafunc.fixturenames:
-        engines: list[Any] = list(options.fsdp1_engines) or [pytest.param(
+        engines: list[Any] = [pytest.param(spec, id=engine_name(spec)) for spec in options.fsdp1_engines] or [pytest.param(
             None, id="no-fsdp1-engine",
             marks=pytest.mark.skip(reason=f"--engine {','.join(options.engines)} names no engine with torch FSDP1's API "
-                                          "(builtin, torch-fsdp)"),
+                                          "(e.g. builtin, torch-fsdp, NAME=fsdp1:MODULE)"),
         )]
         # Module scope: a seed module spawns its ranks once per engine, not once per check.
         metafunc.parametrize("fsdp_api", engines, scope="module")
@@ -167,8 +171,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     callspec = getattr(item, "callspec", None)
     engine = callspec.params.get("fsdp_api") if callspec is not None else None
     if engine is not None:
-        item.user_properties.append((ENGINE_PROPERTY, engine))
-        item.user_properties.append((KEY_PROPERTY, _key_without_engine(item, engine)))
+        item.user_properties.append((ENGINE_PROPERTY, engine_name(engine)))
+        item.user_properties.append((KEY_PROPERTY, _key_without_engine(item, engine_name(engine))))
     if item.get_closest_marker("gpu") is not None:
         import torch
 
@@ -274,7 +278,7 @@ class ParitySession:
         node.user_properties.append((WALL_PROPERTY, record.wall_s))
         case = record.case
         name = getattr(node, "originalname", node.name)
-        node.user_properties.append((ENGINE_PROPERTY, case["engine"]))
+        node.user_properties.append((ENGINE_PROPERTY, engine_name(case["engine"])))
         node.user_properties.append((KEY_PROPERTY, f"{name}[{case['reference']}:{record.case_id}]"))
         if self.results is None:
             return

@@ -26,15 +26,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from harness.case import CaseConfig, EngineName, ReferenceName
+from harness.case import CaseConfig, ReferenceName
 from harness.matrix import AXES, SMOKE_VARIANTS, GeneratorName, generate
 from harness.placement import assign_devices
 from harness.records import CaseRecord
+from harness.registry import DEFAULT_ENGINES, check_engines, fsdp1_engines
 
 __all__ = [
     "Agreement",
     "BackendOption",
-    "FSDP1_ENGINES",
     "ParityOptions",
     "PoolPlan",
     "SuiteMatrix",
@@ -48,9 +48,6 @@ __all__ = [
 ]
 
 BackendOption = Literal["auto", "gloo", "nccl"]
-
-#: Engines that speak torch FSDP1's public API: the seed conformance suites run on each.
-FSDP1_ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp")
 
 #: Axes the run options own (``--engine``, ``--reference``, ``--world-size``), never a suite.
 _OPTION_AXES = ("engine", "reference", "world_size")
@@ -78,8 +75,8 @@ def parse_csv(text: str, option: str, allowed: Sequence[str] | None = None) -> t
 class ParityOptions:
     """What the command line asks of the generated suites (see ``harness.pytest_plugin``)."""
 
-    #: engines under test (``--engine``).
-    engines: tuple[str, ...] = get_args(EngineName)
+    #: engines under test (``--engine``): names or specs of ``harness.registry``.
+    engines: tuple[str, ...] = DEFAULT_ENGINES
     #: references each case is compared against, pinned in turn (``--reference``).
     references: tuple[str, ...] = get_args(ReferenceName)
     #: the lane: which generator walks each suite's slice (``--matrix``).
@@ -115,7 +112,7 @@ class ParityOptions:
         if not case_timeout > 0:
             raise ValueError(f"--case-timeout: {case_timeout} must be positive seconds")
         return cls(
-            engines=parse_csv(engine, "--engine", get_args(EngineName)),
+            engines=tuple(check_engines(parse_csv(engine, "--engine"), "--engine")),
             references=parse_csv(reference, "--reference", get_args(ReferenceName)),
             matrix=matrix,  # type: ignore[arg-type]
             world_sizes=tuple(int(s) for s in sizes),
@@ -126,8 +123,8 @@ class ParityOptions:
 
     @property
     def fsdp1_engines(self) -> tuple[str, ...]:
-        """The requested engines that speak the FSDP1 API (the seed suites' ``fsdp_api``)."""
-        return tuple(e for e in self.engines if e in FSDP1_ENGINES)
+        """The requested engines that speak the FSDP1 API (the seed suites' ``fsdp_api``), as specs."""
+        return fsdp1_engines(self.engines)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,7 +141,7 @@ def engine_baseline(engine: str) -> dict[str, Any]:
 def _engine_baseline(engine: str) -> tuple[tuple[str, Any], ...]:
     cases = generate("smoke", axes={"engine": [engine]})
     if not cases:
-        raise ValueError(f"engine={engine!r}: no valid case at all; check harness.matrix.RULES")
+        raise ValueError(f"engine={engine!r}: no valid case at all; check harness.matrix.RULES and its capability_rules")
     return tuple((axis, getattr(cases[0], axis)) for axis in AXES)
 
 

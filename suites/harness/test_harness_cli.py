@@ -63,16 +63,31 @@ def test_smoke_run_records_every_case_and_resumes(tmp_path: Path, capsys: pytest
     records, bad = read_records(out)
     assert not bad
     listed = _listed(capsys, "--matrix", "smoke", "--engines", "torch-fsdp,torch-fsdp2")
-    assert [f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records] == listed
+    # Pools side by side record in the order cases end: the same cases, in any order.
+    assert sorted(f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records) == sorted(listed)
     verdicts = {r.verdict for r in records}
     assert verdicts <= {"pass", "unsupported"} and "pass" in verdicts
     assert all(r.run is not None and r.run.backend == "gloo" for r in records)
-    assert "cases in" in done.stdout
+    assert "cases in" in done.stdout and "cases/s" in done.stdout
 
     again = _harness("run", *args, "--resume")
     assert again.returncode == 0, again.stderr
     assert f"{len(records)} of {len(records)} cases already recorded" in again.stderr
     assert len(read_records(out)[0]) == len(records)
+
+
+def test_stress_on_cpu_is_unsupported_in_every_repeat(tmp_path: Path) -> None:
+    out = tmp_path / "stress.jsonl"
+    done = _harness("run", "--stress", "--repeat", "2", "--lanes", "1", "--engines", "builtin", "--references", "local",
+                    "--limit", "2", "--out", str(out), "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, bad = read_records(out)
+    assert not bad and len(records) == 2
+    for record in records:
+        assert record.case_id.endswith("-stress_delay") and record.case["stress"] == "delay"
+        assert record.verdict == "unsupported" and "CUDA" in record.reason
+        assert record.outcomes == {"unsupported": 2}
+    assert "cases/s" in done.stdout
 
 
 def test_a_run_refuses_to_mix_into_an_existing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -51,14 +51,17 @@ def _write(path: Path, records: list[CaseRecord]) -> None:
 
 @pytest.fixture
 def fake_run_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """``run`` records every case as passed without starting ranks; returns the full ids it ran."""
+    """``run`` records every case as passed without starting ranks (the pools start lazily, on their
+    first case); returns the full ids it ran."""
+    import harness.runner as runner
+
     ran: list[str] = []
 
-    def run_case(pool: Any, case: CaseConfig) -> CaseRecord:
+    def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         ran.append(case.full_id)
         return _record(case, "pass", time.time())
 
-    monkeypatch.setattr(cli_run, "run_case", run_case)
+    monkeypatch.setattr(runner, "run_case", run_case)
     return ran
 
 
@@ -386,7 +389,8 @@ def test_sigterm_stops_like_ctrl_c_with_the_resume_hint_and_leaves_nothing(tmp_p
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr
     assert f"Continue with: --out {out} --resume" in stderr and "Traceback" not in stderr
-    assert list(tmp.iterdir()) == [], "the pool's directory is removed"
+    # torch's own compile cache (torchinductor_<user>) may appear there too, as in any torch process.
+    assert not list(tmp.glob("harness-pool-*")), "the pool's directory is removed"
     assert read_records(out) == ([], []) and not Path(f"{out}.lock").exists()
 
 

@@ -4,6 +4,7 @@ device assignment and name mapping. No processes."""
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -13,12 +14,13 @@ from hypothesis import strategies as st
 from harness.adapters import ParamSlice, canonical_name
 from harness.references import gradient_divide_factors
 from harness.case import PRECISIONS, CaseConfig
-from harness.compare import Observation, compare_observations, compare_tensors, derive_budgets, merge_quantities
-from harness.knobs import check_backward_prefetch_structure, check_offload, check_order_changed, check_precision, check_sharding, check_use_orig_params
-from harness.parity import record_from_outcome
+from harness.compare import Finding, Observation, compare_observations, compare_tensors, derive_budgets, merge_quantities
+from harness.knobs import KnobCheck, check_backward_prefetch_structure, check_offload, check_order_changed, check_precision, check_sharding, check_use_orig_params
+from harness.parity import RankResult, record_from_outcome
 from harness.tolerance import DEFAULT_TOLERANCES, TolerancePolicy
 from harness.placement import assign_devices, default_shard_size, xdist_worker
 from harness.pool import PoolOutcome, RankError
+from harness.records import QuantityError
 from harness.trace import CommEvent, movable_gathers, ops, signature, total_bytes
 
 # ---------------------------------------------------------------------------------------------------
@@ -72,8 +74,10 @@ def test_ratio_decides_like_assert_close(values: list[float], noise: list[float]
 def test_tolerance_policy_defaults_and_budgets() -> None:
     fp32 = TolerancePolicy.for_precision(PRECISIONS["fp32"])
     assert (fp32.rtol, fp32.atol) == DEFAULT_TOLERANCES[torch.float32]
-    bf16 = TolerancePolicy.for_precision(PRECISIONS["bf16"], {"loss@0": 0.5, "grad:w": 1e-9})
+    bf16 = TolerancePolicy.for_precision(PRECISIONS["bf16"], {"loss@0": 0.5, "grad:w": 1e-9}, "emulation")
     assert bf16.rtol == DEFAULT_TOLERANCES[torch.bfloat16][0]
+    # Up to two ranks the full dtype's rtol: bfloat16's 1.6e-2 would pass a dropped cast (harness.tolerance).
+    assert TolerancePolicy.for_precision(PRECISIONS["bf16"], source="ablation").rtol == DEFAULT_TOLERANCES[torch.float32][0]
     assert bf16.tolerance("loss@0") == (0.5, bf16.rtol)
     assert bf16.tolerance("grad:w")[0] == DEFAULT_TOLERANCES[torch.float32][1]  # never below the default
     assert bf16.tolerance("param:other")[0] == DEFAULT_TOLERANCES[torch.float32][1]
@@ -129,9 +133,8 @@ def test_gradient_divide_factors_split_the_world_size() -> None:
 # merging ranks and the verdict
 
 
-def _finding(name: str, ratio: float, passed: bool, step: int | None = 0) -> dict[str, object]:
-    return {"name": name, "max_abs": ratio * 1e-5, "max_rel": ratio, "atol": 1e-5, "rtol": 0.0,
-            "passed": passed, "ratio": ratio, "step": step}
+def _finding(name: str, ratio: float, passed: bool, step: int | None = 0) -> Finding:
+    return Finding(QuantityError(name, ratio * 1e-5, ratio, 1e-5, 0.0, passed, ratio), step)
 
 
 def test_merge_keeps_the_worst_rank_and_ands_the_verdicts() -> None:
@@ -142,20 +145,23 @@ def test_merge_keeps_the_worst_rank_and_ands_the_verdicts() -> None:
     assert not errors[0].passed and errors[0].ratio == 3.0
 
 
-def _rank_value(findings: list[dict[str, object]], knobs: list[dict[str, str]] | None = None, **extra: object) -> dict[str, object]:
-    value = {"status": "ok", "reason": "", "findings": findings, "knobs": knobs or [], "deterministic": None,
-             "nondeterminism": "", "engine_s": 0.1, "reference_s": 0.1, "peak_mem_bytes": 7,
-             "bytes_all_gathered": 100, "bytes_reduce_scattered": 50, "collectives": {},
-             "mixed_precision_budgets": False, "notes": []}
-    value.update(extra)
-    return value
+def _rank_value(findings: list[Finding], knobs: list[KnobCheck] | None = None, **extra: object) -> RankResult:
+    return RankResult(
+        "ok", findings=findings, knobs=knobs or [], engine_s=0.1, reference_s=0.1, peak_mem_bytes=7,
+        bytes_all_gathered=100, bytes_reduce_scattered=50, **extra,  # type: ignore[arg-type]
+    )
+
+
+def test_a_rank_result_survives_pickling() -> None:
+    value = _rank_value([_finding("loss@0", 0.0, True)], [KnobCheck("precision", "ok", "")], budget_source="ablation")
+    assert pickle.loads(pickle.dumps(value)) == value
 
 
 CASE = CaseConfig()
 
 
 def test_record_pass() -> None:
-    value = _rank_value([_finding("loss@0", 0.0, True)], [{"knob": "precision", "status": "ok", "reason": ""}])
+    value = _rank_value([_finding("loss@0", 0.0, True)], [KnobCheck("precision", "ok", "")])
     record = record_from_outcome(CASE, PoolOutcome("ok", [value, value], wall_s=0.5))
     assert record.verdict == "pass" and record.reason == ""
     assert record.bytes_all_gathered == 100 and record.bytes_reduce_scattered == 50 and record.wall_s == 0.5
@@ -171,7 +177,7 @@ def test_record_fail_names_the_worst_quantity_step_and_rank() -> None:
 
 
 def test_record_fails_on_an_ignored_knob_and_on_nondeterminism() -> None:
-    knob = [{"knob": "backward_prefetch", "status": "ignored", "reason": "same order"}]
+    knob = [KnobCheck("backward_prefetch", "ignored", "same order")]
     ok = [_finding("loss@0", 0.0, True)]
     record = record_from_outcome(CASE, PoolOutcome("ok", [_rank_value(ok, knob), _rank_value(ok)]))
     assert record.verdict == "fail" and "knob backward_prefetch ignored" in record.reason
@@ -186,7 +192,7 @@ def test_record_with_nothing_compared_fails() -> None:
 
 
 def test_record_unsupported() -> None:
-    value = {"status": "unsupported", "reason": "no NO_SHARD"}
+    value = RankResult("unsupported", "no NO_SHARD")
     record = record_from_outcome(CASE, PoolOutcome("ok", [value, value]))
     assert (record.verdict, record.reason) == ("unsupported", "no NO_SHARD")
 

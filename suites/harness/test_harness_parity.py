@@ -63,7 +63,7 @@ def test_torch_engines_pass_the_smoke_set(parity_pool: RankPool, case: CaseConfi
     if case.forward_prefetch:
         assert knobs["forward_prefetch"] == "ok"
     if case.precision_spec.is_mixed:
-        assert knobs["precision"] == "ok" and record.detail["mixed_precision_budgets"]
+        assert knobs["precision"] == "ok" and record.detail["budget_source"] == "ablation"
 
 
 @pytest.mark.parametrize("case", BUILTIN, ids=lambda c: c.full_id)
@@ -87,8 +87,6 @@ def test_a_wrong_gradient_fails_and_names_where(parity_pool: RankPool) -> None:
                 extras=(("fault", "ignore_option:backward_prefetch"),)), "backward_prefetch"),
     (CaseConfig(**FSDP1, model="nested", forward_prefetch=True, steps=2,
                 extras=(("fault", "ignore_option:forward_prefetch"),)), "forward_prefetch"),
-    (CaseConfig(**FSDP1, model="nested", precision="bf16", steps=2,
-                extras=(("fault", "ignore_option:mixed_precision"),)), "precision"),
     (CaseConfig(**FSDP2, model="nested", sharding_strategy="shard_grad_op", steps=2,
                 extras=(("fault", "ignore_option:reshard_after_forward"),)), "sharding_strategy"),
 ], ids=lambda v: v.full_id if isinstance(v, CaseConfig) else v)
@@ -98,6 +96,37 @@ def test_a_silently_ignored_setting_fails(parity_pool: RankPool, case: CaseConfi
     assert f"knob {knob} ignored" in record.reason
     # The numbers alone would not have caught it: the engine trained correctly, just not as asked.
     assert all(e.passed for e in record.errors)
+
+
+def test_dropped_mixed_precision_fails_on_values_and_on_the_knob(parity_pool: RankPool) -> None:
+    """Every cast dropped: the values fail (half the distance to float64 is the budget) and so does the
+    precision knob check."""
+    case = CaseConfig(**FSDP1, model="nested", precision="bf16", steps=2, extras=(("fault", "ignore_option:mixed_precision"),))
+    record = _run(parity_pool, case)
+    assert record.verdict == "fail" and "knob precision ignored" in record.reason
+    assert not all(e.passed for e in record.errors), "the values alone let an engine without mixed precision pass"
+
+
+#: An engine that silently ignores one MixedPrecision field, per engine (FSDP2 has no buffer dtype;
+#: dropping a buffer cast on values is shown on a model whose buffer moves the numbers, in
+#: suites/mixed_precision/test_parity.py).
+PLANTED = [
+    CaseConfig(**engine, reference="local", model="nested", precision="fp16_bf16buf_fp32reduce", steps=3,
+               extras=(("fault", f"ignore_option:{field}"), ("knob_checks", "off")))
+    for engine in ({"engine": "builtin"}, FSDP1, FSDP2)
+    for field in ("param_dtype", "reduce_dtype")
+]
+
+
+@pytest.mark.parametrize("case", PLANTED, ids=lambda c: f"{c.engine}-{c.extra['fault']}")
+def test_an_engine_dropping_one_cast_fails_on_values_alone(parity_pool: RankPool, case: CaseConfig) -> None:
+    record = _run(parity_pool, case)
+    ablation = "no_" + case.extra["fault"].split(":")[1].removesuffix("_dtype")
+    assert record.detail["resolvable"][ablation], f"{ablation} moves no quantity: the case shows nothing"
+    assert record.detail["knobs"] == [], "the knob checks must be off"
+    assert record.verdict == "fail" and any(not e.passed for e in record.errors), record.reason
+    honest = _run(parity_pool, case.replace(extras=()))
+    assert honest.verdict == "pass", honest.reason
 
 
 def test_determinism_check(parity_pool: RankPool) -> None:

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from harness.case import CaseConfig
 from harness.matrix import (
     AXES,
-    RULES,
+    CHECKPOINT_RULES,
+    WIDE_AXES,
+    rules_for,
     feasible_pairs,
     generate,
     invalid_reason,
@@ -76,7 +78,7 @@ def sub_axes(draw: st.DrawFn, *, max_cases: int = 2500) -> dict[str, list]:
     ],
 )
 def test_each_rule_rejects_its_combination_with_its_reason(case: CaseConfig, rule: str) -> None:
-    (matching,) = [r for r in RULES if r.name == rule]
+    (matching,) = [r for r in rules_for([case.engine]) if r.name == rule]
     assert invalid_reasons(case) == [matching.reason]
     assert invalid_reason(case) == matching.reason
 
@@ -104,7 +106,16 @@ def test_reasons_combine_and_mappings_are_completed_with_defaults() -> None:
 
 def test_every_rule_removes_something_from_the_default_product() -> None:
     product = [dict(zip(AXES, values)) for values in itertools.product(*AXES.values())]
-    for rule in RULES:
+    for rule in rules_for(AXES["engine"]):
+        if rule in CHECKPOINT_RULES:
+            continue  # their axes are one-valued by default: see the next test
+        assert any(rule.matches({**CaseConfig().to_dict(), **c}) for c in product), rule.name
+
+
+def test_every_checkpoint_rule_removes_something_from_the_wide_axes() -> None:
+    values = {**AXES, **WIDE_AXES, "checkpoint": [*WIDE_AXES["checkpoint"], "dcp-reshard"], "reshard": [(), (2, 1)]}
+    for rule in CHECKPOINT_RULES:
+        product = [dict(zip(rule.axes, v)) for v in itertools.product(*(values[a] for a in rule.axes))]
         assert any(rule.matches({**CaseConfig().to_dict(), **c}) for c in product), rule.name
 
 

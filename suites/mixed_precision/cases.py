@@ -6,7 +6,9 @@ from typing import Any
 
 from tabulate import tabulate
 
-from harness.case import PRECISIONS
+from harness.case import PRECISIONS, CaseConfig
+from harness.records import CaseRecord
+from suites.mixed_precision.models import PARITY_NET
 
 #: the prefetch subtests of the seed's e2e test: forward prefetch x backward prefetch.
 ALL_PREFETCH = [(fwd, bwd) for fwd in (False, True) for bwd in ("none", "pre", "post")]
@@ -66,42 +68,62 @@ def check_scaler_agreement(values: list[dict[str, Any]], case: str) -> None:
 
 #: engine cases per precision config: strategies, use_orig_params, offload and prefetch spread over them.
 PARITY_CASES: list[dict[str, Any]] = [
-    {"strategy": "FULL_SHARD", "bwd": "pre"},
-    {"strategy": "SHARD_GRAD_OP", "orig": True, "bwd": "post", "fwd": True},
-    {"strategy": "NO_SHARD", "offload": True, "bwd": "none"},
-    {"strategy": "FULL_SHARD", "orig": True, "offload": True, "bwd": "post"},
+    {"sharding_strategy": "full_shard", "backward_prefetch": "pre"},
+    {"sharding_strategy": "shard_grad_op", "use_orig_params": True, "backward_prefetch": "post", "forward_prefetch": True},
+    {"sharding_strategy": "no_shard", "cpu_offload": True, "backward_prefetch": "none"},
+    {"sharding_strategy": "full_shard", "use_orig_params": True, "cpu_offload": True, "backward_prefetch": "post"},
 ]
+#: the guards' dropped casts: ``all`` (no mixed precision at all) or one ``MixedPrecision`` field, and the
+#: run of the harness's reference an engine dropping it computes (``harness.references.cast_ablations``).
+GUARDS: dict[str, tuple[str, str]] = {
+    "all": ("mixed_precision", "fp64"),
+    "param": ("param_dtype", "no_param"),
+    "reduce": ("reduce_dtype", "no_reduce"),
+    "buffer": ("buffer_dtype", "no_buffer"),
+}
 
 
-def parity_payload(engine: str, precision: str, offload: bool) -> dict[str, Any]:
-    """The engine cases with (or without) CPU offload; the guards run with the offload-free ones (an
-    engine that cannot offload on this host skips the offload payload, and keeps its guards)."""
-    cases = [c for c in PARITY_CASES if c.get("offload", False) == offload]
-    return {"engine": engine, "precision": precision, "cases": cases, "steps": 5, "guards": not offload}
+def parity_cases(engine: str, precision: str, offload: bool) -> list[tuple[str, CaseConfig]]:
+    """``(dropped cast or "", case)``: the engine cases with (or without) CPU offload on ``ParityNet``
+    against the harness's emulating reference, and for mixed configs without offload the guards: the
+    first case with casts dropped (adapters' ``ignore_option``) and the knob checks off, so that only
+    the values can fail them."""
+    base = CaseConfig(engine=engine, reference="local", model=PARITY_NET, precision=precision, steps=5, lr=0.1)  # type: ignore[arg-type]
+    cases = [("", base.replace(**c)) for c in PARITY_CASES if c.get("cpu_offload", False) == offload]
+    if PRECISIONS[precision].is_mixed and not offload:
+        first = cases[0][1]
+        for dropped, (option, _) in GUARDS.items():
+            cases.append((dropped, first.replace(extras=(("fault", f"ignore_option:{option}"), ("knob_checks", "off")))))
+    return cases
 
 
-def parity_table(records: list[dict[str, Any]]) -> str:
-    columns = ["engine", "precision", "case", "error", "atol", "nearest", "distance_to_fp64", "floor", "passed", "must_fail"]
-    return tabulate([[r[c] for c in columns] for r in records], headers=columns, floatfmt=".3g")
+def must_fail(dropped: str, record: CaseRecord) -> bool:
+    """A guard must fail where the reference run it computes differs from the emulation by more than
+    the tolerance on some quantity (``detail["resolvable"]``); a cast with no numerical effect is not."""
+    return bool(dropped) and bool(record.detail.get("resolvable", {}).get(GUARDS[dropped][1]))
 
 
-def check_parity_records(per_rank: list[list[dict[str, Any]]], record_property: Any, guards: bool = True) -> None:
-    """Every engine case passes; every guard whose dropped cast changes the numbers fails (``guards``:
-    the payload ran them)."""
-    for rank, records in enumerate(per_rank):
-        if rank == 0:
-            print(f"\n{records[0]['plan']}\n{parity_table(records)}")
-            print("distances from the emulation:", records[0]["distances"], "resolvable:", records[0]["resolvable"])
-            for r in records:
-                keys = ("error", "atol", "nearest", "distances", "distance_to_fp64", "floor", "passed")
-                record_property(f"{r['engine']}:{r['precision']}:{r['case']}", {k: r[k] for k in keys})
-        if PRECISIONS[records[0]["precision"]].is_mixed and guards:
-            assert any(r["drop_casts"] == "all" for r in records), "no guard case ran"
-        for r in records:
-            if r["drop_casts"]:
-                assert not (r["must_fail"] and r["passed"]), (
-                    f"rank {rank}: {r['engine']} with {r['drop_casts']} casts dropped passed the comparison for "
-                    f"{r['precision']} (error {r['error']:.3g} <= atol {r['atol']:.3g}): the tolerance looks away"
-                )
-            else:
-                assert r["passed"], f"rank {rank}: {r['engine']} {r['precision']} {r['case']}: error {r['error']:.3g} > atol {r['atol']:.3g} at {r['worst']}"
+def check_parity_records(engine: str, precision: str, results: list[tuple[str, CaseRecord]], record_property: Any) -> None:
+    """Every engine case passes; every guard whose dropped cast changes the numbers fails (with the
+    knob checks off: on values alone); for a mixed config the all-casts guard is one of those."""
+    rows = []
+    for dropped, record in results:
+        worst = max(record.errors, key=lambda e: e.ratio, default=None)
+        rows.append([record.case_id, dropped or "-", record.verdict, record.worst_ratio, worst.name if worst else "",
+                     must_fail(dropped, record), record.reason[:80]])
+        record_property(f"{engine}:{precision}:{record.case_id}:{dropped or 'engine'}",
+                        {"verdict": record.verdict, "worst_ratio": record.worst_ratio, "resolvable": record.detail.get("resolvable")})
+    print("\n" + tabulate(rows, headers=["case", "dropped", "verdict", "worst ratio", "at", "must fail", "reason"], floatfmt=".3g"))
+    for dropped, record in results:
+        if record.verdict == "unsupported":
+            continue
+        if not dropped:
+            assert record.verdict == "pass", f"{engine} {precision} {record.case_id}: {record.verdict}: {record.reason}"
+        elif must_fail(dropped, record):
+            assert record.verdict != "pass", (
+                f"{engine} with {dropped} casts dropped passed {precision} on values (worst ratio {record.worst_ratio:.3g}): "
+                "the tolerance looks away"
+            )
+    guards = {d: r for d, r in results if d}
+    if guards:
+        assert must_fail("all", guards["all"]), f"{precision}: dropping every cast is within the tolerance: {guards['all'].detail}"

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from harness.models import MODELS, ModelSpec, ZooModel, batch_generator
+
 #: dtype of the probe buffers: different from every parameter dtype, so a cast is visible.
 BUFFER_ORIG_DTYPE = torch.float64
 
@@ -236,14 +238,16 @@ class TransformerWithEMA(nn.Module):
         return self.module(*args, **kwargs) if self.training else self.ema_module(*args, **kwargs)
 
 
-class ParityNet(nn.Module):
+class ParityNet(ZooModel):
     """Linear -> LayerNorm -> (Linear -> ReLU -> Linear) -> gain buffer -> Linear.
 
     The float buffer ``gain`` scales activations (cast to the activation dtype by the model, as
-    real code does), so ``buffer_dtype`` changes the numbers, not only the dtype. Wrapped as four
-    units: ``block[0]``, ``block[2]``, ``block`` and the root. Every parameter's numel is a
-    multiple of 8, so every original parameter starts 16-byte aligned inside the flat parameter,
-    as it does standalone in the reference (GPU GEMM libraries pick kernels by alignment).
+    real code does), so ``buffer_dtype`` changes the numbers, not only the dtype: dropping any one
+    cast moves the result (which the harness's zoo models, whose buffers are exact in every dtype or
+    crash without the cast, cannot show). Wrapped as four units: ``block[0]``, ``block[2]``,
+    ``block`` and the root. Every parameter's numel is a multiple of 8, so every original parameter
+    starts 16-byte aligned inside the flat parameter, as it does standalone in the reference (GPU
+    GEMM libraries pick kernels by alignment). Registered in the harness's zoo as ``PARITY_NET``.
     """
 
     def __init__(self, width: int = 24) -> None:
@@ -259,18 +263,25 @@ class ParityNet(nn.Module):
         h = self.block(h) * self.gain.to(h.dtype)
         return self.out(h)
 
-    def wrap(self, fsdp: Any, **kwargs: Any) -> nn.Module:
-        self.block[0] = fsdp(self.block[0], **kwargs)
-        self.block[2] = fsdp(self.block[2], **kwargs)
-        self.block = fsdp(self.block, **kwargs)
-        return fsdp(self, **kwargs)
+    def wrap_units(self) -> list[nn.Module]:
+        return [self.block, self.block[0], self.block[2]]
 
-    @staticmethod
-    def input(step: int, rank: int) -> tuple[Tensor, ...]:
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        return (torch.randn(6, 8, generator=g),)
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[Tensor, ...]:
+        return (torch.randn(6, 8, generator=batch_generator(seed, step, rank)),)
 
-    @staticmethod
-    def loss(out: Tensor) -> Tensor:
+    def get_loss(self, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
         """Mean squared output, in at least float32 (the same user code on both sides)."""
-        return out.to(torch.promote_types(out.dtype, torch.float32)).pow(2).mean()
+        return output.to(torch.promote_types(output.dtype, torch.float32)).pow(2).mean()
+
+
+#: ``ParityNet``'s name in the harness's zoo.
+PARITY_NET = "mp_parity_net"
+
+
+def ensure_registered() -> None:
+    """Put ``ParityNet`` in this process's zoo (idempotent; the rank processes call it first)."""
+    MODELS.setdefault(
+        PARITY_NET,
+        ModelSpec(PARITY_NET, "linears, LayerNorm and a float gain buffer the model casts itself",
+                  lambda seed, rank, world_size: ParityNet()),
+    )

@@ -16,20 +16,20 @@ import pytest
 import torch
 
 from harness.pool import RankPool
-from suites.mixed_precision import jobs
+from suites.mixed_precision import scaler_jobs
 from suites.mixed_precision.cases import SCALER_CASES, check_scaler_agreement
-from suites.mixed_precision.jobs import assert_ok, grad_scaler_class
+from suites.mixed_precision.rank_api import assert_ok, grad_scaler_class
 
 
 @pytest.mark.parametrize("case", list(SCALER_CASES))
 def test_all_ranks_skip_together(cpu_pair: RankPool, fsdp_api: str, case: str) -> None:
-    outcome = cpu_pair.run(jobs.grad_scaler_agreement, {"engine": fsdp_api, **SCALER_CASES[case]})
+    outcome = cpu_pair.run(scaler_jobs.grad_scaler_agreement, {"engine": fsdp_api, **SCALER_CASES[case]})
     check_scaler_agreement(assert_ok(outcome), case)
 
 
 def test_plain_grad_scaler_disagrees(cpu_pair: RankPool, fsdp_api: str) -> None:
     """The contrast: torch's GradScaler sees only local gradients, so only rank 1 skips."""
-    values = assert_ok(cpu_pair.run(jobs.grad_scaler_agreement, {"engine": fsdp_api, "scaler": "plain"}))
+    values = assert_ok(cpu_pair.run(scaler_jobs.grad_scaler_agreement, {"engine": fsdp_api, "scaler": "plain"}))
     assert values[0]["step1"]["stepped"] and not values[1]["step1"]["stepped"], values
 
 

@@ -1,7 +1,9 @@
 """In-process checks of the pure parts: input casting, buffer dtypes, the handle's precision
-switch, the emulating reference and the tolerance derivation. No rank processes."""
+switch, and the harness's emulating reference and tolerance rule on ParityNet. No rank processes."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -9,17 +11,11 @@ import torch.nn as nn
 
 from engine.flat_param import FlatParamHandle, HandleShardingStrategy
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
-from harness.case import PRECISIONS
+from harness.case import PRECISIONS, PrecisionSpec
+from harness.compare import Observation, measure_drift
+from harness.references import TRUTH_SPEC, LocalReference, cast_ablations
+from harness.tolerance import mixed_precision_budgets
 from suites.mixed_precision.models import ParityNet
-from suites.mixed_precision.reference import (
-    CastPlan,
-    EmulatingReference,
-    compare_to_reference,
-    derive_tolerance,
-    float64_plan,
-    predivide_factor,
-    run_reference,
-)
 from suites.wrap.wrap_models import DummyProcessGroup
 
 
@@ -104,79 +100,61 @@ def test_handle_without_mixed_precision_never_forces() -> None:
     assert not handle.force_full_precision
 
 
-# ---------------------------------------------------------------------------- reference
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _run(plan: CastPlan, world: int = 2, steps: int = 3) -> dict[str, torch.Tensor]:
+# ---------------------------------------------------------------------------- reference (the harness's)
+def _reference(spec: PrecisionSpec, world: int = 2, steps: int = 3, model: ParityNet | None = None) -> LocalReference:
     torch.manual_seed(0)
-    return run_reference(ParityNet(), plan, world, steps, ParityNet.input, ParityNet.loss, _sgd)
+    model = model if model is not None else ParityNet()
+    return LocalReference(
+        [model] * world, spec, torch.device("cpu"), steps=steps, lr=0.1, momentum=0.9,
+        inputs=lambda step, r: model.get_input(seed=0, step=step, rank=r), loss=model.get_loss,
+    )
 
 
-def test_predivide_factor_matches_fsdp1() -> None:
-    # FSDP1 stops doubling when the factor no longer divides the world size or passes its root.
-    assert [predivide_factor(w) for w in (1, 2, 4, 8, 16, 6)] == [1, 2, 2, 4, 4, 4]
-
-
-def test_plan_from_spec_resolves_fsdp1_rules() -> None:
-    plan = CastPlan.from_spec(PRECISIONS["param_buffer"])
-    assert plan.reduce_dtype == torch.float16 and plan.compute_dtype == torch.float16  # reduce follows param
-    plan = CastPlan.from_spec(PRECISIONS["reduce_only"])
-    assert plan.compute_dtype == torch.float32 and plan.reduce_dtype == torch.float16
+def test_precision_spec_resolves_fsdp1_rules() -> None:
+    spec = PRECISIONS["param_buffer"]
+    assert (spec.compute, spec.reduced) == ("float16", "float16")  # reduce follows param
+    spec = PRECISIONS["reduce_only"]
+    assert (spec.compute, spec.reduced) == ("float32", "float16")
     with pytest.raises(ValueError, match="not a torch dtype"):
-        CastPlan.from_spec(type("S", (), {"full": "float33", "param": None, "reduce": None, "buffer": None})())
+        _reference(PrecisionSpec(full="float33", param=None, reduce=None, buffer=None))
 
 
 def test_full_precision_emulation_is_plain_data_parallel_training() -> None:
     """Without casts, the emulation equals one model trained on all ranks' data (mean loss)."""
     torch.manual_seed(0)
     model = ParityNet()
-    emulated = run_reference(model, CastPlan(full=torch.float32), 2, 3, ParityNet.input, ParityNet.loss, _sgd)
-    opt = _sgd(model.parameters())
+    twin = copy.deepcopy(model)
+    emulated = _reference(PRECISIONS["fp32"], model=twin).run(0).params
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
-        losses = [ParityNet.loss(model(*ParityNet.input(step, r))) for r in range(2)]
+        losses = [model.get_loss((), model(*model.get_input(seed=0, step=step, rank=r))) for r in range(2)]
         (sum(losses) / 2).backward()
         opt.step()
         opt.zero_grad()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(emulated[name], p.detach(), msg=name)
+        torch.testing.assert_close(emulated[name], p.detach().reshape(-1), msg=name)
 
 
 def test_emulation_keeps_master_and_optimizer_in_full_precision() -> None:
-    torch.manual_seed(0)
-    ref = EmulatingReference(ParityNet(), CastPlan.from_spec(PRECISIONS["fp16"]), 2, torch.optim.Adam)
-    ref.step([ParityNet.input(0, r) for r in range(2)], ParityNet.loss)
-    assert all(p.dtype == torch.float32 for p in ref.model.parameters())
+    ref = _reference(PRECISIONS["fp16"], steps=1)
+    ref.run(0)
+    assert all(p.dtype == torch.float32 for p in ref.shared.values())
     assert all(t.dtype == torch.float32 for s in ref.optimizer.state.values() for t in s.values() if t.is_floating_point())
-    assert all(b["gain"].dtype == torch.float16 for b in ref.rank_buffers)
 
 
 @pytest.mark.parametrize("precision", [p for p, spec in PRECISIONS.items() if spec.is_mixed])
-def test_low_precision_is_measurably_away_from_fp64(precision: str) -> None:
-    """Each mixed config's emulation differs from float64 by more than the floor, so the derived
-    tolerance is set by the casts themselves (and is not just the floor)."""
-    plan = CastPlan.from_spec(PRECISIONS[precision])
-    emulated, fp64 = _run(plan), _run(float64_plan())
-    tol = derive_tolerance(emulated, fp64, plan.full)
-    assert tol.distance_to_fp64 * tol.factor > tol.floor, tol
-    # The float64 run itself (what an engine dropping the casts approximates) fails the comparison.
-    assert not compare_to_reference(fp64, emulated, tol).passed
-
-
-def test_derive_tolerance_factor_must_be_below_one() -> None:
-    p = {"w": torch.zeros(2)}
-    with pytest.raises(ValueError, match=r"must be in \(0, 1\)"):
-        derive_tolerance(p, p, torch.float32, factor=1.0)
-
-
-def test_derive_tolerance_floor_applies_when_identical() -> None:
-    p = {"w": torch.full((2,), 4.0)}
-    tol = derive_tolerance(p, {"w": p["w"].double()}, torch.float32)
-    assert tol.distance_to_fp64 == 0 and tol.atol == tol.floor == pytest.approx(32 * torch.finfo(torch.float32).eps * 4.0)
-
-
-def test_compare_names_must_match() -> None:
-    tol = derive_tolerance({"w": torch.zeros(1)}, {"w": torch.zeros(1)}, torch.float32)
-    with pytest.raises(ValueError, match="parameter names differ"):
-        compare_to_reference({"v": torch.zeros(1)}, {"w": torch.zeros(1)}, tol)
+def test_every_cast_of_parity_net_moves_the_numbers(precision: str) -> None:
+    """On ParityNet every cast a config sets changes the result by more than the tolerance allows,
+    so dropping it fails the comparison: float64 and each ablation resolve on some quantity (but a
+    buffer cast to the dtype the model casts it to anyway)."""
+    spec = PRECISIONS[precision]
+    emulated = Observation.from_reference(_reference(spec).run(0))
+    others = {"fp64": Observation.from_reference(_reference(TRUTH_SPEC).run(0))}
+    for name, ablated in cast_ablations(spec, has_float_buffers=True).items():
+        others[name] = Observation.from_reference(_reference(ablated).run(0))
+    drift = measure_drift(emulated, others)
+    derived = mixed_precision_budgets(drift.distances, drift.scales, spec.full)
+    # The model casts its gain to the activation dtype itself: a buffer dtype equal to it changes nothing.
+    silent = {"no_buffer"} if spec.buffer == spec.compute else set()
+    for name in set(others) - silent:
+        assert any(name in b.resolvable for b in derived.values()), f"{precision}: {name} resolves nowhere"

@@ -43,10 +43,12 @@ def _tiny_cases() -> list[CaseConfig]:
     return select_cases(Selection(matrix="smoke", engines=["torch-fsdp"], references=["local"]), [2])
 
 
-def _write_results(path: Path, records: list[CaseRecord]) -> None:
+def _write_results(path: Path, records: list[CaseRecord], nightly: bool = True) -> None:
     with ResultWriter(path, RunInfo("earlier", "host", torch.__version__, "gloo")) as writer:
         for record in records:
             writer.append(record)
+    if nightly:  # what marks a directory as a nightly (find_previous)
+        (path.parent / "nightly.json").write_text("{}")
 
 
 def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) -> None:
@@ -57,6 +59,9 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     _write_results(previous / "results.jsonl", [CaseRecord(offload.to_dict(), offload.case_id, "pass")])
     later = tmp_path / "2026-01-03"  # sorts after this nightly: must not be the baseline
     _write_results(later / "results.jsonl", [CaseRecord(offload.to_dict(), offload.case_id, "unsupported")])
+    # Results of `harness run` next to the nightlies, newer than the baseline: not a nightly.
+    _write_results(tmp_path / "2026-01-01b" / "results.jsonl", [CaseRecord(offload.to_dict(), offload.case_id, "unsupported")],
+                   nightly=False)
     out = tmp_path / "2026-01-02"
 
     done = _nightly("--out", str(out), *TINY, "--fuzz-max-examples", "20")
@@ -85,7 +90,15 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     assert fuzz["exit_code"] == 0 and fuzz["max_examples"] == 20
     assert fuzz["examples"] >= 20 and fuzz["examples_per_s"] > 0
     assert "examples/s" in (out / "fuzz.txt").read_text()
-    assert "nightly" in done.stdout and "regression" in done.stdout
+    assert "nightly" in done.stdout and "regression" in done.stdout and "cases/s" in done.stdout
+    assert state["cases"]["cases_per_s"] > 0 and state["cases"]["order"] == "generator"
+    # The determinism sample: one case per engine and strategy checked, none nondeterministic.
+    strategies = {c.sharding_strategy for c in _tiny_cases() if not c.cpu_offload}
+    assert set(state["determinism"]["configurations"]) >= {f"torch-fsdp/{s}" for s in strategies}
+    assert state["determinism"]["nondeterministic"] == [] and "determinism:" in done.stdout
+    # On CPU the performance section is a smoke check: measured, labelled, never compared.
+    assert state["perf"]["kind"] == "smoke" and set(state["perf"]["smoke"]) == {"builtin/full_shard", "torch-fsdp/full_shard"}
+    assert state["perf_diff"]["compared"] is False and "smoke" in done.stdout
 
     # Resumed after it finished: nothing to run again, the finished campaign is kept, the verdict stands.
     again = _nightly("--out", str(out), *TINY, "--fuzz-max-examples", "20", "--resume")
@@ -101,14 +114,17 @@ def test_a_spent_time_budget_lists_every_case_not_run(tmp_path: Path) -> None:
     elsewhere = tmp_path / "baselines" / "last-week"  # --previous: any nightly, not only a sibling
     _write_results(elsewhere / "results.jsonl", [CaseRecord(cases[0].to_dict(), cases[0].case_id, "pass")])
     out = tmp_path / "budget"
-    done = _nightly("--out", str(out), *TINY, "--fuzz-profile", "none", "--time-budget-s", "0", "--previous", str(elsewhere))
+    done = _nightly("--out", str(out), *TINY, "--time-budget-s", "0", "--previous", str(elsewhere))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((out / "nightly.json").read_text())["cases"]["order"] == "interleaved"
     listed = (out / "not_run.txt").read_text().splitlines()
-    assert [line.split("\t")[0] for line in listed] == [c.full_id for c in cases]
+    assert sorted(line.split("\t")[0] for line in listed) == sorted(c.full_id for c in cases)
     assert all("time budget" in line for line in listed)
     state = json.loads((out / "nightly.json").read_text())
     assert state["cases"]["not_run"] == len(cases) and state["cases"]["recorded"] == 0
-    assert state["fuzz"]["skipped"] == "--fuzz-profile none" and not (out / "fuzz.txt").exists()
+    # The budget covers the fuzz campaign too: none of it is left.
+    assert state["fuzz"]["skipped"] == "time budget of 0 s spent by the cases" and not (out / "fuzz.txt").exists()
+    assert state["fuzz"]["time_budget_s"] == 0
     assert sum(state["verdicts"].values()) == 0 and (out / "matrix.md").is_file()
     assert f"{len(cases)} not run" in done.stdout
     # A case left out by the budget is "removed" in the diff, not a regression.
@@ -123,7 +139,7 @@ def _record_count(path: Path) -> int:
 def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "killed"
     args = ("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--references", "ddp,local",
-            "--limit", "8", "--fuzz-profile", "none", "--no-progress")
+            "--limit", "8", "--fuzz-profile", "none", "--no-progress", "--no-perf")
     proc = subprocess.Popen([sys.executable, "-m", "harness", "nightly", *args], cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -162,4 +178,9 @@ def test_nightly_on_the_gpus(tmp_path: Path) -> None:
     state = json.loads((out / "nightly.json").read_text())
     assert state["cases"]["backend"] == "nccl" and state["cases"]["not_run"] == 0
     pairs = [lane for lane in state["cases"]["lanes"] if lane["world_size"] == 2]
-    assert len(pairs) == torch.cuda.device_count() // 2  # every GPU pair runs cases side by side
+    groups = torch.cuda.device_count() // 2
+    # Every GPU pair runs cases, several pools on each side by side.
+    assert {tuple(lane["devices"]) for lane in pairs} == {(2 * i, 2 * i + 1) for i in range(groups)}
+    assert len(pairs) % groups == 0 and state["cases"]["cases_per_s"] > 0
+    assert state["perf"]["kind"] == "gpu", state["perf"]
+    assert state["perf"]["rows"]["builtin/full_shard"]["ratio"] > 0 and state["perf"]["rows"]["builtin/full_shard"]["peak_gib"] > 0

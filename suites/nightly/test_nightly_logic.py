@@ -7,14 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from harness.case import CaseConfig
+from harness.cli.fuzz import REPORT_RESERVE_S, fuzz_alongside, fuzz_budget, parse_fuzz_totals
 from harness.cli.nightly import (
     NightlyConfig,
     baseline_source,
+    determinism_sample,
+    determinism_summary,
     exit_status,
     find_previous,
-    parse_fuzz_totals,
 )
-from harness.placement import CPU_WORLD_SIZE, Lane, plan_lanes
+from harness.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
+from harness.records import CaseRecord
+from harness.runner import Selection, select_cases
 from suites.flat_param.campaign import PropertyRun, report
 
 
@@ -47,11 +52,13 @@ def _nightly_dir(parent: Path, name: str, file: str = "results.csv") -> Path:
     return d
 
 
-def test_the_previous_nightly_is_the_newest_earlier_sibling_with_results(tmp_path: Path) -> None:
-    old = _nightly_dir(tmp_path, "2026-01-01")
-    newest_earlier = _nightly_dir(tmp_path, "2026-01-05", "results.jsonl")  # killed before its report
-    _nightly_dir(tmp_path, "2026-01-09")  # later than this nightly: never a baseline
-    (tmp_path / "2026-01-07").mkdir()  # no results: not a nightly
+def test_the_previous_nightly_is_the_newest_earlier_sibling_holding_a_nightly_json(tmp_path: Path) -> None:
+    old = _nightly_dir(tmp_path, "2026-01-01", "nightly.json")
+    newest_earlier = _nightly_dir(tmp_path, "2026-01-05", "nightly.json")  # killed before its report
+    (newest_earlier / "results.jsonl").write_text("")
+    _nightly_dir(tmp_path, "2026-01-09", "nightly.json")  # later than this nightly: never a baseline
+    (tmp_path / "2026-01-07").mkdir()  # nothing in it: not a nightly
+    _nightly_dir(tmp_path, "2026-01-06", "results.csv")  # a report of `harness run`, not a nightly
     (tmp_path / "2026-01-08.txt").write_text("a file, not a nightly")
     out = tmp_path / "2026-01-08"
     assert find_previous(out) == newest_earlier
@@ -85,6 +92,7 @@ def test_fuzz_totals_are_read_from_the_campaign_table() -> None:
         ({"pass": 3}, 1, 0, False, 1, ["fuzz campaign exited with status 1"]),
         ({"pass": 3}, 0, 2, False, 1, ["2 regression(s)"]),
         ({"pass": 3, "fail": 2}, 0, 0, True, 2, ["fail: 2", "could not start"]),
+        ({"pass": 3, "flaky": 1}, 0, 0, False, 1, ["flaky: 1"]),  # failed in some runs: bad
     ],
 )
 def test_exit_status(verdicts: dict, fuzz_exit: int | None, regressions: int, pools_failed: bool, code: int, mentions: list[str]) -> None:
@@ -101,3 +109,73 @@ def test_config_rejects_bad_values_by_name() -> None:
         NightlyConfig(out=Path("x"), time_budget_s=-1)
     selection = NightlyConfig(out=Path("x"), engines=["builtin"], limit=3).selection()
     assert selection.matrix == "full" and selection.engines == ["builtin"] and selection.limit == 3
+
+
+GIB = 1 << 30
+
+
+def test_pools_per_group_follow_cores_and_gpu_memory() -> None:
+    # 2 x H200 (141 GB) with 32 cores: capped by MAX_POOLS_PER_GROUP; 16 cores: by the cores.
+    assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=32, gpu_memory_bytes=141 * GIB)) == 8
+    assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 6
+    # Small GPUs: by the memory; 8 GPUs in 4 groups share the cores.
+    assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=64, gpu_memory_bytes=12 * GIB)) == 3
+    assert pools_per_group(2, "nccl", 4, HostFacts(cpu_cores=19, gpu_memory_bytes=80 * GIB)) == 2
+    # Never none; CPU pools need two cores per rank.
+    assert pools_per_group(4, "nccl", 1, HostFacts(cpu_cores=2, gpu_memory_bytes=1 * GIB)) == 1
+    assert pools_per_group(2, "gloo", 1, HostFacts(cpu_cores=2)) == 1
+    assert pools_per_group(2, "gloo", 1, HostFacts(cpu_cores=16)) == 4
+    with pytest.raises(ValueError, match="world_size"):
+        pools_per_group(0, "nccl", 1, HostFacts(cpu_cores=8))
+
+
+def test_lanes_put_several_pools_on_each_gpu_group() -> None:
+    host = HostFacts(cpu_cores=32, gpu_memory_bytes=141 * GIB)
+    lanes, _ = plan_lanes(None, "auto", n_gpus=2, matrix_world_sizes=[2, 4], host=host)
+    assert lanes[2] == [Lane(2, "nccl", (0, 1))] * 8
+    lanes, _ = plan_lanes([2], "nccl", n_gpus=4, matrix_world_sizes=[2, 4], pools=2)
+    # Group by group: the first lanes already cover every GPU.
+    assert [lane.devices for lane in lanes[2]] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+    lanes, _ = plan_lanes(None, "auto", n_gpus=0, matrix_world_sizes=[2, 4], pools=2)
+    assert lanes == {2: [Lane(2, "gloo", None)] * 2}
+    with pytest.raises(ValueError, match="pools-per-gpu"):
+        plan_lanes(None, "auto", n_gpus=0, matrix_world_sizes=[2], pools=0)
+
+
+def test_determinism_is_checked_on_one_case_per_engine_strategy_and_world_size() -> None:
+    cases = select_cases(Selection(matrix="pairwise"), [2, 4])
+    sampled = determinism_sample(cases)
+    assert [c.full_id for c in sampled] == [c.full_id for c in cases]  # same cases, same ids
+    checked = [c for c in sampled if c.check_determinism]
+    keys = {(c.engine, c.sharding_strategy, c.world_size) for c in cases}
+    assert len(checked) == len(keys) and {(c.engine, c.sharding_strategy, c.world_size) for c in checked} == keys
+    assert determinism_sample(sampled) == sampled
+
+
+def test_determinism_summary_names_nondeterministic_configurations() -> None:
+    def record(engine: str, strategy: str, deterministic: bool | None) -> CaseRecord:
+        case = CaseConfig(engine=engine, sharding_strategy=strategy)  # type: ignore[arg-type]
+        return CaseRecord(case.to_dict(), case.case_id, "pass" if deterministic is not False else "fail",
+                          deterministic=deterministic)
+
+    got = determinism_summary([record("builtin", "full_shard", True), record("torch-fsdp2", "full_shard", False),
+                               record("torch-fsdp2", "full_shard", True), record("builtin", "no_shard", None)])
+    assert got["nondeterministic"] == ["torch-fsdp2/full_shard"]
+    assert got["configurations"]["torch-fsdp2/full_shard"]["checked"] == 2
+    assert got["configurations"]["builtin/full_shard"] == {"checked": 1, "nondeterministic": []}
+    assert "builtin/no_shard" not in got["configurations"]
+
+
+def test_the_fuzz_gets_what_the_budget_leaves() -> None:
+    assert fuzz_budget(None, 1e6) is None
+    assert fuzz_budget(600, 100) == 600 - 100 - REPORT_RESERVE_S
+    assert fuzz_budget(600, 590) == 0.0
+
+
+def test_the_fuzz_runs_alongside_gpu_cases_where_cores_are_left() -> None:
+    eight = {2: [Lane(2, "nccl", (0, 1))] * 8}
+    assert fuzz_alongside(eight, cpu_cores=32)  # 16 ranks, 16 cores left
+    assert not fuzz_alongside(eight, cpu_cores=18)  # 2 cores left: too few
+    assert not fuzz_alongside({2: [Lane(2, "gloo", None)]}, cpu_cores=64)  # CPU ranks take every core
+    # World sizes run one after the other: the widest one counts.
+    assert fuzz_alongside({2: [Lane(2, "nccl", (0, 1))] * 4, 4: [Lane(4, "nccl", (0, 1, 2, 3))] * 2}, cpu_cores=11)

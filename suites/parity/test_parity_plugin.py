@@ -123,7 +123,15 @@ def test_larger_lanes_are_marked_slow(pytester: pytest.Pytester) -> None:
 def test_bad_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
     done = collect(pytester, "--engine=fsdp3")
     assert done.ret == pytest.ExitCode.USAGE_ERROR
-    assert "--engine: ['fsdp3'] not among" in done.stderr.str()
+    assert "--engine: engine 'fsdp3' is not registered" in done.stderr.str()
+
+
+def test_an_engine_spec_runs_the_seeds_and_the_cases_under_its_name(pytester: pytest.Pytester) -> None:
+    done = collect(pytester, "--engine", "mine=fsdp1:engine,torch-fsdp2", "--reference", "ddp")
+    assert done.ret == 0, done.stdout.str()
+    ids = [line.split("::")[-1] for line in done.stdout.lines if "::" in line]
+    assert "test_ok[mine:ddp:full_shard-fp32-bwd_none-nested-steps2]" in ids
+    assert [i for i in ids if i.startswith("test_seed_engines")] == ["test_seed_engines[mine]"], "FSDP1-API engines only"
 
 
 def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_path: Path, pytester: pytest.Pytester) -> None:

@@ -16,7 +16,17 @@ from hypothesis import strategies as st
 from harness.adapters import ParamSlice
 from harness.case import PRECISIONS
 from harness.compare import Observation, compare_observations, derive_budgets, worst_budgets
-from harness.tolerance import BUDGET_FACTOR, DEFAULT_TOLERANCES, ORDER_FREE_WORLD_SIZE, TolerancePolicy, budget_source
+from harness.tolerance import (
+    BUDGET_FACTOR,
+    DEFAULT_TOLERANCES,
+    MIXED_PRECISION_FACTOR,
+    ORDER_FREE_WORLD_SIZE,
+    DerivedBudget,
+    TolerancePolicy,
+    ablation_budget,
+    budget_source,
+    mixed_precision_budgets,
+)
 
 FP32 = PRECISIONS["fp32"]
 FP64 = PRECISIONS["fp64"]
@@ -47,16 +57,19 @@ def test_fp32_past_two_ranks_measures_the_reference(world_size: int) -> None:
 
 @given(a=world_sizes, b=world_sizes, precision=st.sampled_from(sorted(PRECISIONS)))
 def test_the_rule_is_monotone_in_world_size(a: int, b: int, precision: str) -> None:
-    """More ranks never take a budget away, nor change where it comes from."""
+    """More ranks never take a budget away, nor change where it comes from, except that mixed precision
+    past two ranks can no longer resolve dropped casts by values (ablation -> emulation)."""
     small, large = sorted((a, b))
     spec = PRECISIONS[precision]
-    if budget_source(spec, small) != "none":
-        assert budget_source(spec, large) == budget_source(spec, small)
+    before, after = budget_source(spec, small), budget_source(spec, large)
+    if before != "none":
+        assert after == before or (before, after) == ("ablation", "emulation")
 
 
 @given(world_size=world_sizes, precision=st.sampled_from(MIXED))
-def test_mixed_precision_measures_the_emulation_at_every_world_size(world_size: int, precision: str) -> None:
-    assert budget_source(PRECISIONS[precision], world_size) == "emulation"
+def test_mixed_precision_measures_the_ablations_up_to_two_ranks_and_the_emulation_past(world_size: int, precision: str) -> None:
+    expected = "ablation" if world_size <= ORDER_FREE_WORLD_SIZE else "emulation"
+    assert budget_source(PRECISIONS[precision], world_size) == expected
 
 
 @given(world_size=world_sizes)
@@ -129,3 +142,50 @@ def test_an_engine_as_far_from_float64_as_the_reference_passes_and_a_planted_bug
     assert not _verdicts(honest, reference, TolerancePolicy.for_precision(FP32))["grad:w"]
     assert all(_verdicts(honest, reference, derived).values())
     assert not _verdicts(planted, reference, derived)["grad:w"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixed precision: half the distance to the nearest cast-dropping run
+
+
+@given(distances=st.dictionaries(st.sampled_from(["fp64", "no_param", "no_reduce", "no_buffer"]),
+                                 st.floats(min_value=0.0, max_value=1.0), min_size=1),
+       floor=st.floats(min_value=1e-7, max_value=1e-2))
+def test_every_resolvable_cast_dropping_run_fails_the_budget(distances: dict[str, float], floor: float) -> None:
+    """An engine landing on any resolvable run is off by its full distance, twice the budget or more."""
+    derived = ablation_budget(distances, floor)
+    for name in derived.resolvable:
+        assert distances[name] > derived.budget
+    for name, d in distances.items():
+        assert (name in derived.resolvable) == (MIXED_PRECISION_FACTOR * d > floor)
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0, 0.0])
+def test_a_factor_outside_zero_one_is_refused(factor: float) -> None:
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\)"):
+        ablation_budget({"fp64": 1.0}, 1e-5, factor=factor)
+
+
+def test_a_run_within_the_floor_is_not_resolvable() -> None:
+    derived = ablation_budget({"no_buffer": 1e-7, "fp64": 1e-3}, floor=1e-5)
+    assert derived.resolvable == ("fp64",) and derived.nearest == "fp64"
+    assert derived.budget == pytest.approx(MIXED_PRECISION_FACTOR * 1e-3)
+    assert ablation_budget({"no_buffer": 1e-7}, floor=1e-5) == DerivedBudget(0.0, "", ())
+
+
+def test_the_floor_is_torchs_tolerance_at_the_quantitys_magnitude() -> None:
+    """A cast that moves a quantity by less than twice what torch's rtol allows there cannot be resolved."""
+    rtol, atol = DEFAULT_TOLERANCES[torch.float32]
+    small = mixed_precision_budgets({"no_reduce": {"loss@0": 3e-5}}, {"loss@0": 1.0}, "float32")
+    large = mixed_precision_budgets({"no_reduce": {"loss@0": 3e-5}}, {"loss@0": 100.0}, "float32")
+    assert 0.5 * 3e-5 > atol + rtol * 1.0 and small["loss@0"].resolvable == ("no_reduce",)
+    assert 0.5 * 3e-5 < atol + rtol * 100.0 and large["loss@0"].resolvable == ()
+
+
+def test_mixed_precision_keeps_the_full_dtypes_rtol_up_to_two_ranks() -> None:
+    """Past two ranks (``emulation``) one rounding of the lowest-precision dtype is allowed instead."""
+    for name in MIXED:
+        spec = PRECISIONS[name]
+        assert TolerancePolicy.for_precision(spec, source="ablation").rtol == DEFAULT_TOLERANCES[torch.float32][0]
+        lowest = max(DEFAULT_TOLERANCES[getattr(torch, d)][0] for d in (spec.full, spec.param, spec.reduce) if d)
+        assert TolerancePolicy.for_precision(spec, source="emulation").rtol == lowest

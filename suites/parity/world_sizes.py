@@ -32,11 +32,12 @@ import torch.nn as nn
 
 from engine import collectives
 from engine.layout import ParamEntry, aligned_numel, build_layout
-from harness.adapters import FSDP1Adapter, get_engine
-from harness.case import CaseConfig
+from harness.adapters import FSDP1Adapter
+from harness.case import CaseConfig, is_hybrid
+from harness.registry import resolve
 from harness.models import MODELS, ModelSpec, ZooModel, batch_generator, build_model
-from harness.parity import record_from_outcome, run_case_on_rank
-from harness.placement import default_shard_size
+from harness.parity import RankResult, record_from_outcome, run_case_on_rank
+from harness.placement import hybrid_shard_size
 from harness.pool import RankPool
 from harness.rank import RankContext
 from harness.records import CaseRecord
@@ -118,7 +119,7 @@ def ensure_registered() -> None:
 # Rank jobs (module-level: the pool pickles them by name)
 
 
-def run_case_job(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
+def run_case_job(ctx: RankContext, case: CaseConfig) -> RankResult:
     """``harness.parity.run_case_on_rank`` with ``UnevenModel`` registered first."""
     ensure_registered()
     return run_case_on_rank(ctx, case)
@@ -155,7 +156,7 @@ def planted_in_builtin_reduction(rel: float) -> Iterator[None]:
         collectives.reduce_scatter_grad = original
 
 
-def run_planted_case_job(ctx: RankContext, arg: tuple[CaseConfig, float]) -> dict[str, Any]:
+def run_planted_case_job(ctx: RankContext, arg: tuple[CaseConfig, float]) -> RankResult:
     """``run_case_job`` with the built-in engine's reduced gradients off by a relative ``arg[1]``."""
     case, rel = arg
     if case.engine != "builtin":
@@ -191,7 +192,7 @@ def gain_holding_job(ctx: RankContext, case: CaseConfig) -> Holding:
     if not isinstance(model, UnevenModel):
         raise ValueError(f"gain_holding_job: case.model={case.model!r} must be {UNEVEN!r}")
     gain = model.gain
-    adapter = get_engine(case.engine)
+    adapter = resolve(case.engine)
     trainee = adapter.build(case, model, ctx)
     if isinstance(adapter, FSDP1Adapter):
         fsdp = adapter.ns.FullyShardedDataParallel
@@ -212,8 +213,8 @@ def gain_holding_job(ctx: RankContext, case: CaseConfig) -> Holding:
 def shard_group_size(case: CaseConfig) -> int:
     """Ranks a unit is sharded over: the world, or for the hybrid strategies the shard group
     (``extras["shard_size"]``, else the harness's default on one host)."""
-    if case.sharding_strategy.startswith("hybrid"):
-        return int(case.extra.get("shard_size", default_shard_size(case.world_size, case.world_size)))
+    if is_hybrid(case.sharding_strategy):
+        return hybrid_shard_size(case.extra, case.world_size, case.world_size)
     return case.world_size
 
 

@@ -1,5 +1,6 @@
-"""``python -m harness perf``: the model's size arithmetic, the table's ratios, and a tiny CPU run that
-prints our engine's step time over torch FSDP1's from the same run."""
+"""``python -m harness perf``: the model's size arithmetic, the table's ratios and spread, what is not
+applicable and why, and tiny CPU runs (the GPT with traces, and the host-bound zoo mode) that print our
+engine's step time over torch FSDP1's from the same run."""
 
 from __future__ import annotations
 
@@ -12,18 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.perf import (
+from harness.benchmark import (
     CPU_MODEL,
     GPT,
+    SIZES,
     GPTConfig,
-    PerfConfig,
-    PerfRow,
-    add_ratios,
     count_params,
-    plan_runs,
-    row_from_values,
-    tflops_per_gpu,
+    trace_name,
+    unsupported_reason,
 )
+from harness.models import GPTBlock
+from harness.perf_run import PerfConfig, PerfRow, add_ratios, plan_runs, row_from_values, spread, tflops_per_gpu
 from harness.pytest_plugin import needs_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +44,36 @@ def test_count_params_is_the_built_models(cfg: GPTConfig) -> None:
 
 
 def test_the_default_model_is_the_anchors() -> None:
-    assert round(count_params(GPTConfig()) / 1e6, 1) == 936.5
+    assert SIZES["1b"] == GPTConfig() and round(count_params(GPTConfig()) / 1e6, 1) == 936.5
     # The anchors' FSDP1 line: 201.2 ms per step of 8 x 2048 tokens is 458 TFLOP/s per GPU.
     assert round(tflops_per_gpu(count_params(GPTConfig()), 8 * 2048, 0.2012)) == 458
+
+
+def test_the_second_size_is_about_three_billion() -> None:
+    assert 2.8e9 < count_params(SIZES["3b"]) < 3.2e9
+
+
+def test_the_benchmark_gpt_is_built_of_the_zoos_block_without_linear_biases() -> None:
+    model = GPT(CPU_MODEL)
+    assert all(type(b) is GPTBlock for b in model.blocks)
+    assert not any(name.endswith("bias") for name, _ in model.blocks.named_parameters() if ".ln" not in f".{name}")
+    assert GPTBlock(8, 2).qkv.bias is not None  # the zoo's tiny GPT keeps its biases
+
+
+def test_what_is_not_measured_says_why() -> None:
+    assert unsupported_reason("builtin", "full_shard", 2) is None
+    assert "fully_shard always shards" in str(unsupported_reason("torch-fsdp2", "no_shard", 2))
+    hybrid = unsupported_reason("builtin", "hybrid_shard", 2)
+    assert hybrid is not None and "at least 4 ranks" in hybrid and "--world-size 4" in hybrid
+    assert unsupported_reason("torch-fsdp", "hybrid_shard", 4) is None
+    assert trace_name("builtin", "full_shard", 1) == "gpt-builtin-full_shard-rank1.json"
+    assert trace_name("ddp", None, 0, "transformer", "prof") == "transformer-ddp-ddp-rank0.prof"
+
+
+def test_spread_is_min_deciles_max() -> None:
+    assert spread([5.0]) == (5.0, 5.0, 5.0, 5.0)
+    lo, p10, p90, hi = spread([float(x) for x in range(1, 12)])  # 1..11
+    assert (lo, hi) == (1.0, 11.0) and p10 == pytest.approx(2.0) and p90 == pytest.approx(10.0)
 
 
 def test_config_names_bad_choices() -> None:
@@ -56,6 +83,8 @@ def test_config_names_bad_choices() -> None:
         PerfConfig(model=CPU_MODEL, strategies=[])
     with pytest.raises(ValueError, match="heads"):
         GPTConfig(d_model=10, heads=3)
+    with pytest.raises(ValueError, match="zoo_models"):
+        PerfConfig(model=CPU_MODEL, zoo_models=["resnet"])
 
 
 def test_runs_are_planned_per_strategy_with_ddp_once() -> None:
@@ -66,7 +95,8 @@ def test_runs_are_planned_per_strategy_with_ddp_once() -> None:
 
 
 def _values(step_s: list[list[float]], loss: float) -> list[dict]:
-    return [{"step_s": s, "losses": [9.0, loss + r * 1e-4], "peak_bytes": None} for r, s in enumerate(step_s)]
+    return [{"step_s": s, "losses": [9.0, loss + r * 1e-4], "peak_bytes": None, "reserved_bytes": None}
+            for r, s in enumerate(step_s)]
 
 
 def test_rows_take_the_slowest_rank_per_step_and_ratios_match_strategies() -> None:
@@ -75,6 +105,11 @@ def test_rows_take_the_slowest_rank_per_step_and_ratios_match_strategies() -> No
     assert ours.steps_ms == pytest.approx([200, 300, 200]) and ours.step_ms == pytest.approx(200)
     assert ours.final_loss == pytest.approx(5.00005) and ours.peak_gib is None
     assert ours.tflops == pytest.approx(6 * params * tokens / 0.2 / 1e12)
+    assert ours.tokens_per_s == pytest.approx(2 * tokens / 0.2)  # both ranks' tokens
+    assert (ours.min_ms, ours.max_ms) == (pytest.approx(200), pytest.approx(300)) and ours.reserved_gib is None
+    gpu = row_from_values("builtin", "full_shard", [{**v, "peak_bytes": 2 * 1024**3, "reserved_bytes": (3 + r) * 1024**3}
+                                                    for r, v in enumerate(_values([[0.1]] * 2, 5.0))], params, tokens)
+    assert gpu.peak_gib == pytest.approx(2) and gpu.reserved_gib == pytest.approx(4)
     torch_fsdp = row_from_values("torch-fsdp", "full_shard", _values([[0.1, 0.1, 0.1]] * 2, 5.0), params, tokens)
     off = row_from_values("builtin", "no_shard", _values([[0.1]] * 2, 6.0), params, tokens)
     ddp = row_from_values("ddp", None, _values([[0.05]] * 2, 5.0), params, tokens)
@@ -91,17 +126,39 @@ def test_rows_take_the_slowest_rank_per_step_and_ratios_match_strategies() -> No
 
 def test_perf_on_cpu_prints_the_ratio_against_torch_fsdp1(tmp_path: Path) -> None:
     out = tmp_path / "perf.json"
-    done = _perf("--engines", "builtin,torch-fsdp", "--steps", "3", "--warmup", "1", "--json", str(out))
+    done = _perf("--engines", "builtin,torch-fsdp", "--strategies", "full_shard,hybrid_shard", "--steps", "3",
+                 "--warmup", "1", "--json", str(out), "--profile", str(tmp_path / "traces"))
     assert done.returncode == 0, done.stdout + done.stderr
     match = re.search(r"ratio builtin / torch-fsdp step time \(full_shard\): (\d+\.\d+) \(", done.stdout)
     assert match and float(match[1]) > 0, done.stdout
     assert "2 ranks, gloo" in done.stdout
     data = json.loads(out.read_text())
-    rows = {r["engine"]: r for r in data["rows"]}
+    hybrid = [r for r in data["rows"] if r["strategy"] == "hybrid_shard"]
+    assert [r["status"] for r in hybrid] == ["unsupported"] * 2 and "at least 4 ranks" in hybrid[0]["reason"]
+    rows = {r["engine"]: r for r in data["rows"] if r["strategy"] == "full_shard"}
     assert set(rows) == {"builtin", "torch-fsdp"} and all(r["status"] == "ok" for r in rows.values())
+    assert rows["builtin"]["p10_ms"] <= rows["builtin"]["step_ms"] <= rows["builtin"]["p90_ms"]
+    assert rows["builtin"]["tokens_per_s"] > 0
+    # One Chrome trace per engine, strategy and rank, of steps after the timed ones.
+    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert traces == [trace_name(e, "full_shard", r) for e in ("builtin", "torch-fsdp") for r in (0, 1)]
+    events = json.loads((tmp_path / "traces" / traces[0]).read_text())["traceEvents"]
+    assert any("ProfilerStep" in str(e.get("name")) or e.get("ph") == "X" for e in events)
     assert len(rows["builtin"]["steps_ms"]) == 3 and rows["builtin"]["ratio"] == pytest.approx(float(match[1]), abs=1e-3)
     assert rows["builtin"]["loss_matches"] is True
     assert data["params"] == count_params(CPU_MODEL)
+
+
+def test_small_mode_times_zoo_models_against_torch_fsdp1(tmp_path: Path) -> None:
+    out = tmp_path / "zoo.json"
+    done = _perf("--small", "--zoo-models", "always_wrap", "--steps", "3", "--warmup", "1", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "host-bound regime" in done.stdout
+    match = re.search(r"ratio builtin / torch-fsdp step time \(always_wrap, full_shard\): (\d+\.\d+)", done.stdout)
+    assert match and float(match[1]) > 0, done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["engine"], r["status"]) for r in rows] == [("always_wrap", "builtin", "ok"), ("always_wrap", "torch-fsdp", "ok")]
+    assert rows[0]["loss_matches"] is True and rows[0]["tokens_per_s"] is None and rows[0]["cpu_ms"] > 0 and rows[0]["setup_ms"] > 0
 
 
 @pytest.mark.gpu
@@ -111,3 +168,17 @@ def test_perf_on_two_gpus_small_model() -> None:
                  "--seq", "512", "--steps", "5", gpus=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 ranks, nccl" in done.stdout and "ratio builtin / torch-fsdp step time (full_shard)" in done.stdout
+
+
+@pytest.mark.gpu
+@needs_gpus(2)
+def test_perf_on_two_gpus_reports_memory_and_traces(tmp_path: Path) -> None:
+    out = tmp_path / "perf.json"
+    done = _perf("--engines", "builtin,torch-fsdp", "--strategies", "full_shard,no_shard,hybrid_shard", "--layers", "2",
+                 "--d-model", "512", "--heads", "8", "--seq", "512", "--steps", "3", "--json", str(out),
+                 "--profile", str(tmp_path / "traces"), gpus=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["status"] == "ok"]
+    assert {r["strategy"] for r in rows} == {"full_shard", "no_shard"}
+    assert all(r["reserved_gib"] >= r["peak_gib"] > 0 for r in rows)
+    assert len(list((tmp_path / "traces").iterdir())) == 2 * 2 * 2

@@ -5,17 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from synthetic_records import RUN, mixed_records
-
-from harness.collector import ResultWriter
-from harness.records import CaseRecord
-
-
-def write_results(path: Path, records: list[CaseRecord]) -> Path:
-    with ResultWriter(path, RUN) as writer:
-        for r in records:
-            writer.append(r)
-    return path
+from report_files import write_results
+from synthetic_records import mixed_records
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pandas as pd
-from conftest import write_results
+from report_files import write_results
 from synthetic_records import record
 
 import reports

@@ -12,7 +12,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from conftest import write_results
+from report_files import write_results
 from history_nights import write_nights
 from synthetic_records import mixed_records
 from test_reports_case_pages import CASE, diverging, hung

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.image
 import pandas as pd
 import pytest
-from conftest import write_results
+from report_files import write_results
 from synthetic_records import RUN, mixed_records, record
 
 import reports

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from conftest import write_results
+from report_files import write_results
 from synthetic_records import RUN, record
 
 import reports

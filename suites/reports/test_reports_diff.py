@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import write_results
+from report_files import write_results
 from synthetic_records import record
 
 import reports
@@ -133,3 +133,29 @@ def test_cli_diff_without_regressions_exits_zero(tmp_path: Path, capsys: pytest.
     assert main(["diff", str(old), str(new)]) == 0
     assert "0 regression(s), 1 fix(es)" in capsys.readouterr().out
     assert main(["diff", str(old), str(tmp_path / "nope")]) == 2
+
+
+def test_a_flaky_case_is_a_regression_after_a_pass_and_no_fix_before_one() -> None:
+    old = frame([record(C[0], "pass", 0.1), record(C[1], "flaky", 3.0), record(C[2], "fail", 3.0)])
+    new = frame([record(C[0], "flaky", 3.0), record(C[1], "pass", 0.1), record(C[2], "flaky", 3.0)])
+    result = diff_frames(old, new)
+    assert kinds_and_whats(result) == [
+        ("regression", "pass → flaky", f"torch-fsdp:ddp:{C[0].case_id}"),
+        ("changed", "fail → flaky", f"torch-fsdp:ddp:{C[2].case_id}"),
+        ("changed", "flaky → pass", f"torch-fsdp:ddp:{C[1].case_id}"),
+    ]
+    assert result.exit_code == 1
+
+
+def test_flaky_cases_are_counted_and_coloured_in_the_report(tmp_path: Path) -> None:
+    from reports.matrix import CellStats
+    from reports.render import STATUS_COLOURS, cell_colour
+
+    stats = CellStats.of(frame([record(C[0], "pass", 0.1), record(C[1], "flaky", 3.0)]))
+    assert stats.status == "flaky" and stats.total == 2 and stats.flaky == 1
+    assert cell_colour(stats) == STATUS_COLOURS["flaky"]
+    assert CellStats.of(frame([record(C[0], "fail", 3.0), record(C[1], "flaky", 3.0)])).status == "fail"
+    results = write_results(tmp_path / "r.jsonl", [record(C[0], "pass", 0.1), record(C[1], "flaky", 3.0)])
+    summary = reports.build([results], tmp_path / "report")
+    assert summary.verdicts["flaky"] == 1 and not summary.ok
+    assert "flaky: 1" in (tmp_path / "report" / "matrix.md").read_text()

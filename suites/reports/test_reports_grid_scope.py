@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import write_results
+from report_files import write_results
 from synthetic_records import mixed_records, record
 
 import reports

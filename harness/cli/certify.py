@@ -1,0 +1,375 @@
+"""``python -m harness certify --engine SPEC``: a conformance certificate for one engine.
+
+Runs every behaviour family against the engine and writes ``certificate.md``, ``certificate.html`` and
+``certificate.json`` (``reports.certificate``) with the per-family counts, the failing cases and their
+worst quantities, the engine's version and the environment. Exit status 0 when no family fails, 1 when
+one does, 2 when the engine spec is bad (one line naming it) or the ranks cannot start.
+
+The families (``FAMILIES``; adding one is one line there):
+
+- ``seeds``: the seed suites through pytest in a subprocess with ``--engine SPEC`` (engines with torch
+  FSDP1's API), one count per test;
+- ``parity-ddp`` / ``parity-local``: the generated cases (pairwise matrix; ``--quick``: the smoke cases of
+  one small model) through ``harness.runner``, judged on their numbers against each reference;
+- ``knobs``: the same cases' knob checks (no setting silently ignored);
+- ``checkpoints``: the cases of the matrix's ``checkpoint`` axis, once the matrix has one;
+- ``flat-param``: the engine's ``FlatParamHandle`` metadata against torch FSDP1's layout, where it has one;
+- ``torch-common-fsdp``: torch's own FSDP parity machinery (``torch.testing._internal.common_fsdp``) over
+  the engine, on 2+ GPUs where torch's testing extras import.
+
+On CPU the ranks run on gloo, on GPUs one per local GPU (``--world-size`` defaults to every local GPU).
+Engines are resolved by ``harness.registry``; a plug-in's spec must be resolvable in a fresh process
+(a spec or an entry point), since the seed families run pytest in one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.case import CaseConfig
+from harness.records import CaseRecord
+from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
+
+__all__ = ["FAMILIES", "Family", "add_arguments", "main"]
+
+REPO = Path(__file__).resolve().parents[2]
+#: what ``--quick`` keeps of the seed suites: the core parity checks (CI can afford them twice).
+QUICK_SEEDS = ("suites/seeds/test_fsdp_core.py", "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
+FULL_SEEDS = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
+FLAT_PARAM_TESTS = ("suites/flat_param/test_engine_layout.py",)
+TORCH_COMMON_TESTS = ("suites/seeds/test_torch_common_fsdp.py",)
+ERRORED = ("error", "timeout", "crash")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run the families share
+
+
+@dataclass
+class CertifyRun:
+    """One certification: the engine, where its ranks run, and the generated cases' records (run once,
+    on first use, and shared by the families that judge them)."""
+
+    spec: str
+    name: str
+    quick: bool
+    world_size: int
+    backend: str
+    devices: tuple[int, ...] | None
+    out: Path
+    case_timeout_s: float
+    progress: bool
+    _records: list[CaseRecord] | None = field(default=None, repr=False)
+
+    def cases(self) -> list[CaseConfig]:
+        from harness.runner import generate_cases
+
+        if self.quick:
+            return generate_cases("smoke", [self.world_size], ["ddp", "local"],
+                                  axes={"engine": [self.spec], "model": ["nested"]}, steps=2)
+        return generate_cases("pairwise", [self.world_size], ["ddp", "local"], axes={"engine": [self.spec]})
+
+    def records(self) -> list[CaseRecord]:
+        if self._records is None:
+            self._records = self._run_cases()
+        return self._records
+
+    def _run_cases(self) -> list[CaseRecord]:
+        from harness.collector import ResultWriter, run_info
+        from harness.pool import PoolConfig, RankPool
+        from harness.runner import Progress, run_case
+
+        cases = self.cases()
+        records: list[CaseRecord] = []
+        progress = Progress(len(cases), enabled=self.progress)
+        config = PoolConfig(world_size=self.world_size, backend=self.backend, devices=self.devices,  # type: ignore[arg-type]
+                            case_timeout_s=self.case_timeout_s)
+        with ResultWriter(self.out / "results.jsonl", run_info(self.backend)) as writer, RankPool(config) as pool:
+            for case in cases:
+                record = run_case(pool, case)
+                writer.append(record)
+                progress.update(record, case.full_id)
+                records.append(record)
+        progress.close()
+        return records
+
+    def pytest(self, label: str, args: Sequence[str], timeout_s: float) -> tuple[list[tuple[str, str, str]], str]:
+        """Run pytest on ``args`` with ``--engine SPEC`` in a subprocess; ``(node, outcome, message)`` per
+        test (outcome ``passed``, ``failed`` or ``skipped``) and the output's tail."""
+        xml = self.out / f"{label}.xml"
+        env = dict(os.environ)
+        # The child resolves the spec again: it needs this process's import path (a plug-in's included).
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in sys.path if p]])
+        cmd = [sys.executable, "-m", "pytest", *args, "--engine", self.spec, "-p", "no:cacheprovider", "-q",
+               f"--junitxml={xml}", "-o", "junit_family=xunit2"]
+        if self.backend == "gloo":
+            cmd += ["--backend", "gloo"]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+            tail = (proc.stdout + proc.stderr)[-2000:]
+        except subprocess.TimeoutExpired as exc:
+            tail = f"pytest ran past {timeout_s:.0f} s: {str(exc.stdout or '')[-1000:]}"
+        return (parse_junit(xml) if xml.exists() else []), tail
+
+
+def parse_junit(path: Path) -> list[tuple[str, str, str]]:
+    """``(node, outcome, message)`` of every test case of a JUnit XML file."""
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        node = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome, message = "failed", (child.get("message") or child.text or "").strip()
+                break
+            if child.tag == "skipped":
+                outcome, message = "skipped", (child.get("message") or "").strip()
+        out.append((node, outcome, " ".join(message.split())[:300]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Families
+
+
+@dataclass(frozen=True)
+class Family:
+    """One behaviour family: its name, what it checks, and how it is judged for a run."""
+
+    name: str
+    description: str
+    judge: Callable[[CertifyRun, FamilyResult], None]
+
+
+def _from_tests(result: FamilyResult, tests: list[tuple[str, str, str]], tail: str) -> None:
+    for node, outcome, message in tests:
+        if outcome == "passed":
+            result.passed += 1
+        elif outcome == "skipped":
+            result.unsupported += 1
+        else:
+            result.failed += 1
+            result.failures.append(Failure(node, message))
+    if not tests:
+        # pytest did not get to run a test (usage error, collection error, time limit): that is a failure.
+        result.failed += 1
+        result.failures.append(Failure("pytest", " ".join(tail.split())[-300:]))
+
+
+def _needs_fsdp1(run: CertifyRun, result: FamilyResult) -> bool:
+    from harness.registry import resolve
+
+    if resolve(run.spec).fsdp1_module is None:
+        result.note = f"{run.name} has no torch FSDP1 API (its adapter has no fsdp1_module): these checks speak it"
+        return False
+    return True
+
+
+def judge_seeds(run: CertifyRun, result: FamilyResult) -> None:
+    if _needs_fsdp1(run, result):
+        _from_tests(result, *run.pytest("seeds", QUICK_SEEDS if run.quick else FULL_SEEDS, 900 if run.quick else 5400))
+
+
+def judge_parity(reference: str) -> Callable[[CertifyRun, FamilyResult], None]:
+    def judge(run: CertifyRun, result: FamilyResult) -> None:
+        _judge_numbers(result, [r for r in run.records() if r.case.get("reference") == reference])
+
+    return judge
+
+
+def _judge_numbers(result: FamilyResult, records: list[CaseRecord]) -> None:
+    from harness.collector import record_full_id
+
+    for record in records:
+        if record.verdict == "unsupported":
+            result.unsupported += 1
+        elif record.verdict in ERRORED:
+            result.failed += 1
+            result.failures.append(Failure(record_full_id(record), f"{record.verdict}: {record.reason}"))
+        else:
+            failing = sorted((e for e in record.errors if not e.passed), key=lambda e: -e.ratio)
+            if failing:
+                worst = failing[0]
+                result.failed += 1
+                result.failures.append(Failure(
+                    record_full_id(record), f"max_abs {worst.max_abs:.3g} beyond atol {worst.atol:.3g} + rtol {worst.rtol:.3g}",
+                    worst.name, worst.ratio))
+            elif not record.errors:
+                result.failed += 1
+                result.failures.append(Failure(record_full_id(record), "nothing was compared"))
+            else:
+                result.passed += 1
+
+
+def judge_knobs(run: CertifyRun, result: FamilyResult) -> None:
+    from harness.collector import record_full_id
+
+    for record in run.records():
+        if record.verdict == "unsupported":
+            result.unsupported += 1
+            continue
+        if record.verdict in ERRORED:
+            result.failed += 1
+            result.failures.append(Failure(record_full_id(record), f"{record.verdict}: {record.reason}"))
+            continue
+        knobs = record.detail.get("knobs", [])
+        ignored = [k for k in knobs if k["status"] == "ignored"]
+        if ignored:
+            result.failed += 1
+            result.failures.append(Failure(record_full_id(record), f"ignored: {ignored[0]['reason']}",
+                                           ", ".join(k["knob"] for k in ignored)))
+        elif any(k["status"] == "ok" for k in knobs):
+            result.passed += 1
+        else:
+            result.unsupported += 1  # every knob n/a: nothing in this case to see
+
+
+def judge_checkpoints(run: CertifyRun, result: FamilyResult) -> None:
+    from harness.matrix import AXES
+
+    if "checkpoint" not in AXES:
+        result.note = "not yet available: the case matrix has no checkpoint axis"
+        return
+    _judge_numbers(result, [r for r in run.records() if r.case.get("checkpoint") not in (None, "none", False)])
+    if not (result.passed or result.failed or result.unsupported):
+        result.note = "no case of this run exercises a checkpoint"
+
+
+def judge_flat_param(run: CertifyRun, result: FamilyResult) -> None:
+    if _needs_fsdp1(run, result):
+        _from_tests(result, *run.pytest("flat_param", FLAT_PARAM_TESTS, 900))
+        if result.unsupported and not (result.passed or result.failed):
+            result.note = result.note or "the engine exposes no FlatParamHandle"
+
+
+def judge_torch_common(run: CertifyRun, result: FamilyResult) -> None:
+    import torch
+
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_gpus < 2:
+        result.note = f"needs 2+ CUDA GPUs (torch's FSDPTest runs on NCCL); this machine has {n_gpus}"
+        return
+    missing = _torch_testing_missing()
+    if missing:
+        result.note = missing
+        return
+    if _needs_fsdp1(run, result):
+        _from_tests(result, *run.pytest("torch_common_fsdp", TORCH_COMMON_TESTS, 900 if run.quick else 3600))
+
+
+def _torch_testing_missing() -> str | None:
+    try:
+        importlib.import_module("torch.testing._internal.common_fsdp")
+    except ImportError as exc:
+        return f"torch's testing extras do not import (torch.testing._internal.common_fsdp: {exc}); pip install expecttest"
+    return None
+
+
+#: Every family, in certificate order.
+FAMILIES: tuple[Family, ...] = (
+    Family("seeds", "seed behaviours: the seed suites (pytest --engine SPEC)", judge_seeds),
+    Family("parity-ddp", "generated parity against DDP", judge_parity("ddp")),
+    Family("parity-local", "generated parity against the unsharded local reference", judge_parity("local")),
+    Family("knobs", "knob propagation: every setting shows its effect", judge_knobs),
+    Family("checkpoints", "checkpoints: save, load and resume", judge_checkpoints),
+    Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param),
+    Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_torch_common),
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", required=True,
+                   help="the engine: a registered name or a spec NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT")
+    p.add_argument("--quick", action="store_true",
+                   help="what CI can afford: the core seed checks and the smoke cases of one small model (2 steps)")
+    p.add_argument("--families", default=",".join(f.name for f in FAMILIES),
+                   help=f"comma list of families (default all: {','.join(f.name for f in FAMILIES)})")
+    p.add_argument("--out", default=None, help="directory for the certificate (default certificates/NAME-TIME)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks per case (default: every local GPU, 2 on CPU)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="auto: NCCL with one GPU per rank where there are enough GPUs, else gloo on CPU")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from harness.placement import assign_devices, default_backend
+    from harness.registry import EngineSpecError, check_engines, resolve
+
+    try:
+        (spec,) = check_engines([args.engine], "--engine")
+    except EngineSpecError as exc:
+        print(f"harness certify: {exc}", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.families.split(",") if n.strip()]
+    unknown = [n for n in names if n not in {f.name for f in FAMILIES}]
+    if unknown or not names:
+        print(f"harness certify: --families {unknown or args.families!r}: choose from {[f.name for f in FAMILIES]}", file=sys.stderr)
+        return 2
+    adapter = resolve(spec)
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world_size = args.world_size or (n_gpus if n_gpus >= 2 else 2)
+    backend = args.backend if args.backend != "auto" else default_backend(world_size)
+    out = Path(args.out) if args.out else Path("certificates") / f"{adapter.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "results.jsonl").exists():
+        print(f"harness certify: --out {out} already holds a certification; choose a new directory", file=sys.stderr)
+        return 2
+    run = CertifyRun(
+        spec=spec, name=adapter.name, quick=args.quick, world_size=world_size, backend=backend,
+        devices=assign_devices(world_size, n_gpus) if backend == "nccl" else None, out=out,
+        case_timeout_s=args.timeout, progress=not args.no_progress,
+    )
+    results = []
+    for family in FAMILIES:
+        result = FamilyResult(family.name, family.description)
+        if family.name not in names:
+            result.note = "not selected (--families)"
+        else:
+            print(f"certify {adapter.name}: {family.name} ...", file=sys.stderr)
+            family.judge(run, result)
+        results.append(result)
+    cert = Certificate(adapter.name, spec, adapter.version(), _environment(run, n_gpus), results)
+    (out / "certificate.md").write_text(markdown(cert))
+    (out / "certificate.html").write_text(render_html(cert))
+    (out / "certificate.json").write_text(to_json(cert))
+    print(markdown(cert))
+    print(f"certificate: {out / 'certificate.md'} (.html, .json)")
+    return 0 if cert.ok else 1
+
+
+def _environment(run: CertifyRun, n_gpus: int) -> dict[str, Any]:
+    import platform
+
+    from harness.collector import run_info
+
+    info = run_info(run.backend)
+    devices = "CPU" if run.devices is None else f"GPUs {list(run.devices)} of {n_gpus} ({info.gpu})"
+    return {
+        "mode": "quick" if run.quick else "pairwise matrix, full seed suites",
+        "torch": info.torch_version,
+        "python": platform.python_version(),
+        "backend": run.backend,
+        "world_size": run.world_size,
+        "devices": devices,
+        "nccl": info.nccl_version,
+        "git_rev": info.git_rev,
+        "host": info.host,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }

@@ -1,0 +1,182 @@
+"""The engine registry: which adapter a ``CaseConfig.engine`` value names.
+
+An engine is named by a *spec*, everywhere an engine is named (``--engine``/``--engines``, cases,
+records, reports):
+
+- ``NAME``: a registered engine: the built-in registrations (``builtin``: our ``engine`` package,
+  ``torch-fsdp``: torch FSDP1, ``torch-fsdp2``: torch's ``fully_shard``), ``register``-ed ones, and the
+  entry points of the group ``fsdp_parity.engines`` of the installed distributions;
+- ``NAME=fsdp1:MODULE``: a namespace with torch FSDP1's public API, through ``FSDP1Adapter``;
+- ``NAME=fsdp2:MODULE``: a namespace with ``fully_shard``, ``MixedPrecisionPolicy`` and
+  ``CPUOffloadPolicy``, through ``FSDP2Adapter``;
+- ``NAME=MODULE:OBJECT``: an ``EngineAdapter`` instance, or a factory called with the name (or with no
+  argument) that returns one.
+
+An entry point's object is an adapter or such a factory, e.g. in a ``pyproject.toml``::
+
+    [project.entry-points."fsdp_parity.engines"]
+    mine = "mine.parity:adapter"
+
+The spec string is what travels: a case carries it to the rank processes and every rank resolves it
+again (``resolve`` caches per process), so nothing but the string has to be registered anywhere.
+``check_engines`` is the one validation of engine options: it resolves every spec and imports what
+each engine needs, and raises ``EngineSpecError`` (one line naming the option, the engine and what is
+missing) before anything runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from importlib import metadata
+from typing import Any
+
+from harness.adapters import EngineAdapter, FSDP1Adapter, FSDP2Adapter
+from harness.case import DEFAULT_ENGINES, engine_name
+
+__all__ = [
+    "DEFAULT_ENGINES",
+    "ENTRY_POINT_GROUP",
+    "EngineSpecError",
+    "check_engines",
+    "fsdp1_engines",
+    "register",
+    "registered_names",
+    "resolve",
+]
+
+ENTRY_POINT_GROUP = "fsdp_parity.engines"
+
+Factory = Callable[[str], EngineAdapter]
+
+#: name -> factory, filled below and by ``register``; entry points are read on first use.
+_REGISTERED: dict[str, Factory] = {}
+
+
+class EngineSpecError(ValueError):
+    """An engine spec that names nothing usable; the message is one line naming the engine and the fix."""
+
+
+def register(name: str, factory: Factory) -> None:
+    """Register ``factory(name) -> EngineAdapter`` under ``name`` (a plain name, no ``=`` or ``:``)."""
+    if not name or "=" in name or ":" in name or "," in name:
+        raise EngineSpecError(f"register: engine name {name!r} must be non-empty without '=', ':' or ','")
+    _REGISTERED[name] = factory
+    if "resolve" in globals():  # a registration replacing one must not leave the old adapter cached
+        resolve.cache_clear()
+
+
+register("builtin", lambda name: FSDP1Adapter(name, "engine"))
+# torch FSDP1 pins offloaded shards' host memory, which needs an accelerator.
+register("torch-fsdp", lambda name: FSDP1Adapter(name, "torch.distributed.fsdp", offload_needs_accelerator=True))
+register("torch-fsdp2", lambda name: FSDP2Adapter(name, None))
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def registered_names() -> list[str]:
+    """Every engine name a bare spec may use: the registrations and the installed entry points."""
+    return sorted({*_REGISTERED, *_entry_points()})
+
+
+def _from_object(label: str, name: str, obj: Any) -> EngineAdapter:
+    adapter = obj
+    if not isinstance(obj, EngineAdapter) and callable(obj):
+        try:
+            takes_name = bool(inspect.signature(obj).parameters)
+        except (TypeError, ValueError):
+            takes_name = True
+        adapter = obj(name) if takes_name else obj()
+    if not isinstance(adapter, EngineAdapter):
+        raise EngineSpecError(
+            f"engine {label!r}: {type(adapter).__name__} is not a harness.adapters.EngineAdapter; point it at an "
+            "adapter instance or a factory returning one"
+        )
+    return adapter
+
+
+def _build(spec: str) -> EngineAdapter:
+    name, sep, target = spec.partition("=")
+    name = name.strip()
+    if not name:
+        raise EngineSpecError(f"engine {spec!r}: give a name before '=' (NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT)")
+    if not sep:
+        if name in _REGISTERED:
+            return _REGISTERED[name](name)
+        entry = _entry_points().get(name)
+        if entry is None:
+            raise EngineSpecError(
+                f"engine {name!r} is not registered (known: {', '.join(registered_names())}); name a spec "
+                f"NAME=fsdp1:MODULE, NAME=fsdp2:MODULE or NAME=MODULE:OBJECT, or install a package with an "
+                f"entry point in {ENTRY_POINT_GROUP!r}"
+            )
+        return _from_object(spec, name, entry.load())
+    kind, colon, rest = target.partition(":")
+    if not colon or not kind or not rest:
+        raise EngineSpecError(
+            f"engine {spec!r}: {target!r} is not fsdp1:MODULE, fsdp2:MODULE or MODULE:OBJECT"
+        )
+    if kind == "fsdp1":
+        return FSDP1Adapter(name, rest)
+    if kind == "fsdp2":
+        return FSDP2Adapter(name, rest)
+    module = importlib.import_module(kind)
+    obj: Any = module
+    for part in rest.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"module {kind!r} has no attribute {rest!r}")
+        obj = getattr(obj, part)
+    return _from_object(spec, name, obj)
+
+
+@functools.lru_cache(maxsize=None)
+def resolve(spec: str) -> EngineAdapter:
+    """The adapter ``spec`` names, checked (``EngineAdapter.check``); ``EngineSpecError`` says why not.
+
+    Cached per process: the rank processes resolve the spec a case carries once each.
+    """
+    try:
+        adapter = _build(spec)
+        adapter.check()
+    except EngineSpecError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an engine's own failure, reported as its one line
+        raise EngineSpecError(f"engine {spec!r}: {_one_line(exc)}") from exc
+    # The spec's name wins over the adapter's own, so ids and reports say what the user wrote.
+    adapter.name = engine_name(spec)
+    return adapter
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or "(no message)"
+    if isinstance(exc, ModuleNotFoundError):
+        return f"cannot import module {exc.name!r} ({text}); install it or fix the module name"
+    return f"{type(exc).__name__}: {text}"
+
+
+def check_engines(specs: Iterable[str], option: str = "--engines") -> list[str]:
+    """Every spec resolved and checked, in order, without repeats; raises ``EngineSpecError`` naming
+    ``option`` and the engine. The one validation of engine names for every front end."""
+    specs = [s.strip() for s in specs if s.strip()]
+    if not specs:
+        raise EngineSpecError(f"{option}: give at least one engine (known: {', '.join(registered_names())})")
+    names = [engine_name(s) for s in specs]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise EngineSpecError(f"{option}: engine name(s) {repeated} given more than once")
+    for spec in specs:
+        try:
+            resolve(spec)
+        except EngineSpecError as exc:
+            raise EngineSpecError(f"{option}: {exc}") from None
+    return specs
+
+
+def fsdp1_engines(specs: Sequence[str]) -> tuple[str, ...]:
+    """The specs among ``specs`` whose engine speaks torch FSDP1's public API (the seed suites' engines)."""
+    return tuple(s for s in specs if resolve(s).fsdp1_module is not None)

@@ -1,0 +1,214 @@
+"""Save-at-step-k, resume, finish: the training runs the checkpoint suites compare.
+
+``uninterrupted`` trains a freshly wrapped model ``n`` steps; ``resumed`` trains another ``k`` steps,
+saves model and optimizer state with one state-dict type, builds a fresh model, wrapper and
+optimizer, loads, and trains to ``n``. Both return the per-step losses and the full parameters,
+which must be identical (bitwise on CPU: the resumed run repeats the same arithmetic on the same
+values).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from engine import (
+    FSDP,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
+
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+SD_TYPES = {
+    "full": StateDictType.FULL_STATE_DICT,
+    "sharded": StateDictType.SHARDED_STATE_DICT,
+    "local": StateDictType.LOCAL_STATE_DICT,
+}
+
+
+def device_for(rank: int) -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class CkptNet(nn.Module):
+    """Linear -> BatchNorm (buffers) -> block of two units (the block unit owns no parameter) -> Linear.
+
+    Sizes are uneven so shards split parameters and, at 4 ranks, some rank holds nothing of a parameter.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(7, 11, device=device)
+        self.norm = nn.BatchNorm1d(11, device=device)
+        self.block = nn.Sequential(nn.Linear(11, 13, device=device), nn.ReLU(), nn.Linear(13, 11, device=device))
+        self.out = nn.Linear(11, 3, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.relu(self.block(torch.relu(self.norm(self.inp(x))))))
+
+    @staticmethod
+    def input(step: int, rank: int, device: torch.device) -> Tensor:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return torch.randn(6, 7, generator=g).to(device)
+
+    def wrap(self, **kwargs: Any) -> FSDP:
+        self.block[0] = FSDP(self.block[0], **kwargs)
+        self.block[2] = FSDP(self.block[2], **kwargs)
+        self.block = FSDP(self.block, **kwargs)
+        self.out = FSDP(self.out, **kwargs)
+        return FSDP(self, **kwargs)
+
+
+_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard, replicate) groups: shard over pairs of ranks, replicate across pairs (built once)."""
+    if world_size not in _GROUPS:
+        rank = dist.get_rank()
+        shard_size = 2 if world_size % 2 == 0 else 1
+        shard = replicate = None
+        for start in range(0, world_size, shard_size):
+            g = dist.new_group(list(range(start, start + shard_size)))
+            if start <= rank < start + shard_size:
+                shard = g
+        for offset in range(shard_size):
+            g = dist.new_group(list(range(offset, world_size, shard_size)))
+            if rank % shard_size == offset:
+                replicate = g
+        _GROUPS[world_size] = (shard, replicate)
+    return _GROUPS[world_size]
+
+
+@dataclass(frozen=True)
+class Setup:
+    strategy: ShardingStrategy
+    use_orig_params: bool
+    optimizer: str = "adamw"
+    offload: bool = False
+    mixed_precision: bool = False
+
+    def label(self) -> str:
+        parts = [self.strategy.name.lower().strip("_"), "orig" if self.use_orig_params else "flat", self.optimizer]
+        parts += ["offload"] * self.offload + ["bf16"] * self.mixed_precision
+        return "-".join(parts)
+
+    def build(self, rank: int, world_size: int) -> tuple[FSDP, torch.optim.Optimizer]:
+        device = device_for(rank)
+        kwargs: dict[str, Any] = {"sharding_strategy": self.strategy, "use_orig_params": self.use_orig_params}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        if self.strategy in HYBRID:
+            kwargs["process_group"] = hybrid_groups(world_size)
+        if self.offload:
+            kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+        if self.mixed_precision:
+            kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+        model = CkptNet(device).wrap(**kwargs)
+        return model, make_optimizer(self.optimizer, model.parameters())
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    raise ValueError(f"optimizer {name!r}: use 'sgd' or 'adamw'")
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: range, rank: int) -> list[float]:
+    device = device_for(rank)
+    losses = []
+    for step in steps:
+        optim.zero_grad(set_to_none=True)
+        loss = (model(CkptNet.input(step, rank, device)) ** 2).mean()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(model: FSDP) -> dict[str, Tensor]:
+    """Every parameter and buffer, unsharded, by clean name, on CPU (every rank)."""
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy detached from the live model (a state dict may view its storage), as a file would be.
+
+    Through ``torch.save``, except for ``ShardedTensor``s over a subgroup, which unpickle only onto
+    the default group's ranks: those are deep-copied.
+    """
+    if _has_subgroup_sharded_tensor(obj):
+        return copy.deepcopy(obj)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _has_subgroup_sharded_tensor(obj: Any) -> bool:
+    if isinstance(obj, ShardedTensor):
+        return dist.get_world_size(obj._process_group) != dist.get_world_size()
+    if isinstance(obj, dict):
+        return any(_has_subgroup_sharded_tensor(v) for v in obj.values())
+    return False
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    state: dict[str, Tensor]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def uninterrupted(setup: Setup, rank: int, world_size: int, n: int) -> Run:
+    model, optim = setup.build(rank, world_size)
+    losses = train(model, optim, range(n), rank)
+    return Run(losses, full_state(model))
+
+
+def resumed(
+    setup: Setup,
+    sd_type: StateDictType,
+    rank: int,
+    world_size: int,
+    k: int,
+    n: int,
+    transport: Callable[[Any], Any] = snapshot,
+) -> Run:
+    model, optim = setup.build(rank, world_size)
+    losses = train(model, optim, range(k), rank)
+    with FSDP.state_dict_type(model, sd_type):
+        saved = transport({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)})
+    del model, optim
+    model, optim = setup.build(rank, world_size)
+    with FSDP.state_dict_type(model, sd_type):
+        model.load_state_dict(saved["model"])
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, saved["optim"]))
+    losses += train(model, optim, range(k, n), rank)
+    return Run(losses, full_state(model))
+
+
+def assert_same_run(got: Run, want: Run, context: str, exact: bool) -> None:
+    tol = {"rtol": 0.0, "atol": 0.0} if exact else {}
+    torch.testing.assert_close(
+        torch.tensor(got.losses), torch.tensor(want.losses), **tol, msg=lambda m: f"{context}: losses differ: {m}"
+    )
+    assert set(got.state) == set(want.state), f"{context}: keys {sorted(got.state)} vs {sorted(want.state)}"
+    for key, value in want.state.items():
+        torch.testing.assert_close(got.state[key], value, **tol, msg=lambda m, key=key: f"{context}: {key}: {m}")

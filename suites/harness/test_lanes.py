@@ -1,0 +1,55 @@
+"""Pools side by side change when a case runs, never what it computes: a sample of cases run on one
+lane and on two lanes gives records whose every compared quantity is bitwise the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.case import CaseConfig
+from harness.placement import Lane
+from harness.records import CaseRecord
+from harness.runner import CaseRunner, Progress, Selection, select_cases
+
+#: what may differ between two runs of the same case: timings and where it ran.
+TIMING_DETAIL = ("engine_s", "reference_s", "runs")
+
+
+class _Records:
+    """A writer that keeps the records in memory (``CaseRunner`` only calls ``append``)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, CaseRecord] = {}
+
+    def append(self, record: CaseRecord) -> None:
+        case = CaseConfig.from_dict(record.case)
+        self.records[case.full_id] = record
+
+
+def _run(cases: list[CaseConfig], lanes: int) -> dict[str, CaseRecord]:
+    writer = _Records()
+    runner = CaseRunner(writer, Progress(len(cases), enabled=False), None, case_timeout_s=240.0)
+    not_run, failed = runner.run_all({2: [Lane(2, "gloo", None)] * lanes}, cases)
+    assert not not_run and not failed, (not_run, runner.lane_errors)
+    assert runner.recorded == len(cases)
+    return writer.records
+
+
+def _quantities(record: CaseRecord) -> dict[str, Any]:
+    return {
+        "verdict": record.verdict, "reason": record.reason, "deterministic": record.deterministic,
+        "errors": [(e.name, e.max_abs, e.max_rel, e.atol, e.rtol, e.passed, e.ratio) for e in record.errors],
+        "bytes": (record.bytes_all_gathered, record.bytes_reduce_scattered, record.peak_mem_bytes),
+        "detail": {k: v for k, v in record.detail.items() if k not in TIMING_DETAIL},
+    }
+
+
+def test_one_lane_and_two_lanes_give_bitwise_the_same_records() -> None:
+    # Tiny and varied: two engines, both references, sharded and mixed-precision cases, 2 steps.
+    picked = select_cases(Selection(matrix="smoke", engines=["builtin", "torch-fsdp"], steps=2), [2])
+    cases = [c for c in picked if not c.cpu_offload][:4]
+    assert len({c.engine for c in cases}) == 2
+    one, two = _run(cases, lanes=1), _run(cases, lanes=2)
+    assert set(one) == set(two) == {c.full_id for c in cases}
+    for full_id in one:
+        assert one[full_id].errors, f"{full_id}: nothing compared, so nothing to check"
+        assert _quantities(one[full_id]) == _quantities(two[full_id]), full_id

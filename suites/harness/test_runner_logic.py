@@ -1,0 +1,172 @@
+"""The runner's pure logic: repeats and the flaky verdict, the interleaved order under a budget, the ETA
+for what a budget will run, and where stress delays fire (on CPU, with a recording sleep)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness.case import CaseConfig
+from harness.models import build_model
+from harness.records import CaseRecord, QuantityError
+from harness.repeats import decide, merge_runs, needs_rerun
+from harness.runner import Selection, expected_total, interleave, select_cases
+from harness.stress import Stress, unsupported_reason
+from harness.trace import CommTrace
+
+CASE = CaseConfig()
+
+
+def _run(verdict: str, reason: str = "", ratio: float = 0.0, wall_s: float = 1.0) -> CaseRecord:
+    errors = [QuantityError("loss@1", ratio, ratio, 1e-5, 1e-5, ratio <= 1, ratio)]
+    return CaseRecord(CASE.to_dict(), CASE.case_id, verdict, reason, errors=errors, wall_s=wall_s)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "verdict", "counts"),
+    [
+        (["pass"], "pass", {"pass": 1}),
+        (["pass"] * 5, "pass", {"pass": 5}),
+        (["fail"] * 3, "fail", {"fail": 3}),
+        (["pass", "pass", "fail", "pass", "fail"], "flaky", {"pass": 3, "fail": 2}),
+        (["fail", "pass", "pass", "pass", "pass"], "flaky", {"fail": 1, "pass": 4}),  # a majority never passes it
+        (["timeout", "crash"], "flaky", {"timeout": 1, "crash": 1}),
+        (["unsupported", "pass"], "flaky", {"unsupported": 1, "pass": 1}),
+    ],
+)
+def test_runs_that_disagree_are_flaky_never_pass(verdicts: list[str], verdict: str, counts: dict[str, int]) -> None:
+    assert decide(verdicts) == (verdict, counts)
+
+
+def test_decide_needs_a_run() -> None:
+    with pytest.raises(ValueError, match="at least once"):
+        decide([])
+
+
+def test_a_flaky_record_counts_its_outcomes_and_shows_the_failing_run() -> None:
+    merged = merge_runs([_run("pass", wall_s=1), _run("fail", "loss@1: max_abs 3 exceeds", ratio=3.0, wall_s=2),
+                         _run("pass", wall_s=1)])
+    assert merged.verdict == "flaky" and merged.outcomes == {"pass": 2, "fail": 1}
+    assert merged.reason.startswith("runs disagree (pass 2, fail 1); first fail: loss@1")
+    assert merged.worst_ratio == 3.0 and merged.wall_s == 4
+    assert [r["verdict"] for r in merged.detail["runs"]] == ["pass", "fail", "pass"]
+    # Written and read back: the field survives, and records without it still read.
+    again = CaseRecord.from_dict(json.loads(json.dumps(merged.to_dict())))
+    assert again.outcomes == {"pass": 2, "fail": 1} and again.verdict == "flaky"
+    old = merged.to_dict()
+    del old["outcomes"]
+    assert CaseRecord.from_dict(old).outcomes is None
+
+
+def test_agreeing_runs_keep_their_verdict_and_one_run_is_unchanged() -> None:
+    single = _run("fail", "x", ratio=2.0)
+    assert merge_runs([single]) is single
+    merged = merge_runs([_run("fail", "x", ratio=2.0)] * 3)
+    assert merged.verdict == "fail" and merged.outcomes == {"fail": 3} and merged.reason == "x"
+    assert needs_rerun(merged) and not needs_rerun(_run("pass")) and not needs_rerun(_run("unsupported"))
+    other = CaseConfig(model="transformer")
+    with pytest.raises(ValueError, match="different cases"):
+        merge_runs([_run("pass"), CaseRecord(other.to_dict(), other.case_id, "pass")])
+
+
+def test_interleave_reaches_every_engine_reference_and_model_first() -> None:
+    cases = select_cases(Selection(matrix="full"), [2])
+    ordered = interleave(cases)
+    assert sorted(c.full_id for c in ordered) == sorted(c.full_id for c in cases)
+    combos = {(c.engine, c.reference, c.model) for c in cases}
+    head = ordered[: len(combos)]
+    assert {(c.engine, c.reference, c.model) for c in head} == combos
+    # Deeper: the next cases vary the strategy before repeating one.
+    first = ordered[0]
+    same = [c for c in ordered if (c.engine, c.reference, c.model) == (first.engine, first.reference, first.model)]
+    strategies = {c.sharding_strategy for c in cases if c.engine == first.engine}
+    assert {c.sharding_strategy for c in same[: len(strategies)]} == strategies
+    # In generator order, the first as many cases cover one engine only.
+    assert len({c.engine for c in cases[: len(combos)]}) == 1
+    assert interleave([]) == []
+
+
+def test_the_eta_is_for_what_the_budget_will_run() -> None:
+    assert expected_total(100, 0, 0.0, 10.0) == 100  # nothing measured yet
+    assert expected_total(100, 10, 10.0, None) == 100  # no budget
+    assert expected_total(100, 10, 10.0, 20.0) == 30  # 1 case/s, 20 s left
+    assert expected_total(100, 10, 10.0, 1000.0) == 100
+    assert expected_total(100, 10, 10.0, -5.0) == 10  # budget spent: what is done
+
+
+def test_stress_is_unsupported_on_cpu_with_the_reason() -> None:
+    assert unsupported_reason("none", "cpu") is None
+    assert unsupported_reason("delay", "cuda") is None
+    reason = unsupported_reason("delay", "cpu")
+    assert reason is not None and "stress='delay'" in reason and "CUDA" in reason
+    assert CaseConfig(stress="delay").case_id.endswith("-stress_delay")
+    assert "stress" not in CaseConfig().case_id
+    with pytest.raises(ValueError, match="stress"):
+        CaseConfig(stress="sometimes")  # type: ignore[arg-type]
+
+
+def test_stress_delays_fire_at_every_point_and_are_removed() -> None:
+    calls: list[float] = []
+    stress = Stress(torch.device("cpu"), ms=7.0, sleep=lambda ms, device: calls.append(ms))
+    model = build_model("nested")
+    stress.watch_model(model)
+    stress.watch_parameters(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stress.watch_optimizer(optimizer)
+    inputs = model.get_input(seed=0, step=0, rank=0)
+    with CommTrace(around=stress.on_collective) as trace:
+        trace.phase = "backward"
+        model.run_backward(model.get_loss(inputs, model(*inputs)))
+        for kind_call in ("reduce_scatter", "all_reduce"):
+            stress.on_collective("before", kind_call, "backward")
+            stress.on_collective("after", kind_call, "backward")
+        stress.on_collective("before", "all_gather", "forward")  # not a reduction: no delay
+    optimizer.step()
+    with stress.around("around_summon"):
+        pass
+    units = len(model.wrap_units()) + 1
+    n_params = sum(1 for p in model.parameters() if p.requires_grad)
+    assert stress.counts["before_forward"] == stress.counts["before_free"] == units
+    assert stress.counts["before_backward"] >= 1 and stress.counts["after_grad"] == n_params
+    assert stress.counts["before_reduce"] == stress.counts["before_offload_copy"] == 2
+    assert stress.counts["before_step"] == 1 and stress.counts["around_summon"] == 2
+    assert set(calls) == {7.0} and len(calls) == sum(stress.counts.values())
+    stress.remove()
+    fired = sum(stress.counts.values())
+    model(*inputs)
+    optimizer.step()
+    assert sum(stress.counts.values()) == fired
+
+
+def test_stress_skips_parameters_that_refuse_the_hook() -> None:
+    stress = Stress(torch.device("cpu"), sleep=lambda ms, device: None)
+    leaf = nn.Parameter(torch.ones(2))
+    stress.watch_parameters([leaf, leaf * 2, nn.Parameter(torch.ones(1), requires_grad=False)])
+    (leaf * 3).sum().backward()
+    assert stress.counts["after_grad"] == 1
+
+
+def test_stress_wraps_no_sync_and_restores_it() -> None:
+    entered: list[str] = []
+
+    class WithNoSync(nn.Linear):
+        @contextlib.contextmanager
+        def no_sync(self):
+            entered.append("in")
+            yield "value"
+
+    module = WithNoSync(2, 2)
+    stress = Stress(torch.device("cpu"), sleep=lambda ms, device: None)
+    stress.watch_no_sync(module)
+    stress.watch_no_sync(nn.Linear(2, 2))  # no no_sync: nothing to wrap
+    with module.no_sync() as value:
+        assert value == "value" and stress.counts["around_no_sync"] == 1
+    assert stress.counts["around_no_sync"] == 2 and entered == ["in"]
+    stress.remove()
+    with module.no_sync():
+        pass
+    assert stress.counts["around_no_sync"] == 2 and entered == ["in", "in"]

@@ -1,0 +1,96 @@
+"""Stress mode against races: a planted race (``racy_engine``: our engine with one stream wait left
+out) fails under stress in every run and passes or is flaky without it; ``harness run --stress``
+fails torch FSDP1's NO_SHARD + CPU offload + ``use_orig_params`` cases in every one of 5 runs while
+our engine passes every one. GPU tests, on 2 GPUs::
+
+    PYTHONPATH=. python3 -m pytest suites/harness/test_stress.py -m gpu -q
+
+On CPU the double is checked to be the built-in engine (no streams, nothing to race).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from racy_engine import NAME, run_case_with_racy_engine
+
+from harness.case import CaseConfig
+from harness.collector import read_records
+from harness.parity import record_from_outcome
+from harness.pool import PoolConfig, RankPool
+from harness.pytest_plugin import needs_gpus
+from harness.repeats import merge_runs
+
+ROOT = Path(__file__).resolve().parents[2]
+#: runs per verdict: a race that shows in every one of these under stress is deterministic enough.
+RUNS = 5
+#: the planted race's case: every unit reduces (FULL_SHARD), fp32 so any stale gradient is visible.
+RACY = CaseConfig(engine=NAME, reference="local", model="nested", sharding_strategy="full_shard", steps=3)  # type: ignore[arg-type]
+
+
+def _runs(pool: RankPool, case: CaseConfig, n: int) -> list:
+    return [record_from_outcome(case, pool.run(run_case_with_racy_engine, case)) for _ in range(n)]
+
+
+def test_the_planted_race_is_the_builtin_engine_on_cpu(parity_pool: RankPool) -> None:
+    if parity_pool.config.backend != "gloo":
+        pytest.skip(reason="the CPU check of the double; GPUs run test_planted_race_fails_under_stress_only")
+    [record] = _runs(parity_pool, RACY, 1)
+    assert record.verdict == "pass", record.reason
+    [stressed] = _runs(parity_pool, RACY.replace(stress="delay"), 1)
+    assert stressed.verdict == "unsupported" and "CUDA" in stressed.reason
+
+
+@pytest.fixture(scope="module")
+def gpu_pool() -> Iterator[RankPool]:
+    with RankPool(PoolConfig(world_size=2, backend="nccl", devices=(0, 1), case_timeout_s=300.0)) as pool:
+        yield pool
+
+
+@pytest.mark.gpu
+@needs_gpus(2)
+def test_planted_race_fails_under_stress_only(gpu_pool: RankPool) -> None:
+    stressed = merge_runs(_runs(gpu_pool, RACY.replace(stress="delay"), RUNS))
+    assert stressed.verdict == "fail" and stressed.outcomes == {"fail": RUNS}, (stressed.outcomes, stressed.reason)
+    assert stressed.detail["stress_points"]["before_backward"] > 0, stressed.detail.get("stress_points")
+    idle = merge_runs(_runs(gpu_pool, RACY, RUNS))
+    assert idle.verdict in ("pass", "flaky"), (idle.outcomes, idle.reason)
+    # Our engine itself, under the same stress: no race.
+    builtin = merge_runs([record_from_outcome(c, gpu_pool.run(run_case_with_racy_engine, c))
+                          for c in [RACY.replace(engine="builtin", stress="delay")] * RUNS])
+    assert builtin.verdict == "pass", (builtin.outcomes, builtin.reason)
+
+
+def _harness_run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return subprocess.run([sys.executable, "-m", "harness", "run", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+#: torch FSDP1's NO_SHARD + CPU offload + use_orig_params cases in fp32 on the nested model: 12 per engine.
+RACE_SELECTION = ("--matrix", "full", "--models", "nested", "--references", "local", "--engines", "builtin,torch-fsdp",
+                  "--filter", "no_shard-fp32+offload-orig", "--no-progress")
+
+
+@pytest.mark.gpu
+@needs_gpus(2)
+def test_stress_makes_torch_fsdp1_offload_race_fail_every_run(tmp_path: Path) -> None:
+    out = tmp_path / "stress.jsonl"
+    done = _harness_run(*RACE_SELECTION, "--stress", "--repeat", str(RUNS), "--out", str(out))
+    records, bad = read_records(out)
+    assert records and not bad, done.stdout + done.stderr
+    by_engine: dict[str, list] = {}
+    for record in records:
+        by_engine.setdefault(record.case["engine"], []).append(record)
+    assert len(by_engine["torch-fsdp"]) == len(by_engine["builtin"]) == 12
+    for record in by_engine["torch-fsdp"]:
+        assert record.verdict == "fail" and record.outcomes == {"fail": RUNS}, (record.case_id, record.outcomes, record.reason)
+    for record in by_engine["builtin"]:
+        assert record.verdict == "pass" and record.outcomes == {"pass": RUNS}, (record.case_id, record.outcomes, record.reason)
+    assert done.returncode == 1 and "cases/s" in done.stdout
