@@ -8,14 +8,26 @@ is never dropped in silence: ``read_records`` hands it back as a ``BadLine`` and
 Under pytest-xdist every worker writes its own file (``worker_results_path``) so no two
 processes ever append to one file; the controller merges them afterwards (``merge_results``).
 
+One run writes a results file at a time: ``ResultWriter`` holds an advisory ``flock`` on it (the
+kernel drops it when the process dies, even by ``kill -9``) and names its owner, pid and start time,
+in a ``<file>.lock`` note beside it, so a second run on the same file refuses instead of recording
+every case twice. A write that fails (disk full) raises ``ResultWriteError`` naming the file; every
+line written before it was already flushed and synced.
+
+Control characters (a NUL byte written by a dying process, say) are escaped where lines are read
+(``printable``), so nothing downstream copies them raw into a report.
+
 Reading needs nothing but the standard library and ``harness.records``, so reports can read
 results without importing torch; only ``run_info`` imports torch, lazily.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -34,6 +46,62 @@ from harness.records import CaseRecord, RunInfo
 BAD_LINE_HEAD = 200
 
 PathLike = str | os.PathLike[str]
+
+#: file systems that hold no results: writing there fails, or means something else than a file.
+VIRTUAL_ROOTS = ("/proc", "/sys")
+
+# C0 controls but tab and newline, DEL and the C1 controls: unreadable in a report, and a NUL cuts
+# a C string short.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character but tab and newline written as an escape (``\\x00``)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+
+
+def _printable_tree(value: Any) -> Any:
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(k) if isinstance(k, str) else k: _printable_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable_tree(v) for v in value]
+    return value
+
+
+class ResultWriteError(OSError):
+    """Writing the results file failed (disk full, file system gone); the message names the file."""
+
+
+class ResultsLocked(RuntimeError):
+    """Another live run is writing the results file."""
+
+
+def out_path_problem(path: PathLike) -> str | None:
+    """Why ``path`` cannot be a results file, or None when it can (checked before any case runs).
+
+    A path under ``/proc`` or ``/sys``, a directory, or a path below a file is refused; a special
+    file that accepts writes (``/dev/null``, ``/dev/full``) is allowed, its write errors surface
+    from ``ResultWriter.append``.
+    """
+    path = Path(path)
+    resolved = Path(os.path.abspath(path))
+    for root in VIRTUAL_ROOTS:
+        if resolved == Path(root) or Path(root) in resolved.parents:
+            return f"{path} is under {root}, a virtual file system that holds no files; choose a path on disk"
+    if path.is_dir():
+        return f"{path} is a directory; name a file in it, e.g. {path / 'results.jsonl'}"
+    for parent in resolved.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{parent} is a file, so {path} cannot be created below it; choose another path"
+            if not os.access(parent, os.W_OK | os.X_OK) and not path.exists():
+                return f"cannot create files in {parent} (permission denied); choose another path"
+            break
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{path} is not writable (permission denied); choose another path"
+    return None
 
 
 @dataclass(frozen=True)
@@ -54,6 +122,13 @@ class BadLine:
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.reason}: {self.head!r}"
+
+
+def latest_records(records: Iterable[CaseRecord]) -> dict[str, CaseRecord]:
+    """The latest record of every case, by full id: the record with the greatest ``time`` wins, and
+    among equal times the later one in file order (the rule of ``reports.matrix.latest``)."""
+    ordered = sorted(enumerate(records), key=lambda item: (item[1].time, item[0]))
+    return {record_full_id(record): record for _, record in ordered}
 
 
 def _new_run_id() -> str:
@@ -124,16 +199,18 @@ def _jsonable(value: Any) -> Any:
 
 
 def _parse_line(path: str, number: int, text: str) -> CaseRecord | BadLine:
+    head = printable(text[:BAD_LINE_HEAD])
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        return BadLine(path, number, f"not JSON: {e.msg} (column {e.colno}); cut by a killed run?", text[:BAD_LINE_HEAD])
+        return BadLine(path, number, f"not JSON: {e.msg} (column {e.colno}); cut by a killed run?", head)
     if not isinstance(data, dict):
-        return BadLine(path, number, f"a JSON {type(data).__name__}, not a record object", text[:BAD_LINE_HEAD])
+        return BadLine(path, number, f"a JSON {type(data).__name__}, not a record object", head)
     try:
-        return CaseRecord.from_dict(data)
+        # JSON escapes (``\u0000``) decode to control characters: escape them like raw ones.
+        return CaseRecord.from_dict(_printable_tree(data))
     except (TypeError, ValueError, KeyError) as e:
-        return BadLine(path, number, f"not a CaseRecord: {e}", text[:BAD_LINE_HEAD])
+        return BadLine(path, number, printable(f"not a CaseRecord: {e}"), head)
 
 
 def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[Path]:
@@ -167,8 +244,10 @@ class ResultWriter:
     """Appends records to one results file, durably, one JSON line per case.
 
     Use as a context manager. With ``resume=True`` an existing file is continued (its cases are in
-    ``recorded_ids()`` so a runner can skip them); without it an existing non-empty file is an
-    error rather than silently mixed with or replaced by a new run.
+    ``recorded_ids()``, their latest verdicts in ``latest_verdicts()``, so a runner can skip or rerun
+    them); without it an existing non-empty file is an error rather than silently mixed with or
+    replaced by a new run. While open, the writer holds an exclusive ``flock`` on the file:
+    a second writer raises ``ResultsLocked`` naming the first (see the module docstring).
     """
 
     def __init__(self, path: PathLike, run: RunInfo, resume: bool = False) -> None:
@@ -176,26 +255,81 @@ class ResultWriter:
         self.run = run
         #: full ids of the cases in the file, read at open and kept up to date by ``append``.
         self._ids: set[str] = set()
+        #: the latest record of every case in the file when it was opened.
+        self.resumed: dict[str, CaseRecord] = {}
         #: bad lines found in the file being resumed, for the caller to report.
         self.bad_lines: list[BadLine] = []
         # A watchdog thread may record a timeout while the main thread records a result.
         self._lock = threading.Lock()
+        self._note: Path | None = None
 
-        exists = self.path.exists() and self.path.stat().st_size > 0
-        if exists and not resume:
-            raise FileExistsError(
-                f"ResultWriter: {self.path} already holds results; pass resume=True to continue it, "
-                "or choose a new path"
-            )
+        problem = out_path_problem(self.path)
+        if problem:
+            raise ValueError(f"ResultWriter: {problem}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if exists:
-            records, self.bad_lines = read_records(self.path)
-            self._ids = {record_full_id(r) for r in records}
         self._file = open(self.path, "a", encoding="utf-8")
-        if exists and not self._ends_with_newline():
-            # The previous run was killed mid-line: end that line so it stays one BadLine instead
-            # of swallowing the first record of this run.
-            self._write_durably("\n")
+        try:
+            self._take_lock()
+            exists = self.path.is_file() and self.path.stat().st_size > 0
+            if exists and not resume:
+                raise FileExistsError(
+                    f"ResultWriter: {self.path} already holds results; pass resume=True to continue it, "
+                    "or choose a new path"
+                )
+            if exists:
+                records, self.bad_lines = read_records(self.path)
+                self.resumed = latest_records(records)
+                self._ids = set(self.resumed)
+                if not self._ends_with_newline():
+                    # The previous run was killed mid-line: end that line so it stays one BadLine
+                    # instead of swallowing the first record of this run.
+                    self._write_durably("\n")
+        except BaseException:
+            self._release()
+            raise
+
+    # -- the lock ------------------------------------------------------------------------------------
+
+    def _note_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".lock")
+
+    def _take_lock(self) -> None:
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = "another run"
+            try:
+                owner = self._note_path().read_text(encoding="utf-8").strip() or owner
+            except OSError:
+                pass
+            raise ResultsLocked(
+                f"{self.path} is being written by {owner}; wait for it to end, or choose another path"
+            ) from None
+        # The note only names the owner; the flock decides. A note left by a killed run is
+        # overwritten here and never blocks. Special files (``/dev/null``) get no note beside them.
+        if self.path.is_file():
+            note = self._note_path()
+            try:
+                note.write_text(f"pid {os.getpid()} started {time.strftime('%Y-%m-%d %H:%M:%S%z')}\n", encoding="utf-8")
+                self._note = note
+            except OSError:
+                self._note = None
+
+    def _release(self) -> None:
+        if self._note is not None:
+            self._note.unlink(missing_ok=True)  # before the flock goes, so it never names a later run
+            self._note = None
+        try:
+            self._file.close()  # closing the descriptor releases the flock
+        except OSError:
+            # Data left in the buffer by a failed write fails again here: it was reported then.
+            # Closing the descriptor by hand releases the lock all the same.
+            try:
+                os.close(self._file.fileno())
+            except (OSError, ValueError):
+                pass
+
+    # -- writing ---------------------------------------------------------------------------------------
 
     def _ends_with_newline(self) -> bool:
         with open(self.path, "rb") as f:
@@ -203,14 +337,24 @@ class ResultWriter:
             return f.read(1) == b"\n"
 
     def _write_durably(self, text: str) -> None:
-        self._file.write(text)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(text)
+            self._file.flush()
+        except OSError as exc:
+            raise ResultWriteError(exc.errno, f"cannot write results to {self.path}: {exc.strerror or exc}") from exc
+        try:
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            # A character device or pipe (``/dev/null``) cannot be synced: the write went through.
+            if exc.errno not in (errno.EINVAL, errno.EROFS, errno.ENOTSUP):
+                raise ResultWriteError(exc.errno, f"cannot sync results to {self.path}: {exc.strerror or exc}") from exc
 
     def append(self, record: CaseRecord) -> None:
         """Write one record as one line and make it durable before returning.
 
         Fills ``record.run`` with this writer's run and ``record.time`` with now if they are unset.
+        Raises ``ResultWriteError`` (naming the file) when the write fails; the records appended
+        before stay in the file.
         """
         if record.run is None:
             record.run = self.run
@@ -231,7 +375,7 @@ class ResultWriter:
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
-                self._file.close()
+                self._release()
 
     def __enter__(self) -> "ResultWriter":
         return self

@@ -70,12 +70,12 @@ __all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "ru
 
 
 #: Fault injections a case can ask for with ``extras=(("fault", name),)``; they prove the pool's
-#: watchdog (a rank that skips a collective, exits, segfaults or raises) and the comparison (rank 1's
-#: engine gradient nudged after every backward), and the resume check (``harness.checkpoint``: the
-#: optimizer state dropped or mixed up on load). ``ignore_option:<keyword>`` (an adapter dropping a
-#: setting, for the knob checks) is handled by the adapters.
-FAULTS = ("skip_collective_on_rank1", "exit_rank1", "segfault_rank1", "raise_rank1", "perturb_grad_rank1",
-          *CHECKPOINT_FAULTS)
+#: watchdog (a rank that skips a collective, hangs in its first forward while rank 0 waits for it,
+#: exits, segfaults or raises), the comparison (rank 1's engine gradient nudged after every backward),
+#: and the resume check (``harness.checkpoint``: the optimizer state dropped or mixed up on load).
+#: ``ignore_option:<keyword>`` (an adapter dropping a setting, for the knob checks) is handled by the adapters.
+FAULTS = ("skip_collective_on_rank1", "hang_in_forward_rank1", "exit_rank1", "segfault_rank1", "raise_rank1",
+          "perturb_grad_rank1", *CHECKPOINT_FAULTS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,6 +189,11 @@ def _same(a: Observation, b: Observation) -> str:
     return ""
 
 
+def _hang_in_forward(module: torch.nn.Module, args: Any) -> None:
+    while True:
+        time.sleep(1.0)
+
+
 def _inject_fault(case: CaseConfig, ctx: RankContext) -> None:
     fault = str(case.extra.get("fault", ""))
     if not fault or fault.startswith("ignore_option:"):
@@ -200,6 +205,10 @@ def _inject_fault(case: CaseConfig, ctx: RankContext) -> None:
     if fault == "skip_collective_on_rank1":
         if ctx.rank != 1:
             dist.all_reduce(torch.zeros(1, device=ctx.device))
+    elif fault == "hang_in_forward_rank1":
+        if ctx.rank == 1:
+            # Every module's forward on this rank: the hook stays until the watchdog kills the rank.
+            torch.nn.modules.module.register_module_forward_pre_hook(_hang_in_forward)
     elif ctx.rank == 1:
         print(f"injected fault {fault} on rank 1", file=sys.stderr, flush=True)
         if fault == "exit_rank1":

@@ -34,7 +34,6 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 from multiprocessing.reduction import ForkingPickler
 import os
-import re
 import shutil
 import signal
 import sys
@@ -52,6 +51,7 @@ import torch.distributed as dist
 
 from harness.placement import Backend, xdist_worker
 from harness.rank import RankContext
+from harness.stacks import describe_exit, last_line, timeout_reason
 
 __all__ = [
     "PoolConfig",
@@ -60,12 +60,16 @@ __all__ = [
     "RankError",
     "RankPool",
     "gpus_hidden",
+    "remove_stale_pool_dirs",
 ]
 
 OutcomeStatus = Literal["ok", "error", "timeout", "crash"]
 
 #: characters of a rank's stderr a crash keeps.
 STDERR_TAIL = 4000
+
+#: a pool's temporary directory is ``<tmp>/harness-pool-<owner pid>-<random>``.
+POOL_DIR_PREFIX = "harness-pool-"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -191,6 +195,33 @@ def gpus_hidden(hide: bool = True) -> Iterator[None]:
 
 
 
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
+def remove_stale_pool_dirs(root: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the pool directories under ``root`` (default: the temporary directory) whose owner
+    process is gone; returns them. A run killed by ``kill -9`` leaves its directory behind."""
+    removed: list[Path] = []
+    root = Path(root) if root is not None else Path(tempfile.gettempdir())
+    try:
+        candidates = list(root.glob(f"{POOL_DIR_PREFIX}*-*"))
+    except OSError:
+        return removed
+    for path in candidates:
+        owner = path.name[len(POOL_DIR_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and int(owner) != os.getpid() and not _pid_alive(int(owner)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -330,7 +361,9 @@ class RankPool:
         self._procs: list[Any] = []
         self._conns: list[mp_connection.Connection] = []
         self._seq = 0
-        self._dir = Path(tempfile.mkdtemp(prefix="harness-pool-"))
+        remove_stale_pool_dirs()
+        # The owner's pid in the name lets a later run remove what a killed one left (kill -9 runs no cleanup).
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{POOL_DIR_PREFIX}{os.getpid()}-"))
         self._store: dist.TCPStore | None = None
         self._id = f"{os.getpid()}-{next(_pool_ids)}"
 
@@ -403,6 +436,13 @@ class RankPool:
         self._kill()
         self._store = None
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def kill_ranks(self) -> None:
+        """Kill the ranks now, from any thread: a job waiting on them ends as a crash, and the owner's
+        ``close`` then removes the pool's files (how an interrupted run stops its pools at once)."""
+        for proc in list(self._procs):
+            if proc.is_alive():
+                proc.kill()
 
     def _kill(self) -> None:
         for proc in self._procs:
@@ -491,9 +531,8 @@ class RankPool:
                 first = errors[min(errors)]
                 reason = f"{first.line()} (ranks {stuck} then stuck, presumably in a collective)"
                 return PoolOutcome("error", values, reason, errors, stacks, wall_s=wall, pool_reset=True)
-            where = _innermost_frame(stacks.get(stuck[0], ""))
-            reason = f"no answer from rank(s) {stuck} within {timeout:g} s" + (f"; rank {stuck[0]} at {where}" if where else "")
-            return PoolOutcome("timeout", values, reason, errors, stacks, wall_s=wall, pool_reset=True)
+            return PoolOutcome("timeout", values, timeout_reason(stuck, stacks, timeout), errors, stacks,
+                               wall_s=wall, pool_reset=True)
         if errors:
             reset = not self._healthy()
             if reset:
@@ -514,8 +553,8 @@ class RankPool:
         tails = {r: _read_from(self._paths(r)[0], offsets[r], STDERR_TAIL) for r in sorted(died)}
         self._kill()
         first = min(died)
-        reason = f"rank {first} {_describe_exit(exit_codes[first])}"
-        last = _last_line(tails[first])
+        reason = f"rank {first} {describe_exit(exit_codes[first])}"
+        last = last_line(tails[first])
         if last:
             reason += f": {last}"
         return PoolOutcome("crash", values, reason, errors, stacks, exit_codes, tails, wall_s=wall, pool_reset=True)
@@ -566,54 +605,3 @@ class RankPool:
                 if merged.setdefault(key, number) != number:
                     return False
         return True
-
-
-def _describe_exit(code: int) -> str:
-    if code == -999:
-        return "died (exit code unknown)"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-_TELLING = re.compile(r"Error|error|what\(\)|Fatal|Exception|Assert|Segmentation|injected")
-
-
-def _last_line(text: str) -> str:
-    """The line of a crashed rank's stderr that best says why: the last one naming an error."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    telling = [line for line in lines if _TELLING.search(line)]
-    chosen = telling[-1] if telling else lines[-1] if lines else ""
-    return chosen[:200]
-
-
-def _frame_text(frame: str) -> str:
-    match = re.match(r'File "(.*)", line (\d+) in (.*)', frame)
-    return f"{Path(match[1]).name}:{match[2]} in {match[3]}" if match else frame
-
-
-def _innermost_frame(stack: str) -> str:
-    """Where the signalled thread of a faulthandler dump is: its innermost frame, and the innermost
-    frame outside torch and the standard library (the code that made the call)."""
-    blocks: list[tuple[str, list[str]]] = []
-    for line in stack.splitlines():
-        if line.startswith(("Thread ", "Current thread ")):
-            blocks.append((line, []))
-        elif line.strip().startswith("File ") and blocks:
-            blocks[-1][1].append(line.strip())
-    if not blocks:
-        return ""
-    # The signal lands on the main thread, which faulthandler calls the current one.
-    _, frames = next((b for b in blocks if b[0].startswith("Current thread")), blocks[-1])
-    if not frames:
-        return ""
-    # faulthandler prints the innermost frame first.
-    where = _frame_text(frames[0])
-    library = (os.sep + "torch" + os.sep, os.sep + "multiprocessing" + os.sep, "<string>")
-    caller = next((f for f in frames if not any(part in f for part in library)), None)
-    if caller is not None and caller != frames[0]:
-        where += f", called from {_frame_text(caller)}"
-    return where

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from harness.case import CaseConfig
 from harness.placement import Lane
@@ -41,8 +41,10 @@ __all__ = [
     "Progress",
     "Selection",
     "SelectionError",
+    "check_selection",
     "exit_status",
     "expected_total",
+    "file_counts",
     "generate_cases",
     "interleave",
     "run_case",
@@ -100,8 +102,45 @@ class SelectionError(ValueError):
     """The selection options name no valid cases (an unknown engine, model ...)."""
 
 
+def check_selection(selection: Selection, world_sizes: Sequence[int] = ()) -> None:
+    """Refuse a selection naming what does not exist, by the option that names it.
+
+    The one place the names of the selection options are checked, before any case is generated, so
+    an error says ``--engines`` rather than the ``CaseConfig`` field it would otherwise fail in.
+    """
+    from harness.case import ReferenceName
+    from harness.matrix import _GENERATORS
+    from harness.models import MODELS
+    from harness.registry import check_engines
+
+    def unknown(option: str, given: Sequence[Any] | None, known: Sequence[str], where: str) -> None:
+        wrong = [v for v in given or [] if v not in known]
+        if wrong:
+            raise SelectionError(f"{option}: {', '.join(map(repr, wrong))} not in {where}; choose from {', '.join(known)}")
+
+    unknown("--matrix", [selection.matrix], list(_GENERATORS), "harness.matrix's generators")
+    if selection.engines:
+        try:
+            check_engines(selection.engines, "--engines")
+        except ValueError as exc:
+            raise SelectionError(str(exc)) from exc
+    unknown("--references", selection.references, list(get_args(ReferenceName)), "the references")
+    unknown("--models", selection.models, sorted(MODELS), "harness.models.MODELS")
+    for option, value in (("--steps", selection.steps), ("--limit", selection.limit)):
+        if value is not None and value < 1:
+            raise SelectionError(f"{option}={value}: must be a positive integer")
+    bad_ws = [ws for ws in world_sizes if ws < 1]
+    if bad_ws:
+        raise SelectionError(f"--world-size {bad_ws}: every world size must be a positive integer")
+
+
 def select_cases(selection: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
-    """The cases the selection options name, grouped by world size, in generator order."""
+    """The cases the selection options name, grouped by world size, in generator order.
+
+    Raises ``SelectionError`` naming the option at fault: an unknown name, or ``--filter`` values
+    that match none of the cases (a run of nothing must not look like a green run).
+    """
+    check_selection(selection, world_sizes)
     try:
         return _select_cases(selection, world_sizes)
     except ValueError as exc:
@@ -133,11 +172,12 @@ def generate_cases(
     return list(found.values())
 
 
-def run_case(pool: "RankPool", case: CaseConfig) -> CaseRecord:
-    """Run one case on a started (or lazily starting) pool and decide its all-rank record."""
+def run_case(pool: "RankPool", case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
+    """Run one case on a started (or lazily starting) pool and decide its all-rank record; ``timeout_s``
+    overrides the pool's case timeout for this case."""
     from harness.parity import record_from_outcome, run_case_on_rank
 
-    return record_from_outcome(case, pool.run(run_case_on_rank, case))
+    return record_from_outcome(case, pool.run(run_case_on_rank, case, timeout_s=timeout_s))
 
 
 def run_repeated(pool: "RankPool", case: CaseConfig, repeat: int = 1, repeat_failures: int = 0) -> CaseRecord:
@@ -175,12 +215,6 @@ def interleave(cases: Sequence[CaseConfig], axes: Sequence[str] = INTERLEAVE_AXE
 
 
 def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
-    from harness.models import MODELS
-
-    unknown = [m for m in args.models or [] if m not in MODELS]
-    if unknown:
-        raise ValueError(f"--models: {unknown} not in harness.models.MODELS; choose from {sorted(MODELS)}")
-
     from harness.registry import check_engines
 
     axes: dict[str, list[Any]] = {}
@@ -206,7 +240,13 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
         fixed["stress"] = args.stress
     cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None, **fixed)
     if args.filters:
-        cases = [c for c in cases if any(all(part in c.full_id for part in f.split("+")) for f in args.filters)]
+        kept = [c for c in cases if any(all(part in c.full_id for part in f.split("+")) for f in args.filters)]
+        if cases and not kept:
+            raise SelectionError(
+                f"--filter {' --filter '.join(map(repr, args.filters))} matches none of the {len(cases)} selected "
+                "cases; `python -m harness list` (same options, without --filter) prints their ids"
+            )
+        cases = kept
     if args.limit is not None:
         cases = cases[: args.limit]
     return cases
@@ -260,6 +300,7 @@ def rate_text(cases: int, elapsed_s: float) -> str:
 
 
 def summary(counts: collections.Counter[str], out: Path, elapsed: float) -> str:
+    """The verdict table of the cases run now, and their rate: ``12 cases in 30.1 s (0.40 cases/s) -> out``."""
     from tabulate import tabulate
 
     rows = [(verdict, n) for verdict, n in sorted(counts.items(), key=lambda kv: -kv[1])]
@@ -267,8 +308,15 @@ def summary(counts: collections.Counter[str], out: Path, elapsed: float) -> str:
     return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{n} cases in {elapsed:.1f} s ({rate_text(n, elapsed)}) -> {out}"
 
 
-def exit_status(counts: collections.Counter[str]) -> int:
-    return 1 if any(counts[v] for v in BAD_VERDICTS) else 0
+def exit_status(counts: Mapping[str, int]) -> int:
+    """1 when any count of a ``BAD_VERDICTS`` verdict is non-zero, else 0."""
+    return 1 if any(counts.get(v, 0) for v in BAD_VERDICTS) else 0
+
+
+def file_counts(latest: Mapping[str, CaseRecord]) -> collections.Counter[str]:
+    """Verdict counts over the latest record of every case of a results file (``collector.latest_records``):
+    what a resumed run's exit status must reflect, the cases run before the resume included."""
+    return collections.Counter(record.verdict for record in latest.values())
 
 
 class CaseRunner:
@@ -298,7 +346,12 @@ class CaseRunner:
         self.recorded = 0
         #: one line per pool that could not (re)start or whose thread failed.
         self.lane_errors: list[str] = []
+        #: the results file could not be written: every lane stops and ``run`` raises this.
+        self.write_error: OSError | None = None
         self._lock = threading.Lock()
+        #: the pools of the ``run`` under way and the events its lanes set when over, for ``interrupt``.
+        self._pools: list[RankPool] = []
+        self._done: list[threading.Event] = []
 
     def over_budget(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -324,20 +377,39 @@ class CaseRunner:
     def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
         """Run ``cases`` on ``lanes``; returns the cases that were not launched."""
         queue = collections.deque(cases)
-        threads = [threading.Thread(target=self._lane, args=(lane, queue), daemon=True, name=f"harness-lane{i}")
-                   for i, lane in enumerate(lanes)]
+        # Each lane sets its own event when it is over: a Thread.join that Ctrl-C interrupts can mark a
+        # running thread stopped (CPython 3.11), and ``interrupt`` must still wait for the pools to close.
+        self._done = [threading.Event() for _ in lanes]
+        threads = [threading.Thread(target=self._lane, args=(lane, queue, done), daemon=True, name=f"harness-lane{i}")
+                   for i, (lane, done) in enumerate(zip(lanes, self._done))]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.2)  # a timed join lets Ctrl-C reach the main thread
+        for done in self._done:
+            while not done.wait(0.2):  # a timed wait lets Ctrl-C reach the main thread
+                pass
+        if self.write_error is not None:
+            raise self.write_error
         return list(queue)
 
-    def interrupt(self) -> None:
+    def interrupt(self, wait_s: float = 30.0) -> None:
+        """Stop every lane: no case is launched or recorded any more, the running ones end with their
+        ranks killed, and each lane closes its pool (ranks gone, files removed) within ``wait_s``."""
         with self._lock:
             self.stop.set()
+            pools = list(self._pools)
+        for pool in pools:
+            pool.kill_ranks()
+        deadline = time.monotonic() + wait_s
+        for done in self._done:
+            done.wait(max(deadline - time.monotonic(), 0))
 
-    def _lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
+    def _lane(self, lane: Lane, queue: collections.deque[CaseConfig], done: threading.Event) -> None:
+        try:
+            self._run_lane(lane, queue)
+        finally:
+            done.set()
+
+    def _run_lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
         from harness.pool import PoolConfig, PoolStartError, RankPool
 
         config = PoolConfig(world_size=lane.world_size, backend=lane.backend, devices=lane.devices,  # type: ignore[arg-type]
@@ -345,6 +417,10 @@ class CaseRunner:
         case: CaseConfig | None = None
         try:
             with RankPool(config) as pool:
+                with self._lock:
+                    if self.stop.is_set():
+                        return
+                    self._pools.append(pool)
                 while True:
                     with self._lock:
                         if self.stop.is_set() or self.over_budget() or not queue:
@@ -354,7 +430,13 @@ class CaseRunner:
                     with self._lock:
                         if self.stop.is_set():
                             return
-                        self.writer.append(record)
+                        try:
+                            self.writer.append(record)
+                        except OSError as exc:
+                            # Losing results silently is worse than stopping: every lane stops.
+                            self.write_error = exc
+                            self.stop.set()
+                            return
                         self.progress.update(record, case.full_id)
                         self.recorded += 1
                         case = None

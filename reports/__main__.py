@@ -1,5 +1,9 @@
 """``python -m reports build RESULTS... --out DIR``, ``python -m reports diff OLD NEW`` and
-``python -m reports history NIGHTLY_DIR... --out DIR``."""
+``python -m reports history NIGHTLY_DIR... --out DIR``.
+
+``build`` exits 2 when its inputs hold no readable record (and no ``--not-run`` list): an empty
+report must not pass for a green one.
+"""
 
 from __future__ import annotations
 
@@ -56,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "build":
             not_run = parse_not_run(args.not_run.read_text(encoding="utf-8")) if args.not_run else None
+            if not not_run:
+                loaded = api.load(args.results)
+                if loaded.frame.empty:
+                    for bad in loaded.bad_lines:
+                        print(f"warning: unreadable line {bad}", file=sys.stderr)
+                    print(f"python -m reports build: no readable record in {', '.join(map(str, args.results))} "
+                          f"({len(loaded.bad_lines)} unreadable line(s)); nothing to report, no report written",
+                          file=sys.stderr)
+                    return 2
             summary = api.build(args.results, args.out, cases=args.cases, not_run=not_run, selected=args.selected)
             v = summary.verdicts
             pages = sum(f.endswith(".html") and f.startswith("cases/") for f in summary.files)

@@ -22,7 +22,8 @@ One straight line, every product written into the out directory as it is made:
 
 Exit status: 0 when every case passed or is unsupported (a flaky case is bad), the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
-ranks could not start; 130 on Ctrl-C (rerun with ``--resume``).
+ranks could not start, ``--out`` cannot be the nightly's directory, or the results file could not be
+written; 130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
 """
 
 from __future__ import annotations
@@ -41,9 +42,19 @@ from typing import Any, Literal
 
 from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, fuzz_alongside, fuzz_budget, run_fuzz
-from harness.cli.options import add_execution, add_selection
+from harness.cli.options import add_execution, add_selection, positive_float
+from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import BackendChoice, host_facts, n_gpus, plan_lanes
-from harness.runner import BAD_VERDICTS, CaseRunner, Progress, Selection, interleave, select_cases, under_torchrun
+from harness.runner import (
+    BAD_VERDICTS,
+    CaseRunner,
+    Progress,
+    Selection,
+    SelectionError,
+    interleave,
+    select_cases,
+    under_torchrun,
+)
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
 
@@ -255,12 +266,57 @@ def _matrix_world_sizes() -> list[int]:
     return list(AXES["world_size"])
 
 
+def out_dir_problem(out: Path) -> str | None:
+    """Why ``out`` cannot be the nightly's directory (checked before anything runs), or None."""
+    from harness.collector import out_path_problem
+
+    if out.exists() and not out.is_dir():
+        return f"{out} is a file; the nightly writes a directory of products, name a directory"
+    return out_path_problem(out / RESULTS_NAME)
+
+
+def _warn_crowded(lanes: Mapping[int, Sequence[Any]]) -> None:
+    from harness.placement import available_memory, cpu_footprint
+
+    # The CPU pools of one world size run side by side: their ranks are alive at once.
+    cpu = {ws: sum(1 for lane in group if lane.backend == "gloo") for ws, group in lanes.items()}
+    cpu = {ws: pools for ws, pools in cpu.items() if pools}
+    if not cpu:
+        return
+    ws = max(cpu, key=lambda w: w * cpu[w])
+    footprint = cpu_footprint([ws * cpu[ws]], os.cpu_count() or 1, available_memory())
+    if footprint.oversubscribed:
+        side = f" ({cpu[ws]} pools side by side, --pools-per-gpu)" if cpu[ws] > 1 else ""
+        print(f"harness nightly: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
+              "cases will be slow or run out of memory", file=sys.stderr)
+
+
+def _cases_in(selection: Selection, world_size: int) -> int:
+    try:
+        return len(select_cases(selection, [world_size]))
+    except SelectionError:
+        return 0  # e.g. a --filter that matches only other world sizes
+
+
 def nightly(config: NightlyConfig) -> int:
     """Run the nightly described by ``config``; returns its exit status."""
-    from harness.collector import ResultWriter, run_info
+    with terminate_as_interrupt():
+        try:
+            return _nightly(config)
+        except KeyboardInterrupt as exc:  # between phases; the phases say where they stopped
+            print(f"\ninterrupted; rerun with: python -m harness nightly --out {config.out} --resume", file=sys.stderr)
+            return interrupt_exit_status(exc)
+
+
+def _nightly(config: NightlyConfig) -> int:
+    from harness.collector import ResultsLocked, ResultWriter, run_info
 
     start = time.monotonic()
     out = config.out
+    problem = out_dir_problem(out)
+    if problem:
+        print(f"harness nightly: --out: {problem}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / NIGHTLY_NAME
     earlier = _read_json(state_path) if config.resume else {}
@@ -278,18 +334,23 @@ def nightly(config: NightlyConfig) -> int:
     lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes(),
                                    host=host, pools=config.pools_per_gpu)
     if not lanes:
-        print(f"harness nightly: no world size can run here: {'; '.join(skipped_ws.values())}", file=sys.stderr)
+        print(f"harness nightly: no world size can run here (--backend {config.backend}): "
+              f"{'; '.join(skipped_ws.values())}", file=sys.stderr)
         return 2
+    _warn_crowded(lanes)
     selection = config.selection()
     cases = select_cases(selection, list(lanes))
     if config.determinism_sample:
         cases = determinism_sample(cases)
-    skipped = {ws: {"cases": len(select_cases(selection, [ws])), "reason": why} for ws, why in skipped_ws.items()}
+    skipped = {ws: {"cases": _cases_in(selection, ws), "reason": why} for ws, why in skipped_ws.items()}
     backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
     try:
         writer = ResultWriter(out / RESULTS_NAME, run_info(",".join(backends)), resume=config.resume)
     except FileExistsError as exc:
         print(f"harness nightly: {exc}; or pass --resume to continue that nightly", file=sys.stderr)
+        return 2
+    except ResultsLocked as exc:
+        print(f"harness nightly: --out: {exc}", file=sys.stderr)
         return 2
     cases_start = time.monotonic()
     deadline = start + config.time_budget_s if config.time_budget_s is not None else None
@@ -318,7 +379,7 @@ def nightly(config: NightlyConfig) -> int:
                             repeat=config.repeat, repeat_failures=config.repeat_failures)
         try:
             not_run, pools_failed = runner.run_all(lanes, todo, config.time_budget_s)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             runner.interrupt()
             if alongside is not None:
                 alongside.stop()
@@ -326,7 +387,17 @@ def nightly(config: NightlyConfig) -> int:
             state["cases"].update(recorded=runner.recorded, interrupted=True)
             save()
             print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
-            return 130
+            return interrupt_exit_status(exc)
+        except OSError as exc:  # the results file could not be written (runner.write_error)
+            runner.interrupt()
+            if alongside is not None:
+                alongside.stop()
+            progress.close()
+            state["cases"].update(recorded=runner.recorded, write_error=str(exc))
+            save()
+            print(f"harness nightly: {exc}; the records written before it are kept: free space and rerun "
+                  f"with --out {out} --resume", file=sys.stderr)
+            return 2
         progress.close()
     _write_not_run(out / NOT_RUN_NAME, not_run)
     cases_wall = time.monotonic() - cases_start
@@ -352,10 +423,10 @@ def nightly(config: NightlyConfig) -> int:
                 state["fuzz"] = dataclasses.asdict(
                     run_fuzz(config.fuzz_profile, config.fuzz_max_examples, fuzz_path,
                              fuzz_budget(config.time_budget_s, time.monotonic() - start), config.progress))
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
                 save()
                 print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
-                return 130
+                return interrupt_exit_status(exc)
     save()
 
     # -- 2b. performance: after the cases, so the GPUs are free ---------------------------------------
@@ -504,7 +575,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gets what is left less 30 s for the report")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="auto: NCCL with one GPU per rank when there are GPUs, else 2 gloo ranks on CPU")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-determinism-sample", action="store_true",
                    help="do not check determinism on the sample of one case per engine, strategy and world size")

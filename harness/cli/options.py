@@ -1,16 +1,48 @@
-"""Command-line options shared by the front ends: the case selection (``harness.runner.Selection``) and
-how the cases run (lanes, repeats)."""
+"""Command-line options shared by the front ends: the case selection (``harness.runner.Selection``),
+how the cases run (lanes, repeats), and the value types that refuse a bad number where argparse reads
+it (naming the option)."""
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_execution", "add_selection", "csv_list", "positive_int"]
+__all__ = ["add_execution", "add_selection", "csv_list", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
 
 
 def csv_list(text: str) -> list[str]:
     """A comma-separated option value as a list, blanks dropped."""
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def positive_int(text: str) -> int:
+    """An option value that must be an integer of at least 1 (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An option value that must be a number of seconds above 0 (argparse names the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def world_sizes(text: str) -> list[int]:
+    """``--world-size 2,4``: positive integers, a repeated one kept once (running it twice would
+    record every case twice)."""
+    sizes = [positive_int(part) for part in csv_list(text)]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"must name at least one world size, got {text!r}")
+    return list(dict.fromkeys(sizes))
 
 
 def add_selection(p: argparse.ArgumentParser) -> None:
@@ -20,31 +52,28 @@ def add_selection(p: argparse.ArgumentParser) -> None:
                         "an entry point of fsdp_parity.engines, NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT")
     p.add_argument("--references", type=csv_list, default=None, help="comma list: ddp,local (default: the matrix's)")
     p.add_argument("--models", type=csv_list, default=None, help="comma list of harness.models.MODELS (default: the matrix's)")
-    p.add_argument("--world-size", type=lambda s: [int(x) for x in csv_list(s)], default=None,
-                   help="ranks per case, comma list for several pools (default 2; under torchrun its WORLD_SIZE)")
+    p.add_argument("--world-size", type=world_sizes, default=None,
+                   help="ranks per case, comma list for several pools, repeats kept once (default 2; under torchrun its WORLD_SIZE)")
     p.add_argument("--optimizers", type=csv_list, default=None, help="comma list: sgd,adamw (default: sgd)")
     p.add_argument("--checkpoints", type=csv_list, default=None,
                    help="comma list: none,full,sharded,local: save half-way and resume (default: none)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per case (default: CaseConfig's 5)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps per case (default: CaseConfig's 5)")
     p.add_argument("--check-determinism", action="store_true", help="run each engine twice and require bitwise-equal results")
     p.add_argument("--stress", action="store_true",
                    help="delay the CUDA compute stream where a missing stream wait would show (harness.stress); "
                         "cases get the id segment stress_delay and are unsupported on CPU")
     p.add_argument("--filter", action="append", default=[], help="keep cases whose full id contains this (repeatable: any of them; a+b: both a and b)")
-    p.add_argument("--limit", type=int, default=None, help="run at most this many cases")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+    p.add_argument("--limit", type=positive_int, default=None, help="run at most this many cases")
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    """An option value that must be an integer of at least 0 (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
     return value
 
 

@@ -6,8 +6,10 @@
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
 ranks are torchrun's own: every rank walks the same case list and rank 0 records.
 
-Exit status of ``run``: 0 when every case passed or is unsupported, 1 when some failed, errored,
-timed out or crashed, 2 when the ranks could not start, 130 on Ctrl-C (rerun with ``--resume``).
+Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
+is unsupported, 1 when some failed, errored, timed out or crashed, 2 when an option cannot work
+(checked before any case runs), the ranks could not start or the results file could not be written,
+130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import shlex
 import sys
 import threading
 import time
@@ -23,8 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from harness.case import CaseConfig
-from harness.cli.options import add_execution, add_selection
-from harness.runner import CaseRunner, Progress, Selection, exit_status, select_cases, summary, under_torchrun
+from harness.cli.options import add_execution, add_selection, positive_float
+from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.runner import (
+    BAD_VERDICTS,
+    CaseRunner,
+    Progress,
+    Selection,
+    exit_status,
+    file_counts,
+    select_cases,
+    summary,
+    under_torchrun,
+)
 
 
 
@@ -34,6 +48,17 @@ from harness.runner import CaseRunner, Progress, Selection, exit_status, select_
 
 def _default_out() -> Path:
     return Path("results") / f"run-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+
+
+def report_command(out: Path) -> str:
+    """The command that builds the report of results file ``out`` (printed after every run)."""
+    report_dir = out.with_name(f"{out.stem}-report")
+    return f"python3 -m reports build {shlex.quote(str(out))} --out {shlex.quote(str(report_dir))}"
+
+
+def _refuse(message: str) -> int:
+    print(f"harness run: {message}", file=sys.stderr)
+    return 2
 
 
 def plan_run_lanes(world_sizes: list[int], backend: str, n_gpus: int, host: Any, pools: int | None) -> tuple[dict[int, list[Any]], dict[int, str]]:
@@ -50,47 +75,111 @@ def plan_run_lanes(world_sizes: list[int], backend: str, n_gpus: int, host: Any,
     return lanes, skipped
 
 
+def _machine_problem(args: argparse.Namespace, world_sizes: list[int], gpus: int, lanes: dict[int, list[Any]]) -> str | None:
+    """Why the asked placement cannot run here (checked before any case), or None; warns when it can
+    but will crowd the machine (the CPU pools of one world size run side by side)."""
+    from harness.placement import available_memory, cpu_footprint
+
+    if args.backend == "nccl" and gpus < max(world_sizes):
+        return (f"--backend nccl needs one GPU per rank ({max(world_sizes)} for --world-size {max(world_sizes)}) "
+                f"but {gpus} visible; use --backend gloo (CPU) or auto")
+    cpu = {ws: [lane for lane in group if lane.backend == "gloo"] for ws, group in lanes.items()}
+    cpu = {ws: group for ws, group in cpu.items() if group}
+    if cpu:
+        ws = max(cpu, key=lambda w: w * len(cpu[w]))
+        footprint = cpu_footprint([ws * len(cpu[ws])], os.cpu_count() or 1, available_memory())
+        if footprint.oversubscribed:
+            side = f" ({len(cpu[ws])} pools side by side, --pools-per-gpu)" if len(cpu[ws]) > 1 else ""
+            print(f"harness run: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
+                  "cases will be slow or run out of memory", file=sys.stderr)
+    return None
+
+
+class _Recorded:
+    """The results writer as ``CaseRunner`` sees it, keeping ``latest`` (full id -> record) current so
+    the exit status covers the file's every case."""
+
+    def __init__(self, writer: Any, latest: dict[str, Any]) -> None:
+        self.writer = writer
+        self.latest = latest
+
+    def append(self, record: Any) -> None:
+        from harness.collector import record_full_id
+
+        self.writer.append(record)
+        self.latest[record_full_id(record)] = record
+
+
 def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
-    from harness.collector import ResultWriter, run_info
+    from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
     from harness.placement import host_facts, n_gpus
 
     world_sizes = args.world_size or [2]
     cases = select_cases(Selection.from_args(args), world_sizes)
     out = Path(args.out) if args.out else _default_out()
-    lanes, skipped = plan_run_lanes(world_sizes, args.backend, n_gpus(), host_facts(), args.pools_per_gpu)
+    problem = out_path_problem(out)
+    if problem:
+        return _refuse(f"--out: {problem}")
+    gpus = n_gpus()
+    lanes, skipped = plan_run_lanes(world_sizes, args.backend, gpus, host_facts(), args.pools_per_gpu)
+    problem = _machine_problem(args, world_sizes, gpus, lanes)
+    if problem:
+        return _refuse(problem)
     for ws, why in skipped.items():
         print(f"harness run: world size {ws} skipped: {why}", file=sys.stderr)
     backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
-    info = run_info(",".join(backends))
-    start = time.monotonic()
+    resume = args.resume or args.rerun_failed
     try:
-        writer = ResultWriter(out, info, resume=args.resume)
-    except FileExistsError as exc:
-        print(f"harness run: {exc}", file=sys.stderr)
-        return 2
-    with writer:
-        done = writer.recorded_ids()
-        todo = [c for c in cases if c.full_id not in done and c.world_size in lanes]
-        if done:
-            print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
+        writer = ResultWriter(out, run_info(",".join(backends)), resume=resume)
+    except FileExistsError:
+        return _refuse(f"--out {out} already holds results; add --resume to continue it, or choose a new --out")
+    except ResultsLocked as exc:
+        return _refuse(f"--out: {exc}")
+    except (ValueError, OSError) as exc:
+        return _refuse(f"--out {out}: {exc}")
+    with writer, terminate_as_interrupt():
+        for bad in writer.bad_lines:
+            print(f"warning: unreadable line {bad}", file=sys.stderr)
+        latest = dict(writer.resumed)
+        rerun = {i for i, r in latest.items() if r.verdict in BAD_VERDICTS} if args.rerun_failed else set()
+        todo = [c for c in cases if (c.full_id not in latest or c.full_id in rerun) and c.world_size in lanes]
+        if latest:
+            print(f"resuming {out}: {len([c for c in cases if c.full_id in latest and c.full_id not in rerun])} of "
+                  f"{len(cases)} cases already recorded"
+                  + (f", {len([c for c in cases if c.full_id in rerun])} not passing to rerun" if args.rerun_failed else ""),
+                  file=sys.stderr)
         print(f"harness run: {len(todo)} cases on {lane_text(lanes)}", file=sys.stderr)
         progress = Progress(len(todo), enabled=not args.no_progress)
-        runner = CaseRunner(writer, progress, None, args.timeout, repeat=args.repeat, repeat_failures=args.repeat_failures)
+        runner = CaseRunner(_Recorded(writer, latest), progress, None, args.timeout,
+                            repeat=args.repeat, repeat_failures=args.repeat_failures)
+        start = time.monotonic()
         try:
             not_run, pools_failed = runner.run_all(lanes, todo)
-        except KeyboardInterrupt:
+        except ResultWriteError as exc:
+            progress.close()
+            return _refuse(f"--out: {exc}; every record written before it is kept: "
+                           f"free space and continue with --out {out} --resume")
+        except KeyboardInterrupt as exc:
             runner.interrupt()
             progress.close()
             print(f"\ninterrupted; the ranks are stopped. Continue with: --out {out} --resume", file=sys.stderr)
-            return 130
+            return interrupt_exit_status(exc)
         progress.close()
     if pools_failed:
-        print(f"harness run: {len(not_run)} case(s) not run: {not_run[0][1]}", file=sys.stderr)
-        return 2
-    print(summary(progress.counts, out, time.monotonic() - start))
-    return exit_status(progress.counts)
+        return _refuse(f"{len(not_run)} case(s) not run: {not_run[0][1]}")
+    elapsed = time.monotonic() - start
+    print(summary(progress.counts, out, elapsed))
+    counts = file_counts(latest)
+    if resume:
+        held = ", ".join(f"{v} {n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+        print(f"{out} holds {len(latest)} cases ({held}); the exit status covers them all"
+              + ("" if args.rerun_failed or not exit_status(counts) else "; --rerun-failed reruns the ones not passing"))
+    if writer.bad_lines:
+        print(f"warning: {len(writer.bad_lines)} unreadable line(s) in {out} (listed above)", file=sys.stderr)
+    print(f"report: {report_command(out)}")
+    return exit_status(counts)
 
 
 def lane_text(lanes: dict[int, list[Any]]) -> str:
@@ -167,9 +256,11 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     cases = select_cases(Selection.from_args(args), [ws])
     out = Path(args.out) if args.out else _default_out()
 
-    writer = ResultWriter(out, run_info(backend), resume=args.resume) if rank == 0 else None
+    writer = ResultWriter(out, run_info(backend), resume=args.resume or args.rerun_failed) if rank == 0 else None
     # Every rank must walk the same list: rank 0 knows what the file already holds.
-    shared: list[Any] = [sorted(writer.recorded_ids()) if writer else None, str(out)]
+    keep = ({i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
+            if writer else None)
+    shared: list[Any] = [sorted(keep) if keep is not None else None, str(out)]
     dist.broadcast_object_list(shared, src=0)
     done = set(shared[0])
     todo = [c for c in cases if c.full_id not in done]
@@ -241,10 +332,14 @@ def main_models(args: argparse.Namespace) -> int:
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_selection(p)
     p.add_argument("--out", default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
-    p.add_argument("--resume", action="store_true", help="continue --out, skipping the cases it records")
+    p.add_argument("--resume", action="store_true",
+                   help="continue --out, skipping the cases it records; the exit status covers every case in the file")
+    p.add_argument("--rerun-failed", action="store_true",
+                   help="like --resume, but rerun the cases whose latest record is fail, error, timeout, crash or flaky "
+                        "(the new record supersedes the old one in reports)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="auto: NCCL with one GPU per rank when there are enough, else gloo on CPU")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_execution(p)
 

@@ -395,12 +395,13 @@ class ParityRunner:
         self.session = session
         self.node = node
 
-    def run(self, case: CaseConfig) -> CaseRecord:
-        """The case's record when it passed; otherwise skips (unsupported) or fails the test."""
+    def run(self, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
+        """The case's record when it passed; otherwise skips (unsupported) or fails the test.
+        ``timeout_s`` overrides ``--case-timeout`` for this case (a test of a hang need not wait long)."""
         from harness.runner import run_case
 
         pool = self.pools.pool_for(case.world_size)
-        record = run_case(pool, case)
+        record = run_case(pool, case, timeout_s=timeout_s)
         self.session.record(record, self.node)
         outcome = outcome_of(record)
         if outcome.action == "skip":

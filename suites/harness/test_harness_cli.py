@@ -94,7 +94,8 @@ def test_a_run_refuses_to_mix_into_an_existing_file(tmp_path: Path, capsys: pyte
     out = tmp_path / "taken.jsonl"
     out.write_text('{"not": "a record"}\n')
     assert main(["run", "--engines", "torch-fsdp", "--limit", "1", "--out", str(out), "--no-progress"]) == 2
-    assert "resume=True" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--out {out} already holds results; add --resume" in err
     assert out.read_text() == '{"not": "a record"}\n'
 
 

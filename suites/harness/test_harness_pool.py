@@ -89,6 +89,19 @@ def test_a_skipped_collective_is_a_timeout_with_every_rank_stack(fault_pool: Ran
     assert fault_pool.starts == starts + 1
 
 
+def test_a_rank_hanging_in_forward_is_named_not_the_rank_waiting_for_it(fault_pool: RankPool) -> None:
+    case = _fault("hang_in_forward_rank1")
+    outcome = fault_pool.run(run_case_on_rank, case)
+    record = record_from_outcome(case, outcome)
+    assert record.verdict == "timeout", record.reason
+    assert "rank(s) [0, 1]" in record.reason
+    # Rank 0 waits in a collective for rank 1, which never left its forward: rank 1 is the one named.
+    assert "rank 1 is behind, at parity.py:" in record.reason and "_hang_in_forward" in record.reason, record.reason
+    assert "rank(s) [0] wait for it" in record.reason
+    assert "_hang_in_forward" in outcome.stacks[1] and "_hang_in_forward" not in outcome.stacks[0]
+    _assert_healthy_case(fault_pool)
+
+
 def test_a_rank_that_exits_is_a_crash_with_its_exit_code_and_stderr(fault_pool: RankPool) -> None:
     case = _fault("exit_rank1")
     record = record_from_outcome(case, fault_pool.run(run_case_on_rank, case))
@@ -106,7 +119,9 @@ def test_a_segfault_is_a_crash_with_the_signal_and_the_fault_stack(fault_pool: R
     assert "killed by SIGSEGV" in record.reason
     assert "Segmentation fault" in record.detail["stderr_tails"]["1"]
     assert "_inject_fault" in record.detail["stderr_tails"]["1"]  # faulthandler's stack of the dying rank
-    assert fault_pool.run(harness_jobs.identity, None).status == "ok"
+    # The healthy case, not a bare job: it also warms the respawned ranks (imports the engines), so the
+    # next test's short timeout never pays that start-up on a loaded machine.
+    _assert_healthy_case(fault_pool)
 
 
 def test_one_rank_raising_while_the_other_waits_is_an_error_and_resets_the_pool(fault_pool: RankPool) -> None:
