@@ -14,7 +14,7 @@ from synthetic_records import RUN, record
 import reports
 from harness.case import CaseConfig
 from harness.cli import build_parser
-from harness.parity import record_from_outcome
+from harness.parity import RankResult, record_from_outcome
 from harness.pool import PoolOutcome
 from harness.records import CaseRecord, QuantityError
 from harness.runner import Selection, select_cases
@@ -133,13 +133,10 @@ def test_unknown_cases_on_request_are_refused(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_record_from_outcome_keeps_both_sides_curves_per_rank() -> None:
-    def value(rank: int) -> dict:
-        return {"status": "ok", "reason": "", "findings": [], "knobs": [], "deterministic": None, "nondeterminism": "",
-                "engine_s": 0.1, "reference_s": 0.1, "peak_mem_bytes": 0, "bytes_all_gathered": 0,
-                "bytes_reduce_scattered": 0, "collectives": {}, "mixed_precision_budgets": False,
-                "budget_source": "none", "notes": [],
-                "curves": {"loss": {"engine": [1.0 + rank, 0.5], "reference": [1.0 + rank, 0.4]},
-                           "grad_norm": {"engine": [3.0], "reference": [3.0 + rank]}}}
+    def value(rank: int) -> RankResult:
+        return RankResult("ok", engine_s=0.1, reference_s=0.1,
+                          curves={"loss": {"engine": [1.0 + rank, 0.5], "reference": [1.0 + rank, 0.4]},
+                                  "grad_norm": {"engine": [3.0], "reference": [3.0 + rank]}})
 
     rec = record_from_outcome(CASE, PoolOutcome("ok", [value(0), value(1)]))
     assert rec.curves == {"loss": {"engine": [[1.0, 0.5], [2.0, 0.5]], "reference": [[1.0, 0.4], [2.0, 0.4]]},
