@@ -98,7 +98,7 @@ def test_resume_4_ranks(session_4: RankSession, check: Callable[[int, int], None
 @pytest.fixture(scope="module")
 def full_product(request: pytest.FixtureRequest) -> dict[int, RankSession]:
     if request.config.getoption("--matrix") != "full":
-        pytest.skip("the whole strategy x use_orig_params x type x optimizer product runs with --matrix full")
+        pytest.skip(reason="the whole strategy x use_orig_params x type x optimizer product runs with --matrix full")
     return {
         2: RankSession(run_checks(FULL_2, world_size=2, timeout_s=1800)),
         4: RankSession(run_checks(FULL_4, world_size=4, timeout_s=1800)),

@@ -92,7 +92,7 @@ class CampaignPlugin:
         left = self.deadline - time.monotonic()
         if left <= 0:
             self.skipped.append(item.name)
-            pytest.skip("fuzz time budget spent")
+            pytest.skip(reason="fuzz time budget spent")
         from hypothesis import settings
 
         examples, seconds = sum(r.examples for r in self.runs), sum(r.seconds for r in self.runs)

@@ -24,7 +24,7 @@ SLOW = pytest.mark.slow
 @pytest.fixture(autouse=True)
 def _lane(request: pytest.FixtureRequest, parity_options: ParityOptions) -> None:
     if request.node.get_closest_marker("slow") is not None and parity_options.matrix != "full":
-        pytest.skip("runs in the --matrix full lane; the CI lane runs a slice of these cases")
+        pytest.skip(reason="runs in the --matrix full lane; the CI lane runs a slice of these cases")
 
 
 def _run(pools: PoolRegistry, case: CaseConfig) -> CaseRecord:
