@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -28,10 +29,11 @@ from harness.registry import resolve
 from harness.case import CaseConfig
 from harness.checkpoint import load_checkpoint, load_plain, save_checkpoint, shared_tempdir
 from harness.compare import Observation
+from harness.models import ZooModel
 from harness.optim import build_optimizer
 from harness.rank import RankContext
 from harness.trace import CommTrace
-from harness.training import fresh_model, mark_phase, paused, train_steps
+from harness.training import ParamInfo, fresh_model, mark_phase, paused, train_steps
 
 __all__ = ["RESUME_SEED_OFFSET", "plain_trainee", "run_resumed"]
 
@@ -68,6 +70,20 @@ def _checkpoint_dir(ctx: RankContext, trace: CommTrace) -> Iterator[Path]:
             stack.close()
 
 
+def _train_before_checkpoint(
+    adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, trace: CommTrace, perturb: bool, obs: Observation
+) -> tuple[ZooModel, dict[str, ParamInfo], EngineTrainee, torch.optim.Optimizer]:
+    """Build the case's model and engine on ``ctx``'s ranks and train the steps before the checkpoint;
+    ``(model, parameter table, trainee, optimizer)``."""
+    model, table = fresh_model(case, ctx)
+    trace.watch_modules(model)
+    mark_phase(trace, "setup", 0)
+    trainee = adapter.build(case, model, ctx)
+    optimizer = build_optimizer(case, trainee.trainable_parameters())
+    train_steps(trainee, optimizer, case, ctx, range(case.checkpoint_step), table, obs, trace=trace, perturb=perturb)
+    return model, table, trainee, optimizer
+
+
 def run_resumed(
     adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, steps: int, trace: CommTrace, perturb: bool
 ) -> tuple[Observation, EngineTrainee]:
@@ -77,12 +93,7 @@ def run_resumed(
         return _run_resharded(adapter, case, ctx, steps, trace, perturb)
     k = case.checkpoint_step
     obs = Observation()
-    model, table = fresh_model(case, ctx)
-    trace.watch_modules(model)
-    mark_phase(trace, "setup", 0)
-    trainee = adapter.build(case, model, ctx)
-    optimizer = build_optimizer(case, trainee.trainable_parameters())
-    train_steps(trainee, optimizer, case, ctx, range(k), table, obs, trace=trace, perturb=perturb)
+    model, table, trainee, optimizer = _train_before_checkpoint(adapter, case, ctx, trace, perturb, obs)
     loader = resolve(case.resume_engine) if case.resume_engine else adapter
     mark_phase(trace, "checkpoint", k)
     with _checkpoint_dir(ctx, trace) as path, paused(trace):
@@ -112,12 +123,7 @@ def _run_resharded(
     last: EngineTrainee | None = None
     with _checkpoint_dir(ctx, trace) as path:
         if save_ctx is not None:
-            model, table = fresh_model(case, save_ctx)
-            trace.watch_modules(model)
-            mark_phase(trace, "setup", 0)
-            trainee = adapter.build(case, model, save_ctx)
-            optimizer = build_optimizer(case, trainee.trainable_parameters())
-            train_steps(trainee, optimizer, case, save_ctx, range(k), table, obs, trace=trace, perturb=perturb)
+            model, table, trainee, optimizer = _train_before_checkpoint(adapter, case, save_ctx, trace, perturb, obs)
             with paused(trace):
                 save_checkpoint(adapter, trainee.module, optimizer, "sharded", path, save_ctx)
             obs.notes.extend(trainee.notes)

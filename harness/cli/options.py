@@ -14,15 +14,19 @@ def csv_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def positive_int(text: str) -> int:
-    """An option value that must be an integer of at least 1 (argparse names the option)."""
+def _int_at_least(text: str, low: int, words: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a {words} integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be a {words} integer, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An option value that must be an integer of at least 1 (argparse names the option)."""
+    return _int_at_least(text, 1, "positive")
 
 
 def positive_float(text: str) -> float:
@@ -68,13 +72,7 @@ def add_selection(p: argparse.ArgumentParser) -> None:
 
 def non_negative_int(text: str) -> int:
     """An option value that must be an integer of at least 0 (argparse names the option)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
+    return _int_at_least(text, 0, "non-negative")
 
 
 def add_execution(p: argparse.ArgumentParser) -> None:
