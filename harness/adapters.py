@@ -36,7 +36,7 @@ import torch.nn as nn
 from harness.capabilities import Rule, first_reason
 from harness.case import CaseConfig, PrecisionSpec, is_hybrid
 from harness.dtypes import dtype_of
-from harness.models import ZooModel
+from harness.models import ZooModel, wrap_bottom_up
 from harness.placement import hybrid_shard_size
 from harness.rank import RankContext
 
@@ -105,21 +105,6 @@ def rank_local_param_names(model: ZooModel) -> set[str]:
 def prepare_inputs(inputs: Iterable[torch.Tensor], device: torch.device, float_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Move a batch to the device; floating tensors take the master dtype (fp64 cases train in fp64)."""
     return tuple(t.to(device=device, dtype=float_dtype if t.is_floating_point() else t.dtype) for t in inputs)
-
-
-def _post_order_units(model: ZooModel) -> list[nn.Module]:
-    """The model's wrap units, deepest first, so a unit is wrapped after the units inside it."""
-    depth = {id(m): name.count(".") + 1 if name else 0 for name, m in model.named_modules()}
-    units = model.wrap_units()
-    return sorted(units, key=lambda m: -depth[id(m)])
-
-
-def _parent_slots(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
-    slots: dict[int, tuple[nn.Module, str]] = {}
-    for parent in model.modules():
-        for child_name, child in parent.named_children():
-            slots.setdefault(id(child), (parent, child_name))
-    return slots
 
 
 def _ignored_option(case: CaseConfig) -> str | None:
@@ -311,18 +296,10 @@ class FSDP1Adapter(EngineAdapter):
             group = ctx.world_group()
         if case.init_mode == "before":
             model.to(ctx.device)
-        local_units = {id(m) for m in model.rank_local_modules()}
-        slots = _parent_slots(model)
-        for unit in _post_order_units(model):
-            parent, slot = slots[id(unit)]
-            if id(unit) in local_units:
-                # A rank-local unit: a one-rank group, nothing to shard or reduce.
-                unit_kwargs = {**kwargs, "sharding_strategy": ns.ShardingStrategy.NO_SHARD}
-                wrapped = fsdp(unit, process_group=ctx.singleton_group(), **unit_kwargs)
-            else:
-                wrapped = fsdp(unit, process_group=group, **kwargs)
-            setattr(parent, slot, wrapped)
-        root = fsdp(model, process_group=group, **kwargs)
+        # A rank-local unit: a one-rank group, nothing to shard or reduce.
+        local_kwargs = {**kwargs, "sharding_strategy": ns.ShardingStrategy.NO_SHARD}
+        root = wrap_bottom_up(model, lambda unit: fsdp(unit, process_group=group, **kwargs),
+                              lambda unit: fsdp(unit, process_group=ctx.singleton_group(), **local_kwargs))
         if case.init_mode == "after":
             root.to(ctx.device)
         notes: list[str] = []
@@ -512,10 +489,8 @@ class FSDP2Adapter(EngineAdapter):
             kwargs.pop(ignored, None)
         if case.init_mode == "before":
             model.to(ctx.device)
-        local_units = {id(m) for m in model.rank_local_modules()}
-        for unit in _post_order_units(model):
-            api.fully_shard(unit, mesh=ctx.singleton_mesh() if id(unit) in local_units else mesh, **kwargs)
-        api.fully_shard(model, mesh=mesh, **kwargs)
+        wrap_bottom_up(model, lambda unit: api.fully_shard(unit, mesh=mesh, **kwargs),
+                       lambda unit: api.fully_shard(unit, mesh=ctx.singleton_mesh(), **kwargs))
         if case.forward_prefetch and ignored != "forward_prefetch":
             # FSDP2 prefetches forward all-gathers only when told which module comes next (an FSDPModule's
             # method; a namespace without it leaves the knob unset, which the knob check then reports).

@@ -2,7 +2,7 @@
 
 Two jobs, both run through ``harness.pool.RankPool`` (module-level functions, pickled by name):
 
-- ``perf_job``: one engine trains the benchmark GPT (``GPT``: ``harness.models.GPTBlock`` blocks
+- ``perf_job``: one engine trains the benchmark GPT (``harness.models.BenchmarkGPT``: ``GPTBlock`` blocks
   without linear biases, token embedding, final norm, untied LM head) with every block a unit, AdamW,
   bf16 compute with fp32 reduction, and reports per-step seconds, losses, peak allocated and reserved
   memory. The device-bound regime: large models, where kernels and collectives dominate.
@@ -29,9 +29,8 @@ from typing import Any, Literal
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from harness.models import GPTBlock
+from harness.models import CPU_GPT, BenchmarkGPT, GPTConfig, ZooModel, wrap_bottom_up
 from harness.rank import RankContext
 
 PerfPrecision = Literal["bf16", "fp32"]
@@ -46,35 +45,6 @@ HYBRID_MIN_RANKS = 4
 # The model
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the benchmark's GPT; the defaults are the anchors' model (936.5M parameters)."""
-
-    #: vocabulary size (token embedding rows, LM-head columns).
-    vocab: int = 32000
-    #: model width.
-    d_model: int = 2048
-    #: transformer blocks (each one unit).
-    layers: int = 16
-    #: attention heads; must divide ``d_model``.
-    heads: int = 16
-    #: tokens per sequence.
-    seq: int = 2048
-    #: sequences per rank per step.
-    batch: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("vocab", "d_model", "layers", "heads", "seq", "batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be at least 1")
-        if self.d_model % self.heads:
-            raise ValueError(f"GPTConfig.heads={self.heads} must divide d_model={self.d_model}")
-
-    @property
-    def tokens_per_rank(self) -> int:
-        return self.batch * self.seq
-
-
 #: the named sizes of ``--size``. ``3b`` (2.91B parameters) halves the batch so DDP's and NO_SHARD's
 #: replicated fp32 parameters, gradients and AdamW state (16 bytes a parameter) plus activations still
 #: fit one 80 GiB GPU.
@@ -82,30 +52,12 @@ SIZES: dict[str, GPTConfig] = {
     "1b": GPTConfig(),
     "3b": GPTConfig(d_model=3072, layers=24, heads=24, batch=4),
 }
-#: small enough for two gloo ranks on two CPU cores.
-CPU_MODEL = GPTConfig(vocab=512, d_model=64, layers=2, heads=4, seq=64, batch=4)
-
-
-class GPT(nn.Module):
-    """Token embedding, bias-free ``GPTBlock`` blocks, final norm, untied LM head (no learned
-    positions: the benchmark measures engines, and the anchors' parameter count has none)."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.blocks = nn.ModuleList(GPTBlock(cfg.d_model, cfg.heads, bias=False) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+#: small enough for two gloo ranks on two CPU cores (the zoo's ``perf_gpt``).
+CPU_MODEL = CPU_GPT
 
 
 def count_params(cfg: GPTConfig) -> int:
-    """Parameters of ``GPT(cfg)``, without building it."""
+    """Parameters of ``BenchmarkGPT(cfg)``, without building it."""
     d = cfg.d_model
     block = 12 * d * d + 2 * 2 * d  # qkv, proj, two MLP linears; two LayerNorms (weight and bias)
     return cfg.layers * block + 2 * cfg.vocab * d + 2 * d
@@ -131,6 +83,53 @@ def unsupported_reason(engine: str, strategy: str | None, world_size: int) -> st
 def trace_name(engine: str, strategy: str | None, rank: int, model: str = "gpt", suffix: str = "json") -> str:
     """File name of one rank's trace of one engine run: ``gpt-builtin-full_shard-rank0.json``."""
     return f"{model}-{engine}-{strategy or 'ddp'}-rank{rank}.{suffix}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a rank answers
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A rank's answer when the engine or strategy is not measured on this run."""
+
+    #: why, naming the engine, strategy or option and what to change.
+    reason: str
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """One rank's measurements of one engine's run (``perf_job`` and ``zoo_job``)."""
+
+    #: wall seconds of each timed step (warm-up steps dropped).
+    step_s: list[float]
+    #: the loss of every step, warm-up included.
+    losses: list[float]
+    #: the GPU's name, or ``CPU``.
+    device: str
+    #: peak allocated / reserved bytes during training; None on CPU.
+    peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    #: ``zoo_job``: this rank's process CPU seconds of each timed step.
+    cpu_s: list[float] | None = None
+    #: ``zoo_job``: seconds to wrap the model, and of the first (lazy-init) step.
+    build_s: float | None = None
+    first_step_s: float | None = None
+    #: ``zoo_job``: sharded units, the root included.
+    units: int | None = None
+    #: where this rank's Chrome trace went (None: not profiled).
+    trace: str | None = None
+
+    @property
+    def setup_s(self) -> float | None:
+        """Wrapping plus the first step: what a parity case pays once (None: not measured)."""
+        if self.build_s is None or self.first_step_s is None:
+            return None
+        return self.build_s + self.first_step_s
+
+
+#: what ``perf_job`` and ``zoo_job`` return to the parent.
+RankAnswer = RankTiming | Unsupported
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,7 +161,7 @@ def _hybrid_shard_size(ctx: RankContext) -> int:
     return default_shard_size(ctx.world_size, ctx.local_world_size)
 
 
-def _fsdp1_wrap(namespace: Any, model: GPT, job: PerfJob, ctx: RankContext) -> nn.Module:
+def _fsdp1_wrap(namespace: Any, model: BenchmarkGPT, job: PerfJob, ctx: RankContext) -> nn.Module:
     """Every block its own unit, then the root, with the options FSDP1 is benchmarked with."""
     kwargs: dict[str, Any] = {
         "sharding_strategy": getattr(namespace.ShardingStrategy, str(job.strategy).upper()),
@@ -175,12 +174,10 @@ def _fsdp1_wrap(namespace: Any, model: GPT, job: PerfJob, ctx: RankContext) -> n
         kwargs["process_group"] = ctx.hybrid_groups(_hybrid_shard_size(ctx))
     if job.precision == "bf16":
         kwargs["mixed_precision"] = namespace.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = namespace.FullyShardedDataParallel(block, **kwargs)
-    return namespace.FullyShardedDataParallel(model, **kwargs)
+    return wrap_bottom_up(model, lambda module: namespace.FullyShardedDataParallel(module, **kwargs))
 
 
-def _fsdp2_wrap(api: Any, model: GPT, job: PerfJob, ctx: RankContext) -> nn.Module:
+def _fsdp2_wrap(api: Any, model: BenchmarkGPT, job: PerfJob, ctx: RankContext) -> nn.Module:
     if job.strategy == "hybrid_shard":
         shard = _hybrid_shard_size(ctx)
         mesh = ctx.mesh((ctx.world_size // shard, shard), ("replicate", "shard"))
@@ -189,13 +186,10 @@ def _fsdp2_wrap(api: Any, model: GPT, job: PerfJob, ctx: RankContext) -> nn.Modu
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": job.strategy != "shard_grad_op"}
     if job.precision == "bf16":
         kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        api.fully_shard(block, **kwargs)
-    api.fully_shard(model, **kwargs)
-    return model
+    return wrap_bottom_up(model, lambda module: api.fully_shard(module, **kwargs))
 
 
-def _wrap(model: GPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Module, Callable[[], contextlib.AbstractContextManager[Any]]]:
+def _wrap(model: BenchmarkGPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Module, Callable[[], contextlib.AbstractContextManager[Any]]]:
     """The trained module and the context its forward runs in (autocast for DDP in bf16)."""
     if job.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -217,15 +211,13 @@ def _wrap(model: GPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Module, Callab
     raise ValueError(f"perf: engine {adapter.name!r} has neither torch FSDP1's nor FSDP2's API")
 
 
-def _batches(job: PerfJob, ctx: RankContext) -> list[torch.Tensor]:
-    # Made before the timed loop, on the device: data loading is not what is measured.
-    from harness.models import mix_seed
+def _batches(model: ZooModel, seed: int, steps: int, ctx: RankContext) -> list[tuple[torch.Tensor, ...]]:
+    # Made before the timed loop and moved to the device: data loading is not what is measured.
+    return [tuple(t.to(ctx.device) for t in model.get_input(seed=seed, step=s, rank=ctx.rank)) for s in range(steps)]
 
-    out = []
-    for step in range(job.warmup + job.steps):
-        g = torch.Generator(device=ctx.device).manual_seed(mix_seed(job.seed, step, ctx.rank))
-        out.append(torch.randint(job.model.vocab, (job.model.batch, job.model.seq + 1), device=ctx.device, generator=g))
-    return out
+
+def _device_name(ctx: RankContext) -> str:
+    return torch.cuda.get_device_name(ctx.device) if ctx.device_type == "cuda" else "CPU"
 
 
 def _sync(ctx: RankContext) -> None:
@@ -251,27 +243,25 @@ def _chrome_trace(ctx: RankContext, path: Path) -> Any:
     prof.export_chrome_trace(str(path))
 
 
-def perf_job(ctx: RankContext, job: PerfJob) -> dict[str, Any]:
+def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     """Train one engine on this rank: per-step seconds, per-step losses, peak allocated and reserved bytes."""
     reason = unsupported_reason(job.engine, job.strategy, ctx.world_size)
     if reason is not None:
-        return {"unsupported": reason}
+        return Unsupported(reason)
     _release(ctx)
     # Built on the device under the same seed on every rank and for every engine: same start everywhere,
     # and no multi-GiB copy from the host.
     torch.manual_seed(job.seed)
     with torch.device(ctx.device):
-        model = GPT(job.model)
+        model = BenchmarkGPT(job.model)
+    batches = _batches(model, job.seed, job.warmup + job.steps, ctx)
     module, forward_context = _wrap(model, job, ctx)
     optimizer = torch.optim.AdamW(module.parameters(), lr=job.lr)
-    batches = _batches(job, ctx)
 
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    def step(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         with forward_context():
-            logits = module(inputs)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-        loss.backward()
+            loss = model.get_loss(inputs, module(*inputs))
+        model.run_backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -281,27 +271,26 @@ def perf_job(ctx: RankContext, job: PerfJob) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     step_s: list[float] = []
     losses: list[torch.Tensor] = []
-    for tokens in batches:
+    for inputs in batches:
         _sync(ctx)
         t0 = time.perf_counter()
-        loss = step(tokens)
+        loss = step(inputs)
         _sync(ctx)
         step_s.append(time.perf_counter() - t0)
         losses.append(loss)
     cuda = ctx.device_type == "cuda"
-    result = {
-        "step_s": step_s[job.warmup:], "losses": [float(x) for x in losses],
-        "peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
-        "reserved_bytes": torch.cuda.max_memory_reserved(ctx.device) if cuda else None,
-        "device": torch.cuda.get_device_name(ctx.device) if cuda else "CPU",
-    }
+    peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else None
+    reserved = torch.cuda.max_memory_reserved(ctx.device) if cuda else None
+    trace = None
     if job.profile_dir is not None:
         path = Path(job.profile_dir) / trace_name(job.engine, job.strategy, ctx.rank)
         with _chrome_trace(ctx, path):
             for i in range(job.profile_steps):
                 step(batches[i % len(batches)])
             _sync(ctx)
-        result["trace"] = str(path)
+        trace = str(path)
+    result = RankTiming(step_s=step_s[job.warmup:], losses=[float(x) for x in losses], device=_device_name(ctx),
+                        peak_bytes=peak, reserved_bytes=reserved, trace=trace)
     del module, model, optimizer, batches, losses, loss
     _release(ctx)
     return result
@@ -328,7 +317,7 @@ class ZooJob:
     cprofile: bool = False
 
 
-def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
+def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
     """Per-step wall seconds of one engine on one zoo model (no gradient reads, no trace hooks: the
     engine's own cost), and its final loss."""
     from harness.adapters import prepare_inputs
@@ -339,7 +328,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
 
     reason = unsupported_reason(job.engine, job.strategy, ctx.world_size)
     if reason is not None:
-        return {"unsupported": reason}
+        return Unsupported(reason)
     case = CaseConfig(engine=job.engine, model=job.model, sharding_strategy=job.strategy,  # type: ignore[arg-type]
                       precision=job.precision, world_size=ctx.world_size, seed=job.seed)  # type: ignore[arg-type]
     adapter = resolve(case.engine)
@@ -347,7 +336,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size).to(full)
     reason = adapter.unsupported_reason(case, model, ctx)
     if reason is not None:
-        return {"unsupported": reason}
+        return Unsupported(reason)
     _sync(ctx)
     t_build = time.perf_counter()
     trainee = adapter.build(case, model, ctx)
@@ -384,18 +373,19 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> dict[str, Any]:
         if profiler is not None and timed:
             profiler.disable()
         losses.append(float(loss))
-    # Wrapping and the first step (lazy init) are paid once per parity case: part of the host-bound cost.
-    result: dict[str, Any] = {"step_s": step_s[job.warmup:], "cpu_s": cpu_s[job.warmup:], "losses": losses,
-                              "build_s": build_s, "first_step_s": step_s[0] if step_s else None, "peak_bytes": None,
-                              "reserved_bytes": None, "units": sum(1 for _ in zoo.wrap_units()) + 1,
-                              "device": torch.cuda.get_device_name(ctx.device) if ctx.device_type == "cuda" else "CPU"}
+    trace = None
     if job.profile_dir is not None:
         directory = Path(job.profile_dir)
         if profiler is not None:
             directory.mkdir(parents=True, exist_ok=True)
             profiler.dump_stats(directory / trace_name(job.engine, job.strategy, ctx.rank, job.model, "prof"))
-        with _chrome_trace(ctx, directory / trace_name(job.engine, job.strategy, ctx.rank, job.model)):
+        path = directory / trace_name(job.engine, job.strategy, ctx.rank, job.model)
+        with _chrome_trace(ctx, path):
             for i in range(job.profile_steps):
                 step(batches[i % len(batches)])
             _sync(ctx)
-    return result
+        trace = str(path)
+    # Wrapping and the first step (lazy init) are paid once per parity case: part of the host-bound cost.
+    return RankTiming(step_s=step_s[job.warmup:], losses=losses, device=_device_name(ctx), cpu_s=cpu_s[job.warmup:],
+                      build_s=build_s, first_step_s=step_s[0] if step_s else None,
+                      units=len(zoo.wrap_units()) + 1, trace=trace)

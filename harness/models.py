@@ -1,6 +1,6 @@
 """The model zoo: small models with deterministic init, deterministic batches and declared wrap units.
 
-Every model is a :class:`ZooModel`. What the harness needs from one:
+Every model is a :class:`ZooModel` (``harness.model_protocol``). What the harness needs from one:
 
 - ``build_model(name, seed=, rank=, world_size=)``: the same parameters for the same ``seed`` on every
   rank and every call (rank-local parameters, the experts of a mixture of experts, also depend on
@@ -18,26 +18,31 @@ Every model is a :class:`ZooModel`. What the harness needs from one:
   experts' parameters are freed. They make races between the compute stream and the engine's
   communication streams visible; on CPU there is no asynchronous queue to race, so they are no-ops.
 
+The zoo is one registry, ``MODELS``: the harness's own models (``zoo_names()``: what the matrix, ``harness
+models`` and the zoo's tests enumerate) and the models suites add with ``register_model`` (built by
+name like any other, never enumerated with the harness's own). The library never imports a suite.
+
 Deliberately the harness's own models (written for this project, shaped after the behaviours the
 seeds describe), so a change in PyTorch's test utilities never changes what a case means.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.model_protocol import SleepPlan, ZooModel, batch_generator, gpu_sleep, mix_seed, seeded, wrap_bottom_up
+
 __all__ = [
     "MODELS",
+    "BenchmarkGPT",
+    "GPTConfig",
     "ModelSpec",
     "SleepPlan",
     "ZooModel",
@@ -45,101 +50,10 @@ __all__ = [
     "batch_generator",
     "gpu_sleep",
     "mix_seed",
+    "register_model",
+    "wrap_bottom_up",
+    "zoo_names",
 ]
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers; stable across processes and Python versions (no ``hash()``)."""
-    digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def batch_generator(seed: int, step: int, rank: int) -> torch.Generator:
-    """The CPU generator one rank's batch of one step is drawn from."""
-    return torch.Generator().manual_seed(mix_seed(seed, step, rank, 0xBA7C4))
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    # Init must not depend on (or disturb) whatever the caller did with the global RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
-@functools.lru_cache(maxsize=None)
-def _cycles_per_ms(device_index: int) -> float:
-    # torch.cuda._sleep spins for a number of GPU clock cycles; measure how many make a millisecond.
-    with torch.cuda.device(device_index):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(1_000_000)
-        end.record()
-        end.synchronize()
-        return 1_000_000 / max(start.elapsed_time(end), 1e-3)
-
-
-def gpu_sleep(ms: float, device: torch.device | None = None) -> None:
-    """Enqueue a sleep of ``ms`` on the current CUDA stream; nothing on CPU (see module docstring)."""
-    if ms <= 0 or not torch.cuda.is_available():
-        return
-    if device is not None and device.type != "cuda":
-        return
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    torch.cuda._sleep(int(ms * _cycles_per_ms(index)))
-
-
-@dataclass(frozen=True)
-class SleepPlan:
-    """Where a model asks for GPU sleeps (milliseconds; 0 = none)."""
-
-    #: before each gradient reduction collective of the backward pass (applied by the comm trace).
-    before_reduce_ms: float = 0.0
-    #: after backward, before the optimizer step (applied by the training loop).
-    before_step_ms: float = 0.0
-    #: after the rank-local modules' forward, before their unsharded parameters are freed
-    #: (a forward hook the model registers itself, so it runs inside the engine's unit).
-    before_free_ms: float = 0.0
-
-
-class ZooModel(nn.Module):
-    """Base of the zoo: the interface the harness drives a model through."""
-
-    #: classes whose instances are wrap units; empty when a model lists its units by hand.
-    wrap_classes: ClassVar[tuple[type[nn.Module], ...]] = ()
-    #: the GPU sleeps this model asks for.
-    sleeps: SleepPlan = SleepPlan()
-
-    def wrap_units(self) -> list[nn.Module]:
-        """Submodules that get their own unit, in pre-order (the root is always a unit too)."""
-        return [m for m in self.modules() if m is not self and isinstance(m, self.wrap_classes)]
-
-    def rank_local_modules(self) -> list[nn.Module]:
-        """Submodules whose parameters are one rank's own and never reduced; each is also a wrap unit."""
-        return []
-
-    def auto_wrap_policy(self) -> Callable[..., bool]:
-        """``wrap_units()`` as an FSDP1 callable auto-wrap policy (``policy(module, recurse, nonwrapped_numel)``).
-
-        For engines driven through ``auto_wrap_policy``; rank-local modules need their own process
-        group, which a policy cannot give, so the harness's adapters wrap by hand instead.
-        """
-        units = {id(m) for m in self.wrap_units()}
-
-        def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-            return True if recurse else id(module) in units
-
-        return policy
-
-    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
-
-    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def run_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
 
 # ---------------------------------------------------------------------------------------------------
 # Nested linears (units chosen by hand) and the same model with every submodule a unit
@@ -249,7 +163,7 @@ class MixtureOfExpertsModel(ZooModel):
     def __init__(self, seed: int, rank: int, sleeps: SleepPlan = SleepPlan()) -> None:
         super().__init__()
         self.sleeps = sleeps
-        with _seeded(mix_seed(seed, 0xE4, rank)):
+        with seeded(mix_seed(seed, 0xE4, rank)):
             expert = nn.Linear(self.d_expert, self.d_shared)
         # Everything else is the same on every rank (the caller seeded with ``seed``).
         shared = nn.Linear(self.d_shared, self.d_expert)
@@ -432,6 +346,71 @@ class TinyGPT(ZooModel):
         return F.cross_entropy(output.reshape(-1, self.vocab), inputs[1].reshape(-1))
 
 
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the benchmark's GPT; the defaults are the measured anchors' model (936.5M parameters)."""
+
+    #: vocabulary size (token embedding rows, LM-head columns).
+    vocab: int = 32000
+    #: model width.
+    d_model: int = 2048
+    #: transformer blocks (each one unit).
+    layers: int = 16
+    #: attention heads; must divide ``d_model``.
+    heads: int = 16
+    #: tokens per sequence.
+    seq: int = 2048
+    #: sequences per rank per step.
+    batch: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d_model", "layers", "heads", "seq", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be at least 1")
+        if self.d_model % self.heads:
+            raise ValueError(f"GPTConfig.heads={self.heads} must divide d_model={self.d_model}")
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.batch * self.seq
+
+
+class BenchmarkGPT(ZooModel):
+    """The benchmark's GPT: token embedding, bias-free ``GPTBlock`` blocks, final norm, untied LM head.
+
+    No learned positions and no tie: the benchmark measures engines, and the anchors' parameter count
+    has neither. Every block is a unit. The loss is taken in float32 whatever the compute dtype.
+    """
+
+    wrap_classes = (GPTBlock,)
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(GPTBlock(cfg.d_model, cfg.heads, bias=False) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        cfg = self.cfg
+        tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=batch_generator(seed, step, rank))
+        return (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.float().reshape(-1, output.size(-1)), inputs[1].reshape(-1))
+
+
+#: the benchmark GPT small enough for two gloo ranks on two CPU cores (``harness perf`` on CPU).
+CPU_GPT = GPTConfig(vocab=512, d_model=64, layers=2, heads=4, seq=64, batch=4)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Registry
 
@@ -444,8 +423,10 @@ class ModelSpec:
     name: str
     #: one line for listings and reports.
     description: str
-    #: builds the model; called under ``torch.manual_seed(seed)`` by ``build_model``.
+    #: builds the model from ``(seed, rank, world_size)``; ``build_model`` calls it under a seed of its own.
     factory: Callable[[int, int, int], ZooModel]
+    #: one of the harness's own models (``zoo_names()``); False for those ``register_model`` adds.
+    listed: bool = True
 
 
 #: Sleep length of the ``moe_sleep_*`` models: long next to the microseconds the kernels of these
@@ -474,8 +455,50 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("lora", "LoRA-style: frozen base linears, trainable adapters and head", lambda s, r, w: LoraModel()),
         ModelSpec("batchnorm", "linear, BatchNorm (its own unit), linear", lambda s, r, w: BatchNormModel()),
         ModelSpec("gpt", "tiny GPT, LM head tied to the token embedding", lambda s, r, w: TinyGPT()),
+        # The perf benchmark's model at its CPU size; ``harness perf`` builds its sizes from ``GPTConfig``.
+        ModelSpec("perf_gpt", "the perf benchmark's bias-free GPT at its CPU size", lambda s, r, w: BenchmarkGPT(CPU_GPT),
+                  listed=False),
     )
 }
+
+
+def zoo_names() -> list[str]:
+    """The harness's own models, in registry order: what the matrix, listings and the zoo's tests
+    enumerate (models added by ``register_model`` are built by name only)."""
+    return [name for name, spec in MODELS.items() if spec.listed]
+
+
+Factory = Callable[[int, int, int], ZooModel]
+
+
+def register_model(name: str, description: str, factory: Factory | None = None) -> Any:
+    """Add a model to the zoo under ``name``; suites call it for the models their own tests need.
+
+    ``register_model(name, description, factory)`` registers ``factory(seed, rank, world_size)``;
+    without ``factory`` it returns a decorator for a factory or for a ``ZooModel`` subclass built
+    without arguments. ``build_model`` seeds the construction; the model is never enumerated with the
+    harness's own (``zoo_names()``). Registering the same definition again (a module imported twice)
+    is a no-op; another definition under a taken name is refused.
+    """
+    def add(target: Any) -> Any:
+        build: Factory = (lambda s, r, w: target()) if isinstance(target, type) else target
+        spec = ModelSpec(name, description, build, listed=False)
+        taken = MODELS.get(name)
+        origin = (getattr(target, "__module__", None), getattr(target, "__qualname__", None))
+        if taken is not None and (taken.listed or taken.description != description
+                                  or _origins.get(name) != origin):
+            raise ValueError(f"register_model: name={name!r} is taken in harness.models.MODELS "
+                             f"({taken.description!r}); register this model under another name")
+        if taken is None:
+            MODELS[name] = spec
+            _origins[name] = origin
+        return target
+
+    return add if factory is None else add(factory)
+
+
+#: where each registered model was defined: a second registration from the same place is the same model.
+_origins: dict[str, tuple[str | None, str | None]] = {}
 
 
 def build_model(name: str, *, seed: int = 0, rank: int = 0, world_size: int = 1) -> ZooModel:
@@ -485,5 +508,5 @@ def build_model(name: str, *, seed: int = 0, rank: int = 0, world_size: int = 1)
         spec = MODELS[name]
     except KeyError:
         raise ValueError(f"model={name!r} is not in harness.models.MODELS; choose one of {sorted(MODELS)}") from None
-    with _seeded(mix_seed(seed, 0x5EED)):
+    with seeded(mix_seed(seed, 0x5EED)):
         return spec.factory(seed, rank, world_size)

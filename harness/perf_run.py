@@ -22,6 +22,9 @@ from harness.benchmark import (
     GPTConfig,
     PerfJob,
     PerfPrecision,
+    RankAnswer,
+    RankTiming,
+    Unsupported,
     ZooJob,
     count_params,
     perf_job,
@@ -99,28 +102,34 @@ def spread(values_ms: Sequence[float]) -> tuple[float, float, float, float]:
     return min(values_ms), deciles[0], deciles[-1], max(values_ms)
 
 
-def row_from_values(engine: str, strategy: str | None, values: Sequence[dict[str, Any]], params: int | None,
+def row_from_values(engine: str, strategy: str | None, values: Sequence[RankAnswer], params: int | None,
                     tokens_per_rank: int | None, model: str = "") -> PerfRow:
     """A row from every rank's ``perf_job``/``zoo_job`` answer (``params``/``tokens_per_rank`` None: no
     throughput columns, the zoo models' tokens are not comparable)."""
-    if "unsupported" in values[0]:
-        return PerfRow(engine, strategy, "unsupported", values[0]["unsupported"], model=model)
-    per_step_s = [max(steps) for steps in zip(*(v["step_s"] for v in values))]
+    unsupported = [v for v in values if isinstance(v, Unsupported)]
+    if unsupported:
+        return PerfRow(engine, strategy, "unsupported", unsupported[0].reason, model=model)
+    timings = [v for v in values if isinstance(v, RankTiming)]
+    if len(timings) != len(values):
+        wrong = sorted({type(v).__name__ for v in values if not isinstance(v, RankTiming)})
+        raise TypeError(f"row_from_values: ranks answered {wrong}; perf_job/zoo_job answer RankTiming or Unsupported")
+    per_step_s = [max(steps) for steps in zip(*(v.step_s for v in timings))]
     step_s = statistics.median(per_step_s)
     steps_ms = [1000 * s for s in per_step_s]
     lo, p10, p90, hi = spread(steps_ms)
-    peaks = [v["peak_bytes"] for v in values if v.get("peak_bytes") is not None]
-    reserved = [v["reserved_bytes"] for v in values if v.get("reserved_bytes") is not None]
+    peaks = [v.peak_bytes for v in timings if v.peak_bytes is not None]
+    reserved = [v.reserved_bytes for v in timings if v.reserved_bytes is not None]
     throughput = params is not None and tokens_per_rank is not None
-    cpu = [max(steps) for steps in zip(*(v["cpu_s"] for v in values))] if "cpu_s" in values[0] else []
-    setup = [v["build_s"] + v["first_step_s"] for v in values if v.get("first_step_s") is not None]
+    cpu_steps = [v.cpu_s for v in timings if v.cpu_s is not None]
+    cpu = [max(steps) for steps in zip(*cpu_steps)] if len(cpu_steps) == len(timings) else []
+    setup = [v.setup_s for v in timings if v.setup_s is not None]
     return PerfRow(
         engine, strategy, "ok", model=model, step_ms=1000 * step_s, cpu_ms=1000 * statistics.median(cpu) if cpu else None,
         setup_ms=1000 * max(setup) if setup else None, min_ms=lo, p10_ms=p10, p90_ms=p90, max_ms=hi,
         peak_gib=max(peaks) / GIB if peaks else None, reserved_gib=max(reserved) / GIB if reserved else None,
         tokens_per_s=len(values) * tokens_per_rank / step_s if throughput else None,  # type: ignore[operator]
         tflops=tflops_per_gpu(params, tokens_per_rank, step_s) if throughput else None,  # type: ignore[arg-type]
-        final_loss=statistics.fmean(v["losses"][-1] for v in values), steps_ms=steps_ms,
+        final_loss=statistics.fmean(v.losses[-1] for v in timings), steps_ms=steps_ms,
     )
 
 
@@ -221,11 +230,11 @@ class PerfConfig:
             raise ValueError(f"PerfConfig: steps={self.steps} must be >= 1 and warmup={self.warmup} >= 0")
         if self.zoo_models and "ddp" in self.engines:
             raise ValueError("PerfConfig.engines: ddp is a reference, not an engine adapter; drop it with zoo models")
-        from harness.models import MODELS
+        from harness.models import zoo_names
 
-        bad_models = [m for m in self.zoo_models if m not in MODELS]
+        bad_models = [m for m in self.zoo_models if m not in zoo_names()]
         if bad_models:
-            raise ValueError(f"PerfConfig.zoo_models={bad_models}: choose from {sorted(MODELS)}")
+            raise ValueError(f"PerfConfig.zoo_models={bad_models}: choose from {sorted(zoo_names())}")
 
 
 def _jobs(config: PerfConfig) -> list[tuple[str, str | None, str, Any, Any]]:
@@ -259,7 +268,8 @@ def run(config: PerfConfig) -> tuple[list[PerfRow], str]:
         for engine_name, strategy, model, fn, job in _jobs(config):
             outcome = pool.run(fn, job)
             if outcome.status == "ok":
-                device = outcome.values[0].get("device", device)
+                first = outcome.values[0]
+                device = first.device if isinstance(first, RankTiming) else device
                 rows.append(row_from_values(engine_name, strategy, outcome.values, params, tokens, model))
             else:
                 rows.append(PerfRow(engine_name, strategy, outcome.status, outcome.reason, model=model))

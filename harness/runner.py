@@ -110,7 +110,7 @@ def check_selection(selection: Selection, world_sizes: Sequence[int] = ()) -> No
     """
     from harness.case import ReferenceName
     from harness.matrix import _GENERATORS
-    from harness.models import MODELS
+    from harness.models import zoo_names
     from harness.registry import check_engines
 
     def unknown(option: str, given: Sequence[Any] | None, known: Sequence[str], where: str) -> None:
@@ -125,7 +125,7 @@ def check_selection(selection: Selection, world_sizes: Sequence[int] = ()) -> No
         except ValueError as exc:
             raise SelectionError(str(exc)) from exc
     unknown("--references", selection.references, list(get_args(ReferenceName)), "the references")
-    unknown("--models", selection.models, sorted(MODELS), "harness.models.MODELS")
+    unknown("--models", selection.models, sorted(zoo_names()), "harness.models.MODELS")
     for option, value in (("--steps", selection.steps), ("--limit", selection.limit)):
         if value is not None and value < 1:
             raise SelectionError(f"{option}={value}: must be a positive integer")

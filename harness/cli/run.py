@@ -319,11 +319,11 @@ def main_list(args: argparse.Namespace) -> int:
 def main_models(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from harness.models import MODELS, build_model
+    from harness.models import MODELS, build_model, zoo_names
 
     rows = []
-    for name, spec in MODELS.items():
-        model = build_model(name)
+    for name in zoo_names():
+        spec, model = MODELS[name], build_model(name)
         rows.append((name, sum(p.numel() for p in model.parameters()), len(model.wrap_units()), spec.description))
     print(tabulate(rows, headers=("model", "params", "units", "what")))
     return 0

@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 from harness.adapters import rank_local_param_names
-from harness.models import MODELS, MixtureOfExpertsModel, build_model, mix_seed
+from harness.models import MixtureOfExpertsModel, build_model, mix_seed, zoo_names
 
-ALL = sorted(MODELS)
+ALL = sorted(zoo_names())
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from harness.models import MODELS, ModelSpec, ZooModel, batch_generator
+from harness.models import ZooModel, batch_generator, register_model
 
 #: dtype of the probe buffers: different from every parameter dtype, so a cast is visible.
 BUFFER_ORIG_DTYPE = torch.float64
@@ -276,12 +276,4 @@ class ParityNet(ZooModel):
 
 #: ``ParityNet``'s name in the harness's zoo.
 PARITY_NET = "mp_parity_net"
-
-
-def ensure_registered() -> None:
-    """Put ``ParityNet`` in this process's zoo (idempotent; the rank processes call it first)."""
-    MODELS.setdefault(
-        PARITY_NET,
-        ModelSpec(PARITY_NET, "linears, LayerNorm and a float gain buffer the model casts itself",
-                  lambda seed, rank, world_size: ParityNet()),
-    )
+register_model(PARITY_NET, "linears, LayerNorm and a float gain buffer the model casts itself", ParityNet)

@@ -1,15 +1,15 @@
-"""Rank-side job of the mixed-precision parity suite: the harness's own case job, with ``ParityNet``
-registered in the zoo first (the pool pickles module-level functions by name)."""
+"""Rank-side job of the mixed-precision parity suite: the harness's own case job, from a module whose
+import registers ``ParityNet`` in the rank's zoo (the pool pickles module-level functions by name, so
+unpickling this job imports it)."""
 
 from __future__ import annotations
 
 from harness.case import CaseConfig
 from harness.parity import RankResult, run_case_on_rank
 from harness.rank import RankContext
-from suites.mixed_precision.models import ensure_registered
+from suites.mixed_precision.models import PARITY_NET
 
 
 def run_parity_case(ctx: RankContext, case: CaseConfig) -> RankResult:
-    """``harness.parity.run_case_on_rank`` with ``ParityNet`` in this rank's zoo."""
-    ensure_registered()
+    """``harness.parity.run_case_on_rank`` with ``ParityNet`` (``PARITY_NET``) in this rank's zoo."""
     return run_case_on_rank(ctx, case)

@@ -7,9 +7,8 @@ right-padded (``engine.layout``); FSDP2 cuts each parameter's dim 0 with ``torch
 smaller than the shard group therefore leaves the last ranks with nothing but padding (FSDP1) or an
 empty local tensor (FSDP2), and those ranks still take part in every all-gather and reduce-scatter
 of the unit. None of the zoo's units is that small at 8 ranks, so ``UnevenModel`` has a 5-element
-gain as a unit of its own; it is registered in ``harness.models.MODELS`` inside the rank processes
-only (``ensure_registered``, called by every job here), so the parent's registry, which other
-suites enumerate, is left as it is.
+gain as a unit of its own, registered in the zoo (``harness.models.register_model``) when this
+module is imported: in the parent and in every rank that unpickles one of the jobs here.
 
 [Note: planted reduction bugs]
 Past two ranks a full-precision case's tolerance is widened by budgets derived from the reference's
@@ -35,7 +34,7 @@ from engine.layout import ParamEntry, aligned_numel, build_layout
 from harness.adapters import FSDP1Adapter
 from harness.case import CaseConfig, is_hybrid
 from harness.registry import resolve
-from harness.models import MODELS, ModelSpec, ZooModel, batch_generator, build_model
+from harness.models import ZooModel, batch_generator, build_model, register_model
 from harness.parity import RankResult, record_from_outcome, run_case_on_rank
 from harness.placement import hybrid_shard_size
 from harness.pool import RankPool
@@ -47,7 +46,6 @@ __all__ = [
     "Holding",
     "UNEVEN",
     "UnevenModel",
-    "ensure_registered",
     "expected_dim0_holdings",
     "expected_flat_holdings",
     "gain_holding_job",
@@ -106,13 +104,7 @@ class UnevenModel(ZooModel):
         return output.sum()
 
 
-def ensure_registered() -> None:
-    """Put ``UnevenModel`` in this process's model registry (idempotent; rank processes only)."""
-    MODELS.setdefault(
-        UNEVEN,
-        ModelSpec(UNEVEN, f"a {GAIN_NUMEL}-element gain as its own unit: ranks past it hold only padding",
-                  lambda seed, rank, world_size: UnevenModel()),
-    )
+register_model(UNEVEN, f"a {GAIN_NUMEL}-element gain as its own unit: ranks past it hold only padding", UnevenModel)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -120,8 +112,7 @@ def ensure_registered() -> None:
 
 
 def run_case_job(ctx: RankContext, case: CaseConfig) -> RankResult:
-    """``harness.parity.run_case_on_rank`` with ``UnevenModel`` registered first."""
-    ensure_registered()
+    """``harness.parity.run_case_on_rank`` from this module, so the rank has ``UnevenModel`` registered."""
     return run_case_on_rank(ctx, case)
 
 
@@ -187,7 +178,6 @@ def gain_holding_job(ctx: RankContext, case: CaseConfig) -> Holding:
     FSDP1-API engines are read through their public API (``fsdp_modules``, each unit's
     ``_flat_param`` and its ``_shard_param_infos``); FSDP2 through each parameter's local DTensor shard.
     """
-    ensure_registered()
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
     if not isinstance(model, UnevenModel):
         raise ValueError(f"gain_holding_job: case.model={case.model!r} must be {UNEVEN!r}")

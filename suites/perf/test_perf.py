@@ -4,6 +4,7 @@ engine's step time over torch FSDP1's from the same run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -12,17 +13,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.benchmark import (
     CPU_MODEL,
-    GPT,
     SIZES,
     GPTConfig,
+    PerfJob,
+    RankTiming,
+    Unsupported,
     count_params,
+    perf_job,
     trace_name,
     unsupported_reason,
+    ZooJob,
+    zoo_job,
 )
-from harness.models import GPTBlock
+from harness.models import MODELS, BenchmarkGPT, GPTBlock, build_model, zoo_names
+from harness.rank import RankContext
 from harness.perf_run import PerfConfig, PerfRow, add_ratios, plan_runs, row_from_values, spread, tflops_per_gpu
 from harness.pytest_plugin import needs_gpus
 
@@ -40,7 +48,7 @@ def _perf(*args: str, gpus: bool = False, timeout: float = 300) -> subprocess.Co
 
 @pytest.mark.parametrize("cfg", [CPU_MODEL, GPTConfig(vocab=50, d_model=24, layers=3, heads=3, seq=4, batch=1)])
 def test_count_params_is_the_built_models(cfg: GPTConfig) -> None:
-    assert count_params(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+    assert count_params(cfg) == sum(p.numel() for p in BenchmarkGPT(cfg).parameters())
 
 
 def test_the_default_model_is_the_anchors() -> None:
@@ -54,7 +62,7 @@ def test_the_second_size_is_about_three_billion() -> None:
 
 
 def test_the_benchmark_gpt_is_built_of_the_zoos_block_without_linear_biases() -> None:
-    model = GPT(CPU_MODEL)
+    model = BenchmarkGPT(CPU_MODEL)
     assert all(type(b) is GPTBlock for b in model.blocks)
     assert not any(name.endswith("bias") for name, _ in model.blocks.named_parameters() if ".ln" not in f".{name}")
     assert GPTBlock(8, 2).qkv.bias is not None  # the zoo's tiny GPT keeps its biases
@@ -94,9 +102,8 @@ def test_runs_are_planned_per_strategy_with_ddp_once() -> None:
     ]
 
 
-def _values(step_s: list[list[float]], loss: float) -> list[dict]:
-    return [{"step_s": s, "losses": [9.0, loss + r * 1e-4], "peak_bytes": None, "reserved_bytes": None}
-            for r, s in enumerate(step_s)]
+def _values(step_s: list[list[float]], loss: float) -> list[RankTiming]:
+    return [RankTiming(step_s=s, losses=[9.0, loss + r * 1e-4], device="CPU") for r, s in enumerate(step_s)]
 
 
 def test_rows_take_the_slowest_rank_per_step_and_ratios_match_strategies() -> None:
@@ -107,7 +114,7 @@ def test_rows_take_the_slowest_rank_per_step_and_ratios_match_strategies() -> No
     assert ours.tflops == pytest.approx(6 * params * tokens / 0.2 / 1e12)
     assert ours.tokens_per_s == pytest.approx(2 * tokens / 0.2)  # both ranks' tokens
     assert (ours.min_ms, ours.max_ms) == (pytest.approx(200), pytest.approx(300)) and ours.reserved_gib is None
-    gpu = row_from_values("builtin", "full_shard", [{**v, "peak_bytes": 2 * 1024**3, "reserved_bytes": (3 + r) * 1024**3}
+    gpu = row_from_values("builtin", "full_shard", [dataclasses.replace(v, peak_bytes=2 * 1024**3, reserved_bytes=(3 + r) * 1024**3)
                                                     for r, v in enumerate(_values([[0.1]] * 2, 5.0))], params, tokens)
     assert gpu.peak_gib == pytest.approx(2) and gpu.reserved_gib == pytest.approx(4)
     torch_fsdp = row_from_values("torch-fsdp", "full_shard", _values([[0.1, 0.1, 0.1]] * 2, 5.0), params, tokens)
@@ -122,6 +129,41 @@ def test_rows_take_the_slowest_rank_per_step_and_ratios_match_strategies() -> No
     assert off.ratio is None and off.loss_matches is None  # its baseline timed out
     add_ratios([ours, row_from_values("torch-fsdp", "full_shard", _values([[0.1]] * 2, 5.1), params, tokens)], 1e-3)
     assert ours.loss_matches is False
+
+
+def test_zoo_timings_give_cpu_and_setup_columns_and_no_throughput() -> None:
+    ranks = [RankTiming(step_s=[0.1, 0.2], losses=[3.0, 2.0], device="CPU", cpu_s=[0.05 + r, 0.01], build_s=0.5,
+                        first_step_s=0.25 * (r + 1), units=3) for r in range(2)]
+    row = row_from_values("builtin", "full_shard", ranks, None, None, model="always_wrap")
+    assert row.cpu_ms == pytest.approx(1000 * (1.05 + 0.01) / 2) and row.setup_ms == pytest.approx(1000)
+    assert row.tokens_per_s is None and row.tflops is None and row.label == "always_wrap: builtin full_shard"
+    assert ranks[0].setup_s == pytest.approx(0.75) and RankTiming([0.1], [1.0], "CPU").setup_s is None
+
+
+def test_an_unsupported_answer_makes_an_unsupported_row_and_other_answers_are_refused() -> None:
+    row = row_from_values("torch-fsdp2", "no_shard", [Unsupported("no NO_SHARD"), Unsupported("no NO_SHARD")], 1, 1)
+    assert (row.status, row.reason, row.step_ms) == ("unsupported", "no NO_SHARD", None)
+    with pytest.raises(TypeError, match="RankTiming or Unsupported"):
+        row_from_values("builtin", "full_shard", [{"step_s": [0.1], "losses": [1.0]}], 1, 1)  # type: ignore[list-item]
+
+
+def test_rank_jobs_answer_unsupported_records_before_touching_a_process_group() -> None:
+    ctx = RankContext(0, 2, 0, 2, "gloo", torch.device("cpu"))
+    gpt = perf_job(ctx, PerfJob("builtin", "hybrid_shard", CPU_MODEL, "fp32", 0, 1, 0, 1e-3))
+    zoo = zoo_job(ctx, ZooJob("torch-fsdp2", "nested", "no_shard", "fp32", 0, 1))
+    assert isinstance(gpt, Unsupported) and "at least 4 ranks" in gpt.reason
+    assert isinstance(zoo, Unsupported) and "fully_shard always shards" in zoo.reason
+
+
+def test_the_benchmark_gpt_is_a_zoo_entry_of_its_own() -> None:
+    model = build_model("perf_gpt")
+    assert isinstance(model, BenchmarkGPT) and model.cfg == CPU_MODEL and "perf_gpt" not in zoo_names()
+    assert sum(p.numel() for p in model.parameters()) == count_params(CPU_MODEL)
+    assert model.wrap_units() == list(model.blocks) and MODELS["perf_gpt"].listed is False
+    inputs = model.get_input(seed=0, step=0, rank=0)
+    assert [tuple(t.shape) for t in inputs] == [(CPU_MODEL.batch, CPU_MODEL.seq)] * 2
+    assert torch.equal(inputs[0][:, 1:], inputs[1][:, :-1])  # targets are the next tokens
+    assert model.get_loss(inputs, model(*inputs)).dtype.is_floating_point
 
 
 def test_perf_on_cpu_prints_the_ratio_against_torch_fsdp1(tmp_path: Path) -> None:
