@@ -26,7 +26,7 @@ import importlib
 import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,7 +49,6 @@ __all__ = [
     "EngineTrainee",
     "canonical_name",
     "has_float_buffers",
-    "prepare_inputs",
     "rank_local_param_names",
 ]
 
@@ -100,11 +99,6 @@ def has_float_buffers(model: nn.Module) -> bool:
 def rank_local_param_names(model: ZooModel) -> set[str]:
     local = {id(p) for m in model.rank_local_modules() for p in m.parameters()}
     return {name for name, p in model.named_parameters() if id(p) in local}
-
-
-def prepare_inputs(inputs: Iterable[torch.Tensor], device: torch.device, float_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Move a batch to the device; floating tensors take the master dtype (fp64 cases train in fp64)."""
-    return tuple(t.to(device=device, dtype=float_dtype if t.is_floating_point() else t.dtype) for t in inputs)
 
 
 def _ignored_option(case: CaseConfig) -> str | None:

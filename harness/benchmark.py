@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from harness.models import CPU_GPT, BenchmarkGPT, GPTConfig, ZooModel, wrap_bottom_up
+from harness.models import CPU_GPT, BenchmarkGPT, GPTConfig, ZooModel, to_device, wrap_bottom_up
 from harness.rank import RankContext
 
 PerfPrecision = Literal["bf16", "fp32"]
@@ -213,7 +213,7 @@ def _wrap(model: BenchmarkGPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Modul
 
 def _batches(model: ZooModel, seed: int, steps: int, ctx: RankContext) -> list[tuple[torch.Tensor, ...]]:
     # Made before the timed loop and moved to the device: data loading is not what is measured.
-    return [tuple(t.to(ctx.device) for t in model.get_input(seed=seed, step=s, rank=ctx.rank)) for s in range(steps)]
+    return [to_device(model.get_input(seed=seed, step=s, rank=ctx.rank), ctx.device) for s in range(steps)]
 
 
 def _device_name(ctx: RankContext) -> str:
@@ -320,7 +320,6 @@ class ZooJob:
 def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
     """Per-step wall seconds of one engine on one zoo model (no gradient reads, no trace hooks: the
     engine's own cost), and its final loss."""
-    from harness.adapters import prepare_inputs
     from harness.registry import resolve
     from harness.case import CaseConfig
     from harness.dtypes import dtype_of
@@ -344,7 +343,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
     build_s = time.perf_counter() - t_build
     zoo = trainee.zoo
     optimizer = torch.optim.SGD(trainee.trainable_parameters(), lr=case.lr, momentum=case.momentum)
-    batches = [prepare_inputs(zoo.get_input(seed=case.seed, step=s, rank=ctx.rank), ctx.device, full)
+    batches = [to_device(zoo.get_input(seed=case.seed, step=s, rank=ctx.rank), ctx.device, full)
                for s in range(job.warmup + job.steps)]
 
     def step(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:

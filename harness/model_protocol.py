@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 
-__all__ = ["SleepPlan", "ZooModel", "batch_generator", "gpu_sleep", "mix_seed", "seeded", "wrap_bottom_up"]
+__all__ = ["SleepPlan", "ZooModel", "batch_generator", "gpu_sleep", "mix_seed", "seeded", "to_device", "wrap_bottom_up"]
 
 
 def mix_seed(*parts: int) -> int:
@@ -114,13 +114,22 @@ class ZooModel(nn.Module):
         loss.backward()
 
 
-def wrap_bottom_up(model: ZooModel, wrap: Callable[[nn.Module], nn.Module],
-                   wrap_local: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+def to_device(inputs: Iterable[torch.Tensor], device: torch.device | str,
+              float_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Move a batch from ``get_input`` to ``device``; with ``float_dtype``, floating tensors take that
+    dtype (the master dtype: fp64 cases train in fp64) and integer ones keep theirs."""
+    return tuple(t.to(device=device, dtype=float_dtype if float_dtype is not None and t.is_floating_point() else t.dtype)
+                 for t in inputs)
+
+
+def wrap_bottom_up(model: ZooModel, wrap: Callable[..., nn.Module], wrap_local: Callable[..., nn.Module] | None = None,
+                   **kwargs: Any) -> nn.Module:
     """Wrap ``model``'s units deepest first, each put back in its parent's slot, then the root.
 
-    A unit is wrapped after the units inside it (FSDP1's nested wrapping); ``wrap_local`` wraps the
-    rank-local units (default: ``wrap``). Returns the wrapped root. FSDP2's ``fully_shard`` works in
-    place and returns its argument, so putting it back is harmless.
+    Every unit and the root go through ``wrap(module, **kwargs)`` (an FSDP1-API wrapper class, or a
+    closure); the rank-local units through ``wrap_local(module, **kwargs)`` (default: ``wrap``). A unit
+    is wrapped after the units inside it (FSDP1's nested wrapping). Returns the wrapped root. FSDP2's
+    ``fully_shard`` works in place and returns its argument, so putting it back is harmless.
     """
     depth = {id(m): name.count(".") + 1 if name else 0 for name, m in model.named_modules()}
     slots: dict[int, tuple[nn.Module, str]] = {}
@@ -131,5 +140,5 @@ def wrap_bottom_up(model: ZooModel, wrap: Callable[[nn.Module], nn.Module],
     # Stable sort: units of one depth keep wrap_units()' order.
     for unit in sorted(model.wrap_units(), key=lambda m: -depth[id(m)]):
         parent, slot = slots[id(unit)]
-        setattr(parent, slot, (wrap_local or wrap)(unit) if id(unit) in local else wrap(unit))
-    return wrap(model)
+        setattr(parent, slot, (wrap_local or wrap)(unit, **kwargs) if id(unit) in local else wrap(unit, **kwargs))
+    return wrap(model, **kwargs)

@@ -37,7 +37,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.model_protocol import SleepPlan, ZooModel, batch_generator, gpu_sleep, mix_seed, seeded, wrap_bottom_up
+from harness.model_protocol import (
+    SleepPlan,
+    ZooModel,
+    batch_generator,
+    gpu_sleep,
+    mix_seed,
+    seeded,
+    to_device,
+    wrap_bottom_up,
+)
 
 __all__ = [
     "MODELS",
@@ -51,6 +60,7 @@ __all__ = [
     "gpu_sleep",
     "mix_seed",
     "register_model",
+    "to_device",
     "wrap_bottom_up",
     "zoo_names",
 ]
@@ -103,7 +113,9 @@ class TransformerModel(ZooModel):
     """Encoder-decoder transformer whose output projection shares the embedding's weight.
 
     The tied weight lives in the root unit; the encoder and decoder layers are units. Two buffers
-    (a float and an integer one) check that engines leave buffers usable.
+    (a float and an integer one) check that engines leave buffers usable. With ``batch_norm`` a
+    BatchNorm normalizes the target embeddings: a module class FSDP1's mixed precision keeps in full
+    precision in a unit of its own (built last, so the other parameters are the same either way).
     """
 
     wrap_classes = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
@@ -111,7 +123,7 @@ class TransformerModel(ZooModel):
     d_model = 16
     batch = 2
 
-    def __init__(self) -> None:
+    def __init__(self, batch_norm: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(self.vocab, self.d_model)
         # dropout=0: a parity case compares two runs element by element.
@@ -126,6 +138,7 @@ class TransformerModel(ZooModel):
         self.output_proj.weight = self.embed_tokens.weight
         self.register_buffer("vocab_bias", torch.ones(self.d_model))
         self.register_buffer("long_buffer", torch.zeros(self.d_model, dtype=torch.long))
+        self.bn = nn.BatchNorm1d(self.d_model) if batch_norm else None
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
         emb = self.embed_tokens(src_ids)
@@ -134,6 +147,9 @@ class TransformerModel(ZooModel):
         # of promoting every later matmul input to fp32.
         src = emb + self.vocab_bias.to(emb.dtype) + self.long_buffer.to(emb.dtype)
         tgt = self.embed_tokens(tgt_ids)
+        if self.bn is not None:
+            # T x B x C -> T x C x B: BatchNorm1d normalizes dim 1.
+            tgt = self.bn(tgt.transpose(1, 2)).transpose(1, 2)
         return self.output_proj(self.transformer(src, tgt))
 
     def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:

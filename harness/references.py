@@ -29,10 +29,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, prepare_inputs, rank_local_param_names
+from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, rank_local_param_names
 from harness.case import CaseConfig, PrecisionSpec
 from harness.dtypes import dtype_of
-from harness.models import ZooModel, build_model
+from harness.models import ZooModel, build_model, to_device
 from harness.optim import build_optimizer
 from harness.rank import RankContext
 
@@ -166,7 +166,7 @@ class LocalReference:
 
     def _rank_step(self, r: int, step: int) -> tuple[float, dict[str, torch.Tensor]]:
         model = self.replicas[r]
-        inputs = prepare_inputs(self.inputs(step, r), self.device, self.full)
+        inputs = to_device(self.inputs(step, r), self.device, self.full)
         inputs = tuple(t.to(self.compute) if t.is_floating_point() else t for t in inputs)
         compute = {n: p.detach().to(self.compute).requires_grad_(p.requires_grad) for n, p in self._view(r).items()}
         buffers = {

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.adapters import EngineTrainee, ParamSlice, prepare_inputs, rank_local_param_names
+from harness.adapters import EngineTrainee, ParamSlice, rank_local_param_names
 from harness.case import CaseConfig
 from harness.compare import Observation
 from harness.dtypes import dtype_of
-from harness.models import ZooModel, build_model, gpu_sleep
+from harness.models import ZooModel, build_model, gpu_sleep, to_device
 from harness.optim import build_optimizer
 from harness.rank import RankContext
 from harness.stress import Stress
@@ -137,7 +137,7 @@ def train_steps(
     zoo = trainee.zoo
     full = dtype_of(case.precision_spec.full)
     for step in steps:
-        inputs = prepare_inputs(zoo.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device, full)
+        inputs = to_device(zoo.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device, full)
         mark_phase(trace, "forward", step)
         output = trainee.module(*inputs)
         loss = zoo.get_loss(inputs, output)

@@ -1,31 +1,41 @@
-"""Small models for the engine suites, each with its wrapping and its reference reduction.
+"""The engine and seed suites' models, registered in the harness's zoo (``harness.models``).
 
-Every model builds identically on every rank (seeded), except the experts of
-:class:`MixtureOfExperts`, which differ per rank by design and are never averaged.
+Each is a ``ZooModel``: its inputs come from ``get_input(seed=, step=, rank=)`` (on CPU; callers move
+them with ``harness.model_protocol.to_device``), its loss from ``get_loss(inputs, output)``, and its
+units from ``wrap_units()`` (``harness.model_protocol.wrap_bottom_up`` wraps them deepest first).
+Unlike the harness's own models, each seeds the global RNG itself when built (the seeds' tests build
+them directly, on any device), so every rank builds the same parameters, except the experts of
+:class:`MixtureOfExperts`, which differ per rank by design and are never averaged. ``ENGINE_MODELS``
+names them for the suites' parametrizations.
 """
 
 from __future__ import annotations
-
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-Wrapper = Callable[..., nn.Module]
+from harness.models import ZooModel, register_model
+
+#: keeps the batches of different seeds apart; seed 0 gives the batches these suites always used.
+_SEED_STRIDE = 1_000_003
 
 
-def batch(step: int, rank: int, shape: tuple[int, ...], device: torch.device, vocab: int | None = None) -> Tensor:
-    """Deterministic input for ``(step, rank)``: different on every rank and step."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
+def batch(seed: int, step: int, rank: int, shape: tuple[int, ...], vocab: int | None = None) -> Tensor:
+    """Deterministic CPU input for ``(seed, step, rank)``: different on every rank and step."""
+    g = torch.Generator().manual_seed(1000 * step + rank + _SEED_STRIDE * seed)
     if vocab is not None:
-        return torch.randint(0, vocab, shape, generator=g).to(device)
-    return torch.randn(shape, generator=g).to(device)
+        return torch.randint(0, vocab, shape, generator=g)
+    return torch.randn(shape, generator=g)
 
 
-class NestedWrapped(nn.Module):
-    """Linear -> (Linear -> ReLU -> Linear) -> Linear: a nested unit inside a unit inside the root."""
+class NestedWrapped(ZooModel):
+    """Linear -> (Linear -> ReLU -> Linear) -> Linear: a nested unit inside a unit inside the root.
+
+    Units: ``block[0]``, ``block[2]``, ``block`` (which keeps nothing of its own) and ``out``; the root
+    keeps ``inp``.
+    """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
@@ -37,26 +47,25 @@ class NestedWrapped(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.relu(self.block(torch.relu(self.inp(x)))))
 
-    @staticmethod
-    def input(step: int, rank: int, device: torch.device) -> tuple[Tensor, ...]:
-        return (batch(step, rank, (4, 8), device),)
+    def wrap_units(self) -> list[nn.Module]:
+        return [self.block, self.block[0], self.block[2], self.out]
+
+    @classmethod
+    def get_input(cls, *, seed: int = 0, step: int, rank: int) -> tuple[Tensor, ...]:
+        return (batch(seed, step, rank, (4, 8)),)
 
     @staticmethod
-    def loss(out: Tensor) -> Tensor:
-        return (out**2).mean()
-
-    def wrap(self, fsdp: Wrapper, **kwargs: Any) -> nn.Module:
-        """Units: block[0], block[2], block (the rest: none), out, and the root (inp)."""
-        self.block[0] = fsdp(self.block[0], **kwargs)
-        self.block[2] = fsdp(self.block[2], **kwargs)
-        self.block = fsdp(self.block, **kwargs)
-        self.out = fsdp(self.out, **kwargs)
-        return fsdp(self, **kwargs)
+    def get_loss(inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        return (output**2).mean()
 
 
-class SharedTransformer(nn.Module):
-    """Embedding -> 2 encoder layers -> output projection tied to the embedding."""
+class SharedTransformer(ZooModel):
+    """Embedding -> 2 encoder layers -> output projection tied to the embedding.
 
+    Each encoder layer is a unit; the root holds the tied embedding and projection.
+    """
+
+    wrap_classes = (nn.TransformerEncoderLayer,)
     vocab = 13
     d_model = 8
 
@@ -81,26 +90,20 @@ class SharedTransformer(nn.Module):
         return self.proj(self.norm(h))
 
     @classmethod
-    def input(cls, step: int, rank: int, device: torch.device) -> tuple[Tensor, ...]:
-        return (batch(step, rank, (3, 5), device, vocab=cls.vocab),)
+    def get_input(cls, *, seed: int = 0, step: int, rank: int) -> tuple[Tensor, ...]:
+        return (batch(seed, step, rank, (3, 5), vocab=cls.vocab),)
 
     @staticmethod
-    def loss(out: Tensor) -> Tensor:
-        return out.float().logsumexp(-1).mean()
-
-    def wrap(self, fsdp: Wrapper, **kwargs: Any) -> nn.Module:
-        """Each encoder layer is a unit; the root holds the tied embedding/projection."""
-        for i in range(len(self.layers)):
-            self.layers[i] = fsdp(self.layers[i], **kwargs)
-        return fsdp(self, **kwargs)
+    def get_loss(inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        return output.float().logsumexp(-1).mean()
 
 
-class MixtureOfExperts(nn.Module):
+class MixtureOfExperts(ZooModel):
     """Linear -> shared Linear -> expert Linear -> Linear; the expert differs per rank.
 
-    The model declares how its gradients are reduced: the expert's parameters (marked
-    ``expert``) are local to each rank, every other gradient is averaged over the ranks.
-    Wrapped, the expert is a unit over a one-rank group (so it is never averaged).
+    The model declares how its gradients are reduced: the expert's parameters (its rank-local module,
+    its parameters marked ``expert``) are local to each rank, every other gradient is averaged over
+    the ranks. Wrapped, the expert is a unit over a one-rank group (so it is never averaged).
     """
 
     def __init__(self, rank: int, device: torch.device | str = "cpu") -> None:
@@ -118,28 +121,44 @@ class MixtureOfExperts(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.relu(self.expert(torch.relu(self.shared(torch.relu(self.inp(x)))))))
 
-    @staticmethod
-    def input(step: int, rank: int, device: torch.device) -> tuple[Tensor, ...]:
-        return (batch(step, rank, (4, 6), device),)
+    def wrap_units(self) -> list[nn.Module]:
+        # The expert first: the order these suites always wrapped in (wrap_bottom_up keeps it per depth).
+        return [self.expert, self.shared]
+
+    def rank_local_modules(self) -> list[nn.Module]:
+        return [self.expert]
+
+    @classmethod
+    def get_input(cls, *, seed: int = 0, step: int, rank: int) -> tuple[Tensor, ...]:
+        return (batch(seed, step, rank, (4, 6)),)
 
     @staticmethod
-    def loss(out: Tensor) -> Tensor:
-        return (out**2).mean()
-
-    def wrap(self, fsdp: Wrapper, expert_group: dist.ProcessGroup, **kwargs: Any) -> nn.Module:
-        self.expert = fsdp(self.expert, process_group=expert_group, **kwargs)
-        self.shared = fsdp(self.shared, **kwargs)
-        return fsdp(self, **kwargs)
+    def get_loss(inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        return (output**2).mean()
 
     def reduce_reference_grads(self, group: dist.ProcessGroup | None = None) -> None:
         """What the wrapped model does to gradients, done by hand on the unwrapped model."""
         world = dist.get_world_size(group)
+        local = {id(p) for m in self.rank_local_modules() for p in m.parameters()}
         with torch.no_grad():
             for p in self.parameters():
-                if getattr(p, "expert", False) or p.grad is None:
+                if id(p) in local or p.grad is None:
                     continue
                 p.grad.div_(world)
                 dist.all_reduce(p.grad, group=group)
+
+
+#: the suites' names for these models (their parametrizations' ids).
+ENGINE_MODELS: dict[str, type[ZooModel]] = {
+    "nested": NestedWrapped,
+    "transformer": SharedTransformer,
+    "moe": MixtureOfExperts,
+}
+
+register_model("engine_nested", "the engine suites' nested linears (units inside units)", NestedWrapped)
+register_model("engine_transformer", "the engine suites' encoder, projection tied to the embedding", SharedTransformer)
+register_model("engine_moe", "the engine suites' mixture of experts (rank-local expert)",
+               lambda seed, rank, world_size: MixtureOfExperts(rank))
 
 
 def singleton_groups() -> dist.ProcessGroup:

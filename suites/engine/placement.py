@@ -12,10 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.model_protocol import to_device, wrap_bottom_up
 from harness.param_devices import PlacementLog, original_names, record_training_step
-from suites.engine.models import NestedWrapped, SharedTransformer
+from suites.engine.models import ENGINE_MODELS
 
-MODELS = {"nested": NestedWrapped, "transformer": SharedTransformer}
+#: the placement checks' models: the engine suites' models without the mixture of experts.
+MODELS = {name: ENGINE_MODELS[name] for name in ("nested", "transformer")}
 STRATEGY_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
@@ -29,19 +31,20 @@ def offload_step(api: Any, model_name: str, strategy: str, use_orig_params: bool
     cls = MODELS[model_name]
     model = cls(device)
     names = original_names(model)
-    wrapped = model.wrap(
+    wrapped = wrap_bottom_up(
+        model,
         api.wrap,
         sharding_strategy=api.ShardingStrategy[strategy],
         cpu_offload=api.CPUOffload(offload_params=True),
         use_orig_params=use_orig_params,
     )
-    rank = dist.get_rank()
+    batch = to_device(cls.get_input(step=0, rank=dist.get_rank()), device)
     return record_training_step(
         wrapped,
         names,
         make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        batch=cls.input(0, rank, device),
-        loss_fn=cls.loss,
+        batch=batch,
+        loss_fn=functools.partial(cls.get_loss, batch),
         summon=functools.partial(api.FSDP.summon_full_params, wrapped),
         # FSDP1 refuses offload_to_cpu for NO_SHARD ("not supported yet"), which it runs every strategy
         # as on one rank.

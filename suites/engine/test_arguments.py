@@ -128,7 +128,7 @@ def test_mixing_both_apis_computes_in_the_configured_dtype() -> None:
         mixed_precision=torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16),
         cpu_offload=torch_fsdp.CPUOffload(offload_params=False),
     )
-    out = model(*NestedWrapped.input(0, 0, torch.device("cpu")))
+    out = model(*NestedWrapped.get_input(step=0, rank=0))
     assert out.dtype == torch.bfloat16
     assert len(FSDP.fsdp_modules(model)) == 7
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())

@@ -20,6 +20,7 @@ from harness.pytest_plugin import needs_gpus
 
 from engine import FSDP, CPUOffload, MixedPrecision
 from engine.flat_param import FlatParamHandle
+from harness.model_protocol import to_device, wrap_bottom_up
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
@@ -82,17 +83,19 @@ def _delays(before_reduce: bool, before_free: bool) -> Iterator[None]:
 def _delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, before_step: bool) -> None:
     device, rank, world = _device(), torch.distributed.get_rank(), torch.distributed.get_world_size()
     ref = NestedWrapped(device)
-    model = NestedWrapped(device).wrap(FSDP, **kwargs)
+    model = wrap_bottom_up(NestedWrapped(device), FSDP, **kwargs)
     opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
     for step in range(4):
         with _delays(before_reduce, before_free):
-            loss = NestedWrapped.loss(model(*NestedWrapped.input(step, rank, device)))
+            inputs = to_device(NestedWrapped.get_input(step=step, rank=rank), device)
+            loss = NestedWrapped.get_loss(inputs, model(*inputs))
             loss.backward()
         if before_step:
             torch.cuda._sleep(SLEEP_CYCLES)
         opt.step()
         opt.zero_grad()
-        NestedWrapped.loss(ref(*parity._all_data(NestedWrapped, step, world, device))).backward()
+        all_inputs = parity._all_data(NestedWrapped, step, world, device)
+        NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     parity.assert_params_match(model, ref, f"delays reduce={before_reduce} free={before_free} step={before_step} {kwargs}")
@@ -107,8 +110,9 @@ def check_delays_expose_missing_synchronization(rank: int, world_size: int) -> N
 
 def check_cpu_offload_placement(rank: int, world_size: int) -> None:
     for orig in (False, True):
-        model = NestedWrapped(_device()).wrap(FSDP, cpu_offload=CPUOffload(offload_params=True), use_orig_params=orig)
-        NestedWrapped.loss(model(*NestedWrapped.input(0, rank, _device()))).backward()
+        model = wrap_bottom_up(NestedWrapped(_device()), FSDP, cpu_offload=CPUOffload(offload_params=True), use_orig_params=orig)
+        inputs = to_device(NestedWrapped.get_input(step=0, rank=rank), _device())
+        NestedWrapped.get_loss(inputs, model(*inputs)).backward()
         for name, p in model.named_parameters():
             assert p.device.type == "cpu", f"{name} on {p.device}"
             if p.grad is not None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from harness.param_devices import PlacementLog, offload_violations
 from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
+from harness.model_protocol import to_device, wrap_bottom_up
 from suites.engine.models import NestedWrapped
 from suites.engine.placement import configurations, offload_step
 from suites.engine.ranks import session_tests
@@ -83,12 +84,13 @@ def check_module_moved_to_gpu_after_offload_wrapping(rank: int, world_size: int)
     outcomes = {}
     for api in (load_api("builtin"), load_api("torch-fsdp")):
         for orig in (False, True):
-            model = NestedWrapped(_device()).wrap(
+            model = wrap_bottom_up(NestedWrapped(_device()), 
                 api.wrap, cpu_offload=api.CPUOffload(offload_params=True), use_orig_params=orig
             )
             model.to(_device())
             try:
-                NestedWrapped.loss(model(*NestedWrapped.input(0, rank, _device()))).backward()
+                inputs = to_device(NestedWrapped.get_input(step=0, rank=rank), _device())
+                NestedWrapped.get_loss(inputs, model(*inputs)).backward()
             except RuntimeError as e:
                 assert msg in str(e), (api.name, orig, str(e))
                 if not api.is_torch:

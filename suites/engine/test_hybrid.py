@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from engine import FSDP, BackwardPrefetch, ShardingStrategy
+from harness.model_protocol import wrap_bottom_up
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
@@ -54,9 +55,11 @@ def check_hybrid_no_sync_and_clip(rank: int, world_size: int) -> None:
     for strategy in HYBRID:
         parity.accumulation_parity("nested", dict(sharding_strategy=strategy, process_group=groups), CPU, use_no_sync=True)
         ref = NestedWrapped()
-        model = NestedWrapped().wrap(FSDP, sharding_strategy=strategy, process_group=groups)
-        NestedWrapped.loss(model(*NestedWrapped.input(0, rank, CPU))).backward()
-        NestedWrapped.loss(ref(*parity._all_data(NestedWrapped, 0, world_size, CPU))).backward()
+        model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, process_group=groups)
+        inputs = NestedWrapped.get_input(step=0, rank=rank)
+        NestedWrapped.get_loss(inputs, model(*inputs)).backward()
+        all_inputs = parity._all_data(NestedWrapped, 0, world_size, CPU)
+        NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         assert_close(model.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
 
 

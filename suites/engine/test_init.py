@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from engine import FSDP, FlatParameter, ShardingStrategy
 from engine.wrap import ModuleWrapPolicy, always_wrap_policy
+from harness.model_protocol import wrap_bottom_up
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
@@ -25,10 +26,11 @@ def _units(model: nn.Module) -> list[str]:
 def _parity_with_plain(model: nn.Module, ref: nn.Module, rank: int, world_size: int, steps: int = 3) -> None:
     opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
     for step in range(steps):
-        x = NestedWrapped.input(step, rank, CPU)
-        loss = NestedWrapped.loss(model(*x))
+        x = NestedWrapped.get_input(step=step, rank=rank)
+        loss = NestedWrapped.get_loss(x, model(*x))
         loss.backward()
-        NestedWrapped.loss(ref(*parity._all_data(NestedWrapped, step, world_size, CPU))).backward()
+        all_inputs = parity._all_data(NestedWrapped, step, world_size, CPU)
+        NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
@@ -99,7 +101,7 @@ def check_param_init_fn(rank: int, world_size: int) -> None:
     with FSDP.summon_full_params(model):
         for name, p in model.named_parameters():
             assert torch.all(p == 0.01), name
-    model(*NestedWrapped.input(0, rank, CPU)).sum().backward()
+    model(*NestedWrapped.get_input(step=0, rank=rank)).sum().backward()
 
 
 def check_sync_module_states(rank: int, world_size: int) -> None:
@@ -121,17 +123,17 @@ def check_ignored_modules(rank: int, world_size: int) -> None:
         model = FSDP(module, ignored_modules=[module.out], use_orig_params=orig)
         assert isinstance(module.out.weight, nn.Parameter) and module.out.weight.shape == (5, 12)
         ref = NestedWrapped()
-        x = NestedWrapped.input(0, rank, CPU)
+        x = NestedWrapped.get_input(step=0, rank=rank)
         assert_close(model(*x), ref(*x))
-        NestedWrapped.loss(model(*x)).backward()
+        NestedWrapped.get_loss(x, model(*x)).backward()
         assert module.out.weight.grad is not None, "ignored parameters get ordinary local gradients"
 
 
 def check_param_change_after_init_persists(rank: int, world_size: int) -> None:
     for orig in (False, True):
-        x = NestedWrapped.input(0, rank, CPU)
-        ref_out = NestedWrapped().wrap(FSDP, use_orig_params=orig)(*x)
-        model = NestedWrapped().wrap(FSDP, use_orig_params=orig)
+        x = NestedWrapped.get_input(step=0, rank=rank)
+        ref_out = wrap_bottom_up(NestedWrapped(), FSDP, use_orig_params=orig)(*x)
+        model = wrap_bottom_up(NestedWrapped(), FSDP, use_orig_params=orig)
         first = next(model.parameters())
         torch.nn.init.normal_(first.data)
         assert not torch.allclose(model(*x), ref_out), "in-place change after init did not persist"

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from engine import FSDP, BackwardPrefetch, ShardingStrategy
+from harness.model_protocol import wrap_bottom_up
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
@@ -40,10 +41,11 @@ def check_accumulation_without_zero_grad(rank: int, world_size: int) -> None:
 
 def _trained_pair(kwargs: dict, norm_type: float, max_norm: float):
     ref = NestedWrapped()
-    model = NestedWrapped().wrap(FSDP, **kwargs)
+    model = wrap_bottom_up(NestedWrapped(), FSDP, **kwargs)
     data = parity._all_data(NestedWrapped, 0, dist.get_world_size(), CPU)
-    NestedWrapped.loss(model(*NestedWrapped.input(0, dist.get_rank(), CPU))).backward()
-    NestedWrapped.loss(ref(*data)).backward()
+    inputs = NestedWrapped.get_input(step=0, rank=dist.get_rank())
+    NestedWrapped.get_loss(inputs, model(*inputs)).backward()
+    NestedWrapped.get_loss(data, ref(*data)).backward()
     total = model.clip_grad_norm_(max_norm, norm_type)
     ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
     return model, ref, total, ref_total
@@ -73,8 +75,8 @@ def check_clip_grad_norm_no_clip_when_small(rank: int, world_size: int) -> None:
 
 def check_summon_writeback(rank: int, world_size: int) -> None:
     for strategy, orig in itertools.product(STRATEGIES, [False, True]):
-        model = NestedWrapped().wrap(FSDP, sharding_strategy=strategy, use_orig_params=orig)
-        x = NestedWrapped.input(0, 0, CPU)
+        model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, use_orig_params=orig)
+        x = NestedWrapped.get_input(step=0, rank=0)
         with FSDP.summon_full_params(model), torch.no_grad():
             model.module.inp.weight.fill_(0.5)
             model.module.out.weight.data = torch.full_like(model.module.out.weight, 0.25)
@@ -96,7 +98,7 @@ def check_summon_writeback(rank: int, world_size: int) -> None:
 
 
 def check_summon_options(rank: int, world_size: int) -> None:
-    model = NestedWrapped().wrap(FSDP, use_orig_params=True)
+    model = wrap_bottom_up(NestedWrapped(), FSDP, use_orig_params=True)
     ref = NestedWrapped()
     with _expect(ValueError, "rank0_only=True, writeback=True"):
         with FSDP.summon_full_params(model, rank0_only=True, writeback=True):
@@ -124,12 +126,14 @@ def check_summon_between_forward_and_backward(rank: int, world_size: int) -> Non
     for strategy, orig in itertools.product(STRATEGIES, [False, True]):
         kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
         ref = NestedWrapped()
-        model = NestedWrapped().wrap(FSDP, **kwargs)
-        loss = NestedWrapped.loss(model(*NestedWrapped.input(0, rank, CPU)))
+        model = wrap_bottom_up(NestedWrapped(), FSDP, **kwargs)
+        inputs = NestedWrapped.get_input(step=0, rank=rank)
+        loss = NestedWrapped.get_loss(inputs, model(*inputs))
         with FSDP.summon_full_params(model, writeback=False):
             pass
         loss.backward()
-        NestedWrapped.loss(ref(*parity._all_data(NestedWrapped, 0, world_size, CPU))).backward()
+        all_inputs = parity._all_data(NestedWrapped, 0, world_size, CPU)
+        NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         with FSDP.summon_full_params(model, with_grads=True):
             for (n, p), (rn, rp) in zip(model.named_parameters(), ref.named_parameters()):
                 assert n == rn
@@ -156,8 +160,8 @@ def check_summon_inside_forward_raises(rank: int, world_size: int) -> None:
 
 
 def check_forward_inside_summon_raises(rank: int, world_size: int) -> None:
-    model = NestedWrapped().wrap(FSDP)
-    x = NestedWrapped.input(0, rank, CPU)
+    model = wrap_bottom_up(NestedWrapped(), FSDP)
+    x = NestedWrapped.get_input(step=0, rank=rank)
     model(*x)
     with FSDP.summon_full_params(model):
         with _expect(RuntimeError, "forward inside summon_full_params"):
@@ -169,9 +173,9 @@ def check_attribute_forwarding_and_fsdp_modules(rank: int, world_size: int) -> N
     seq = FSDP(nn.Sequential(FSDP(nn.Linear(3, 4)), nn.ReLU(), FSDP(nn.Linear(4, 2))))
     assert isinstance(seq[1], nn.ReLU)
     assert isinstance(seq[0], FSDP)
-    model = NestedWrapped().wrap(FSDP)
+    model = wrap_bottom_up(NestedWrapped(), FSDP)
     assert model.inp is model.module.inp
-    assert model.input is NestedWrapped.input
+    assert model.get_loss is NestedWrapped.get_loss
     assert len(FSDP.fsdp_modules(model)) == 5
     assert FSDP.fsdp_modules(model, root_only=True) == [model]
     with _expect(AttributeError, "no_such_attribute"):
@@ -179,8 +183,8 @@ def check_attribute_forwarding_and_fsdp_modules(rank: int, world_size: int) -> N
 
 
 def check_misuse_errors(rank: int, world_size: int) -> None:
-    model = NestedWrapped().wrap(FSDP)
-    model(*NestedWrapped.input(0, rank, CPU))
+    model = wrap_bottom_up(NestedWrapped(), FSDP)
+    model(*NestedWrapped.get_input(step=0, rank=rank))
     inner = model.module.out
     with _expect(RuntimeError, "root FSDP instance.*nested unit wrapping Linear"):
         with inner.no_sync():
@@ -293,16 +297,16 @@ def check_device_mesh(rank: int, world_size: int) -> None:
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
     ref = NestedWrapped()
     model = FSDP(NestedWrapped(), device_mesh=mesh)
-    x = NestedWrapped.input(0, rank, CPU)
+    x = NestedWrapped.get_input(step=0, rank=rank)
     assert_close(model(*x), ref(*x))
 
 
 def check_eval_forward_after_training(rank: int, world_size: int) -> None:
     for strategy in STRATEGIES:
-        model = NestedWrapped().wrap(FSDP, sharding_strategy=strategy, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+        model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
         opt = parity._optim(model.parameters())
-        x = NestedWrapped.input(0, rank, CPU)
-        NestedWrapped.loss(model(*x)).backward()
+        x = NestedWrapped.get_input(step=0, rank=rank)
+        NestedWrapped.get_loss(x, model(*x)).backward()
         opt.step()
         model.eval()
         out = model(*x)

@@ -13,8 +13,9 @@ from torch import Tensor
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 
 from harness.dtypes import dtype_of
+from harness.models import TransformerModel, to_device
 from harness.rank import RankContext
-from suites.mixed_precision.models import BUFFER_ORIG_DTYPE, PrecisionProbe, SharedParamsTransformer, TransformerWithEMA
+from suites.mixed_precision.models import BUFFER_ORIG_DTYPE, PrecisionProbe, TransformerWithEMA
 from suites.mixed_precision.rank_api import check_buffers, device_kwargs, engine_api, full_prec_in_eval, recorded, reduced_dtypes, strategy
 from suites.seeds.api import FSDPApi
 
@@ -45,9 +46,14 @@ def eval_root_cast_inputs(ctx: RankContext, payload: dict[str, Any]) -> None:
         model(torch.randn(5, 5, device=ctx.device), use_full).sum().backward()
 
 
+def _batch(model: nn.Module, ctx: RankContext, step: int) -> tuple[Tensor, ...]:
+    """This rank's batch of ``step`` for the wrapped ``TransformerModel`` (the wrapper forwards ``get_input``)."""
+    return to_device(model.get_input(seed=0, step=step, rank=ctx.rank), ctx.device)
+
+
 def _transformer(api: FSDPApi, mp: Any, ctx: RankContext, recursive: bool, **kwargs: Any) -> nn.Module:
     torch.manual_seed(0)
-    model = SharedParamsTransformer().to(ctx.device)
+    model = TransformerModel(batch_norm=True).to(ctx.device)
     policy = api.policy("ModuleWrapPolicy")({TransformerEncoderLayer, TransformerDecoderLayer}) if recursive else None
     with warnings.catch_warnings():
         # The batch norm's own unit warns; that warning is checked in mp_batchnorm.
@@ -65,15 +71,15 @@ def full_precision_in_eval(ctx: RankContext, payload: dict[str, Any]) -> None:
         mp = api.MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low, cast_forward_inputs=cast_inputs)
         with full_prec_in_eval(use_full):
             model = _transformer(api, mp, ctx, recursive=True, sharding_strategy=strategy(api, name), use_orig_params=orig)
-        inp = SharedParamsTransformer.get_input(ctx.device)
-        loss = SharedParamsTransformer.get_loss(inp, model(*inp))
+        inp = _batch(model, ctx, step=0)
+        loss = model.get_loss(inp, model(*inp))
         assert loss.dtype == low, (cast_inputs, use_full, loss.dtype)
         loss.backward()
         for pname, p in model.named_parameters():
             assert p.grad is None or p.grad.dtype == torch.float32, (pname, p.grad.dtype)
         model.eval()
-        inp = SharedParamsTransformer.get_input(ctx.device, seed=1)
-        loss = SharedParamsTransformer.get_loss(inp, model(*inp))
+        inp = _batch(model, ctx, step=1)
+        loss = model.get_loss(inp, model(*inp))
         want = torch.float32 if use_full else low
         assert loss.dtype == want, (name, orig, cast_inputs, use_full, loss.dtype)
         loss.backward()  # a backward in eval reduces in full precision too (checked in _comm)
@@ -81,7 +87,7 @@ def full_precision_in_eval(ctx: RankContext, payload: dict[str, Any]) -> None:
             assert p.grad is None or p.grad.dtype == torch.float32, (pname, p.grad.dtype)
         # And back to low precision in train mode.
         model.train()
-        loss = SharedParamsTransformer.get_loss(inp, model(*inp))
+        loss = model.get_loss(inp, model(*inp))
         assert loss.dtype == low, ("train after eval", name, orig, cast_inputs, use_full, loss.dtype)
         loss.backward()
 
@@ -134,8 +140,8 @@ def full_precision_in_eval_comm(ctx: RankContext, payload: dict[str, Any]) -> No
         with full_prec_in_eval(use_full):
             model = _transformer(api, mp, ctx, recursive=True)
         model.eval()
-        inp = SharedParamsTransformer.get_input(ctx.device)
-        loss = SharedParamsTransformer.get_loss(inp, model(*inp))
+        inp = _batch(model, ctx, step=0)
+        loss = model.get_loss(inp, model(*inp))
         with recorded("reduce_scatter") as reductions:
             loss.backward()
         want = torch.float32 if use_full else low

@@ -12,8 +12,8 @@ from torch import Tensor
 
 from harness.case import reduce_dtype_default
 from harness.dtypes import dtype_of
+from harness.models import TransformerModel, to_device
 from harness.rank import RankContext
-from suites.mixed_precision.models import SharedParamsTransformer
 from suites.mixed_precision.rank_api import device_kwargs, engine_api, recorded, reduced_dtypes, strategy
 
 
@@ -126,11 +126,11 @@ def embedding_table(ctx: RankContext, payload: dict[str, Any]) -> None:
         param_dtype = mp.param_dtype or torch.float32
         expect_reduce = reduce_dtype_default(torch.float32, mp.param_dtype, mp.reduce_dtype)
         torch.manual_seed(0)
-        model = api.wrap(SharedParamsTransformer().to(ctx.device), mixed_precision=mp, **device_kwargs(ctx))
+        model = api.wrap(TransformerModel(batch_norm=True).to(ctx.device), mixed_precision=mp, **device_kwargs(ctx))
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(6):
-            inp = SharedParamsTransformer.get_input(ctx.device, seed=step)
-            loss = SharedParamsTransformer.get_loss(inp, model(*inp))
+            inp = to_device(model.get_input(seed=0, step=step, rank=ctx.rank), ctx.device)
+            loss = model.get_loss(inp, model(*inp))
             assert loss.dtype == param_dtype, (name, loss.dtype)
             with recorded("reduce_scatter") as reductions:
                 loss.backward()

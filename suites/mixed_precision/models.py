@@ -132,49 +132,6 @@ class SaveForwardInputsModel(nn.Module):
         return self.c2(self.c1(x))
 
 
-class SharedParamsTransformer(nn.Module):
-    """Token embedding tied to the output projection around a small ``nn.Transformer``.
-
-    Has a float buffer added to the embeddings, an integer buffer (never cast) and a batch norm on
-    the target embeddings (a ``_module_classes_to_ignore`` class), so buffer and batch-norm
-    handling are exercised together with integer inputs.
-    """
-
-    vocab = 23
-    d_model = 16
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(self.vocab, self.d_model)
-        self.transformer = nn.Transformer(
-            d_model=self.d_model, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=8, dropout=0.0
-        )
-        self.output_proj = nn.Linear(self.d_model, self.vocab)
-        self.output_proj.weight = self.embed_tokens.weight  # tied
-        self.register_buffer("vocab_bias", torch.ones(self.d_model))
-        self.register_buffer("long_buffer", torch.zeros(self.d_model, dtype=torch.long))
-        self.bn = nn.BatchNorm1d(self.d_model)
-
-    def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
-        src = self.embed_tokens(src_ids) + self.vocab_bias + self.long_buffer.type_as(self.vocab_bias)
-        tgt = self.embed_tokens(tgt_ids)
-        tgt = self.bn(tgt.transpose(1, 2)).transpose(1, 2)
-        return self.output_proj(self.transformer(src, tgt))
-
-    @classmethod
-    def get_input(cls, device: torch.device, seed: int = 0) -> tuple[Tensor, Tensor]:
-        g = torch.Generator().manual_seed(seed)
-        src = torch.randint(0, cls.vocab, (5, 4), generator=g)
-        tgt = torch.randint(0, cls.vocab, (6, 4), generator=g)
-        return src.to(device), tgt.to(device)
-
-    @staticmethod
-    def get_loss(inputs: tuple[Tensor, Tensor], output: Tensor) -> Tensor:
-        """Cross entropy in the output's dtype (so the loss dtype shows the compute dtype)."""
-        _, tgt = inputs
-        return F.cross_entropy(output.reshape(-1, output.size(-1)), tgt.reshape(-1), reduction="sum")
-
-
 class BatchNormNet(nn.Module):
     """Linear -> BatchNorm1d -> Linear -> LayerNorm -> Linear -> softmax (the seed's batch-norm net)."""
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from harness.case import CaseConfig
 from harness.parity import RankResult, run_case_on_rank
 from harness.rank import RankContext
-from suites.mixed_precision.models import PARITY_NET
+# Imported for its side effect: it registers ParityNet (PARITY_NET) in this process's zoo.
+import suites.mixed_precision.models  # noqa: F401
 
 
 def run_parity_case(ctx: RankContext, case: CaseConfig) -> RankResult:

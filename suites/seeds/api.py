@@ -23,6 +23,7 @@ test_fsdp_differences.py asserts each engine's own side of both.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from collections.abc import Sequence
@@ -35,7 +36,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
-from suites.engine.models import MixtureOfExperts, NestedWrapped, SharedTransformer, singleton_groups
+from harness.model_protocol import to_device, wrap_bottom_up
+from suites.engine.models import ENGINE_MODELS, singleton_groups
 
 __all__ = ["FSDPApi", "load_api"]
 
@@ -159,7 +161,7 @@ def load_api(spec: str) -> FSDPApi:
 # ---------------------------------------------------------------------------------------------------
 # Parity helpers, engine-neutral (suites/engine/parity.py binds them to the builtin engine)
 
-MODELS = {"nested": NestedWrapped, "transformer": SharedTransformer, "moe": MixtureOfExperts}
+MODELS = ENGINE_MODELS
 LR = 0.05
 MOMENTUM = 0.9
 
@@ -188,7 +190,7 @@ def assert_params_match(api: FSDPApi, model: nn.Module, ref: nn.Module, context:
 
 
 def _all_data(cls: Any, step: int, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    every = [cls.input(step, r, device) for r in range(world)]
+    every = [to_device(cls.get_input(step=step, rank=r), device) for r in range(world)]
     return tuple(torch.cat(parts) for parts in zip(*every))
 
 
@@ -206,28 +208,30 @@ def train_parity(
     context = f"{api.name} {model_name} {reference} {fsdp_kwargs}"
     if model_name == "moe":
         ref = cls(rank, device)
-        model = cls(rank, device).wrap(api.wrap, expert_group=singleton_groups(), **fsdp_kwargs)
+        model = wrap_bottom_up(cls(rank, device), api.wrap, functools.partial(api.wrap, process_group=singleton_groups()),
+                               **fsdp_kwargs)
         reference = "declared"
     else:
         ref = cls(device)
-        model = cls(device).wrap(api.wrap, **fsdp_kwargs)
+        model = wrap_bottom_up(cls(device), api.wrap, **fsdp_kwargs)
     ref_model: nn.Module = DDP(ref) if reference == "ddp" else ref
     opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
     for step in range(steps):
-        inputs = cls.input(step, rank, device)
-        loss = cls.loss(model(*inputs))
+        inputs = to_device(cls.get_input(step=step, rank=rank), device)
+        loss = cls.get_loss(inputs, model(*inputs))
         loss.backward()
         opt.step()
         opt.zero_grad()
         if reference == "local":
-            ref_loss = cls.loss(ref_model(*_all_data(cls, step, world, device)))
+            all_inputs = _all_data(cls, step, world, device)
+            ref_loss = cls.get_loss(all_inputs, ref_model(*all_inputs))
             ref_loss.backward()
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
             mean_loss /= world
             assert_close(mean_loss, ref_loss.detach(), msg=lambda m, s=step: f"{context}: step {s} loss: {m}")
         else:
-            ref_loss = cls.loss(ref_model(*inputs))
+            ref_loss = cls.get_loss(inputs, ref_model(*inputs))
             ref_loss.backward()
             if model_name == "moe":
                 ref.reduce_reference_grads()
@@ -245,18 +249,19 @@ def accumulation_parity(
     rank, world = dist.get_rank(), dist.get_world_size()
     cls = MODELS[model_name]
     ref = cls(device)
-    model = cls(device).wrap(api.wrap, **fsdp_kwargs)
+    model = wrap_bottom_up(cls(device), api.wrap, **fsdp_kwargs)
     opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
     context = f"{api.name} {model_name} no_sync={use_no_sync} {fsdp_kwargs}"
     for step in range(3):
         for micro in range(micro_steps):
-            inputs = cls.input(10 * step + micro, rank, device)
+            inputs = to_device(cls.get_input(step=10 * step + micro, rank=rank), device)
             if use_no_sync and micro < micro_steps - 1:
                 with model.no_sync():
-                    cls.loss(model(*inputs)).backward()
+                    cls.get_loss(inputs, model(*inputs)).backward()
             else:
-                cls.loss(model(*inputs)).backward()
-            cls.loss(ref(*_all_data(cls, 10 * step + micro, world, device))).backward()
+                cls.get_loss(inputs, model(*inputs)).backward()
+            all_inputs = _all_data(cls, 10 * step + micro, world, device)
+            cls.get_loss(all_inputs, ref(*all_inputs)).backward()
         opt.step()
         ref_opt.step()
         opt.zero_grad()

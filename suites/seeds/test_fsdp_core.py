@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
+from harness.model_protocol import wrap_bottom_up
 from suites.engine.models import NestedWrapped, SharedTransformer
 from suites.engine.ranks import api_session_tests
 from suites.seeds.api import FSDPApi, assert_params_match, load_api, optim, train_parity
@@ -74,10 +75,10 @@ def _parity_always_wrap(api: FSDPApi, offload: bool) -> None:
         assert len(api.FSDP.fsdp_modules(model)) == 7
         opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
         for step in range(4):
-            x = NestedWrapped.input(step, rank, CPU)
+            x = NestedWrapped.get_input(step=step, rank=rank)
             losses = []
             for m, o in ((model, opt), (ref, ref_opt)):
-                loss = NestedWrapped.loss(m(*x))
+                loss = NestedWrapped.get_loss(x, m(*x))
                 loss.backward()
                 o.step()
                 o.zero_grad()
@@ -118,9 +119,9 @@ def check_parity_mixture_of_experts_offload(api: FSDPApi, rank: int, world_size:
 
 def check_param_change_after_init(api: FSDPApi, rank: int, world_size: int) -> None:
     for mp in (None, api.MixedPrecision()):
-        x = SharedTransformer.input(0, rank, CPU)
-        ref_out = SharedTransformer().wrap(api.wrap, mixed_precision=mp)(*x)
-        model = SharedTransformer().wrap(api.wrap, mixed_precision=mp)
+        x = SharedTransformer.get_input(step=0, rank=rank)
+        ref_out = wrap_bottom_up(SharedTransformer(), api.wrap, mixed_precision=mp)(*x)
+        model = wrap_bottom_up(SharedTransformer(), api.wrap, mixed_precision=mp)
         nn.init.normal_(next(model.parameters()).data)
         assert not torch.allclose(model(*x), ref_out), "new output did not reflect the change after init"
 
@@ -128,23 +129,25 @@ def check_param_change_after_init(api: FSDPApi, rank: int, world_size: int) -> N
 def _check_pre_backward_hook_registration(model: nn.Module) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     opt.zero_grad()
-    out = model(*SharedTransformer.input(0, dist.get_rank(), CPU))
+    inputs = SharedTransformer.get_input(step=0, rank=dist.get_rank())
+    out = model(*inputs)
     assert len(out._backward_hooks) == 1
-    SharedTransformer.loss(out).backward()
+    SharedTransformer.get_loss(inputs, out).backward()
     assert len(out._backward_hooks) == 1
     opt.step()
     assert len(out._backward_hooks) == 1
 
 
 def check_pre_backward_hook_registration(api: FSDPApi, rank: int, world_size: int) -> None:
-    _check_pre_backward_hook_registration(SharedTransformer().wrap(api.wrap))
+    _check_pre_backward_hook_registration(wrap_bottom_up(SharedTransformer(), api.wrap))
 
 
 def check_pre_backward_hook_registration_after_state_dict(api: FSDPApi, rank: int, world_size: int) -> None:
-    model = SharedTransformer().wrap(api.wrap)
+    model = wrap_bottom_up(SharedTransformer(), api.wrap)
     opt = optim(model.parameters())
     for step in range(2):
-        SharedTransformer.loss(model(*SharedTransformer.input(step, rank, CPU))).backward()
+        inputs = SharedTransformer.get_input(step=step, rank=rank)
+        SharedTransformer.get_loss(inputs, model(*inputs)).backward()
         opt.step()
         opt.zero_grad()
     model.load_state_dict(model.state_dict())
@@ -156,7 +159,7 @@ def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
     keeps each unit's post-backward hook handle on the unit."""
     from engine.state import ModuleState
 
-    model = SharedTransformer().wrap(api.wrap)
+    model = wrap_bottom_up(SharedTransformer(), api.wrap)
     calls = {"pre_backward_registered": 0}
     orig_post_forward = ModuleState.post_forward
 
@@ -168,7 +171,7 @@ def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
         return out
 
     with mock.patch.object(ModuleState, "post_forward", counting_post_forward):
-        model(*SharedTransformer.input(0, rank, CPU))
+        model(*SharedTransformer.get_input(step=0, rank=rank))
     assert calls["pre_backward_registered"] > 0
     units = [m._unit for m in api.FSDP.fsdp_modules(model) if m._unit is not None]
     assert units and all(u._post_backward_hook is not None for u in units), "post-backward hooks registered"
@@ -178,13 +181,13 @@ def _hooks_registered_torch(api: FSDPApi, rank: int) -> None:
     """torch FSDP1 registers them in ``_runtime_utils`` (as the seed checks, by patching)."""
     import torch.distributed.fsdp._runtime_utils as runtime_utils
 
-    model = SharedTransformer().wrap(api.wrap)
+    model = wrap_bottom_up(SharedTransformer(), api.wrap)
     with mock.patch.object(
         runtime_utils, "_register_pre_backward_hooks", wraps=runtime_utils._register_pre_backward_hooks
     ) as pre, mock.patch.object(
         runtime_utils, "_register_post_backward_hook", wraps=runtime_utils._register_post_backward_hook
     ) as post:
-        model(*SharedTransformer.input(0, rank, CPU))
+        model(*SharedTransformer.get_input(step=0, rank=rank))
     assert pre.call_count > 0, "pre-backward hooks registered"
     assert post.call_count > 0, "post-backward hooks registered"
 
@@ -198,11 +201,12 @@ def check_transformer_eval_equals_no_grad(api: FSDPApi, rank: int, world_size: i
     # bfloat16 stands in for the seed's float16 (CPU kernels).
     bf16 = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
     for mp in (None, bf16):
-        model = SharedTransformer().wrap(api.wrap, mixed_precision=mp)
+        model = wrap_bottom_up(SharedTransformer(), api.wrap, mixed_precision=mp)
         opt = optim(model.parameters())
-        SharedTransformer.loss(model(*SharedTransformer.input(0, rank, CPU))).backward()
+        inputs = SharedTransformer.get_input(step=0, rank=rank)
+        SharedTransformer.get_loss(inputs, model(*inputs)).backward()
         opt.step()
-        x = SharedTransformer.input(1, rank, CPU)
+        x = SharedTransformer.get_input(step=1, rank=rank)
         model.eval()
         # Under no_grad, eval-mode encoder layers take torch's fused "fast path", whose
         # bfloat16 rounding differs from the composite path: compare the same kernels.

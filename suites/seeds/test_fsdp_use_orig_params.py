@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
+from harness.model_protocol import wrap_bottom_up
 from suites.engine.models import SharedTransformer
 from suites.engine.ranks import api_session_tests
 from suites.seeds.api import FSDPApi, accumulation_parity, clean as _clean, load_api
@@ -76,7 +77,8 @@ def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, se
         for model, opt in ((ddp, ddp_opt), (fsdp, fsdp_opt)):
             if i % 2 == 0:
                 opt.zero_grad(set_to_none=set_to_none)
-            loss = SharedTransformer.loss(model(*SharedTransformer.input(i, rank, CPU)))
+            inputs = SharedTransformer.get_input(step=i, rank=rank)
+            loss = SharedTransformer.get_loss(inputs, model(*inputs))
             losses.append(loss)
             if i % 2 == 1:
                 # Zeroing between forward and backward must not keep the old gradient.
@@ -145,7 +147,8 @@ def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
             for model, (a, b) in zip((ddp, fsdp), opts):
                 a.zero_grad(set_to_none=True)
                 b.zero_grad(set_to_none=False)
-                loss = SharedTransformer.loss(model(*SharedTransformer.input(i, rank, CPU)))
+                inputs = SharedTransformer.get_input(step=i, rank=rank)
+                loss = SharedTransformer.get_loss(inputs, model(*inputs))
                 loss.backward()
                 a.step()
                 b.step()
@@ -157,7 +160,7 @@ def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
 def _orig_and_flat_models(api: FSDPApi, strategy: Any, offload: bool):
     models = []
     for orig in (False, True):
-        model = SharedTransformer().wrap(
+        model = wrap_bottom_up(SharedTransformer(), 
             api.wrap, sharding_strategy=strategy, cpu_offload=api.CPUOffload(offload), use_orig_params=orig
         )
         models.append((model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)))
@@ -177,12 +180,12 @@ def _multiple_forward(api: FSDPApi, offload: bool) -> None:
     for strategy in _strategies(api):
         (m1, o1), (m2, o2) = _orig_and_flat_models(api, strategy, offload)
         for i in range(3):
-            inp1 = SharedTransformer.input(i, rank, CPU)
-            inp2 = SharedTransformer.input(i + 100, rank, CPU)
+            inp1 = SharedTransformer.get_input(step=i, rank=rank)
+            inp2 = SharedTransformer.get_input(step=i + 100, rank=rank)
             results = []
             for model, opt in ((m1, o1), (m2, o2)):
                 opt.zero_grad()
-                l1, l2 = SharedTransformer.loss(model(*inp1)), SharedTransformer.loss(model(*inp2))
+                l1, l2 = SharedTransformer.get_loss(inp1, model(*inp1)), SharedTransformer.get_loss(inp2, model(*inp2))
                 (l1 + l2).backward()
                 opt.step()
                 results.append((l1, l2))
@@ -206,12 +209,12 @@ def _summon_between_two_forwards(api: FSDPApi, offload: bool) -> None:
         for i in range(3):
             o1.zero_grad()
             o2.zero_grad()
-            inp1 = SharedTransformer.input(i, rank, CPU)
-            a1, b1 = SharedTransformer.loss(m1(*inp1)), SharedTransformer.loss(m2(*inp1))
+            inp1 = SharedTransformer.get_input(step=i, rank=rank)
+            a1, b1 = SharedTransformer.get_loss(inp1, m1(*inp1)), SharedTransformer.get_loss(inp1, m2(*inp1))
             assert_close(a1, b1)
             _fsdp_params_equal(api, m1, m2)
-            inp2 = SharedTransformer.input(i + 100, rank, CPU)
-            a2, b2 = SharedTransformer.loss(m1(*inp2)), SharedTransformer.loss(m2(*inp2))
+            inp2 = SharedTransformer.get_input(step=i + 100, rank=rank)
+            a2, b2 = SharedTransformer.get_loss(inp2, m1(*inp2)), SharedTransformer.get_loss(inp2, m2(*inp2))
             assert_close(a2, b2)
             (a1 + a2).backward()
             (b1 + b2).backward()
@@ -405,7 +408,7 @@ def check_named_parameters_in_forward(api: FSDPApi, rank: int, world_size: int) 
 def _no_sync_models(api: FSDPApi, strategy: Any):
     return [
         (m, torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9))
-        for m in (SharedTransformer().wrap(api.wrap, sharding_strategy=strategy, use_orig_params=o) for o in (False, True))
+        for m in (wrap_bottom_up(SharedTransformer(), api.wrap, sharding_strategy=strategy, use_orig_params=o) for o in (False, True))
     ]
 
 
@@ -415,8 +418,10 @@ def check_no_sync_correctness(api: FSDPApi, rank: int, world_size: int) -> None:
         for i in range(3):
             for model, opt in pairs:
                 with model.no_sync():
-                    SharedTransformer.loss(model(*SharedTransformer.input(i, rank, CPU))).backward()
-                SharedTransformer.loss(model(*SharedTransformer.input(i + 50, rank, CPU))).backward()
+                    inputs = SharedTransformer.get_input(step=i, rank=rank)
+                    SharedTransformer.get_loss(inputs, model(*inputs)).backward()
+                inputs = SharedTransformer.get_input(step=i + 50, rank=rank)
+                SharedTransformer.get_loss(inputs, model(*inputs)).backward()
                 opt.step()
                 opt.zero_grad()
         _fsdp_params_equal(api, pairs[0][0], pairs[1][0])

@@ -23,17 +23,17 @@ import torch.nn as nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from harness.models import TransformerModel
 from suites.seeds.api import FSDPApi
 from suites.wrap.wrap_models import (
     BatchNormContainer,
-    BatchNormNet,
+    BatchNormKinds,
     DummyProcessGroup,
     FourLinears,
     LoraAttention,
     LoraDecoder,
+    LoraDecoderStack,
     LoraMLP,
-    LoraModel,
-    SharedParamsTransformer,
     nested_sequential,
 )
 
@@ -99,12 +99,12 @@ def test_frozen_params(api: FSDPApi, policy_name: str, use_orig_params: bool) ->
     if use_orig_params:
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
-            api.wrap(LoraModel(), **kwargs)
+            api.wrap(LoraDecoderStack(), **kwargs)
         messages = [str(w.message) for w in record if issubclass(w.category, UserWarning) and "requires_grad" in str(w.message)]
         assert messages and messages[0].startswith(msg + " We do not recommend wrapping such modules"), messages
     else:
         with pytest.raises(ValueError, match=re.escape(msg + " FSDP does not support wrapping such modules when use_orig_params=False.")):
-            api.wrap(LoraModel(), **kwargs)
+            api.wrap(LoraDecoderStack(), **kwargs)
 
 
 # ---------------------------------------------------------------------------- batch norm
@@ -115,14 +115,14 @@ def test_wrap_batchnorm_individually(api: FSDPApi, use_or_policy: bool) -> None:
         if use_or_policy
         else wrap_bn_individually(api)
     )
-    fsdp = api.wrap(BatchNormNet(), process_group=PG, auto_wrap_policy=policy)
+    fsdp = api.wrap(BatchNormKinds(), process_group=PG, auto_wrap_policy=policy)
     for layer in (fsdp.bn1, fsdp.bn2, fsdp.bn3, fsdp.sync_bn):
         assert isinstance(layer, api.FSDP)
     assert not isinstance(fsdp.lin, api.FSDP)
 
 
 def wrap_bn_container(module: nn.Module, recurse: bool, *args: object, **kwargs: object) -> bool:
-    return True if recurse else isinstance(module, BatchNormNet)
+    return True if recurse else isinstance(module, BatchNormKinds)
 
 
 def test_bn_always_wrapped_individually(api: FSDPApi) -> None:
@@ -201,7 +201,7 @@ def test_transformer_wrapping(api: FSDPApi, policy_name: str) -> None:
             api.policy("_or_policy"), policies=[api.policy("ModuleWrapPolicy")(LAYER_CLASSES)]
         ),
     }[policy_name]
-    fsdp_model = api.wrap(SharedParamsTransformer(), process_group=PG, auto_wrap_policy=policy)
+    fsdp_model = api.wrap(TransformerModel(batch_norm=True), process_group=PG, auto_wrap_policy=policy)
     layers = set(fsdp_model.module.transformer.encoder.layers) | set(fsdp_model.module.transformer.decoder.layers)
     for module in fsdp_model.modules():
         assert isinstance(module, api.FSDP) == (module is fsdp_model or module in layers), type(module).__name__
@@ -210,7 +210,7 @@ def test_transformer_wrapping(api: FSDPApi, policy_name: str) -> None:
 @pytest.mark.parametrize("use_uniform_kwargs", [True, False])
 def test_custom_policy(api: FSDPApi, use_uniform_kwargs: bool) -> None:
     strategy, prefetch = api.ShardingStrategy, api.BackwardPrefetch
-    model = SharedParamsTransformer()
+    model = TransformerModel(batch_norm=True)
 
     def lambda_fn(module: nn.Module) -> bool | dict:
         if module is model.bn:

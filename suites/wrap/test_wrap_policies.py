@@ -21,15 +21,14 @@ from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.modules.batchnorm import _BatchNorm
 from wrap_models import (
     BatchNormContainer,
-    BatchNormNet,
+    BatchNormKinds,
     FourLinears,
     LoraAttention,
     LoraDecoder,
+    LoraDecoderStack,
     LoraMLP,
-    LoraModel,
     MarkedUnit,
     RecordingUnit,
-    SharedParamsTransformer,
     nested_sequential,
 )
 
@@ -49,6 +48,7 @@ from engine.wrap import (
     transformer_auto_wrap_policy,
     wrap,
 )
+from harness.models import TransformerModel
 
 size_40 = functools.partial(size_based_auto_wrap_policy, min_num_params=40)
 wrap_bn_individually = functools.partial(_wrap_module_cls_individually, module_classes=[_BatchNorm])
@@ -65,7 +65,7 @@ def never_wrap_policy(*args: object, **kwargs: object) -> bool:
 
 
 def wrap_bn_container(module: nn.Module, recurse: bool, *args: object, **kwargs: object) -> bool:
-    return True if recurse else isinstance(module, BatchNormNet)
+    return True if recurse else isinstance(module, BatchNormKinds)
 
 
 # ---------------------------------------------------------------------------- policy functions
@@ -154,7 +154,7 @@ def test_wrap_batchnorm_individually(use_or_policy: bool) -> None:
         if use_or_policy
         else wrap_bn_individually
     )
-    model = RecordingUnit(BatchNormNet(), auto_wrap_policy=policy).module
+    model = RecordingUnit(BatchNormKinds(), auto_wrap_policy=policy).module
     for layer in (model.bn1, model.bn2, model.bn3, model.sync_bn):
         assert is_unit(layer)
     assert not is_unit(model.lin)
@@ -163,7 +163,7 @@ def test_wrap_batchnorm_individually(use_or_policy: bool) -> None:
 def test_bn_always_wrapped_individually() -> None:
     policy = functools.partial(_or_policy, policies=[wrap_bn_container, wrap_bn_individually])
     model = RecordingUnit(BatchNormContainer(), auto_wrap_policy=policy).module
-    # Unit(Unit(BatchNormNet(Unit(BN)))), not Unit(Unit(BatchNormNet(BN))).
+    # Unit(Unit(BatchNormKinds(Unit(BN)))), not Unit(Unit(BatchNormKinds(BN))).
     assert is_unit(model.bn_container)
     inner = model.bn_container.module
     for bn in (inner.bn1, inner.bn2, inner.bn3, inner.sync_bn):
@@ -280,7 +280,7 @@ def test_auto_wrap_preset_force_leaf_custom() -> None:
     ids=["transformer_auto_wrap_policy", "module_wrap_policy", "module_wrap_policy_callable"],
 )
 def test_transformer_wrapping(policy) -> None:
-    root = RecordingUnit(SharedParamsTransformer(), auto_wrap_policy=policy)
+    root = RecordingUnit(TransformerModel(batch_norm=True), auto_wrap_policy=policy)
     layers = set(root.module.transformer.encoder.layers) | set(root.module.transformer.decoder.layers)
     assert len(layers) == 4
     for module in root.modules():
@@ -289,7 +289,7 @@ def test_transformer_wrapping(policy) -> None:
 
 @pytest.mark.parametrize("use_uniform_kwargs", [True, False])
 def test_custom_policy(use_uniform_kwargs: bool) -> None:
-    model = SharedParamsTransformer()
+    model = TransformerModel(batch_norm=True)
     if use_uniform_kwargs:
 
         def lambda_fn(module: nn.Module) -> bool | dict:
@@ -431,19 +431,19 @@ def test_frozen_params(policy_name: str, use_orig_params: bool) -> None:
     if use_orig_params:
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
-            RecordingUnit(LoraModel(), **kwargs)
+            RecordingUnit(LoraDecoderStack(), **kwargs)
         # One warning per decoder layer's attention, the first registered first.
         assert [w.category for w in record] == [UserWarning] * 4
         assert str(record[0].message).startswith(msg + "We do not recommend wrapping such modules")
     else:
         msg += "FSDP does not support wrapping such modules when use_orig_params=False."
         with pytest.raises(ValueError, match=re.escape(msg)):
-            RecordingUnit(LoraModel(), **kwargs)
+            RecordingUnit(LoraDecoderStack(), **kwargs)
 
 
 def test_frozen_params_accepts_uniform_units() -> None:
     lora = CustomPolicy(lambda m: isinstance(m, (LoraAttention, LoraDecoder)) or _is_lora_linear(m))
-    model = LoraModel()
+    model = LoraDecoderStack()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         root = RecordingUnit(model, auto_wrap_policy=lora, use_orig_params=False)
@@ -462,7 +462,7 @@ def _is_lora_linear(module: nn.Module) -> bool:
 
 @pytest.mark.parametrize("use_orig_params", [True, False])
 def test_validate_frozen_params(use_orig_params: bool) -> None:
-    model = LoraModel()
+    model = LoraDecoderStack()
     lora = {m for name, m in model.named_modules() if "lora_A" in name or "lora_B" in name}
     attns = {m for m in model.modules() if isinstance(m, LoraAttention)}
     decoders = {m for m in model.modules() if isinstance(m, LoraDecoder)}

@@ -1,6 +1,8 @@
 """Models and a recording wrapper shared by the wrap suites.
 
-The models mirror the seed's (``test_wrap.py``) in structure, kept small for a 2-core CPU lane.
+The models mirror the seed's (``test_wrap.py``) in structure, kept small for a 2-core CPU lane; they
+have no inputs or loss (nothing trains them: only which modules become units matters). The tied
+transformer is the zoo's (``harness.models.TransformerModel`` with its batch norm).
 :class:`RecordingUnit` stands in for the real wrapper where only the wrapping structure matters:
 it runs auto wrapping exactly as the runtime's constructor does and records what it was given.
 """
@@ -65,7 +67,9 @@ def nested_sequential() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5)))
 
 
-class BatchNormNet(nn.Module):
+class BatchNormKinds(nn.Module):
+    """A bias-free linear and one batch norm of each kind (1d, 2d, 3d, sync): no forward, structure only."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(10, 10, bias=False)
@@ -78,7 +82,7 @@ class BatchNormNet(nn.Module):
 class BatchNormContainer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.bn_container = BatchNormNet()
+        self.bn_container = BatchNormKinds()
 
 
 class Nested(nn.Module):
@@ -102,34 +106,6 @@ class FourLinears(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin4(self.lin3(self.lin2(self.lin1(x))))
-
-
-class SharedParamsTransformer(nn.Module):
-    """A small encoder-decoder with the input embedding tied to the output projection, and a BN.
-
-    Stands in for the seed's ``TransformerWithSharedParams``: 2 encoder and 2 decoder layers.
-    """
-
-    def __init__(self, d_model: int = 8, vocab: int = 12) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, d_model)
-        self.transformer = nn.Transformer(
-            d_model=d_model,
-            nhead=2,
-            num_encoder_layers=2,
-            num_decoder_layers=2,
-            dim_feedforward=8,
-            dropout=0.0,
-            batch_first=True,
-        )
-        self.output_proj = nn.Linear(d_model, vocab)
-        self.output_proj.weight = self.embed_tokens.weight
-        self.bn = nn.BatchNorm1d(vocab)
-
-    def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
-        src, tgt = self.embed_tokens(src_ids), self.embed_tokens(tgt_ids)
-        x = self.output_proj(self.transformer(src, tgt))
-        return self.bn(x.flatten(0, -2))
 
 
 class LoraAttention(nn.Module):
@@ -167,8 +143,9 @@ class LoraDecoder(nn.Module):
             norm.requires_grad_(False)
 
 
-class LoraModel(nn.Module):
-    """A toy LoRA decoder: everything frozen but the adapters."""
+class LoraDecoderStack(nn.Module):
+    """A toy LoRA decoder stack: everything frozen but the adapters (the zoo's ``LoraModel`` trains;
+    this one only has a structure to wrap)."""
 
     def __init__(self) -> None:
         super().__init__()
