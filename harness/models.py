@@ -31,7 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,7 @@ __all__ = [
     "BenchmarkGPT",
     "GPTConfig",
     "ModelSpec",
+    "SequentialModel",
     "SleepPlan",
     "ZooModel",
     "build_model",
@@ -69,7 +70,25 @@ __all__ = [
 # Nested linears (units chosen by hand) and the same model with every submodule a unit
 
 
-class NestedModel(ZooModel):
+class SequentialModel(ZooModel):
+    """A model whose layers are one ``nn.Sequential``, ``module``, fed a uniform ``(4, d_input)`` batch;
+    its loss is the output's sum. Subclasses build ``module`` and choose the units."""
+
+    #: features of the input batch (the first layer's input width).
+    d_input: ClassVar[int] = 8
+    module: nn.Sequential
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        return (torch.rand(4, self.d_input, generator=batch_generator(seed, step, rank)),)
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return output.sum()
+
+
+class NestedModel(SequentialModel):
     """Four linears, two of them nested in a sequential; three hand-picked units plus the root.
 
     The root unit keeps the first and last linear, so it holds parameters used at both ends of the
@@ -87,15 +106,6 @@ class NestedModel(ZooModel):
 
     def wrap_units(self) -> list[nn.Module]:
         return [self.module[1], self.module[1][0], self.module[2]]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
-        return (torch.rand(4, 8, generator=batch_generator(seed, step, rank)),)
-
-    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-        return output.sum()
 
 
 class AlwaysWrapModel(NestedModel):
@@ -167,7 +177,7 @@ class TransformerModel(ZooModel):
 # Mixture of experts: the expert is rank-local and reduced by nobody
 
 
-class MixtureOfExpertsModel(ZooModel):
+class MixtureOfExpertsModel(SequentialModel):
     """A shared linear and a rank-local expert between two plain linears.
 
     The expert's parameters differ per rank (seeded by rank) and its gradient is never reduced:
@@ -199,15 +209,6 @@ class MixtureOfExpertsModel(ZooModel):
 
     def rank_local_modules(self) -> list[nn.Module]:
         return [self.module[2]]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
-        return (torch.rand(4, self.d_input, generator=batch_generator(seed, step, rank)),)
-
-    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-        return output.sum()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,9 +7,20 @@ import torch
 import torch.nn as nn
 
 from harness.adapters import rank_local_param_names
-from harness.models import MixtureOfExpertsModel, build_model, mix_seed, zoo_names
+from harness import models
+from harness.models import (
+    MixtureOfExpertsModel,
+    ZooModel,
+    build_model,
+    mix_seed,
+    register_model,
+    to_device,
+    wrap_bottom_up,
+    zoo_names,
+)
 
-ALL = sorted(zoo_names())
+ALL_IN_ORDER = zoo_names()
+ALL = sorted(ALL_IN_ORDER)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -137,3 +148,63 @@ def test_auto_wrap_policy_selects_exactly_the_units(name: str) -> None:
     for module in model.modules():
         assert policy(module=module, recurse=True, nonwrapped_numel=0)
         assert policy(module=module, recurse=False, nonwrapped_numel=0) == (id(module) in units)
+
+
+class _Registered(ZooModel):
+    """A model a suite would register: one linear, a unit of its own inside a sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [self.module[1]]
+
+
+def test_registered_models_build_by_name_but_are_not_enumerated_with_the_zoos(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models, "MODELS", dict(models.MODELS))
+    monkeypatch.setattr(models, "_origins", {})
+    register_model("suite_linear", "two linears", _Registered)
+    register_model("suite_linear", "two linears", _Registered)  # the same definition again: a no-op
+    a, b = build_model("suite_linear", seed=3), build_model("suite_linear", seed=3)
+    assert isinstance(a, _Registered) and all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert "suite_linear" not in zoo_names() and zoo_names() == ALL_IN_ORDER
+    with pytest.raises(ValueError, match="name='suite_linear' is taken"):
+        register_model("suite_linear", "two other linears", lambda seed, rank, world_size: _Registered())
+    with pytest.raises(ValueError, match="name='nested' is taken"):
+        register_model("nested", "four linears, three hand-picked nested units", _Registered)
+
+    @register_model("suite_rank", "built per rank")
+    def _per_rank(seed: int, rank: int, world_size: int) -> ZooModel:
+        model = _Registered()
+        model.rank = rank  # type: ignore[assignment]
+        return model
+
+    assert build_model("suite_rank", rank=1, world_size=2).rank == 1
+
+
+def test_wrap_bottom_up_wraps_inner_units_first_in_their_slots() -> None:
+    order: list[str] = []
+
+    class Unit(nn.Module):
+        def __init__(self, module: nn.Module, tag: str = "shared") -> None:
+            super().__init__()
+            self.module, self.tag = module, tag
+            order.append(f"{type(module).__name__}:{tag}")
+
+    model = build_model("moe")
+    root = wrap_bottom_up(model, Unit, lambda module: Unit(module, "local"))
+    assert order == ["Linear:shared", "Linear:local", "MixtureOfExpertsModel:shared"]
+    assert isinstance(root, Unit) and root.module is model
+    assert isinstance(model.module[1], Unit) and model.module[2].tag == "local"
+    order.clear()
+    wrap_bottom_up(build_model("nested"), Unit)
+    # block[0] (two levels down) before the block that holds it and before module[2].
+    assert order == ["Linear:shared", "Sequential:shared", "Linear:shared", "NestedModel:shared"]
+
+
+def test_to_device_casts_only_floating_tensors() -> None:
+    ints, floats = torch.arange(3), torch.rand(2)
+    moved = to_device((ints, floats), "cpu", torch.float64)
+    assert moved[0].dtype == torch.int64 and moved[1].dtype == torch.float64
+    assert to_device((floats,), "cpu")[0].dtype == torch.float32

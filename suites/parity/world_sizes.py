@@ -34,7 +34,7 @@ from engine.layout import ParamEntry, aligned_numel, build_layout
 from harness.adapters import FSDP1Adapter
 from harness.case import CaseConfig, is_hybrid
 from harness.registry import resolve
-from harness.models import ZooModel, batch_generator, build_model, register_model
+from harness.models import SequentialModel, build_model, register_model
 from harness.parity import RankResult, record_from_outcome, run_case_on_rank
 from harness.placement import hybrid_shard_size
 from harness.pool import RankPool
@@ -74,7 +74,7 @@ class Gain(nn.Module):
         return x * self.weight
 
 
-class UnevenModel(ZooModel):
+class UnevenModel(SequentialModel):
     """Linear 8->5, a 5-element gain (its own unit), linear 5->16, linear 16->16 (a unit), linear 16->4.
 
     The root keeps the three other linears (209 elements: uneven at 8 ranks, but every rank holds
@@ -93,15 +93,6 @@ class UnevenModel(ZooModel):
 
     def wrap_units(self) -> list[nn.Module]:
         return [self.module[1], self.module[3]]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
-        return (torch.rand(4, 8, generator=batch_generator(seed, step, rank)),)
-
-    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-        return output.sum()
 
 
 register_model(UNEVEN, f"a {GAIN_NUMEL}-element gain as its own unit: ranks past it hold only padding", UnevenModel)
