@@ -1,11 +1,12 @@
-"""The training-step benchmark's rank side: the GPT it trains, the jobs every rank runs, the traces.
+"""The training-step benchmark's rank side: the GPT's sizes, the jobs every rank runs, their answers, the traces.
 
 Two jobs, both run through ``harness.pool.RankPool`` (module-level functions, pickled by name):
 
 - ``perf_job``: one engine trains the benchmark GPT (``harness.models.BenchmarkGPT``: ``GPTBlock`` blocks
   without linear biases, token embedding, final norm, untied LM head) with every block a unit, AdamW,
   bf16 compute with fp32 reduction, and reports per-step seconds, losses, peak allocated and reserved
-  memory. The device-bound regime: large models, where kernels and collectives dominate.
+  memory. The device-bound regime: large models, where kernels and collectives dominate. The batches
+  are the model's own (``get_input``), made before the timed loop.
 - ``zoo_job``: one engine trains a small zoo model (``harness.models``) built and wrapped exactly as
   the parity matrix does (``harness.adapters``), and reports per-step wall seconds. The host-bound
   regime: tiny kernels, many units, where the engine's Python per step is the cost.
@@ -14,6 +15,9 @@ With a profile directory both also run a few extra steps after the timed ones un
 ``torch.profiler`` (CPU and, on GPUs, CUDA activities; shapes not recorded) and write one Chrome trace
 per engine, strategy and rank; the timed steps are never profiled. ``zoo_job`` can also write a
 ``cProfile`` dump of its timed steps, for the engine's Python hot spots.
+
+Each rank answers a record, never a dict: ``RankTiming`` (its measurements) or ``Unsupported`` (why
+the run is not measured); ``harness.perf_run`` turns the ranks' answers into a row.
 """
 
 from __future__ import annotations
