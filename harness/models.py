@@ -442,7 +442,8 @@ class ModelSpec:
     description: str
     #: builds the model from ``(seed, rank, world_size)``; ``build_model`` calls it under a seed of its own.
     factory: Callable[[int, int, int], ZooModel]
-    #: one of the harness's own models (``zoo_names()``); False for those ``register_model`` adds.
+    #: enumerated with the harness's own models (``zoo_names()``: the matrix, ``harness models``, the
+    #: zoo's tests); False for models built by name only (the benchmark's GPT, suites' registrations).
     listed: bool = True
 
 
@@ -486,6 +487,8 @@ def zoo_names() -> list[str]:
 
 
 Factory = Callable[[int, int, int], ZooModel]
+#: where each registered model was defined: a second registration from the same place is the same model.
+_origins: dict[str, tuple[str | None, str | None]] = {}
 
 
 def register_model(name: str, description: str, factory: Factory | None = None) -> Any:
@@ -512,10 +515,6 @@ def register_model(name: str, description: str, factory: Factory | None = None) 
         return target
 
     return add if factory is None else add(factory)
-
-
-#: where each registered model was defined: a second registration from the same place is the same model.
-_origins: dict[str, tuple[str | None, str | None]] = {}
 
 
 def build_model(name: str, *, seed: int = 0, rank: int = 0, world_size: int = 1) -> ZooModel:
