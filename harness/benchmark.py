@@ -46,6 +46,9 @@ HYBRID_MIN_RANKS = 4
 # The model
 
 
+#: steps run under the profiler after the timed ones (a trace covers this many steps).
+PROFILE_STEPS = 3
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of the benchmark's GPT; the defaults are the anchors' model (936.5M parameters)."""
@@ -153,7 +156,7 @@ class PerfJob:
     #: where the Chrome traces go (None: no profiling).
     profile_dir: str | None = None
     #: steps traced after the timed ones.
-    profile_steps: int = 3
+    profile_steps: int = PROFILE_STEPS
 
 
 def _hybrid_shard_size(ctx: RankContext) -> int:
@@ -323,7 +326,7 @@ class ZooJob:
     steps: int
     seed: int = 0
     profile_dir: str | None = None
-    profile_steps: int = 3
+    profile_steps: int = PROFILE_STEPS
     #: write a cProfile dump of the timed steps next to the traces.
     cprofile: bool = False
 
