@@ -190,7 +190,7 @@ class EngineAdapter(ABC):
         """Wrap a fresh zoo model (float32, CPU) for this case on this rank."""
 
 
-#: The utilities ``EngineUtilities`` may hold, each the name of what it observes when missing.
+#: The utilities an ``EngineUtilities`` can hold, by the names its ``missing`` uses.
 UTILITIES = ("summon", "summon_offload_to_cpu", "no_sync")
 
 
