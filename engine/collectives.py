@@ -9,8 +9,13 @@ The collectives are looked up on the ``torch.distributed`` module at call time
 which ops run, on which dtypes and sizes.
 
 [Note: stream ordering]
-- The communication stream first waits for the stream that produced the input (the current
-  stream when the function is called), so it never reads a shard the optimizer is still writing.
+- Gradient reductions first make their stream wait for the current stream, which produced the
+  gradient (:func:`stream_context`).
+- All-gathers do not wait: the shards they read change only between iterations (optimizer step,
+  user writes adopted at root pre-forward), so the caller orders the all-gather stream after the
+  compute stream once, when a shard may have changed (``Streams.gather_after_compute``), as FSDP1
+  does at its root pre-forward. Waiting per all-gather would start every gather only after all
+  compute issued so far, serializing each unit's gather behind the previous unit's forward.
 - Tensors allocated on one stream and consumed on another are passed through ``record_stream``
   so the caching allocator does not hand their memory out before the consumer is done.
 - NCCL collectives issued under ``torch.cuda.stream(s)`` are ordered with ``s``: a synchronous
@@ -68,6 +73,16 @@ def stream_context(stream: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the body on ``stream`` without waiting for the current stream; no-op for None (CPU)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+
+
 def _record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     if stream is None:
         return None
@@ -103,9 +118,10 @@ def all_gather_flat(
     """All-gather every rank's equal ``shard`` into the buffer ``alloc_output()`` returns.
 
     ``alloc_output`` runs on ``stream`` so the unsharded storage is allocated there; the shard is
-    moved to ``device`` and cast to ``dtype`` on the way (CPU offload, mixed precision).
+    moved to ``device`` and cast to ``dtype`` on the way (CPU offload, mixed precision). The
+    caller has ordered ``stream`` after the last write of the shard ([Note: stream ordering]).
     """
-    with stream_context(stream):
+    with _on_stream(stream):
         local = _prepare_shard(shard.detach(), device, dtype)
         output = alloc_output()
         world_size = dist.get_world_size(group)
@@ -124,8 +140,9 @@ def copy_flat(
     alloc_output: Callable[[], Tensor],
     stream: torch.cuda.Stream | None,
 ) -> AllGatherResult:
-    """The unsharded buffer of a NO_SHARD unit that computes in another dtype or device: a copy."""
-    with stream_context(stream):
+    """The unsharded buffer of a NO_SHARD unit that computes in another dtype or device: a copy
+    (ordered by the caller, as :func:`all_gather_flat`)."""
+    with _on_stream(stream):
         output = alloc_output()
         output.copy_(flat.detach(), non_blocking=True)
         event = _record_event(stream)

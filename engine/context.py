@@ -39,6 +39,13 @@ class Streams:
             post_backward=torch.cuda.Stream(device=device, priority=-1),
         )
 
+    def gather_after_compute(self) -> None:
+        """Order later all-gathers after everything issued on the current stream so far (the
+        optimizer step, adopted user writes): all-gathers read shards without waiting per call
+        ([Note: stream ordering] in :mod:`engine.collectives`)."""
+        if self.all_gather is not None:
+            self.all_gather.wait_stream(torch.cuda.current_stream(self.all_gather.device))
+
 
 class AllGatherLimiter:
     """At most ``max_in_flight`` unsharded buffers between an all-gather and its free.

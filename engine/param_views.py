@@ -101,9 +101,13 @@ class ParamViews:
                 f"unflat_views needs an unsharded tensor of at least {self.layout.total_numel} elements, "
                 f"got {flat.numel()}"
             )
+        # One split, not a narrow per parameter: autograd then gives the leaf its gradient with
+        # one concatenation, where per-parameter narrows would each materialize (zero-fill and add)
+        # a gradient the size of the whole flat buffer.
+        segments = flat.split([*self.layout.numels_with_padding, flat.numel() - self.layout.total_numel])
         views = []
-        for entry, start in zip(self.layout.params, self.layout.param_offsets()):
-            segment = flat.narrow(0, start, entry.numel)
+        real = (seg for seg, pad in zip(segments, self.layout.is_padding_mask) if not pad)
+        for entry, segment in zip(self.layout.params, real):
             views.append(segment.view(entry.shape) if entry.contiguous else segment.as_strided(entry.shape, entry.stride))
         return views
 

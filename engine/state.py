@@ -182,6 +182,8 @@ class ModuleState:
             for unit in ctx.units:
                 unit.writeback()
             self._select_precision()
+        # The optimizer step and the writebacks above wrote shards on the compute stream.
+        ctx.streams.gather_after_compute()
         args, kwargs = _move_inputs(args, kwargs, ctx.device)
         mp = self.mixed_precision
         # Root inputs follow the root's training flag even when the root has no parameters (FSDP1).
@@ -260,7 +262,8 @@ class ModuleState:
         unit.ran_pre_backward = True
         self.lifecycle.to_pre_backward()
         unit.check_no_change_since_forward()
-        unit.writeback()
+        if unit.writeback():
+            ctx.streams.gather_after_compute()
         unit.unshard(ctx)
         unit.wait_unshard()
         if unit.use_orig_params:

@@ -58,6 +58,8 @@ def summon_full_params(
     for s in states:
         if s.is_root is None:
             s.lazy_init()
+    if offload_to_cpu:
+        _check_offload_to_cpu(states)
     for s in states:
         if not s.lifecycle.idle:
             raise RuntimeError(
@@ -69,6 +71,20 @@ def summon_full_params(
         for s in states:
             stack.enter_context(_summon_state(s, writeback, rank0_only, offload_to_cpu, with_grads))
         yield
+
+
+def _check_offload_to_cpu(states: list[ModuleState]) -> None:
+    """FSDP1 refuses ``offload_to_cpu=True`` for a unit that does not shard (NO_SHARD, or any
+    non-hybrid strategy on a one-rank group), before anything is gathered; so does ours."""
+    for s in states:
+        unit = s.unit
+        if unit is not None and not unit.handle.uses_sharded_strategy:
+            raise NotImplementedError(
+                f"offload_to_cpu=True and NO_SHARD is not supported yet: the unit wrapping "
+                f"{type(s.module).__name__} does not shard (NO_SHARD, or one rank in its process group), so "
+                "summon_full_params has no gathered copy to place on the CPU; pass offload_to_cpu=False "
+                "(its full parameters are its local ones) or shard it over more than one rank"
+            )
 
 
 def _gather_full(unit: FsdpUnit, flat: Tensor, to_cpu: bool) -> Tensor:

@@ -22,11 +22,13 @@ The references (DDP and the local model) are in ``harness.references``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +44,7 @@ from harness.rank import RankContext
 
 __all__ = [
     "EngineAdapter",
+    "EngineUtilities",
     "FSDP1Adapter",
     "FSDP1Namespace",
     "FSDP2Adapter",
@@ -166,6 +169,31 @@ class EngineAdapter(ABC):
         """Wrap a fresh zoo model (float32, CPU) for this case on this rank."""
 
 
+#: The utilities an ``EngineUtilities`` can hold, by the names its ``missing`` uses.
+UTILITIES = ("summon", "summon_offload_to_cpu", "no_sync")
+
+
+@dataclass
+class EngineUtilities:
+    """The FSDP1 utilities a user calls between steps, bound to one wrapped model (what the offload
+    placement probe, ``harness.offload_probe``, drives); each None where the engine has no such API,
+    with the reason in ``missing``."""
+
+    #: ``summon_full_params`` bound to the root, taking the keywords ``writeback`` and ``offload_to_cpu``.
+    summon: Callable[..., AbstractContextManager[None]] | None = None
+    #: whether ``summon(offload_to_cpu=True)`` may be asked of this model.
+    summon_offload_to_cpu: bool = False
+    #: ``no_sync()`` of the root.
+    no_sync: Callable[[], AbstractContextManager[None]] | None = None
+    #: ``UTILITIES`` entry -> why the engine cannot be asked it (one line each).
+    missing: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def none(cls, why: str) -> "EngineUtilities":
+        """No utility at all, for ``why`` (a reference, an adapter that exposes none)."""
+        return cls(missing=dict.fromkeys(UTILITIES, why))
+
+
 @dataclass
 class EngineTrainee:
     """A wrapped engine model with its readers."""
@@ -177,6 +205,10 @@ class EngineTrainee:
     read_facts: Callable[[], EngineFacts]
     #: remarks for the record (e.g. parameters compared as shards for want of ``summon_full_params``).
     notes: list[str] = field(default_factory=list)
+    #: the engine's between-step utilities; an adapter that says nothing exposes none.
+    utilities: EngineUtilities = field(
+        default_factory=lambda: EngineUtilities.none("the engine's adapter exposes no FSDP1 utilities")
+    )
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -303,7 +335,22 @@ class FSDP1Adapter(EngineAdapter):
             read_params=lambda: self._final_params(root, notes),
             read_facts=lambda: _fsdp1_facts(root),
             notes=notes,
+            utilities=self._utilities(root, case, model, ctx),
         )
+
+    def _utilities(self, root: nn.Module, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineUtilities:
+        summon = getattr(self.ns.FullyShardedDataParallel, "summon_full_params", None)
+        no_sync = getattr(root, "no_sync", None)
+        missing = {} if summon is not None else dict.fromkeys(("summon", "summon_offload_to_cpu"), f"{self.name} has no summon_full_params")
+        # FSDP1 raises NotImplementedError for offload_to_cpu=True where a unit does not shard: NO_SHARD,
+        # any non-hybrid strategy on one rank (FSDP1 switches to NO_SHARD there), rank-local units.
+        if summon is not None and (case.sharding_strategy == "no_shard" or model.rank_local_modules()
+                                   or (ctx.world_size == 1 and not is_hybrid(case.sharding_strategy))):
+            missing["summon_offload_to_cpu"] = "FSDP1's summon_full_params refuses offload_to_cpu=True where a unit runs NO_SHARD"
+        if no_sync is None:
+            missing["no_sync"] = f"{self.name} has no no_sync"
+        return EngineUtilities(None if summon is None else functools.partial(summon, root),
+                               "summon_offload_to_cpu" not in missing, no_sync, missing)
 
     def _final_params(self, root: nn.Module, notes: list[str]) -> list[ParamSlice]:
         summon = getattr(self.ns.FullyShardedDataParallel, "summon_full_params", None)
@@ -411,6 +458,13 @@ FSDP2_RULES: tuple[Rule, ...] = (
 )
 
 
+#: FSDP1's utilities ``fully_shard`` has no counterpart of (set_requires_gradient_sync is its own API).
+FSDP2_MISSING_UTILITIES = {
+    **dict.fromkeys(("summon", "summon_offload_to_cpu"), "fully_shard has no summon_full_params"),
+    "no_sync": "fully_shard has no no_sync",
+}
+
+
 class FSDP2Adapter(EngineAdapter):
     """``fully_shard`` (FSDP2): torch's (``module_name=None``) or any namespace's with its API."""
 
@@ -501,6 +555,7 @@ class FSDP2Adapter(EngineAdapter):
                 {p.to_local().device.type if hasattr(p, "to_local") else p.device.type for p in model.parameters()},
                 None,
             ),
+            utilities=EngineUtilities(missing=dict(FSDP2_MISSING_UTILITIES)),
         )
 
 

@@ -45,8 +45,12 @@ STRATEGIES: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard", "hybri
 HYBRID_MIN_RANKS = 4
 
 
+#: steps run under the profiler after the timed ones (a trace covers this many steps).
+PROFILE_STEPS = 3
+
+
 # ---------------------------------------------------------------------------------------------------
-# The model
+# The model's sizes
 
 
 #: the named sizes of ``--size``. ``3b`` (2.91B parameters) halves the batch so DDP's and NO_SHARD's
@@ -156,7 +160,7 @@ class PerfJob:
     #: where the Chrome traces go (None: no profiling).
     profile_dir: str | None = None
     #: steps traced after the timed ones.
-    profile_steps: int = 3
+    profile_steps: int = PROFILE_STEPS
 
 
 def _hybrid_shard_size(ctx: RankContext) -> int:
@@ -316,7 +320,7 @@ class ZooJob:
     steps: int
     seed: int = 0
     profile_dir: str | None = None
-    profile_steps: int = 3
+    profile_steps: int = PROFILE_STEPS
     #: write a cProfile dump of the timed steps next to the traces.
     cprofile: bool = False
 

@@ -5,24 +5,28 @@ holds, the precision in their dtypes, a prefetch setting must reorder the trace 
 without it (FSDP2, which cannot turn backward prefetch off, must show an all-gather issued ahead of the
 previous unit's reduction), offload must leave the sharded parameters on CPU and no offload on the
 device (which is also where ``init_mode="never"`` must have put them: the other init modes are the
-harness's own moves), ``use_orig_params`` decides whether flat parameters are exposed. A check that
-cannot see anything in a case (one unit, CPU-only ranks) says ``n/a`` rather than pass. Pure functions
-over the trace and plain facts.
+harness's own moves), and every parameter and gradient a user can see must be where offload promises
+at every point of a step (``offload_placement``, over the record of ``harness.offload_probe``),
+``use_orig_params`` decides whether flat parameters are exposed. A check that cannot see anything in a
+case (one unit, CPU-only ranks) says ``n/a`` rather than pass. Pure functions over the trace and plain
+facts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from harness.case import PrecisionSpec, is_hybrid
+from harness.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, PlacementLog, offload_violations
 from harness.trace import CommEvent, movable_gathers, ops, signature
 
 __all__ = [
     "KnobCheck",
     "check_backward_prefetch_structure",
     "check_offload",
+    "check_offload_placement",
     "check_order_changed",
     "check_precision",
     "check_sharding",
@@ -135,6 +139,47 @@ def check_offload(cpu_offload: bool, param_devices: set[str], device_type: str) 
         return KnobCheck("cpu_offload", "ok", f"sharded parameters on {sorted(param_devices)}")
     expected = "CPU" if cpu_offload else device_type
     return KnobCheck("cpu_offload", "ignored", f"cpu_offload={cpu_offload}: sharded parameters on {sorted(param_devices)}, expected {expected}")
+
+
+#: points each missing utility leaves unrecorded.
+_UTILITY_POINTS = {
+    "summon": ("in_summon", "after_summon", "in_summon_offload_to_cpu", "after_summon_offload_to_cpu"),
+    "summon_offload_to_cpu": ("in_summon_offload_to_cpu", "after_summon_offload_to_cpu"),
+    "no_sync": ("in_no_sync", "after_no_sync"),
+}
+#: violations the reason names before it counts the rest.
+_SHOWN = 3
+
+
+def check_offload_placement(log: PlacementLog, compute_device: str, not_observed: Mapping[str, str] | None = None) -> KnobCheck:
+    """Every parameter and gradient of ``log`` (``harness.param_devices``, one probe step under
+    ``CPUOffload(offload_params=True)``) where offload promises it; ``compute_device`` is the device type
+    the ranks compute on, ``not_observed`` the utilities the engine has not (utility -> why)."""
+    knob = "offload_placement"
+    not_observed = dict(not_observed or {})
+    violations = offload_violations(log, compute_device)
+    if violations:
+        shown = "; ".join(str(v) for v in violations[:_SHOWN])
+        more = f" (+{len(violations) - _SHOWN} more)" if len(violations) > _SHOWN else ""
+        return KnobCheck(knob, "ignored", f"cpu_offload=True: {shown}{more}")
+    skipped = {p for utility in not_observed for p in _UTILITY_POINTS.get(utility, ())}
+    unrecorded = [p for p in (*PARAMETER_POINTS, *COMPUTE_POINTS) if p not in log and p not in skipped]
+    placements = sum(len(placement) for placement in log.values())
+    seen = f"{placements} placements at {len(log)} points"
+    why: dict[str, list[str]] = {}
+    for utility, reason in not_observed.items():
+        why.setdefault(reason, []).append(utility)
+    gaps = [f"{', '.join(utilities)} not observed: {reason}" for reason, utilities in why.items()]
+    if unrecorded:
+        gaps.append(f"not recorded: {', '.join(unrecorded)}")
+    tail = f" ({'; '.join(gaps)})" if gaps else ""
+    if not placements:
+        return KnobCheck(knob, "n/a", f"no parameter recorded{tail}")
+    if compute_device == "cpu":
+        return KnobCheck(knob, "n/a", f"the ranks compute on CPU: every device is the CPU; {seen}{tail}")
+    return KnobCheck(
+        knob, "ok", f"{seen}: on the CPU outside forward and backward, on {compute_device} in them and in summon_full_params{tail}"
+    )
 
 
 def check_use_orig_params(use_orig_params: bool, exposes_flat_params: bool | None) -> KnobCheck:

@@ -145,7 +145,8 @@ def observe_compute(model: nn.Module, names: Iterable[str], log: PlacementLog) -
 
                 node.register_hook(after_backward_op)
 
-        handles.append(module.register_forward_hook(after_forward))
+        # First among the module's forward hooks: an engine's own post-forward hook may reshard.
+        handles.append(module.register_forward_hook(after_forward, prepend=True))
     try:
         yield
     finally:

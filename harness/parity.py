@@ -44,6 +44,7 @@ from harness.compare import (
     worst_budgets,
 )
 from harness.models import ZooModel, build_model, gpu_sleep
+from harness.offload_probe import probe_offload_placement
 from harness.placement import hybrid_shard_size
 from harness.pool import PoolOutcome
 from harness.rank import RankContext
@@ -52,6 +53,7 @@ from harness.knobs import (
     KnobCheck,
     check_backward_prefetch_structure,
     check_offload,
+    check_offload_placement,
     check_order_changed,
     check_precision,
     check_sharding,
@@ -136,7 +138,8 @@ def _sharded_units(model: ZooModel) -> int:
 def knob_checks(
     adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, spec: PrecisionSpec, engine: Observation
 ) -> list[KnobCheck]:
-    """Every knob of the case against what the engine did; prefetch settings rerun a short baseline."""
+    """Every knob of the case against what the engine did; prefetch settings rerun a short baseline,
+    CPU offload a one-step placement probe (``harness.offload_probe``)."""
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
     events = engine.events
     facts = engine.facts if engine.facts is not None else EngineFacts(set(), None)
@@ -150,6 +153,10 @@ def knob_checks(
         check_offload(case.cpu_offload, facts.param_devices, ctx.device_type),
         check_use_orig_params(case.use_orig_params, facts.exposes_flat_params),
     ]
+    if case.cpu_offload:
+        # A fresh build's step, after the compared run ([Note: a throwaway step, not the compared run]).
+        probe = probe_offload_placement(adapter, case, ctx)
+        checks.append(check_offload_placement(probe.log, probe.compute_device, probe.not_observed))
     probe_steps = min(2, case.steps)
     window = range(probe_steps)
     if case.backward_prefetch != "none":

@@ -106,6 +106,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the configuration and rows here")
 
 
+def _print_trace_summaries(directory: Path) -> None:
+    """Each trace's GPU time, streams, overlap and top kernels (``harness.profile_summary``)."""
+    from harness.benchmark import PROFILE_STEPS
+    from harness.profile_summary import gpu_events, load_trace, summarize, summary_lines
+
+    for path in sorted(directory.glob("*.json")):
+        events = gpu_events(load_trace(path))
+        if events:
+            print("\n".join(summary_lines(path.stem, summarize(events, PROFILE_STEPS))))
+
+
 def main(args: argparse.Namespace) -> int:
     from harness.pool import PoolStartError
 
@@ -130,6 +141,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"{len(rows)} runs in {wall:.1f} s" + (f"; failed: {failed}" if failed else "")
           + (f"; final loss differs from {BASELINE}: {differs}" if differs else "")
           + (f"; traces in {config.profile_dir}" if config.profile_dir else ""))
+    if config.profile_dir:
+        _print_trace_summaries(Path(config.profile_dir))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         data = {"config": asdict(config), "params": None if config.zoo_models else count_params(config.model),

@@ -26,17 +26,29 @@ def configurations(strategies: tuple[str, ...] = STRATEGY_NAMES) -> list[tuple[s
     return list(itertools.product(MODELS, strategies, (False, True)))
 
 
+@functools.cache
+def _hybrid_groups(world: object, world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard group, replicate group) of one node: shard over every rank, replicate over none.
+    ``world`` keys the cache to the current default group. Every rank creates every group."""
+    replicate = [dist.new_group([r]) for r in range(world_size)]
+    return dist.group.WORLD, replicate[dist.get_rank()]
+
+
 def offload_step(api: Any, model_name: str, strategy: str, use_orig_params: bool, device: torch.device) -> PlacementLog:
     """One offloaded training step of ``model_name`` wrapped by ``api`` (an ``FSDPApi``), recorded."""
     cls = MODELS[model_name]
     model = cls(device)
     names = original_names(model)
+    # Wrapping by hand with a hybrid strategy needs its two groups spelled out (FSDP1 refuses
+    # to guess them without an auto-wrap policy).
+    groups = {"process_group": _hybrid_groups(dist.group.WORLD, dist.get_world_size())} if "HYBRID" in strategy else {}
     wrapped = wrap_bottom_up(
         model,
         api.wrap,
         sharding_strategy=api.ShardingStrategy[strategy],
         cpu_offload=api.CPUOffload(offload_params=True),
         use_orig_params=use_orig_params,
+        **groups,
     )
     batch = to_device(cls.get_input(step=0, rank=dist.get_rank()), device)
     return record_training_step(

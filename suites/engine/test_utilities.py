@@ -122,6 +122,34 @@ def check_summon_options(rank: int, world_size: int) -> None:
     assert all(n.startswith("_fsdp_wrapped_module.") for n, _ in model.named_parameters())
 
 
+def check_summon_offload_to_cpu_with_no_shard_refused_as_torch(rank: int, world_size: int) -> None:
+    # FSDP1 raises NotImplementedError for offload_to_cpu=True on a unit that does not shard, with or
+    # without writeback; ours must refuse the same way (and name the unit), not summon and drop edits.
+    from suites.seeds.api import load_api
+
+    for api in (load_api("builtin"), load_api("torch-fsdp")):
+        for writeback in (True, False):
+            model = wrap_bottom_up(NestedWrapped(), api.wrap, sharding_strategy=api.ShardingStrategy.NO_SHARD)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with _expect(NotImplementedError, "offload_to_cpu=True and NO_SHARD is not supported yet") as caught:
+                with api.FSDP.summon_full_params(model, offload_to_cpu=True, writeback=writeback):
+                    for p in model.parameters():
+                        p.data.zero_()
+            if not api.is_torch:
+                assert "NestedWrapped" in str(caught.value) and "offload_to_cpu=False" in str(caught.value), str(caught.value)
+            # Refused before anything was summoned: the parameters are untouched and training goes on.
+            for n, p in model.named_parameters():
+                assert_close(p, before[n], msg=lambda m: f"{api.name}: {n} changed by a refused summon: {m}")
+            inputs = NestedWrapped.get_input(step=0, rank=rank)
+            NestedWrapped.get_loss(inputs, model(*inputs)).backward()
+    # Where every unit shards, offload_to_cpu is allowed and writeback=True lands.
+    model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=ShardingStrategy.FULL_SHARD)
+    with FSDP.summon_full_params(model, offload_to_cpu=True, writeback=True):
+        model.module.inp.weight.data.fill_(0.5)
+    with FSDP.summon_full_params(model):
+        assert bool((model.module.inp.weight == 0.5).all())
+
+
 def check_summon_between_forward_and_backward(rank: int, world_size: int) -> None:
     for strategy, orig in itertools.product(STRATEGIES, [False, True]):
         kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
@@ -331,6 +359,7 @@ CHECKS = [
     check_clip_grad_norm_no_clip_when_small,
     check_summon_writeback,
     check_summon_options,
+    check_summon_offload_to_cpu_with_no_shard_refused_as_torch,
     check_summon_between_forward_and_backward,
     check_summon_inside_forward_raises,
     check_forward_inside_summon_raises,

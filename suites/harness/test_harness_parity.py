@@ -168,3 +168,5 @@ def test_gpu_only_behaviours(parity_pool: RankPool, case: CaseConfig) -> None:
     assert record.peak_mem_bytes > 0
     knobs = {k["knob"]: k["status"] for k in record.detail["knobs"]}
     assert knobs["cpu_offload"] == "ok"
+    if case.cpu_offload:
+        assert knobs["offload_placement"] == "ok", record.detail["knobs"]

@@ -1,0 +1,186 @@
+"""What a torch profiler Chrome trace of training steps says about the GPU, in a few numbers.
+
+``harness perf --profile DIR`` writes one trace per engine, strategy and rank; reading them side by
+side in a viewer is slow, and the questions asked of them are always the same: how long the GPU
+was busy per step, which streams ran what, whether communication overlapped compute or waited for
+it, and which kernels took the time. Plain functions over the trace's events (no torch import):
+:func:`summarize` turns a trace into a :class:`TraceSummary`, :func:`summary_lines` into text.
+
+Streams: the one with the most kernel time is the compute stream; every other stream is a side
+stream (all-gathers, reductions, copies). Communication kernels are NCCL's (``nccl`` in the name)
+and copies on side streams. Overlap is measured on the union of intervals: the time a side stream
+was busy while the compute stream was busy too.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GpuEvent", "StreamSummary", "TraceSummary", "gpu_events", "load_trace", "summarize", "summary_lines"]
+
+#: Chrome-trace categories of work the GPU does.
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+Interval = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    """One kernel, copy or memset: where it ran and when (microseconds)."""
+
+    name: str
+    category: str
+    stream: int
+    start_us: float
+    dur_us: float
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.dur_us
+
+    @property
+    def is_comm(self) -> bool:
+        return "nccl" in self.name.lower()
+
+
+@dataclass
+class StreamSummary:
+    stream: int
+    busy_ms: float
+    events: int
+    #: busy time that coincides with compute-stream busy time (0 for the compute stream itself).
+    overlapped_ms: float
+    top_kernel: str
+
+
+@dataclass
+class TraceSummary:
+    steps: int
+    #: first GPU event start to last end, per step.
+    window_ms_per_step: float
+    #: time no stream ran anything, per step.
+    idle_ms_per_step: float
+    compute_stream: int | None
+    streams: list[StreamSummary] = field(default_factory=list)
+    #: NCCL kernel time per step and the part of it overlapped by compute-stream work.
+    comm_ms_per_step: float = 0.0
+    comm_overlapped_ms_per_step: float = 0.0
+    #: ``(name, count per step, ms per step)``, largest first.
+    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+def load_trace(path: Path) -> dict[str, Any]:
+    """A Chrome trace as written by ``torch.profiler`` (``.json`` or ``.json.gz``)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def gpu_events(trace: dict[str, Any]) -> list[GpuEvent]:
+    """The GPU's complete events of a trace, in start order."""
+    events = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in GPU_CATEGORIES:
+            continue
+        args = e.get("args") or {}
+        stream = args.get("stream", e.get("tid"))
+        try:
+            stream = int(stream)
+        except (TypeError, ValueError):
+            stream = -1
+        events.append(GpuEvent(str(e.get("name", "")), e["cat"], stream, float(e["ts"]), float(e.get("dur", 0.0))))
+    return sorted(events, key=lambda ev: ev.start_us)
+
+
+def _union(intervals: Iterable[Interval]) -> list[Interval]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: Sequence[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(a: Sequence[Interval], b: Sequence[Interval]) -> float:
+    """Total length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(events: Sequence[GpuEvent], steps: int, top: int = 8) -> TraceSummary:
+    """The numbers of a trace of ``steps`` training steps (per step, in milliseconds)."""
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be at least 1 (the number of profiled steps in the trace)")
+    if not events:
+        return TraceSummary(steps, 0.0, 0.0, None)
+    per_step = 1e-3 / steps
+    by_stream: dict[int, list[GpuEvent]] = defaultdict(list)
+    for ev in events:
+        by_stream[ev.stream].append(ev)
+    unions = {s: _union((e.start_us, e.end_us) for e in evs) for s, evs in by_stream.items()}
+    compute = max(unions, key=lambda s: _length(unions[s]))
+    streams = []
+    for s, evs in sorted(by_stream.items(), key=lambda kv: -_length(unions[kv[0]])):
+        time_by_name: dict[str, float] = defaultdict(float)
+        for e in evs:
+            time_by_name[e.name] += e.dur_us
+        overlapped = 0.0 if s == compute else _intersection(unions[s], unions[compute])
+        streams.append(StreamSummary(s, _length(unions[s]) * per_step, len(evs), overlapped * per_step,
+                                     max(time_by_name, key=time_by_name.__getitem__)))
+    window = max(e.end_us for e in events) - events[0].start_us
+    busy = _length(_union((e.start_us, e.end_us) for e in events))
+    comm = _union((e.start_us, e.end_us) for e in events if e.is_comm)
+    counts: dict[str, int] = defaultdict(int)
+    totals: dict[str, float] = defaultdict(float)
+    for e in events:
+        counts[e.name] += 1
+        totals[e.name] += e.dur_us
+    ranked = sorted(totals, key=totals.__getitem__, reverse=True)[:top]
+    return TraceSummary(
+        steps=steps,
+        window_ms_per_step=window * per_step,
+        idle_ms_per_step=(window - busy) * per_step,
+        compute_stream=compute,
+        streams=streams,
+        comm_ms_per_step=_length(comm) * per_step,
+        comm_overlapped_ms_per_step=_intersection(comm, unions[compute]) * per_step,
+        top_kernels=[(name, counts[name] / steps, totals[name] * per_step) for name in ranked],
+    )
+
+
+def _short(name: str, width: int = 60) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def summary_lines(label: str, summary: TraceSummary) -> list[str]:
+    """A few lines per trace for the perf report."""
+    s = summary
+    lines = [f"{label}: GPU window {s.window_ms_per_step:.2f} ms/step, idle {s.idle_ms_per_step:.2f} ms/step"]
+    if s.comm_ms_per_step:
+        lines.append(f"  NCCL {s.comm_ms_per_step:.2f} ms/step, {s.comm_overlapped_ms_per_step:.2f} ms of it under compute")
+    for st in s.streams:
+        role = "compute" if st.stream == s.compute_stream else f"side, {st.overlapped_ms:.2f} ms under compute"
+        lines.append(f"  stream {st.stream} ({role}): busy {st.busy_ms:.2f} ms/step, {st.events} events; most time: {_short(st.top_kernel)}")
+    for name, count, ms in s.top_kernels:
+        lines.append(f"    {ms:8.2f} ms/step  x{count:g}  {_short(name)}")
+    return lines
