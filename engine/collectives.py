@@ -39,6 +39,10 @@ __all__ = [
     "copy_flat",
     "reduce_scatter_grad",
     "all_reduce_grad",
+    "average_factors",
+    "chunk_output",
+    "record_event",
+    "reduction_input",
     "predivide_factor",
     "stream_context",
 ]
@@ -83,7 +87,7 @@ def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
-def _record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+def record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     if stream is None:
         return None
     event = torch.cuda.Event()
@@ -131,7 +135,7 @@ def all_gather_flat(
                 f"{local.numel()} need {local.numel() * world_size}"
             )
         dist.all_gather_into_tensor(output, local, group=group)
-        event = _record_event(stream)
+        event = record_event(stream)
     return AllGatherResult(output, event)
 
 
@@ -145,13 +149,39 @@ def copy_flat(
     with _on_stream(stream):
         output = alloc_output()
         output.copy_(flat.detach(), non_blocking=True)
-        event = _record_event(stream)
+        event = record_event(stream)
     return AllGatherResult(output, event)
 
 
 def _div_(t: Tensor, factor: float) -> None:
     if factor > 1:
         t.div_(factor)
+
+
+def average_factors(dp_size: int) -> tuple[float, float]:
+    """The division before and after the reduction whose product is ``dp_size``."""
+    pre = predivide_factor(dp_size)
+    return pre, dp_size / pre
+
+
+def reduction_input(grad: Tensor, reduce_dtype: torch.dtype, stream: torch.cuda.Stream | None) -> Tensor:
+    """The gradient to reduce, in the reduce dtype, safe to use on ``stream``. The caller hands the
+    unsharded gradient over: without a cast it is reduced (divided) in place, saving a copy."""
+    grad = grad.detach()
+    if stream is not None:
+        # Produced on the compute stream, consumed on ``stream``.
+        grad.record_stream(stream)
+    return grad.to(reduce_dtype)
+
+
+def chunk_output(grad: Tensor, world_size: int, what: str) -> Tensor:
+    """An empty tensor for this rank's chunk of ``grad``, which must be padded to ``world_size``
+    equal chunks (the layout pads every flat parameter so)."""
+    if grad.numel() % world_size:
+        raise RuntimeError(
+            f"{what} input of {grad.numel()} elements is not padded to a multiple of world_size={world_size}"
+        )
+    return grad.new_empty(grad.numel() // world_size)
 
 
 def reduce_scatter_grad(
@@ -169,27 +199,16 @@ def reduce_scatter_grad(
     """
     world_size = dist.get_world_size(group)
     dp_size = world_size * (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
-    pre = predivide_factor(dp_size)
-    post = dp_size / pre
+    pre, post = average_factors(dp_size)
     with stream_context(stream):
-        grad = unsharded_grad.detach()
-        if stream is not None:
-            # Produced on the compute stream, consumed here.
-            grad.record_stream(stream)
-        # The caller hands the unsharded gradient over: dividing it in place saves a copy.
-        grad = grad.to(reduce_dtype)
-        if grad.numel() % world_size:
-            raise RuntimeError(
-                f"reduce-scatter input of {grad.numel()} elements is not padded to a multiple of "
-                f"world_size={world_size}"
-            )
+        grad = reduction_input(unsharded_grad, reduce_dtype, stream)
+        output = chunk_output(grad, world_size, "reduce-scatter")
         _div_(grad, pre)
-        output = grad.new_empty(grad.numel() // world_size)
         dist.reduce_scatter_tensor(output, grad, group=group)
         if replicate_group is not None:
             dist.all_reduce(output, group=replicate_group)
         _div_(output, post)
-        event = _record_event(stream)
+        event = record_event(stream)
     return ReduceResult(output, event)
 
 
@@ -199,17 +218,13 @@ def all_reduce_grad(
     reduce_dtype: torch.dtype,
     stream: torch.cuda.Stream | None,
 ) -> ReduceResult:
-    """Average ``grad`` over ``group`` (NO_SHARD); returns a new tensor in the reduce dtype."""
-    world_size = dist.get_world_size(group)
-    pre = predivide_factor(world_size)
-    post = world_size / pre
+    """Average ``grad`` over ``group`` (NO_SHARD), in the reduce dtype (in place when ``grad``
+    already has it: the caller hands it over)."""
+    pre, post = average_factors(dist.get_world_size(group))
     with stream_context(stream):
-        src = grad.detach()
-        if stream is not None:
-            src.record_stream(stream)
-        out = src.to(reduce_dtype)
+        out = reduction_input(grad, reduce_dtype, stream)
         _div_(out, pre)
         dist.all_reduce(out, group=group)
         _div_(out, post)
-        event = _record_event(stream)
+        event = record_event(stream)
     return ReduceResult(out, event)

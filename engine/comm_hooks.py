@@ -46,8 +46,7 @@ class DefaultState:
             raise ValueError(f"Expected to pass in an explicit ProcessGroup to {type(self).__name__}: pass the group to reduce over")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        self.gradient_predivide_factor = collectives.predivide_factor(self.world_size)
-        self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
+        self.gradient_predivide_factor, self.gradient_postdivide_factor = collectives.average_factors(self.world_size)
 
 
 class LowPrecisionState(DefaultState):
@@ -120,25 +119,15 @@ def run_comm_hook(
 ) -> collectives.ReduceResult:
     """Reduce one unit's unsharded gradient with ``hook`` instead of the built-in collective."""
     with collectives.stream_context(stream):
-        grad = unsharded_grad.detach()
-        if stream is not None:
-            grad.record_stream(stream)
-        if not is_low_precision_hook(hook) and grad.dtype != reduce_dtype:
-            grad = grad.to(reduce_dtype)
+        # A low-precision hook casts itself; every other hook gets the reduce dtype.
+        dtype = unsharded_grad.dtype if is_low_precision_hook(hook) else reduce_dtype
+        grad = collectives.reduction_input(unsharded_grad, dtype, stream)
         if sharded:
-            if grad.numel() % world_size:
-                raise RuntimeError(
-                    f"communication hook input of {grad.numel()} elements is not padded to a multiple of "
-                    f"world_size={world_size}"
-                )
-            output = grad.new_empty(grad.numel() // world_size)
+            output = collectives.chunk_output(grad, world_size, "communication hook")
             hook(hook_state, grad, output)
             result = output
         else:
             hook(hook_state, grad)
             result = grad
-        event = None
-        if stream is not None:
-            event = torch.cuda.Event()
-            event.record(stream)
+        event = collectives.record_event(stream)
     return collectives.ReduceResult(result, event)
