@@ -74,7 +74,7 @@ def count_params(cfg: GPTConfig) -> int:
 def unsupported_reason(engine: str, strategy: str | None, world_size: int) -> str | None:
     """Why ``(engine, strategy)`` is not measured on ``world_size`` ranks; None when it is."""
     if engine != "ddp":
-        from harness.adapters import FSDP2Adapter
+        from harness.fsdp2_adapter import FSDP2Adapter
         from harness.registry import resolve
 
         adapter = resolve(engine)
@@ -208,7 +208,7 @@ def _wrap(model: BenchmarkGPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Modul
         return ddp, contextlib.nullcontext
     import importlib
 
-    from harness.adapters import FSDP2Adapter
+    from harness.fsdp2_adapter import FSDP2Adapter
     from harness.registry import resolve
 
     adapter = resolve(job.engine)

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.adapters import EngineAdapter, FSDP1Adapter, FSDP2Adapter
+from harness.adapters import EngineAdapter, FSDP1Adapter
+from harness.fsdp2_adapter import FSDP2Adapter
 from harness.optim import init_optimizer_state
 from harness.rank import RankContext
 

@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 from typing import Any
 
-from harness.adapters import EngineAdapter, FSDP1Adapter, FSDP2Adapter
+from harness.adapters import EngineAdapter, FSDP1Adapter
+from harness.fsdp2_adapter import FSDP2Adapter
 from harness.case import DEFAULT_ENGINES, engine_name
 
 __all__ = [

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.adapters import EngineAdapter, FSDP1Adapter, FSDP2Adapter
+from harness.adapters import EngineAdapter, FSDP1Adapter
+from harness.fsdp2_adapter import FSDP2Adapter
 from harness.capabilities import Rule
 from harness.case import CaseConfig
 from harness.matrix import feasible_pairs, generate, invalid_reason, pairs_uncovered
