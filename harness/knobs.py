@@ -61,6 +61,12 @@ def check_sharding(
     ar = ops(events, op="all_reduce", phase="backward")
     seen = f"forward all-gathers {fwd_ag}, backward all-gathers {bwd_ag}, reduce-scatters {rs}, all-reduces {len(ar)}"
     knob = "sharding_strategy"
+    if is_hybrid(strategy) and replicate_size == world_size:
+        # One rank per shard group (one GPU per node): nothing to gather or scatter within it; all the
+        # averaging is the all-reduce across the replicas.
+        ok = any(e.group_size == replicate_size for e in ar)
+        expected = f"one-rank shard groups: gradients all-reduced across {replicate_size} replicas"
+        return KnobCheck(knob, "ok", seen) if ok else KnobCheck(knob, "ignored", f"{strategy}: expected {expected}; saw {seen}")
     if strategy == "no_shard":
         ok = fwd_ag + bwd_ag == 0 and rs == 0 and len(ar) > 0
         expected = "no all-gather or reduce-scatter, gradients all-reduced"

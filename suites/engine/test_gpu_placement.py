@@ -50,6 +50,13 @@ GRADIENT_DIFFERENCES = {("in_no_sync", False)}
 GRADIENT_ONLY_IN_TORCH = {("after_forward", True, None, "cpu")}
 
 
+#: On one rank torch FSDP1 runs the hybrid strategies as NO_SHARD too (its shard group has one rank,
+#: and it would then skip the replicate group's all-reduce); ours keeps hybrid semantics, so
+#: _HYBRID_SHARD_ZERO2 keeps its unsharded parameters on the GPU from forward to backward there, as
+#: SHARD_GRAD_OP does on two ranks. Each engine is still held to what offload promises.
+ONE_RANK_HYBRID_DIFFERS = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -83,7 +90,8 @@ def check_offload_placement_matches_torch(rank: int, world_size: int) -> None:
         where = f"{model_name} {strategy} use_orig_params={orig}"
         log_ours = offload_step(ours, model_name, strategy, orig, _device())
         log_torch = offload_step(theirs, model_name, strategy, orig, _device())
-        problems += [f"{where}: {d}" for d in _differences(log_ours, log_torch, orig)]
+        if not (world_size == 1 and strategy in ONE_RANK_HYBRID_DIFFERS):
+            problems += [f"{where}: {d}" for d in _differences(log_ours, log_torch, orig)]
         problems += [f"{where}: ours: {v}" for v in offload_violations(log_ours, "cuda")]
         problems += [f"{where}: torch: {v}" for v in offload_violations(log_torch, "cuda")]
     assert not problems, "\n".join(problems)

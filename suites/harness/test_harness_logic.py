@@ -251,6 +251,10 @@ def test_check_sharding_edge_cases() -> None:
     # One-rank groups (rank-local experts) move nothing and do not count.
     local_only = [ev("all_gather", "forward", group=1), ev("reduce_scatter", "backward", group=1)]
     assert check_sharding("shard_grad_op", local_only, sharded_units=1).status == "ignored"
+    # One rank per shard group (2 replicas of one rank): only the replicas' all-reduce averages.
+    for strategy in ("hybrid_shard", "hybrid_shard_zero2"):
+        assert check_sharding(strategy, NO_SHARD, sharded_units=2, replicate_size=2, world_size=2).status == "ok"
+        assert check_sharding(strategy, [], sharded_units=2, replicate_size=2, world_size=2).status == "ignored"
 
 
 def test_check_precision() -> None:

@@ -80,6 +80,11 @@ def _pool(world_size: int) -> Iterator[RankPool]:
 
 
 @pytest.fixture(scope="module")
+def pool2() -> Iterator[RankPool]:
+    yield from _pool(2)
+
+
+@pytest.fixture(scope="module")
 def pool4() -> Iterator[RankPool]:
     yield from _pool(4)
 
@@ -143,6 +148,33 @@ WS8_HYBRID = [
 def test_hybrid_2x4_and_4x2_at_world_size_8(pool8: RankPool, case: CaseConfig) -> None:
     record = _passes(pool8, case)
     assert record.detail["collectives"]["all_reduce"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hybrid with one rank per shard group (one GPU per node): all the averaging is across replicas
+
+#: torch FSDP1 switches every strategy to NO_SHARD when its shard group has one rank, and its NO_SHARD
+#: all-reduces over that one-rank group only: the replicas never average their gradients and drift
+#: apart from the first step (seen with torch 2.11 and 2.13).
+TORCH_FSDP1_ONE_RANK_SHARD_GROUP = pytest.mark.xfail(
+    strict=True,
+    reason="torch FSDP1 runs hybrid sharding with a one-rank shard group as NO_SHARD over that group, "
+    "so replicas never average gradients",
+)
+
+WS2_HYBRID_ONE_RANK_SHARDS = [
+    pytest.param(_case(engine, sharding_strategy=strategy, model="nested", reference="ddp", world_size=2,
+                       extras=(("shard_size", 1),)),
+                 marks=[TORCH_FSDP1_ONE_RANK_SHARD_GROUP] if engine == "torch-fsdp" else [])
+    for engine in ENGINES
+    for strategy in ("hybrid_shard", "hybrid_shard_zero2")
+]
+
+
+@pytest.mark.parametrize("case", WS2_HYBRID_ONE_RANK_SHARDS, ids=_case_id)
+def test_hybrid_with_one_rank_shard_groups_averages_across_replicas(pool2: RankPool, case: CaseConfig) -> None:
+    record = _passes(pool2, case)
+    assert record.detail["collectives"]["all_reduce"] > 0, "the 2 replicas must all-reduce their gradients"
 
 
 # ---------------------------------------------------------------------------------------------------
