@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType, comm_hooks
 from harness.pytest_plugin import needs_gpus
-from suites.checkpoint.training import CkptNet, device_for, full_state, hybrid_groups, make_optimizer, train
+from suites.checkpoint.training import CkptNet, device_for, full_state, hybrid_groups, make_optimizer, train, wrapped
 from suites.engine.ranks import RankSession, run_checks, session_tests
 
 
@@ -64,7 +64,7 @@ def _full_params_torch(model: torch.nn.Module, torch_fsdp: Any) -> dict[str, tor
 
 def _compare(hook_name: str, strategy: ShardingStrategy, low_precision: bool, rank: int) -> None:
     device = device_for(rank)
-    ours = CkptNet(device).wrap(sharding_strategy=strategy, **({"device_id": device} if device.type == "cuda" else {}))
+    ours = wrapped(device, sharding_strategy=strategy, **({"device_id": device} if device.type == "cuda" else {}))
     theirs, torch_fsdp = _theirs(strategy.name, device)
     group = dist.group.WORLD
     if low_precision:
@@ -106,13 +106,13 @@ def check_hook_replaces_reduction(rank: int, world_size: int) -> None:
         calls.append((grad.numel(), output.numel()))
         output.copy_(grad.chunk(world_size)[rank])
 
-    model = CkptNet().wrap()
+    model = wrapped()
     model.register_comm_hook(None, local_only)
     units = [m for m in FSDP.fsdp_modules(model) if m._unit is not None]
     train(model, make_optimizer("sgd", model.parameters()), range(1), rank)
     assert len(calls) == len(units), f"hook ran {len(calls)} times for {len(units)} units"
     assert all(g == o * world_size for g, o in calls), calls
-    default = CkptNet().wrap()
+    default = wrapped()
     train(default, make_optimizer("sgd", default.parameters()), range(1), rank)
     hooked, averaged = full_state(model), full_state(default)
     # Each rank stepped its shard with its own, unaveraged gradient.
@@ -120,7 +120,7 @@ def check_hook_replaces_reduction(rank: int, world_size: int) -> None:
 
 
 def check_registration_rules(rank: int, world_size: int) -> None:
-    model = CkptNet().wrap()
+    model = wrapped()
     # As in torch FSDP1, a nested unit asked before its root initializes is a root of its own.
     assert model.check_is_root()
     with pytest.raises(AssertionError, match="register_comm_hook can only be called on a root instance"):
@@ -130,10 +130,10 @@ def check_registration_rules(rank: int, world_size: int) -> None:
     model.register_comm_hook(comm_hooks.DefaultState(dist.group.WORLD), comm_hooks.reduce_scatter_hook)
     with pytest.raises(AssertionError, match="A communication hook is already registered"):
         model.register_comm_hook(comm_hooks.DefaultState(dist.group.WORLD), comm_hooks.reduce_scatter_hook)
-    hybrid = CkptNet().wrap(sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=hybrid_groups(world_size))
+    hybrid = wrapped(sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=hybrid_groups(world_size))
     with pytest.raises(AssertionError, match="not supported for hybrid strategies"):
         hybrid.register_comm_hook(None, comm_hooks.reduce_scatter_hook)
-    trained = CkptNet().wrap()
+    trained = wrapped()
     train(trained, make_optimizer("sgd", trained.parameters()), range(1), rank)
     with pytest.raises(AssertionError, match="before the first forward"):
         trained.register_comm_hook(None, comm_hooks.reduce_scatter_hook)

@@ -29,7 +29,7 @@ from engine import (
     ShardingStrategy,
     StateDictType,
 )
-from suites.checkpoint.training import CkptNet, Setup, full_state, make_optimizer, train
+from suites.checkpoint.training import CkptNet, Setup, full_state, make_optimizer, train, wrapped
 from suites.engine.ranks import session_tests
 
 CPU = torch.device("cpu")
@@ -106,7 +106,7 @@ def check_full_ours_into_torch_fsdp1_and_back(rank: int, world_size: int) -> Non
 def check_mixed_precision_saves_full_precision(rank: int, world_size: int) -> None:
     mp = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
     for orig in (False, True):
-        model = CkptNet().wrap(use_orig_params=orig, mixed_precision=mp)
+        model = wrapped(use_orig_params=orig, mixed_precision=mp)
         optim = make_optimizer("adamw", model.parameters())
         train(model, optim, range(2), rank)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
@@ -128,7 +128,7 @@ def check_settings_like_torch(rank: int, world_size: int) -> None:
     from torch.distributed.fsdp import FullStateDictConfig as TorchFull
     from torch.distributed.fsdp import StateDictType as TorchType
 
-    model = CkptNet().wrap()
+    model = wrapped()
     prev = FSDP.set_state_dict_type(
         model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True), ShardedOptimStateDictConfig()
     )
@@ -152,11 +152,11 @@ def check_settings_like_torch(rank: int, world_size: int) -> None:
 def check_is_root(rank: int, world_size: int) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
-    ours = CkptNet().wrap()
+    ours = wrapped()
     theirs = _torch_fsdp1(CkptNet())
     assert ours.check_is_root() is True and ours.out.check_is_root() is False
     assert theirs.check_is_root() is True and theirs.out.check_is_root() is False
-    nested_first = CkptNet().wrap()
+    nested_first = wrapped()
     # A nested unit asked first is a root until its parent initializes (torch FSDP1 alike).
     assert nested_first.out.check_is_root() == TorchFSDP.check_is_root(_torch_fsdp1(CkptNet()).out)
 

@@ -20,6 +20,8 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from harness.models import ZooModel, register_model, to_device, wrap_bottom_up
+
 from engine import (
     FSDP,
     CPUOffload,
@@ -28,6 +30,8 @@ from engine import (
     StateDictType,
 )
 
+#: the zoo name this suite registers its model under.
+CKPT_NET = "checkpoint_net"
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 SD_TYPES = {
     "full": StateDictType.FULL_STATE_DICT,
@@ -42,10 +46,12 @@ def device_for(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-class CkptNet(nn.Module):
+@register_model(CKPT_NET, "Linear, BatchNorm, a parameterless block unit of two units, Linear: uneven checkpoint shards")
+class CkptNet(ZooModel):
     """Linear -> BatchNorm (buffers) -> block of two units (the block unit owns no parameter) -> Linear.
 
     Sizes are uneven so shards split parameters and, at 4 ranks, some rank holds nothing of a parameter.
+    Built under seed 0 whatever the zoo passes: every checkpoint test compares runs of this one model.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -59,17 +65,20 @@ class CkptNet(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.relu(self.block(torch.relu(self.norm(self.inp(x))))))
 
-    @staticmethod
-    def input(step: int, rank: int, device: torch.device) -> Tensor:
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        return torch.randn(6, 7, generator=g).to(device)
+    def wrap_units(self) -> list[nn.Module]:
+        return [self.block[0], self.block[2], self.block, self.out]
 
-    def wrap(self, **kwargs: Any) -> FSDP:
-        self.block[0] = FSDP(self.block[0], **kwargs)
-        self.block[2] = FSDP(self.block[2], **kwargs)
-        self.block = FSDP(self.block, **kwargs)
-        self.out = FSDP(self.out, **kwargs)
-        return FSDP(self, **kwargs)
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[Tensor, ...]:
+        g = torch.Generator().manual_seed(seed + 1000 * step + rank)
+        return (torch.randn(6, 7, generator=g),)
+
+    def get_loss(self, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        return (output**2).mean()
+
+
+def wrapped(device: torch.device | str = "cpu", **kwargs: Any) -> FSDP:
+    """A fresh ``CkptNet`` wrapped by our engine, unit by unit (``wrap_bottom_up``), with ``kwargs``."""
+    return wrap_bottom_up(CkptNet(device), FSDP, **kwargs)
 
 
 _GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
@@ -117,7 +126,7 @@ class Setup:
             kwargs["cpu_offload"] = CPUOffload(offload_params=True)
         if self.mixed_precision:
             kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
-        model = CkptNet(device).wrap(**kwargs)
+        model = wrapped(device, **kwargs)
         return model, make_optimizer(self.optimizer, model.parameters())
 
 
@@ -131,10 +140,13 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, steps: range, rank: int) -> list[float]:
     device = device_for(rank)
+    # The zoo model under the wrapper (FSDP1's ``module``), or the model itself when not wrapped.
+    net: CkptNet = getattr(model, "module", model)
     losses = []
     for step in steps:
         optim.zero_grad(set_to_none=True)
-        loss = (model(CkptNet.input(step, rank, device)) ** 2).mean()
+        inputs = to_device(net.get_input(seed=0, step=step, rank=rank), device)
+        loss = net.get_loss(inputs, model(*inputs))
         loss.backward()
         optim.step()
         losses.append(loss.item())
