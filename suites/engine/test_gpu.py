@@ -9,19 +9,16 @@ Run on a machine with 2 GPUs::
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from typing import Iterator
-from unittest import mock
 
 import pytest
 import torch
 from harness.pytest_plugin import needs_gpus
 
 from engine import FSDP, CPUOffload, MixedPrecision
-from engine.flat_param import FlatParamHandle
 from harness.model_protocol import to_device, wrap_bottom_up
 from suites.engine import parity
+from suites.engine.delays import DELAYS, cuda_device as _device, delayed_step_parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
 
@@ -31,13 +28,8 @@ pytestmark = [
 ]
 
 STRATEGIES = parity.STRATEGIES
-#: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
-#: reader runs before the writer finishes.
-SLEEP_CYCLES = 50_000_000
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def check_nested_sweep(rank: int, world_size: int) -> None:
@@ -52,60 +44,15 @@ def check_moe_sweep(rank: int, world_size: int) -> None:
     parity.sweep("moe", _device())
 
 
-@contextlib.contextmanager
-def _delays(before_reduce: bool, before_free: bool) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        if before_reduce:
-            orig_rs = torch.distributed.reduce_scatter_tensor
-            orig_ar = torch.distributed.all_reduce
-
-            def slow_rs(*args, **kwargs):
-                torch.cuda._sleep(SLEEP_CYCLES)
-                return orig_rs(*args, **kwargs)
-
-            def slow_ar(*args, **kwargs):
-                torch.cuda._sleep(SLEEP_CYCLES)
-                return orig_ar(*args, **kwargs)
-
-            stack.enter_context(mock.patch("torch.distributed.reduce_scatter_tensor", slow_rs))
-            stack.enter_context(mock.patch("torch.distributed.all_reduce", slow_ar))
-        if before_free:
-            orig_free = FlatParamHandle.free_unsharded_flat_param
-
-            def slow_free(self):
-                torch.cuda._sleep(SLEEP_CYCLES)
-                return orig_free(self)
-
-            stack.enter_context(mock.patch.object(FlatParamHandle, "free_unsharded_flat_param", slow_free))
-        yield
 
 
-def _delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, before_step: bool) -> None:
-    device, rank, world = _device(), torch.distributed.get_rank(), torch.distributed.get_world_size()
-    ref = NestedWrapped(device)
-    model = wrap_bottom_up(NestedWrapped(device), FSDP, **kwargs)
-    opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
-    for step in range(4):
-        with _delays(before_reduce, before_free):
-            inputs = to_device(NestedWrapped.get_input(step=step, rank=rank), device)
-            loss = NestedWrapped.get_loss(inputs, model(*inputs))
-            loss.backward()
-        if before_step:
-            torch.cuda._sleep(SLEEP_CYCLES)
-        opt.step()
-        opt.zero_grad()
-        all_inputs = parity._all_data(NestedWrapped, step, world, device)
-        NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    parity.assert_params_match(model, ref, f"delays reduce={before_reduce} free={before_free} step={before_step} {kwargs}")
 
 
 def check_delays_expose_missing_synchronization(rank: int, world_size: int) -> None:
     for strategy, orig, offload in itertools.product(STRATEGIES, [False, True], [False, True]):
         kwargs = dict(sharding_strategy=strategy, use_orig_params=orig, cpu_offload=CPUOffload(offload), forward_prefetch=True)
-        for delays in [(True, False, False), (False, True, False), (False, False, True)]:
-            _delayed_step_parity(kwargs, *delays)
+        for plan in DELAYS:
+            delayed_step_parity(kwargs, *plan)
 
 
 def check_cpu_offload_placement(rank: int, world_size: int) -> None:

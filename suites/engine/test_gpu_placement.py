@@ -102,8 +102,8 @@ def check_module_moved_to_gpu_after_offload_wrapping(rank: int, world_size: int)
     outcomes = {}
     for api in (load_api("builtin"), load_api("torch-fsdp")):
         for orig in (False, True):
-            model = wrap_bottom_up(NestedWrapped(_device()), 
-                api.wrap, cpu_offload=api.CPUOffload(offload_params=True), use_orig_params=orig
+            model = wrap_bottom_up(
+                NestedWrapped(_device()), api.wrap, cpu_offload=api.CPUOffload(offload_params=True), use_orig_params=orig
             )
             model.to(_device())
             try:
