@@ -69,16 +69,20 @@ def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, be
     ref = NestedWrapped(device)
     model = wrap_bottom_up(NestedWrapped(device), FSDP, **kwargs)
     opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
-    for step in range(4):
+    steps = range(4)
+    # Every batch is on the GPU before the first step: a host-to-device copy from pageable memory
+    # inside the loop would block the host until the compute stream (and its sleep) is done,
+    # which hides a missing wait between the optimizer step and the next all-gather.
+    batches = [to_device(NestedWrapped.get_input(step=step, rank=rank), device) for step in steps]
+    all_batches = [parity._all_data(NestedWrapped, step, world, device) for step in steps]
+    for inputs, all_inputs in zip(batches, all_batches):
         with delays(before_reduce, before_free):
-            inputs = to_device(NestedWrapped.get_input(step=step, rank=rank), device)
             loss = NestedWrapped.get_loss(inputs, model(*inputs))
             loss.backward()
         if before_step:
             torch.cuda._sleep(SLEEP_CYCLES)
         opt.step()
         opt.zero_grad()
-        all_inputs = parity._all_data(NestedWrapped, step, world, device)
         NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
