@@ -9,8 +9,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankContext"]
+__all__ = ["RankContext", "new_hybrid_groups"]
 
+
+
+def new_hybrid_groups(rank: int, world_size: int, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Create the hybrid groups of ``shard_size`` consecutive ranks and their replicas, and return
+    ``(shard group, replicate group)`` of ``rank``. Collective: every rank creates every group, in order."""
+    replicas = world_size // shard_size
+    shard_groups = [dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)]
+    replicate_groups = [dist.new_group(list(range(j, world_size, shard_size))) for j in range(shard_size)]
+    return shard_groups[rank // shard_size], replicate_groups[rank % shard_size]
 
 @dataclass
 class RankContext:
@@ -71,10 +80,7 @@ class RankContext:
             raise ValueError(f"hybrid shard_size={shard_size} does not divide world_size={self.world_size}")
         key = ("hybrid", shard_size)
         if key not in self._cache:
-            replicas = self.world_size // shard_size
-            shard_groups = [dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)]
-            replicate_groups = [dist.new_group(list(range(j, self.world_size, shard_size))) for j in range(shard_size)]
-            self._cache[key] = (shard_groups[self.rank // shard_size], replicate_groups[self.rank % shard_size])
+            self._cache[key] = new_hybrid_groups(self.rank, self.world_size, shard_size)
         return self._cache[key]
 
     def mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:

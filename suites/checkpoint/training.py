@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from harness.models import ZooModel, register_model, to_device, wrap_bottom_up
+from harness.rank import new_hybrid_groups
 
 from engine import (
     FSDP,
@@ -87,18 +88,7 @@ _GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 def hybrid_groups(world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(shard, replicate) groups: shard over pairs of ranks, replicate across pairs (built once)."""
     if world_size not in _GROUPS:
-        rank = dist.get_rank()
-        shard_size = 2 if world_size % 2 == 0 else 1
-        shard = replicate = None
-        for start in range(0, world_size, shard_size):
-            g = dist.new_group(list(range(start, start + shard_size)))
-            if start <= rank < start + shard_size:
-                shard = g
-        for offset in range(shard_size):
-            g = dist.new_group(list(range(offset, world_size, shard_size)))
-            if rank % shard_size == offset:
-                replicate = g
-        _GROUPS[world_size] = (shard, replicate)
+        _GROUPS[world_size] = new_hybrid_groups(dist.get_rank(), world_size, 2 if world_size % 2 == 0 else 1)
     return _GROUPS[world_size]
 
 

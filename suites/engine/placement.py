@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.param_devices import PlacementLog, original_names, record_training_step
+from harness.rank import new_hybrid_groups
 from suites.engine.models import ENGINE_MODELS
 
 #: the placement checks' models: the engine suites' models without the mixture of experts.
@@ -29,9 +30,8 @@ def configurations(strategies: tuple[str, ...] = STRATEGY_NAMES) -> list[tuple[s
 @functools.cache
 def _hybrid_groups(world: object, world_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(shard group, replicate group) of one node: shard over every rank, replicate over none.
-    ``world`` keys the cache to the current default group. Every rank creates every group."""
-    replicate = [dist.new_group([r]) for r in range(world_size)]
-    return dist.group.WORLD, replicate[dist.get_rank()]
+    ``world`` keys the cache to the current default group."""
+    return new_hybrid_groups(dist.get_rank(), world_size, world_size)
 
 
 def offload_step(api: Any, model_name: str, strategy: str, use_orig_params: bool, device: torch.device) -> PlacementLog:
