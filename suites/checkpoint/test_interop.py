@@ -29,19 +29,20 @@ from engine import (
     ShardingStrategy,
     StateDictType,
 )
+from engine.dtensors import full_tensor
+from harness.rank import rank_device
 from suites.checkpoint.training import CkptNet, Setup, full_state, make_optimizer, train, wrapped
 from suites.engine.ranks import session_tests
 
-CPU = torch.device("cpu")
 
 
 def _torch_fsdp1(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
-    model.block[0] = TorchFSDP(model.block[0], device_id=CPU)
-    model.block[2] = TorchFSDP(model.block[2], device_id=CPU)
-    model.out = TorchFSDP(model.out, device_id=CPU)
-    return TorchFSDP(model, device_id=CPU)
+    model.block[0] = TorchFSDP(model.block[0], device_id=rank_device())
+    model.block[2] = TorchFSDP(model.block[2], device_id=rank_device())
+    model.out = TorchFSDP(model.out, device_id=rank_device())
+    return TorchFSDP(model, device_id=rank_device())
 
 
 def _train_ours(rank: int, orig: bool = False, steps: int = 2) -> tuple[FSDP, torch.optim.Optimizer]:
@@ -121,7 +122,7 @@ def check_mixed_precision_saves_full_precision(rank: int, world_size: int) -> No
             ssd = model.state_dict()
         for key in summoned:
             assert isinstance(ssd[key], DTensor) and ssd[key].dtype == torch.float32
-            assert_close(ssd[key].full_tensor(), sd[key], rtol=0, atol=0)
+            assert_close(full_tensor(ssd[key]), sd[key], rtol=0, atol=0)
 
 
 def check_settings_like_torch(rank: int, world_size: int) -> None:
@@ -179,7 +180,7 @@ def _fsdp2_model() -> torch.nn.Module:
 
 
 def _fsdp2_full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return {k: full_tensor(v).detach().clone() for k, v in model.state_dict().items()}
 
 
 def _params_only(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -222,7 +223,7 @@ def _assert_optim_equal(got: dict, want: dict, context: str) -> None:
         for name, value in st.items():
             other = got["state"][key][name]
             if isinstance(other, DTensor):
-                other = other.full_tensor()
+                other = full_tensor(other)
             assert_close(other, value, rtol=0, atol=0, msg=lambda m: f"{context}: {key}.{name}: {m}")
     assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
 
@@ -278,4 +279,4 @@ CHECKS = [
     check_older_optimizer_helpers,
 ]
 
-session, test_check = session_tests(CHECKS, world_size=2)
+session, test_check = session_tests(CHECKS, world_size=2, device=("cpu", "cuda"))

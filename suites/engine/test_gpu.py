@@ -24,7 +24,7 @@ from suites.engine.ranks import session_tests
 
 pytestmark = [
     pytest.mark.gpu,
-    needs_gpus(2),
+    needs_gpus(1),
 ]
 
 STRATEGIES = parity.STRATEGIES
@@ -96,4 +96,4 @@ CHECKS = [
     check_cpu_offload_placement,
     check_no_sync_mixed_precision_dtypes,
 ]
-session, test_check = session_tests(CHECKS, backend="nccl", timeout_s=540)
+session, test_check = session_tests(CHECKS, device="cuda", timeout_s=540)

@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from engine import FSDP, BackwardPrefetch, ShardingStrategy
 from harness.model_protocol import wrap_bottom_up
+from harness.rank import new_hybrid_groups
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
@@ -21,10 +22,7 @@ HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
 
 def _pair_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Shard groups {0,1} {2,3}, replicate groups {0,2} {1,3} (every rank creates all)."""
-    rank = dist.get_rank()
-    shard = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
-    replicate = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
-    return shard, replicate
+    return new_hybrid_groups(dist.get_rank(), 4, 2)
 
 
 def check_hybrid_parity_group_pair(rank: int, world_size: int) -> None:

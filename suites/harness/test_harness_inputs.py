@@ -304,7 +304,7 @@ def test_nccl_without_gpus_is_one_line(capsys: pytest.CaptureFixture[str], tmp_p
         pytest.skip("needs a machine without GPUs (CUDA is available here)")
     out = tmp_path / "r.jsonl"
     assert main(["run", *TINY, "--limit", "1", "--backend", "nccl", "--out", str(out)]) == 2
-    assert "--backend nccl needs one GPU per rank" in _one_line(capsys.readouterr().err)
+    assert "--backend nccl needs a CUDA GPU" in _one_line(capsys.readouterr().err)
     assert not out.exists()
 
 
