@@ -56,11 +56,14 @@ class CkptNet(ZooModel):
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
+        # Initialised on the CPU's generator, then moved: the same values whatever the device (a CUDA
+        # generator under the same seed draws others).
         torch.manual_seed(0)
-        self.inp = nn.Linear(7, 11, device=device)
-        self.norm = nn.BatchNorm1d(11, device=device)
-        self.block = nn.Sequential(nn.Linear(11, 13, device=device), nn.ReLU(), nn.Linear(13, 11, device=device))
-        self.out = nn.Linear(11, 3, device=device)
+        self.inp = nn.Linear(7, 11)
+        self.norm = nn.BatchNorm1d(11)
+        self.block = nn.Sequential(nn.Linear(11, 13), nn.ReLU(), nn.Linear(13, 11))
+        self.out = nn.Linear(11, 3)
+        self.to(device)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.relu(self.block(torch.relu(self.norm(self.inp(x))))))
