@@ -15,8 +15,6 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from engine.flat_param import HandleShardingStrategy
-
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
@@ -32,7 +30,6 @@ __all__ = [
     "LocalOptimStateDictConfig",
     "OptimStateKeyType",
     "StateDictSettings",
-    "to_handle_strategy",
 ]
 
 
@@ -52,10 +49,6 @@ class ShardingStrategy(Enum):
 
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-
-
-def to_handle_strategy(strategy: ShardingStrategy) -> HandleShardingStrategy:
-    return HandleShardingStrategy[strategy.name]
 
 
 class BackwardPrefetch(Enum):

@@ -15,7 +15,7 @@ import torch.distributed.fsdp as torch_fsdp
 import engine
 from engine.collectives import predivide_factor
 from engine.context import AllGatherLimiter, ExecOrder
-from engine.fully_sharded import _resolve_groups
+from engine.groups import resolve_groups
 
 ENGINE_DIR = pathlib.Path(engine.__file__).parent
 
@@ -63,7 +63,7 @@ def test_limiter_waits_for_the_oldest_free() -> None:
 
 def test_process_group_and_device_mesh_conflict() -> None:
     with pytest.raises(ValueError, match="both process_group and device_mesh"):
-        _resolve_groups(engine.ShardingStrategy.FULL_SHARD, object(), object())  # type: ignore[arg-type]
+        resolve_groups(engine.ShardingStrategy.FULL_SHARD, object(), object())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
