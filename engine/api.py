@@ -1,6 +1,6 @@
 """Public enums and configuration dataclasses, with torch FSDP1's names and members.
 
-Users and the seeds speak FSDP1's API, so these mirror it exactly; they are our own classes (the
+Users and PyTorch's FSDP tests speak FSDP1's API, so these mirror it exactly; they are our own classes (the
 engine never imports ``torch.distributed.fsdp``), so code that checks ``isinstance`` against
 torch's classes will not accept ours and vice versa.
 """

@@ -88,7 +88,7 @@ class FlatParameter(nn.Parameter):
         return super().__new__(cls, data, requires_grad)  # type: ignore[arg-type]
 
     # Read-only views of the layout, named as torch FSDP1's attributes so tools that inspect a
-    # flat parameter (checkpoint converters, the seeds) read ours the same way.
+    # flat parameter (checkpoint converters, PyTorch's FSDP tests) read ours the same way.
     @property
     def _fqns(self) -> tuple[str, ...]:
         return tuple(p.fqn for p in self._layout.params)
