@@ -12,7 +12,6 @@ import torch.distributed as dist
 __all__ = ["RankContext", "new_hybrid_groups"]
 
 
-
 def new_hybrid_groups(rank: int, world_size: int, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Create the hybrid groups of ``shard_size`` consecutive ranks and their replicas, and return
     ``(shard group, replicate group)`` of ``rank``. Collective: every rank creates every group, in order."""
@@ -20,6 +19,7 @@ def new_hybrid_groups(rank: int, world_size: int, shard_size: int) -> tuple[dist
     shard_groups = [dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)]
     replicate_groups = [dist.new_group(list(range(j, world_size, shard_size))) for j in range(shard_size)]
     return shard_groups[rank // shard_size], replicate_groups[rank % shard_size]
+
 
 @dataclass
 class RankContext:
