@@ -126,7 +126,9 @@ class FlatParamHandle(Writeback):
     """Flattens, shards and unflattens one unit's parameters; owns both flat buffers.
 
     Arguments and their names are torch FSDP1's, so code written against its ``FlatParamHandle``
-    constructs ours unchanged. ``process_group`` needs only ``rank()`` and ``size()``.
+    constructs ours unchanged; they become the handle's :class:`~engine.config.UnitConfig`. The
+    engine builds its handles from the instance's config instead (:meth:`from_config`).
+    ``process_group`` needs only ``rank()`` and ``size()``.
     """
 
     def __init__(

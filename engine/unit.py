@@ -4,8 +4,9 @@ A unit is what one ``FullyShardedDataParallel`` instance manages: one all-gather
 one gradient reduction after backward. :class:`FsdpUnit` changes its unsharded buffer only
 through :meth:`unshard` / :meth:`wait_unshard` / :meth:`reshard` (which assert the current
 :class:`ShardedState`) and reduces gradients in :meth:`reduce_grad`. Its training state is its
-instance's :class:`~engine.lifecycle.TrainingLifecycle` (one object, held by both). Hooks and
-ordering live in :mod:`engine.state`; communication in :mod:`engine.collectives`.
+instance's :class:`~engine.lifecycle.TrainingLifecycle` (one object, held by both), its settings
+its instance's :class:`~engine.config.UnitConfig` (the handle's). Hooks and ordering live in
+:mod:`engine.state`; communication in :mod:`engine.collectives`.
 """
 
 from __future__ import annotations
