@@ -249,7 +249,7 @@ def plan_pool(world_size: int, backend: BackendOption, n_gpus: int, worker: int 
     ``n_gpus`` visible GPUs.
 
     ``auto`` is NCCL wherever there is a GPU and gloo on CPU otherwise; ``gloo`` always runs on CPU. The
-    GPUs are ``harness.pool.assign_devices``'s: a disjoint block per worker where there are enough,
+    GPUs are ``harness.placement.assign_devices``'s: a disjoint block per worker where there are enough,
     shared evenly where there are more workers than blocks. A case needing more GPUs than the host has
     is skipped with the reason, never moved to CPU.
     """
