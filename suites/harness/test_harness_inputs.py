@@ -4,7 +4,7 @@ cannot be a results file, a full disk, a results file another run holds, resumed
 in the exit status, unreadable lines warned about.
 
 Most tests call ``harness.cli.main`` in-process; where a test needs a case recorded without running
-ranks it replaces ``harness.cli.run.run_case`` (the pool starts lazily, so no process is spawned):
+ranks it replaces ``harness.runner.run_case`` (the pool starts lazily, so no process is spawned):
 what is tested is the command line and the collector, the pool has its own suite.
 """
 
