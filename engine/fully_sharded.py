@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from engine.api import (
+    HYBRID_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
@@ -117,7 +118,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         super().__init__()
         strategy = args.sharding_strategy
         shard_group, replicate_group = resolve_groups(strategy, process_group, device_mesh)
-        if replicate_group is None and shard_group.size() == 1 and strategy != ShardingStrategy.NO_SHARD:
+        if strategy not in HYBRID_STRATEGIES and shard_group.size() == 1 and strategy != ShardingStrategy.NO_SHARD:
             # One rank holds everything: sharding is NO_SHARD (FSDP1 switches the same way).
             strategy = ShardingStrategy.NO_SHARD
 
@@ -128,7 +129,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
             root_kwargs = {
                 **args._asdict(),
                 "sharding_strategy": strategy,
-                "process_group": (shard_group, replicate_group) if replicate_group is not None else shard_group,
+                "process_group": (shard_group, replicate_group) if strategy in HYBRID_STRATEGIES else shard_group,
                 "param_init_fn": param_init_fn,
                 "ignored_states": list(ignored_mods) + list(ignored_params),
             }
