@@ -38,7 +38,7 @@ def mesh_for(state: Any) -> DeviceMesh:
     """The 1-D mesh over ``state``'s shard group that sharded values live on (built once per unit)."""
     mesh = state.__dict__.get(_MESH_ATTR)
     if mesh is None:
-        unit = state._unit
+        unit = state.unit
         device_type = unit.device.type if unit is not None else "cpu"
         mesh = DeviceMesh.from_group(state.process_group, device_type)
         state.__dict__[_MESH_ATTR] = mesh

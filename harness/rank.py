@@ -27,6 +27,7 @@ def new_hybrid_groups(rank: int, world_size: int, shard_size: int) -> tuple[dist
     replicate_groups = [dist.new_group(list(range(j, world_size, shard_size))) for j in range(shard_size)]
     return shard_groups[rank // shard_size], replicate_groups[rank % shard_size]
 
+
 def new_singleton_groups(rank: int, world_size: int) -> dist.ProcessGroup:
     """Create a one-rank group per rank and return ``rank``'s. Collective: every rank creates every group, in order."""
     return [dist.new_group([r]) for r in range(world_size)][rank]

@@ -179,10 +179,6 @@ class NightlyConfig:
 # Pure logic
 
 
-
-
-
-
 def find_previous(out: Path) -> Path | None:
     """The newest earlier nightly: the sibling directory of ``out`` holding a ``nightly.json`` (what
     only a nightly writes, so a results directory of ``harness run`` next to it is never taken) whose
@@ -268,8 +264,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
 
 
 def _matrix_world_sizes() -> list[int]:

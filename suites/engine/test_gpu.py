@@ -30,8 +30,6 @@ pytestmark = [
 STRATEGIES = parity.STRATEGIES
 
 
-
-
 def check_nested_sweep(rank: int, world_size: int) -> None:
     parity.sweep("nested", _device())
 
@@ -42,10 +40,6 @@ def check_transformer_sweep(rank: int, world_size: int) -> None:
 
 def check_moe_sweep(rank: int, world_size: int) -> None:
     parity.sweep("moe", _device())
-
-
-
-
 
 
 def check_delays_expose_missing_synchronization(rank: int, world_size: int) -> None:
