@@ -385,6 +385,18 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
     def training_state(self) -> TrainingState:
         return self._fsdp_state.lifecycle.state
 
+    def _assert_state(self, state: Any) -> None:
+        """``ValueError`` unless this unit is in ``state`` (or one of a list of them), as torch FSDP1's: torch's
+        own test machinery (``common_fsdp``) calls it with torch's ``TrainingState``, matched by name."""
+        wanted = state if isinstance(state, (list, tuple)) else [state]
+        names = {getattr(s, "name", str(s)) for s in wanted}
+        ours = self.training_state
+        # torch FSDP1 has one state for all of forward and backward; ours tells them apart.
+        aliases = {ours.name} | ({"FORWARD_BACKWARD"} if ours not in (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS) else set())
+        if not aliases & names:
+            raise ValueError(f"expected to be in states {sorted(names)} but the current state is {ours.name} "
+                             f"(unit {self._fsdp_state.lifecycle.owner})")
+
     def _ensure_root(self, what: str) -> RootContext:
         state = self._fsdp_state
         if state.is_root is None:

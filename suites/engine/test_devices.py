@@ -134,6 +134,21 @@ def test_module_without_device_id_computes_on_the_current_cuda_device(api: FSDPA
         model = api.FSDP(module, **kwargs)
         assert all(p.device == current for p in model.parameters())
     else:
+        # The parameters stay on the CPU: torch FSDP1 then refuses to train ("move the module to cuda:0
+        # before training"), so only the device it decides is compared here.
         model = api.FSDP(nn.Linear(3, 3), **kwargs)
+        assert _compute_device(model) == current
+        return
     assert _compute_device(model) == current
     assert model(torch.randn(2, 3, device=current)).device == current
+
+
+def test_assert_state_takes_torch_fsdp1_training_states(api: FSDPApi) -> None:
+    """torch's own test machinery calls the private ``_assert_state`` with torch's enum (common_fsdp)."""
+    from torch.distributed.fsdp._common_utils import TrainingState as TorchState
+
+    model = api.FSDP(nn.Linear(3, 3), process_group=PG, device_id=CPU)
+    model._assert_state(TorchState.IDLE)
+    model._assert_state([TorchState.IDLE, TorchState.FORWARD_BACKWARD])
+    with pytest.raises(ValueError, match="IDLE"):
+        model._assert_state(TorchState.FORWARD_BACKWARD)
