@@ -118,20 +118,29 @@ def test_perf_asks_the_rule() -> None:
 
 
 def _gloo_means_cpu(tree: ast.AST) -> list[int]:
-    """Decisions on a comparison with the literal ``"gloo"``: the backend taken to say where tensors live.
-    Assertions about what a run recorded are not decisions and are left alone."""
+    """Decisions on a comparison with the literal ``"gloo"`` that look at no device: the backend taken to say
+    where tensors live. A check of gloo itself (its limits with CUDA tensors) names the device beside it;
+    assertions about what a run recorded are not decisions."""
     lines = []
 
-    def visit(node: ast.AST) -> None:
+    def mentions_device(node: ast.AST) -> bool:
+        return any((isinstance(n, ast.Attribute) and "device" in n.attr) or (isinstance(n, ast.Name) and "device" in n.id)
+                   or (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and "device" in n.func.id)
+                   for n in ast.walk(node))
+
+    def visit(node: ast.AST, condition: ast.AST | None) -> None:
         if isinstance(node, ast.Assert):
             return
+        if isinstance(node, ast.BoolOp) and condition is None:
+            condition = node
         if isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
             if any(isinstance(o, ast.Constant) and o.value == "gloo" for o in [node.left, *node.comparators]):
-                lines.append(node.lineno)
+                if not mentions_device(condition if condition is not None else node):
+                    lines.append(node.lineno)
         for child in ast.iter_child_nodes(node):
-            visit(child)
+            visit(child, condition)
 
-    visit(tree)
+    visit(tree, None)
     return lines
 
 
@@ -157,6 +166,8 @@ def test_the_scan_finds_a_planted_offender() -> None:
     assert _gloo_means_cpu(planted) == [1]
     assert _gloo_means_cpu(ast.parse('x = "cpu" if lane.backend != "gloo" else "cuda"')) == [1]
     assert _gloo_means_cpu(ast.parse('assert record.run.backend == "gloo"')) == []
+    # gloo's own limits with CUDA tensors name the device beside the backend.
+    assert _gloo_means_cpu(ast.parse('if ctx.device_type == "cuda" and ctx.backend == "gloo":\n    pass')) == []
 
 
 def test_cuda_rank_budget_shares_gpu_and_host_memory_among_workers() -> None:
