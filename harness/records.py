@@ -53,11 +53,20 @@ class RunInfo:
 
     def placement_text(self) -> str:
         """``gloo on cuda, 2 ranks per GPU``: the run's placement in one phrase for headers."""
-        device = self.device or ("cuda" if "nccl" in self.backend else "cpu")
-        text = f"{self.backend} on {device}"
-        if self.ranks_per_gpu:
-            text += ", one GPU per rank" if self.ranks_per_gpu == 1 else f", {self.ranks_per_gpu} ranks per GPU"
-        return text
+        return placement_text(self.backend, self.device, self.ranks_per_gpu)
+
+
+def placement_text(backend: str | None, device: str | None, ranks_per_gpu: int | None) -> str:
+    """``gloo on cuda, 2 ranks per GPU``, ``nccl on cuda, one GPU per rank``, ``gloo on cpu``: where a run's
+    ranks ran, from a record's run facts (records written before ``device`` existed: gloo read as CPU)."""
+    backend = backend or "?"
+    # Read back from a table, a missing value may come as NaN rather than None.
+    device = device if isinstance(device, str) and device else ("cuda" if "nccl" in backend else "cpu")
+    ranks_per_gpu = int(ranks_per_gpu) if isinstance(ranks_per_gpu, (int, float)) and ranks_per_gpu == ranks_per_gpu else None
+    text = f"{backend} on {device}"
+    if ranks_per_gpu:
+        text += ", one GPU per rank" if ranks_per_gpu == 1 else f", {ranks_per_gpu} ranks per GPU"
+    return text
 
 
 @dataclass

@@ -47,7 +47,8 @@ AXIS_COLUMNS: tuple[str, ...] = (
 _LATER_AXES = ("optimizer", "checkpoint", "resume_engine")
 #: Axes ``marginals`` tabulates: cross-engine resume has its own matrix (``reports.resume_matrix``).
 MARGINAL_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a != "resume_engine")
-RUN_COLUMNS: tuple[str, ...] = ("run_id", "host", "torch_version", "backend", "gpu", "nccl_version", "git_rev")
+RUN_COLUMNS: tuple[str, ...] = ("run_id", "host", "torch_version", "backend", "device", "ranks_per_gpu", "gpu",
+                                 "nccl_version", "git_rev")
 OUTCOME_COLUMNS: tuple[str, ...] = (
     "verdict", "worst_ratio", "worst_quantity", "reason", "deterministic", "wall_s", "peak_mem_bytes",
     "bytes_all_gathered", "bytes_reduce_scattered", "time",

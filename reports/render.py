@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from tabulate import tabulate
 
+from harness.records import placement_text
 from reports.diff import DiffResult
 from reports.matrix import CellStats, ParityMatrix, Summary, fmt_ratio
 
@@ -78,7 +79,8 @@ def run_lines(summary: Summary) -> list[str]:
     """One Markdown bullet per run the report's records came from."""
     lines = []
     for run in summary.runs:
-        facts = [f"torch {run.get('torch_version')}", f"backend {run.get('backend')}", f"host {run.get('host')}"]
+        where = placement_text(run.get("backend"), run.get("device"), run.get("ranks_per_gpu"))
+        facts = [f"torch {run.get('torch_version')}", where, f"host {run.get('host')}"]
         if run.get("gpu"):
             facts.append(f"{run['gpu']}, NCCL {run.get('nccl_version')}")
         if run.get("git_rev"):

@@ -237,3 +237,16 @@ def test_mixed_records_cover_every_cell_status() -> None:
     frame = records_frame(mixed_records())
     statuses = {stats.status for m in parity_matrices(frame) for stats in m.cells.values()}
     assert statuses == {"pass", "fail", "error", "unsupported"}
+
+
+def test_the_report_header_says_backend_device_and_ranks_per_gpu() -> None:
+    from harness.records import placement_text
+    from reports.matrix import Summary
+    from reports.render import run_lines
+
+    assert placement_text("gloo", "cuda", 2) == "gloo on cuda, 2 ranks per GPU"
+    assert placement_text("nccl", "cuda", 1) == "nccl on cuda, one GPU per rank"
+    assert placement_text("gloo", None, float("nan")) == "gloo on cpu"  # a record from before the fields
+    summary = Summary.__new__(Summary)
+    summary.runs = [{"run_id": "r", "backend": "gloo", "device": "cuda", "ranks_per_gpu": 2, "torch_version": "2.11"}]
+    assert "gloo on cuda, 2 ranks per GPU" in run_lines(summary)[0]
