@@ -1,8 +1,8 @@
 """The one case runner every front end shares: select cases, run them on pools, record, show progress.
 
 ``select_cases`` turns a ``Selection`` (what the command line or a config asks for) into cases of the
-matrix; ``interleave`` orders them so that a time budget spent early has still seen every engine,
-reference and model; ``run_case`` runs one case on a pool and decides its record (``run_repeated``:
+matrix (``harness.sampling.sample_order`` picks a ``--limit``'s cases and orders a time budget's);
+``run_case`` runs one case on a pool and decides its record (``run_repeated``:
 several runs folded by ``harness.repeats``); ``CaseRunner`` drains a queue of cases over several
 pools side by side (one thread per pool, see ``harness.placement.plan_lanes``), writing each record
 as it ends; ``Progress`` is the bar (its ETA is for what the budget will run) and the per-verdict
@@ -31,6 +31,7 @@ from harness.case import CaseConfig
 from harness.placement import Lane
 from harness.records import CaseRecord
 from harness.repeats import merge_runs, needs_rerun
+from harness.sampling import sample_order
 
 if TYPE_CHECKING:
     from harness.pool import RankPool
@@ -46,7 +47,6 @@ __all__ = [
     "expected_total",
     "file_counts",
     "generate_cases",
-    "interleave",
     "run_case",
     "run_repeated",
     "select_cases",
@@ -191,29 +191,6 @@ def run_repeated(pool: "RankPool", case: CaseConfig, repeat: int = 1, repeat_fai
     return merge_runs(runs)
 
 
-#: the axes ``interleave`` spreads, outermost first.
-INTERLEAVE_AXES = ("world_size", "engine", "reference", "model", "sharding_strategy", "precision")
-
-
-def interleave(cases: Sequence[CaseConfig], axes: Sequence[str] = INTERLEAVE_AXES) -> list[CaseConfig]:
-    """The same cases, reordered so every prefix is spread over ``axes``: round robin over the values
-    of the first axis (in first-seen order), each value's cases interleaved by the remaining axes.
-
-    A run cut short by a time budget has then compared every engine against every reference on
-    every model before it goes deeper into any one of them.
-    """
-    if not axes:
-        return list(cases)
-    groups: dict[Any, list[CaseConfig]] = {}
-    for case in cases:
-        groups.setdefault(getattr(case, axes[0]), []).append(case)
-    columns = [interleave(group, axes[1:]) for group in groups.values()]
-    out: list[CaseConfig] = []
-    for depth in range(max((len(c) for c in columns), default=0)):
-        out.extend(column[depth] for column in columns if depth < len(column))
-    return out
-
-
 def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
     from harness.registry import check_engines
 
@@ -248,7 +225,8 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
             )
         cases = kept
     if args.limit is not None:
-        cases = cases[: args.limit]
+        # A limit keeps a sample over every axis, not the generator's first near-identical cases.
+        cases = sample_order(cases)[: args.limit]
     return cases
 
 

@@ -45,13 +45,13 @@ from harness.cli.fuzz import FuzzOutcome, FuzzRun, fuzz_alongside, fuzz_budget, 
 from harness.cli.options import add_execution, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import BackendChoice, host_facts, n_gpus, plan_lanes
+from harness.sampling import sample_order
 from harness.runner import (
     BAD_VERDICTS,
     CaseRunner,
     Progress,
     Selection,
     SelectionError,
-    interleave,
     select_cases,
     under_torchrun,
 )
@@ -364,14 +364,14 @@ def _nightly(config: NightlyConfig) -> int:
         done = writer.recorded_ids()
         todo = [c for c in cases if c.full_id not in done]
         if deadline is not None:
-            todo = interleave(todo)  # a budget spent early has still compared every engine on every model
+            todo = sample_order(todo)  # a budget spent early has still seen every value of every axis
         if done:
             print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
         state["cases"] = {
             "selected": len(cases), "already_recorded": len(cases) - len(todo), "recorded": 0, "not_run": 0,
             "world_sizes": sorted(lanes), "backend": ",".join(backends),
             "lanes": [dataclasses.asdict(lane) for group in lanes.values() for lane in group],
-            "world_sizes_skipped": skipped, "order": "interleaved" if deadline is not None else "generator",
+            "world_sizes_skipped": skipped, "order": "sampled" if deadline is not None else "generator",
         }
         save()
         progress = Progress(len(todo), enabled=config.progress, deadline=deadline)

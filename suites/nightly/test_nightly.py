@@ -116,7 +116,7 @@ def test_a_spent_time_budget_lists_every_case_not_run(tmp_path: Path) -> None:
     out = tmp_path / "budget"
     done = _nightly("--out", str(out), *TINY, "--time-budget-s", "0", "--previous", str(elsewhere))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads((out / "nightly.json").read_text())["cases"]["order"] == "interleaved"
+    assert json.loads((out / "nightly.json").read_text())["cases"]["order"] == "sampled"
     listed = (out / "not_run.txt").read_text().splitlines()
     assert sorted(line.split("\t")[0] for line in listed) == sorted(c.full_id for c in cases)
     assert all("time budget" in line for line in listed)
