@@ -28,6 +28,17 @@ from typing import Any
 from harness.case import CaseConfig
 from harness.cli.options import add_execution, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.stored_selection import (
+    StoredSelection,
+    contradictions,
+    legacy_warning,
+    option_key,
+    read_selection,
+    selection_from_options,
+    selection_options,
+    selection_path,
+    write_selection,
+)
 from harness.runner import (
     BAD_VERDICTS,
     CaseRunner,
@@ -116,12 +127,22 @@ def main(args: argparse.Namespace) -> int:
     from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
     from harness.placement import host_facts, n_gpus
 
-    world_sizes = args.world_size or [2]
-    cases = select_cases(Selection.from_args(args), world_sizes)
     out = Path(args.out) if args.out else _default_out()
     problem = out_path_problem(out)
     if problem:
         return _refuse(f"--out: {problem}")
+    resume = args.resume or args.rerun_failed
+    selection, world_sizes = Selection.from_args(args), args.world_size or [2]
+    stored = read_selection(out) if resume else None
+    if stored is not None:
+        clash = contradictions(stored.options, selection_options(selection, world_sizes),
+                               {option_key(d) for d in getattr(args, "given_options", ())})
+        if clash:
+            return _refuse(f"--resume: {'; '.join(clash)} contradict the selection {out} was made with "
+                           f"({selection_path(out).name}); drop them to continue it (a larger --limit too: "
+                           "the limit picks the sample), or choose a new --out")
+        selection, world_sizes = selection_from_options(stored.options)
+    cases = select_cases(selection, world_sizes)
     gpus = n_gpus()
     lanes, skipped = plan_run_lanes(world_sizes, args.backend, gpus, host_facts(), args.pools_per_gpu)
     problem = _machine_problem(args, world_sizes, gpus, lanes)
@@ -130,7 +151,6 @@ def main(args: argparse.Namespace) -> int:
     for ws, why in skipped.items():
         print(f"harness run: world size {ws} skipped: {why}", file=sys.stderr)
     backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
-    resume = args.resume or args.rerun_failed
     try:
         writer = ResultWriter(out, run_info(",".join(backends)), resume=resume)
     except FileExistsError:
@@ -143,6 +163,10 @@ def main(args: argparse.Namespace) -> int:
         for bad in writer.bad_lines:
             print(f"warning: unreadable line {bad}", file=sys.stderr)
         latest = dict(writer.resumed)
+        if latest and stored is None:
+            print(legacy_warning(out, latest.values()), file=sys.stderr)
+        if stored is None:
+            _store_selection(out, selection, world_sizes, cases)
         rerun = {i for i, r in latest.items() if r.verdict in BAD_VERDICTS} if args.rerun_failed else set()
         todo = [c for c in cases if (c.full_id not in latest or c.full_id in rerun) and c.world_size in lanes]
         if latest:
@@ -180,6 +204,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"warning: {len(writer.bad_lines)} unreadable line(s) in {out} (listed above)", file=sys.stderr)
     print(f"report: {report_command(out)}")
     return exit_status(counts)
+
+
+def _store_selection(out: Path, selection: Selection, world_sizes: list[int], cases: list[CaseConfig]) -> None:
+    """Store the selection beside a results file on disk (``harness.stored_selection``) for ``--resume``."""
+    if not out.is_file():
+        return  # a special file (/dev/null): nothing to resume
+    try:
+        write_selection(out, StoredSelection(selection_options(selection, world_sizes), tuple(c.full_id for c in cases)))
+    except OSError as exc:
+        print(f"warning: cannot store the selection beside {out} ({exc}); --resume will need the same options", file=sys.stderr)
 
 
 def lane_text(lanes: dict[int, list[Any]]) -> str:

@@ -49,22 +49,6 @@ def _write(path: Path, records: list[CaseRecord]) -> None:
             writer.append(record)
 
 
-@pytest.fixture
-def fake_run_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """``run`` records every case as passed without starting ranks (the pools start lazily, on their
-    first case); returns the full ids it ran."""
-    import harness.runner as runner
-
-    ran: list[str] = []
-
-    def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
-        ran.append(case.full_id)
-        return _record(case, "pass", time.time())
-
-    monkeypatch.setattr(runner, "run_case", run_case)
-    return ran
-
-
 def _usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     with pytest.raises(SystemExit) as info:
         main(list(argv))
