@@ -36,16 +36,15 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, fuzz_alongside, fuzz_budget, run_fuzz
+from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import add_execution, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
-from harness.placement import BackendChoice, host_facts, n_gpus, plan_lanes
-from harness.sampling import sample_order
+from harness.placement import host_facts, n_gpus, plan_lanes
 from harness.runner import (
     BAD_VERDICTS,
     CaseRunner,
@@ -55,8 +54,8 @@ from harness.runner import (
     select_cases,
     under_torchrun,
 )
-
-FuzzProfile = Literal["nightly", "ci", "dev", "none"]
+from harness.sampling import sample_order
+from harness.stored_selection import StoredSelection, legacy_warning, read_selection, selection_options, write_selection
 
 RESULTS_NAME = "results.jsonl"
 FUZZ_NAME = "fuzz.txt"
@@ -64,103 +63,6 @@ NIGHTLY_NAME = "nightly.json"
 NOT_RUN_NAME = "not_run.txt"
 DIFF_MD_NAME = "diff.md"
 DIFF_JSON_NAME = "diff.json"
-
-
-@dataclass
-class NightlyConfig:
-    """What one nightly runs and where it writes."""
-
-    #: the nightly's directory; every product is written here.
-    out: Path
-    #: case generator of ``harness.matrix``.
-    matrix: Literal["full", "pairwise", "smoke"] = "full"
-    #: engines to run (None: every engine of the matrix).
-    engines: list[str] | None = None
-    #: references to compare against (None: the matrix's).
-    references: list[str] | None = None
-    #: models of ``harness.models.MODELS`` (None: the matrix's).
-    models: list[str] | None = None
-    #: ranks per case (None: the matrix's world sizes that fit the local GPUs; 2 on CPU).
-    world_sizes: list[int] | None = None
-    #: training steps per case (None: ``CaseConfig``'s default).
-    steps: int | None = None
-    #: optimizers and checkpoint types to widen the matrix with (None: the matrix's sgd and none).
-    optimizers: list[str] | None = None
-    checkpoints: list[str] | None = None
-    #: keep cases whose full id contains one of these.
-    filters: list[str] = field(default_factory=list)
-    #: at most this many cases (for trial runs and tests).
-    limit: int | None = None
-    #: Hypothesis profile of the fuzz campaign; ``none`` skips the campaign.
-    fuzz_profile: FuzzProfile = "nightly"
-    #: examples per fuzz property, overriding the profile's.
-    fuzz_max_examples: int | None = None
-    #: no case is launched once this many seconds have passed since the start (None: no budget).
-    time_budget_s: float | None = None
-    #: continue the nightly already in ``out`` (its recorded cases are skipped, a finished fuzz too).
-    resume: bool = False
-    #: the nightly (report directory or results file) to diff against; None: the newest earlier sibling.
-    previous: Path | None = None
-    #: ``auto``: NCCL with one GPU per rank when there are GPUs, else gloo on CPU.
-    backend: BackendChoice = "auto"
-    #: seconds per case before it is recorded as a timeout.
-    case_timeout_s: float = 300.0
-    #: show the progress bar.
-    progress: bool = True
-    #: every case under stress delays (``harness.stress``; CUDA only).
-    stress: bool = False
-    #: check determinism on every case; otherwise on ``determinism_sample``'s sample only.
-    check_determinism: bool = False
-    #: check determinism on a sample (one case per engine, strategy and world size).
-    determinism_sample: bool = True
-    #: runs of every case, and extra runs of one that did not pass (``harness.repeats``).
-    repeat: int = 1
-    repeat_failures: int = 0
-    #: pools side by side per group of GPUs (None: ``harness.placement.pools_per_group``).
-    pools_per_gpu: int | None = None
-    #: measure the performance section (``harness.perf_section``).
-    perf: bool = True
-
-    def __post_init__(self) -> None:
-        self.out = Path(self.out)
-        self.previous = Path(self.previous) if self.previous is not None else None
-        if self.fuzz_max_examples is not None and self.fuzz_max_examples < 1:
-            raise ValueError(f"NightlyConfig.fuzz_max_examples={self.fuzz_max_examples} must be at least 1")
-        if self.time_budget_s is not None and self.time_budget_s < 0:
-            raise ValueError(f"NightlyConfig.time_budget_s={self.time_budget_s} must not be negative")
-        if self.repeat < 1 or self.repeat_failures < 0:
-            raise ValueError(f"NightlyConfig.repeat={self.repeat} must be >= 1 and repeat_failures={self.repeat_failures} >= 0")
-        if self.pools_per_gpu is not None and self.pools_per_gpu < 1:
-            raise ValueError(f"NightlyConfig.pools_per_gpu={self.pools_per_gpu} must be at least 1")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "NightlyConfig":
-        return cls(
-            out=args.out, matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
-            world_sizes=args.world_size, steps=args.steps, filters=list(args.filter), limit=args.limit,
-            optimizers=args.optimizers, checkpoints=args.checkpoints,
-            fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
-            time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
-            backend=args.backend, case_timeout_s=args.timeout, progress=not args.no_progress,
-            stress=args.stress, check_determinism=args.check_determinism,
-            determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
-            repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
-            perf=not args.no_perf,
-        )
-
-    def selection(self) -> Selection:
-        """The cases this nightly selects (``harness.runner.select_cases``)."""
-        return Selection(
-            matrix=self.matrix, engines=self.engines, references=self.references, models=self.models,
-            steps=self.steps, filters=self.filters, limit=self.limit, check_determinism=self.check_determinism,
-            stress="delay" if self.stress else "none", optimizers=self.optimizers, checkpoints=self.checkpoints,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["out"] = str(self.out)
-        d["previous"] = str(self.previous) if self.previous is not None else None
-        return d
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,6 +222,14 @@ def _nightly(config: NightlyConfig) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / NIGHTLY_NAME
     earlier = _read_json(state_path) if config.resume else {}
+    stored = read_selection(out / RESULTS_NAME) if config.resume else None
+    if config.resume:
+        try:
+            config = resumed_config(config, stored.options if stored else None, earlier.get("config") or {},
+                                    config.given_options)
+        except SelectionError as exc:
+            print(f"harness nightly: {exc}", file=sys.stderr)
+            return 2
     state: dict[str, Any] = {
         "out": str(out), "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resumed": config.resume, "config": config.to_dict(),
@@ -361,6 +271,12 @@ def _nightly(config: NightlyConfig) -> int:
         if _fuzz_not_run(config, earlier, fuzz_path, budget) is None:
             alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, fuzz_path, budget, progress=False).start()  # one bar on the terminal: the cases'
     with writer:
+        if writer.resumed and stored is None:
+            print(legacy_warning(out / RESULTS_NAME, writer.resumed.values()), file=sys.stderr)
+        if stored is None:
+            stored = StoredSelection(selection_options(selection, sorted(lanes)), tuple(c.full_id for c in cases))
+            write_selection(out / RESULTS_NAME, stored)
+        state["selection"] = {"id": stored.id, "options": stored.options}
         done = writer.recorded_ids()
         todo = [c for c in cases if c.full_id not in done]
         if deadline is not None:

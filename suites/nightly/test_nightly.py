@@ -158,14 +158,18 @@ def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
     refused = _nightly(*args)
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
-    resumed = _nightly(*args, "--resume")
+    stored = json.loads((out / "results.jsonl.selection.json").read_text())
+    # The resume line the nightly prints names --out and --resume only: the rest is the stored selection
+    # and the earlier attempt's options (no fuzz, no perf), not the defaults (the 10,920-case full matrix).
+    resumed = _nightly("--out", str(out), "--resume", "--no-progress")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     records, _ = read_records(out / "results.jsonl")
     ids = [f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records]
-    assert len(ids) == len(set(ids)) == 8
+    assert len(ids) == len(set(ids)) == 8 and sorted(ids) == sorted(stored["case_ids"])
     state = json.loads((out / "nightly.json").read_text())
-    assert state["resumed"] and state["cases"]["already_recorded"] == kept
+    assert state["resumed"] and state["cases"]["already_recorded"] == kept and state["cases"]["selected"] == 8
     assert state["cases"]["recorded"] == 8 - kept and state["complete"]
+    assert state["selection"]["id"] == stored["id"] and state["fuzz"]["skipped"] and state["perf"]["skipped"]
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from harness.cli.nightly import (
 )
 from harness.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
 from harness.records import CaseRecord
-from harness.runner import Selection, select_cases
+from harness.runner import Selection, SelectionError, select_cases
 from suites.flat_param.campaign import PropertyRun, report
 
 
@@ -179,3 +179,26 @@ def test_the_fuzz_runs_alongside_gpu_cases_where_cores_are_left() -> None:
     assert not fuzz_alongside({2: [Lane(2, "gloo", None)]}, cpu_cores=64)  # CPU ranks take every core
     # World sizes run one after the other: the widest one counts.
     assert fuzz_alongside({2: [Lane(2, "nccl", (0, 1))] * 4, 4: [Lane(4, "nccl", (0, 1, 2, 3))] * 2}, cpu_cores=11)
+
+
+def test_a_resumed_nightly_takes_back_its_selection_and_budget_unless_given_again() -> None:
+    from harness.cli.nightly_config import resumed_config
+    from harness.stored_selection import selection_options
+
+    first = NightlyConfig(out=Path("n"), engines=["builtin", "toy-buggy"], time_budget_s=60.0, fuzz_profile="none")
+    stored = selection_options(first.selection(), [2])
+    earlier = first.to_dict()
+    # The printed resume line: --out and --resume, every other option at its default.
+    plain = NightlyConfig(out=Path("n"), resume=True)
+    back = resumed_config(plain, stored, earlier, explicit=())
+    assert back.selection() == first.selection() and back.world_sizes == [2]
+    assert back.time_budget_s == 60.0 and back.fuzz_profile == "none" and back.resume
+    # An option given again wins over the earlier attempt's; a selection option must agree.
+    longer = resumed_config(NightlyConfig(out=Path("n"), time_budget_s=600.0), stored, earlier, explicit={"time_budget_s"})
+    assert longer.time_budget_s == 600.0
+    with pytest.raises(SelectionError, match=r"--engines builtin \(the file's: builtin,toy-buggy\)"):
+        resumed_config(NightlyConfig(out=Path("n"), engines=["builtin"]), stored, earlier, explicit={"engines"})
+    same = resumed_config(NightlyConfig(out=Path("n"), engines=["builtin", "toy-buggy"]), stored, earlier, explicit={"engines"})
+    assert same.selection() == first.selection()
+    # A nightly from before selections were stored keeps the options given now.
+    assert resumed_config(plain, None, {}, explicit=()).selection() == plain.selection()
