@@ -203,4 +203,5 @@ def diff(
     return diff_frames(
         before.frame, after.frame, ratio_factor=ratio_factor, ratio_floor=ratio_floor,
         bad_lines=before.bad_lines + after.bad_lines,
+        not_run={full_id for full_id, _ in after.scope.not_run} if after.scope is not None else (),
     )

@@ -159,10 +159,13 @@ def heatmap(m: ParityMatrix, path: str) -> None:
 
 def diff_markdown(result: DiffResult, old: str, new: str) -> str:
     """A diff as Markdown: regressions first, then fixes, new cells and cases, removed, other changes."""
-    counts = {k: len(result.of_kind(k)) for k in ("regression", "fix", "new", "removed", "changed")}
-    head = "❌" if result.exit_code else "✅"
+    counts = {k: len(result.of_kind(k)) for k in ("regression", "fix", "new", "not_run", "removed", "changed")}
+    new_failing = len(result.new_failing)
+    # New failing cases do not block (reports.diff), but a headline over them is never green.
+    head = "❌" if result.exit_code else "⚠️" if new_failing else "✅"
     lines = [
-        f"# {head} Parity diff: {counts['regression']} regression(s), {counts['fix']} fix(es)",
+        f"# {head} Parity diff: {counts['regression']} regression(s), {new_failing} new failing case(s), "
+        f"{counts['fix']} fix(es)",
         "",
         f"old: `{old}` ({result.old_cases} cases) → new: `{new}` ({result.new_cases} cases)",
     ]
@@ -183,6 +186,7 @@ def diff_markdown(result: DiffResult, old: str, new: str) -> str:
     if result.new_cells:
         lines += ["", f"## New cells ({len(result.new_cells)})", ""] + [f"- {c}" for c in result.new_cells]
     section("New cases", result.of_kind("new"))
+    section("Not run (selected, not run by the new run)", result.of_kind("not_run"))
     section("Removed cases", result.of_kind("removed"))
     section("Other changes", result.of_kind("changed"))
     if not result.changes:

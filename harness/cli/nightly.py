@@ -73,15 +73,23 @@ DIFF_JSON_NAME = "diff.json"
 
 
 
-def find_previous(out: Path) -> Path | None:
+def night_selection(directory: Path) -> str | None:
+    """The selection id a nightly directory's ``nightly.json`` records; None for none or an older one."""
+    selection = _read_json(Path(directory) / NIGHTLY_NAME).get("selection")
+    return selection.get("id") if isinstance(selection, dict) else None
+
+
+def find_previous(out: Path, selection_id: str | None = None) -> Path | None:
     """The newest earlier nightly: the sibling directory of ``out`` holding a ``nightly.json`` (what
     only a nightly writes, so a results directory of ``harness run`` next to it is never taken) whose
-    name sorts last among those before ``out``'s name (date names, ``2026-11-21``, sort by date)."""
+    name sorts last among those before ``out``'s name (date names, ``2026-11-21``, sort by date); with
+    ``selection_id``, among the nights of that selection only (another selection is no baseline)."""
     out = Path(out)
     parent = out.parent
     if not parent.is_dir():
         return None
-    earlier = [d for d in parent.iterdir() if d.is_dir() and d.name < out.name and (d / NIGHTLY_NAME).is_file()]
+    earlier = [d for d in parent.iterdir() if d.is_dir() and d.name < out.name and (d / NIGHTLY_NAME).is_file()
+               and (selection_id is None or night_selection(d) == selection_id)]
     return max(earlier, key=lambda d: d.name) if earlier else None
 
 
@@ -128,6 +136,8 @@ def baseline_source(previous: Path) -> Path:
 def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool) -> tuple[int, list[str]]:
     """The nightly's exit status and the reasons for it (see the module docstring)."""
     reasons: list[str] = []
+    if not sum(verdicts.values()):
+        reasons.append("no case was run")  # an empty nightly checked nothing: never a green one
     bad = {v: verdicts.get(v, 0) for v in BAD_VERDICTS if verdicts.get(v, 0)}
     if bad:
         reasons.append("cases " + ", ".join(f"{v}: {n}" for v, n in bad.items()))
@@ -139,6 +149,19 @@ def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions:
         reasons.append("the ranks could not start; some cases were not run")
         return 2, reasons
     return (1 if reasons else 0), reasons
+
+
+def partial_reasons(state: Mapping[str, Any]) -> list[str]:
+    """What a nightly left out of what it was asked for (cases not run, a fuzz campaign or performance
+    section skipped for the budget): a nightly that left something out never reads as ``ok``."""
+    cases, out = state.get("cases") or {}, []
+    if cases.get("not_run"):
+        out.append(f"{cases['not_run']} of {cases.get('selected', '?')} cases not run")
+    for phase, chosen in (("fuzz", "--fuzz-profile none"), ("perf", "--no-perf")):
+        skipped = (state.get(phase) or {}).get("skipped")
+        if skipped and skipped != chosen:
+            out.append(f"{phase} skipped ({skipped})")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -370,16 +393,23 @@ def _nightly(config: NightlyConfig) -> int:
     save()
 
     # -- 4. diff against the previous nightly -------------------------------------------------------
-    previous = config.previous if config.previous is not None else find_previous(out)
+    previous = config.previous if config.previous is not None else find_previous(out, stored.id)
     regressions = 0
-    if previous is None:
-        state["diff"] = {"previous": None, "note": f"no earlier nightly next to {out}"}
-        for stale in (out / DIFF_MD_NAME, out / DIFF_JSON_NAME):
-            stale.unlink(missing_ok=True)
-    else:
+    other = night_selection(previous) if previous is not None and previous.is_dir() else None
+    try:
+        if previous is None:
+            raise ValueError(f"no earlier nightly of this selection ({stored.id}) next to {out}")
+        if other is not None and other != stored.id:
+            raise ValueError(f"{previous} is a night of another selection ({other}, this one {stored.id}); "
+                             "nights compare with nights of the same selection")
         old = baseline_source(previous)
         t0 = time.monotonic()
         result = reports.diff(old, out / RESULTS_NAME)
+    except ValueError as exc:  # nothing to compare with: said, never a regression
+        state["diff"] = {"previous": None, "note": str(exc)}
+        for stale in (out / DIFF_MD_NAME, out / DIFF_JSON_NAME):
+            stale.unlink(missing_ok=True)
+    else:
         text = render.diff_markdown(result, str(old), str(out / RESULTS_NAME))
         (out / DIFF_MD_NAME).write_text(text, encoding="utf-8")
         _write_json(out / DIFF_JSON_NAME, result.to_dict())
@@ -396,7 +426,8 @@ def _nightly(config: NightlyConfig) -> int:
     # -- 5. verdict ---------------------------------------------------------------------------------
     fuzz_exit = state["fuzz"].get("exit_code")
     code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed)
-    state.update(complete=True, exit_code=code, exit_reasons=reasons, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    state.update(complete=True, exit_code=code, exit_reasons=reasons, partial=partial_reasons(state),
+                 finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     save()
     print(_summary_text(state))
     return code
@@ -465,7 +496,8 @@ def _summary_text(state: Mapping[str, Any]) -> str:
     else:
         lines.append(f"diff: {diff.get('note')}")
     lines += perf_section.summary_lines(state.get("perf"), state.get("perf_diff"))
-    verdict = "ok" if state["exit_code"] == 0 else "; ".join(state["exit_reasons"])
+    partial = partial_reasons(state)
+    verdict = "; ".join(state["exit_reasons"]) if state["exit_code"] else f"partial: {'; '.join(partial)}" if partial else "ok"
     lines.append(f"nightly {verdict} (exit {state['exit_code']}) in {state['wall_s']:.1f} s -> {state['out']}")
     return "\n".join(lines)
 

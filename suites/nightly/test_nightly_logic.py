@@ -93,6 +93,8 @@ def test_fuzz_totals_are_read_from_the_campaign_table() -> None:
         ({"pass": 3}, 0, 2, False, 1, ["2 regression(s)"]),
         ({"pass": 3, "fail": 2}, 0, 0, True, 2, ["fail: 2", "could not start"]),
         ({"pass": 3, "flaky": 1}, 0, 0, False, 1, ["flaky: 1"]),  # failed in some runs: bad
+        ({}, None, 0, False, 1, ["no case was run"]),  # an empty nightly (a budget of 0 s) is never green
+        ({"pass": 0}, 0, 0, False, 1, ["no case was run"]),
     ],
 )
 def test_exit_status(verdicts: dict, fuzz_exit: int | None, regressions: int, pools_failed: bool, code: int, mentions: list[str]) -> None:
@@ -202,3 +204,14 @@ def test_a_resumed_nightly_takes_back_its_selection_and_budget_unless_given_agai
     assert same.selection() == first.selection()
     # A nightly from before selections were stored keeps the options given now.
     assert resumed_config(plain, None, {}, explicit=()).selection() == plain.selection()
+
+
+def test_a_partial_nightly_never_reads_as_ok() -> None:
+    from harness.cli.nightly import partial_reasons
+
+    whole = {"cases": {"selected": 5, "not_run": 0}, "fuzz": {"skipped": "--fuzz-profile none"}, "perf": {"skipped": "--no-perf"}}
+    assert partial_reasons(whole) == []
+    trial = {"cases": {"selected": 451, "not_run": 40}, "fuzz": {"skipped": "time budget of 120 s spent by the cases"},
+             "perf": {"skipped": "time budget of 120 s spent"}}
+    assert partial_reasons(trial) == ["40 of 451 cases not run", "fuzz skipped (time budget of 120 s spent by the cases)",
+                                      "perf skipped (time budget of 120 s spent)"]
