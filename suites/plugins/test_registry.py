@@ -85,6 +85,10 @@ def test_specs_resolve_to_adapters_named_by_the_spec(plugins: Path) -> None:
         ("mine=factories:missing", ["'mine=factories:missing'", "missing"]),
         ("mine=factories:not_an_adapter", ["'mine=factories:not_an_adapter'", "EngineAdapter"]),
         ("mine=nonsense", ["'mine=nonsense'", "fsdp1:MODULE"]),
+        # An unknown API kind is named, with the known ones (not "cannot import module 'fsdp3'").
+        ("mine=fsdp3:engine", ["'fsdp3' is no API kind", "known: fsdp1, fsdp2"]),
+        # A spec reusing a registered name: refused, naming both.
+        ("builtin=fsdp1:engine", ["'builtin=fsdp1:engine'", "already the registered engine 'builtin'"]),
     ],
 )
 def test_a_bad_spec_is_one_line_naming_the_engine_and_what_is_missing(plugins: Path, spec: str, names: list[str]) -> None:
