@@ -200,18 +200,22 @@ def out_dir_problem(out: Path) -> str | None:
     return out_path_problem(out / RESULTS_NAME)
 
 
-def _warn_crowded(lanes: Mapping[int, Sequence[Any]]) -> None:
+def _cpu_pools_problem(lanes: Mapping[int, Sequence[Any]]) -> str | None:
+    """Why the CPU pools cannot fit in memory (refused), or None; warns when they crowd the cores."""
     from harness.placement import available_memory, cpu_footprint
 
     # The CPU pools of one world size run side by side: their ranks are alive at once.
     cpu = {ws: sum(1 for lane in group if lane.backend == "gloo") for ws, group in lanes.items()}
     cpu = {ws: pools for ws, pools in cpu.items() if pools}
     if not cpu:
-        return
+        return None
     ws = max(cpu, key=lambda w: w * cpu[w])
     footprint = cpu_footprint([ws * cpu[ws]], os.cpu_count() or 1, available_memory())
+    side = f" ({cpu[ws]} pools side by side, --pools-per-gpu)" if cpu[ws] > 1 else ""
+    if footprint.available_bytes is not None and footprint.bytes > footprint.available_bytes:
+        return (f"--world-size {ws} on CPU{side} takes {footprint.describe()}: more memory than is free; "
+                "lower --world-size (or --pools-per-gpu), or free memory")
     if footprint.oversubscribed:
-        side = f" ({cpu[ws]} pools side by side, --pools-per-gpu)" if cpu[ws] > 1 else ""
         print(f"harness nightly: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
               "cases will be slow or run out of memory", file=sys.stderr)
 
@@ -270,7 +274,10 @@ def _nightly(config: NightlyConfig) -> int:
         print(f"harness nightly: no world size can run here (--backend {config.backend}): "
               f"{'; '.join(skipped_ws.values())}", file=sys.stderr)
         return 2
-    _warn_crowded(lanes)
+    problem = _cpu_pools_problem(lanes)
+    if problem:
+        print(f"harness nightly: {problem}", file=sys.stderr)
+        return 2
     selection = config.selection()
     cases = select_cases(selection, list(lanes))
     if config.determinism_sample:

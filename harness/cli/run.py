@@ -99,8 +99,12 @@ def _machine_problem(args: argparse.Namespace, world_sizes: list[int], gpus: int
     if cpu:
         ws = max(cpu, key=lambda w: w * len(cpu[w]))
         footprint = cpu_footprint([ws * len(cpu[ws])], os.cpu_count() or 1, available_memory())
+        side = f" ({len(cpu[ws])} pools side by side, --pools-per-gpu)" if len(cpu[ws]) > 1 else ""
+        if footprint.available_bytes is not None and footprint.bytes > footprint.available_bytes:
+            # Started anyway, the ranks would be killed by the OOM killer or swap until Ctrl-C.
+            return (f"--world-size {ws} on CPU{side} takes {footprint.describe()}: more memory than is free; "
+                    "lower --world-size (or --pools-per-gpu), or free memory")
         if footprint.oversubscribed:
-            side = f" ({len(cpu[ws])} pools side by side, --pools-per-gpu)" if len(cpu[ws]) > 1 else ""
             print(f"harness run: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
                   "cases will be slow or run out of memory", file=sys.stderr)
     return None

@@ -193,3 +193,28 @@ def test_results_with_no_case_in_common_are_refused(tmp_path: Path, capsys: pyte
     assert main(["diff", str(old), str(new)]) == 2
     err = capsys.readouterr().err.strip()
     assert "no case in common" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["diff", "OLD", "NEW", "--md", "/proc/x.md"], "--md: /proc/x.md is under /proc"),
+    (["diff", "OLD", "NEW", "--json", "/proc/x.json"], "--json: /proc/x.json is under /proc"),
+    (["build", "NEW", "--out", "FILE"], "is a file; the report is a directory"),
+    (["diff", "OLD"], "the following arguments are required: new (--help for usage)"),
+    (["build", "NEW", "--out", "DIR", "--bogus"], "unrecognized arguments: --bogus (--help for usage)"),
+])
+def test_an_output_or_option_that_cannot_work_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    old = write_results(tmp_path / "old.jsonl", [record(C[0], "pass", 0.1)])
+    new = write_results(tmp_path / "new.jsonl", [record(C[0], "fail", 3.0)])
+    (tmp_path / "file").write_text("not a report directory\n")
+    paths = {"OLD": str(old), "NEW": str(new), "FILE": str(tmp_path / "file"), "DIR": str(tmp_path / "report")}
+    argv = [paths.get(a, a) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "usage:" not in err
+    assert (tmp_path / "file").read_text() == "not a report directory\n"
