@@ -47,6 +47,21 @@ STATUS_COLOURS = {
 STATUS_ICONS = {"pass": "✅", "fail": "❌", "flaky": "🎲", "error": "💥", "unsupported": "➖", "empty": ""}
 #: failing cases listed per cell in HTML and in total in Markdown; the rest are counted.
 MAX_LISTED = 50
+#: what a reason may take in a table cell, a cell's pop-up and the Markdown table; more is clipped
+#: (``clip``) and links to the case page, which holds the whole reason.
+REASON_CHARS = {"table": 200, "popup": 160, "markdown": 120}
+
+
+def clip(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` cut before ``limit`` characters, at a word boundary where there is one, ending in an
+    ellipsis, and whether it was cut: a reason is never cut mid-way without saying so."""
+    text = str(text)
+    if len(text) <= limit:
+        return text, False
+    head = text[: limit - 1]
+    if " " in head[limit // 2:]:
+        head = head[: head.rindex(" ")]
+    return head.rstrip() + "…", True
 
 
 def cell_colour(stats: CellStats) -> str:
@@ -177,7 +192,8 @@ def diff_markdown(result: DiffResult, old: str, new: str) -> str:
         if not changes:
             return
         rows = [[c.what, c.full_id, fmt_ratio(c.old_ratio) if c.old_ratio is not None else "-",
-                 fmt_ratio(c.new_ratio) if c.new_ratio is not None else "-", c.reason[:100]] for c in changes]
+                 fmt_ratio(c.new_ratio) if c.new_ratio is not None else "-", clip(c.reason, REASON_CHARS["markdown"])[0]]
+                for c in changes]
         lines.extend(["", f"## {title} ({len(changes)})", "",
                       tabulate(rows, headers=["change", "case", "old ratio", "new ratio", "reason"], tablefmt="github", disable_numparse=True)])
 

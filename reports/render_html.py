@@ -18,7 +18,7 @@ from reports.case_page import case_href
 from reports.grid import Grid, GridCell, GridRow, GridSection
 from reports.matrix import CellStats, ParityMatrix, Summary, fmt_ratio, sort_failing
 from reports.page import banner_html, esc, page
-from reports.render import STATUS_COLOURS, _text_colour, cell_colour, run_lines
+from reports.render import REASON_CHARS, STATUS_COLOURS, _text_colour, cell_colour, clip, run_lines
 
 #: failing cases listed per cell and in the failing-cases table; the rest are counted.
 MAX_LISTED = 50
@@ -98,13 +98,20 @@ def _cell_style(cell: GridCell) -> str:
     return f"background:{colour};color:{_text_colour(colour)}"
 
 
+def _reason_html(row: pd.Series, where: str) -> str:
+    """A case's reason, clipped for ``where`` (``REASON_CHARS``) with a link to the whole one on its page."""
+    text, cut = clip(str(row["reason"]), REASON_CHARS[where])
+    more = f' <a class="whole-reason" href="{esc(case_href(row["full_id"]))}">(whole reason)</a>' if cut else ""
+    return esc(text) + more
+
+
 def _case_list(bad: pd.DataFrame) -> str:
     items = []
     for _, r in bad.head(MAX_LISTED).iterrows():
         ratio = f" {esc(fmt_ratio(r['worst_ratio']))}" if not math.isnan(r["worst_ratio"]) else ""
         items.append(f'<li><a href="{esc(case_href(r["full_id"]))}"><b>{esc(r["verdict"])}</b>{ratio} '
                      f'<code>{esc(r["case_id"])}</code></a>'
-                     + (f": {esc(str(r['reason'])[:160])}" if r["reason"] else "") + "</li>")
+                     + (f": {_reason_html(r, 'popup')}" if r["reason"] else "") + "</li>")
     if len(bad) > MAX_LISTED:
         items.append(f"<li>… and {len(bad) - MAX_LISTED} more</li>")
     return f'<ul style="color:#222;background:#fff">{"".join(items)}</ul>'
@@ -211,7 +218,7 @@ def failing_table_html(frame: pd.DataFrame) -> str:
     rows = "".join(
         f'<tr><td>{esc(r["verdict"])}</td><td class="left"><a href="{esc(case_href(r["full_id"]))}"><code>{esc(r["full_id"])}</code></a></td>'
         f'<td>{esc(fmt_ratio(r["worst_ratio"]))}</td><td class="left">{esc(r["worst_quantity"])}</td>'
-        f'<td class="left">{esc(str(r["reason"])[:200])}</td></tr>'
+        f'<td class="left">{_reason_html(r, "table")}</td></tr>'
         for _, r in failing.head(MAX_FAILING_TABLE).iterrows()
     )
     more = f"<p>… and {len(failing) - MAX_FAILING_TABLE} more in results.csv.</p>" if len(failing) > MAX_FAILING_TABLE else ""
