@@ -99,6 +99,28 @@ def test_the_eta_is_for_what_the_budget_will_run() -> None:
     assert expected_total(100, 10, 10.0, -5.0) == 10  # budget spent: what is done
 
 
+def test_without_a_bar_a_status_line_comes_every_minute_and_a_budget_keeps_the_total(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import harness.runner as runner
+
+    clock = [1000.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    progress = runner.Progress(100, enabled=False, deadline=1000.0 + 120)
+    verdicts = ["pass"] * 9 + ["fail"]
+    for n, verdict in enumerate(verdicts * 3):
+        clock[0] += 3.0  # a case every 3 s: 20 a minute
+        progress.update(CaseRecord(CaseConfig().to_dict(), CaseConfig().case_id, verdict, reason="x"), f"c{n}")  # type: ignore[arg-type]
+    lines = [line for line in capsys.readouterr().err.splitlines() if "cases (" in line]
+    assert len(lines) == 1, lines  # 90 s: one minute passed once
+    assert lines[0].startswith("20/40 (budget; 100 selected) cases (pass 18, fail 2); 0.33 cases/s; ETA 60 s"), lines
+    assert progress.bar.total == 100, "the total stays the cases to run"
+    progress.close()
+    quiet = runner.Progress(10, enabled=True)
+    assert quiet.log_every_s is None  # the bar shows it
+    quiet.close()
+
+
 def test_stress_is_unsupported_on_cpu_with_the_reason() -> None:
     assert unsupported_reason("none", "cpu") is None
     assert unsupported_reason("delay", "cuda") is None
