@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.case import CaseConfig
-from harness.cli.fuzz import FuzzOutcome, FuzzRun, fuzz_alongside, fuzz_budget, run_fuzz
+from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import add_execution, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
@@ -293,7 +293,7 @@ def _nightly(config: NightlyConfig) -> int:
         print(f"harness nightly: --out: {exc}", file=sys.stderr)
         return 2
     cases_start = time.monotonic()
-    deadline = start + config.time_budget_s if config.time_budget_s is not None else None
+    deadline = cases_deadline(start, config.time_budget_s)  # the budget holds the report too
     fuzz_path = out / FUZZ_NAME
     alongside: FuzzRun | None = None
     if fuzz_alongside(lanes, host.cpu_cores):

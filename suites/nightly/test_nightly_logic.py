@@ -174,6 +174,17 @@ def test_the_fuzz_gets_what_the_budget_leaves() -> None:
     assert fuzz_budget(600, 590) == 0.0
 
 
+def test_the_budget_keeps_the_report_s_reserve_from_the_cases() -> None:
+    from harness.cli.fuzz import cases_deadline, report_reserve
+
+    assert cases_deadline(1000.0, None) is None
+    assert cases_deadline(1000.0, 600.0) == 1000.0 + 600 - REPORT_RESERVE_S
+    # A short budget keeps a quarter for the report: 60 s must not end at 100 s.
+    assert report_reserve(60.0) == 15.0 and cases_deadline(0.0, 60.0) == 45.0
+    assert fuzz_budget(60, 40) == 60 - 40 - 15.0
+    assert cases_deadline(0.0, 0.0) == 0.0
+
+
 def test_the_fuzz_runs_alongside_gpu_cases_where_cores_are_left() -> None:
     eight = {2: [Lane(2, "nccl", (0, 1))] * 8}
     assert fuzz_alongside(eight, cpu_cores=32)  # 16 ranks, 16 cores left
