@@ -48,7 +48,14 @@ table.grid tr.first td, table.grid tr.first th { border-top: 2px solid #555; }
 .filters { margin: 0.4em 0; font-size: 13px; } .filters select { margin-right: 1em; }
 table.grid summary { list-style: none; text-decoration: underline dotted; }
 table.grid summary::-webkit-details-marker { display: none; }
-table.grid details[open] summary { font-weight: bold; }
+table.grid details[open] summary { outline: 2px solid #000; outline-offset: 1px; }
+/* A strategy's label is on every row, so an engine filter never hides it; repeats are grey. */
+table.grid tr.g:not(.first) th.sticky1 { color: #999; font-weight: normal; }
+/* An opened cell's list floats over the grid: the column keeps its width, the others stay in view. */
+table.grid td.cell { position: relative; }
+table.grid details[open] > ul { position: absolute; z-index: 4; left: 0; top: 100%; width: max-content;
+  max-width: 36em; margin: 0; padding: 0.4em 0.6em 0.4em 1.6em; text-align: left; white-space: normal;
+  border: 1px solid #555; box-shadow: 0 2px 8px rgba(0, 0, 0, 0.3); font-size: 12px; }
 """
 
 FILTER_JS = """
@@ -76,7 +83,18 @@ function showSection(id) {
   box.scrollTop = row.offsetTop - box.querySelector('thead').offsetHeight;
   return true;
 }
+// An opened cell's list floats (it keeps the column widths); it opens leftwards where it would leave the
+// grid's box on the right.
+function placeList(details) {
+  var ul = details.querySelector('ul'), box = document.querySelector('.gridwrap');
+  if (!details.open || !ul || !box) return;
+  ul.style.left = '0'; ul.style.right = 'auto';
+  if (ul.getBoundingClientRect().right > box.getBoundingClientRect().right) { ul.style.left = 'auto'; ul.style.right = '0'; }
+}
 document.addEventListener('DOMContentLoaded', function () {
+  document.querySelectorAll('table.grid td.cell details').forEach(function (d) {
+    d.addEventListener('toggle', function () { placeList(d); });
+  });
   ['f-engine', 'f-model', 'f-verdict'].forEach(function (id) {
     document.getElementById(id).addEventListener('change', applyFilters);
   });
@@ -158,7 +176,7 @@ def grid_html(grid: Grid) -> str:
             cells = "".join(_grid_cell(section, row, p, b) for p, b in cols)
             rows.append(
                 f'<tr class="g{" first" if first else ""}" data-engine="{esc(row.engine)}" data-model="{esc(row.model)}" '
-                f'data-states="{esc(states)}"><th class="sticky1">{esc(row.strategy) if first else ""}</th>'
+                f'data-states="{esc(states)}"><th class="sticky1">{esc(row.strategy)}</th>'
                 f'<th class="sticky2">{esc(row.engine)}</th>{cells}</tr>'
             )
         bodies.append(f'<tbody data-model="{esc(section.model)}">{"".join(rows)}</tbody>')
