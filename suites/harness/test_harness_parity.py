@@ -141,6 +141,8 @@ def test_determinism_check(parity_pool: RankPool) -> None:
     (CaseConfig(**{**FSDP2, "use_orig_params": False}), "use_orig_params=False"),
     (CaseConfig(**FSDP2, model="transformer", precision="bf16"), "buffer dtype"),
     (CaseConfig(**FSDP1, world_size=3), "world_size=3"),
+    # DDP computes in full precision: a mixed-precision case is judged against local only, never twice.
+    (CaseConfig(**FSDP1, precision="reduce_only"), "only the local reference (which emulates the casts) can judge it"),
 ], ids=lambda v: v.full_id if isinstance(v, CaseConfig) else v)
 def test_unsupported_cases_say_why(parity_pool: RankPool, case: CaseConfig, reason: str) -> None:
     record = _run(parity_pool, case)

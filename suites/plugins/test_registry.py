@@ -204,5 +204,9 @@ def test_certificate_renders_counts_failures_and_status() -> None:
     assert not cert.ok and [f.status for f in families] == ["pass", "fail", "unsupported"]
     md = markdown(cert)
     assert "DOES NOT CONFORM" in md and "mine:ddp:x" in md and "not yet available" in md
-    assert "mine:ddp:x" in render_html(cert)
+    assert "mine:ddp:x" in render_html(cert) and "<a href" not in render_html(cert)
+    # A failing case with a page in the certification's report links to it.
+    cert.pages = {"mine:ddp:x": "report/cases/x.html"}
+    assert '<a href="report/cases/x.html"><code>mine:ddp:x</code></a>' in render_html(cert)
+    assert "[mine:ddp:x](report/cases/x.html)" in markdown(cert)
     assert '"status": "fail"' in to_json(cert) and '"ok": false' in to_json(cert)
