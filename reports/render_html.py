@@ -219,7 +219,8 @@ def attribution_html(attributions: Sequence[Attribution]) -> str:
         if not a.failing:
             items.append(f"<li>{head}no failing case ({a.passing} pass)</li>")
             continue
-        terms = "".join(f"<li><code>{esc(t.text)}</code>: {t.covered}/{a.failing} failing, no passing case</li>" for t in a.terms)
+        terms = "".join(f"<li><b>{esc(line)}</b></li>" for line in a.evidence())
+        terms += "".join(f"<li><code>{esc(t.text)}</code>: {t.covered}/{a.failing} failing, no passing case</li>" for t in a.terms)
         if a.unexplained:
             shown = ", ".join(f'<a href="{esc(case_href(i))}"><code>{esc(i.split(":", 2)[-1])}</code></a>' for i in a.unexplained[:8])
             more = f" … and {len(a.unexplained) - 8} more" if len(a.unexplained) > 8 else ""
