@@ -33,6 +33,10 @@ _STEP = re.compile(r"^(?P<what>loss|grad_norm)@(?P<step>\d+)$")
 BUDGET_SOURCES = {
     "none": "torch.testing.assert_close's defaults for the case's dtype (full precision up to 2 ranks: "
             "averaging two gradients rounds the same in any order).",
+    "ablation": "mixed precision up to 2 ranks: compared with the local reference that emulates the engine's "
+                "casts, under torch's defaults for the full dtype widened per quantity by 0.5x the distance from "
+                "the emulation to the nearest run of an engine that drops a cast (float64, or one MixedPrecision "
+                "field ignored), so a dropped cast fails on values alone.",
     "emulation": "mixed precision: torch's defaults widened per quantity by 4x the distance between the local "
                  "reference that emulates the engine's casts and the same run in float64; rtol of the "
                  "lowest-precision dtype the case computes or reduces in.",

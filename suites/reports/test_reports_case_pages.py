@@ -163,3 +163,12 @@ def test_a_long_reason_is_never_cut_without_an_ellipsis_and_a_link_to_the_whole(
     assert html.count('(whole reason)</a>') >= 2 and html.count(f'href="{case_href(case.full_id)}"') >= 3
     assert "… ([whole reason](" in md and tail not in md
     assert clip("short", 10) == ("short", False)
+
+
+def test_every_tolerance_source_is_in_the_legend() -> None:
+    from typing import get_args
+
+    from harness.tolerance import BudgetSource
+    from reports.case_page import BUDGET_SOURCES
+
+    assert set(BUDGET_SOURCES) == set(get_args(BudgetSource))
