@@ -13,6 +13,7 @@ import math
 
 import matplotlib.colors as mcolors
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -108,6 +109,22 @@ def run_lines(summary: Summary) -> list[str]:
 
 def heatmap(m: ParityMatrix, path: str) -> None:
     """A PNG of one matrix: cells coloured as in the HTML, labelled ``passed/total`` and worst ratio."""
+    heatmap_figure(m).savefig(path)
+
+
+def _spread(fig: Figure, labels: list, rotation: float, ha: str) -> None:
+    """Tilt ``labels`` (tick labels of one row) where any two overlap as drawn, so each stays readable."""
+    renderer = fig.canvas.get_renderer()
+    boxes = sorted((t.get_window_extent(renderer) for t in labels if t.get_text()), key=lambda b: b.x0)
+    if any(a.x1 > b.x0 for a, b in zip(boxes, boxes[1:])):
+        for t in labels:
+            t.set_rotation(rotation)
+            t.set_horizontalalignment(ha)
+            t.set_rotation_mode("anchor")
+
+
+def heatmap_figure(m: ParityMatrix) -> Figure:
+    """The figure ``heatmap`` writes (column labels tilted where they would overlap)."""
     n_rows, n_cols = len(m.rows), len(m.columns)
     cell_w, cell_h = 0.78, 0.62
     fig_w = max(6.0, 2.4 + n_cols * cell_w + 1.6)
@@ -115,6 +132,7 @@ def heatmap(m: ParityMatrix, path: str) -> None:
     # A bare Figure (no pyplot): no global figure registry to leak into, and PNGs render with Agg
     # whatever backend the calling process chose.
     fig = Figure(figsize=(fig_w, fig_h), dpi=110)
+    FigureCanvasAgg(fig)  # a renderer to measure labels with (``_spread``)
     ax = fig.subplots()
     image = [[mcolors.to_rgb(cell_colour(m.cell(s, p, b))) for p, b in m.columns] for s in m.rows]
     ax.imshow(image, aspect="auto", interpolation="nearest")
@@ -165,7 +183,10 @@ def heatmap(m: ParityMatrix, path: str) -> None:
     ]
     fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path)
+    _spread(fig, ax.get_xticklabels(), 30, "right")
+    _spread(fig, top.get_xticklabels(), 30, "left")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------------
