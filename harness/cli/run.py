@@ -44,6 +44,7 @@ from harness.runner import (
     CaseRunner,
     Progress,
     Selection,
+    SelectionError,
     exit_status,
     file_counts,
     select_cases,
@@ -136,16 +137,10 @@ def main(args: argparse.Namespace) -> int:
     if problem:
         return _refuse(f"--out: {problem}")
     resume = args.resume or args.rerun_failed
-    selection, world_sizes = Selection.from_args(args), args.world_size or [2]
-    stored = read_selection(out) if resume else None
-    if stored is not None:
-        clash = contradictions(stored.options, selection_options(selection, world_sizes),
-                               {option_key(d) for d in getattr(args, "given_options", ())})
-        if clash:
-            return _refuse(f"--resume: {'; '.join(clash)} contradict the selection {out} was made with "
-                           f"({selection_path(out).name}); drop them to continue it (a larger --limit too: "
-                           "the limit picks the sample), or choose a new --out")
-        selection, world_sizes = selection_from_options(stored.options)
+    try:
+        selection, world_sizes, stored = resumed_selection(args, out, args.world_size or [2])
+    except SelectionError as exc:
+        return _refuse(str(exc))
     cases = select_cases(selection, world_sizes)
     gpus = n_gpus()
     lanes, skipped = plan_run_lanes(world_sizes, args.backend, gpus, host_facts(), args.pools_per_gpu)
@@ -208,6 +203,23 @@ def main(args: argparse.Namespace) -> int:
         print(f"warning: {len(writer.bad_lines)} unreadable line(s) in {out} (listed above)", file=sys.stderr)
     print(f"report: {report_command(out)}")
     return exit_status(counts)
+
+
+def resumed_selection(args: argparse.Namespace, out: Path, world_sizes: list[int]) -> tuple[Selection, list[int], StoredSelection | None]:
+    """The selection to run: the one stored beside ``out`` when resuming it, else the options'. Raises
+    ``SelectionError`` naming every option given again with another value than the stored one."""
+    selection = Selection.from_args(args)
+    stored = read_selection(out) if args.resume or args.rerun_failed else None
+    if stored is None:
+        return selection, world_sizes, None
+    clash = contradictions(stored.options, selection_options(selection, world_sizes),
+                           {option_key(d) for d in getattr(args, "given_options", ())})
+    if clash:
+        raise SelectionError(f"--resume: {'; '.join(clash)} contradict the selection {out} was made with "
+                             f"({selection_path(out).name}); drop them to continue it (a larger --limit too: "
+                             "the limit picks the sample), or choose a new --out")
+    selection, stored_sizes = selection_from_options(stored.options)
+    return selection, stored_sizes, stored
 
 
 def _store_selection(out: Path, selection: Selection, world_sizes: list[int], cases: list[CaseConfig]) -> None:
@@ -291,10 +303,14 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     ctx = RankContext(rank, ws, local_rank, local_ws, backend, device)
     if args.world_size and args.world_size != [ws]:
         print(f"harness run: --world-size {args.world_size} ignored under torchrun (WORLD_SIZE={ws})", file=sys.stderr)
-    cases = select_cases(Selection.from_args(args), [ws])
     out = Path(args.out) if args.out else _default_out()
+    # The stored selection, at torchrun's world size (every rank reads it: rank 0 alone writes the file).
+    selection, _, stored = resumed_selection(args, out, [ws])
+    cases = select_cases(selection, [ws])
 
     writer = ResultWriter(out, run_info(backend), resume=args.resume or args.rerun_failed) if rank == 0 else None
+    if writer is not None and stored is None:
+        _store_selection(out, selection, [ws], cases)
     # Every rank must walk the same list: rank 0 knows what the file already holds.
     keep = ({i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
             if writer else None)
