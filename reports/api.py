@@ -119,14 +119,15 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
 
 def build(
     paths: PathLike | Iterable[PathLike], out_dir: PathLike, *, cases: Iterable[str] = (),
-    not_run: Sequence[tuple[str, str]] | None = None, selected: int | None = None,
+    not_run: Sequence[tuple[str, str]] | None = None, selected: int | None = None, plot_deadline: float | None = None,
 ) -> Summary:
     """Write the report of ``paths`` into ``out_dir``: matrix.md, matrix.html, results.csv, one PNG
     heatmap per matrix, one page per case that did not pass (and per full id in ``cases``) under
     ``cases/``, and summary.json. Returns the summary (also in summary.json).
 
     ``not_run`` (``(full id, why)`` pairs) and ``selected`` describe a partial run; by default they
-    come from a ``nightly.json``/``not_run.txt`` next to the inputs.
+    come from a ``nightly.json``/``not_run.txt`` next to the inputs. No case page is plotted after
+    ``plot_deadline`` (``time.monotonic()``), so a time budget holds the report too.
     """
     loaded = load(paths)
     out = Path(out_dir)
@@ -163,7 +164,7 @@ def build(
     if asked:
         chosen = pd.concat([chosen, frame[frame["full_id"].isin(asked) & (frame["verdict"] == "pass")]])
     page_rows = [row for _, row in chosen.iterrows()]
-    case_files = write_case_pages(page_rows, loaded.records, out, banner=banner)
+    case_files = write_case_pages(page_rows, loaded.records, out, banner=banner, plot_deadline=plot_deadline)
     current = set(case_files)
     for stale in (out / CASES_DIR).glob("*"):
         if stale.is_file() and f"{CASES_DIR}/{stale.name}" not in current:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.case import CaseConfig
-from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, run_fuzz
+from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import add_execution, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
@@ -393,7 +393,9 @@ def _nightly(config: NightlyConfig) -> int:
     from reports import render
 
     t0 = time.monotonic()
-    summary = reports.build([out / RESULTS_NAME], out)
+    # The budget's end, less a margin for the pages, tables and diff after the plots.
+    summary = reports.build([out / RESULTS_NAME], out, plot_deadline=None if config.time_budget_s is None
+                            else start + config.time_budget_s - report_reserve(config.time_budget_s) / 2)
     state["verdicts"] = dict(summary.verdicts)
     state["determinism"] = determinism_summary(_latest_records(out / RESULTS_NAME))
     state["report"] = {"files": summary.files, "bad_lines": len(summary.bad_lines), "wall_s": round(time.monotonic() - t0, 3)}

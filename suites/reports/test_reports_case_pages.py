@@ -172,3 +172,15 @@ def test_every_tolerance_source_is_in_the_legend() -> None:
     from reports.case_page import BUDGET_SOURCES
 
     assert set(BUDGET_SOURCES) == set(get_args(BudgetSource))
+
+
+def test_a_spent_budget_writes_every_page_but_no_more_plots(tmp_path: Path) -> None:
+    import time
+
+    results = write_results(tmp_path / "results.jsonl", [diverging()])
+    summary = reports.build(results, tmp_path / "out", plot_deadline=time.monotonic())  # already spent
+    page = (tmp_path / "out" / case_href(CASE.full_id)).read_text()
+    assert "Not plotted: the time budget was spent" in page and "<img" not in page
+    assert not list((tmp_path / "out" / "cases").glob("*.png")) and any(f.endswith(".html") for f in summary.files)
+    reports.build(results, tmp_path / "whole", plot_deadline=time.monotonic() + 600)
+    assert list((tmp_path / "whole" / "cases").glob("*.png"))
