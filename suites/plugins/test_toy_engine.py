@@ -137,3 +137,16 @@ def test_certify_fails_exactly_the_families_the_bug_breaks(certificates: dict[st
         # Every failing case links to its page in the certification's report.
         assert {f["case"] for f in by_name[name]["failures"]} <= set(cert["pages"]), name
     assert by_name["parity-ddp"]["status"] == "pass" and by_name["parity-ddp"]["unsupported"] > 0
+
+
+def test_installing_the_example_leaves_nothing_beside_it(tmp_path: Path) -> None:
+    """``pip install examples/toy_engine`` builds into the checkout's ignored ``build/``, not beside the
+    example (a copy of the checkout's layout, so the real one is untouched)."""
+    example = tmp_path / "checkout" / "examples" / "toy_engine"
+    shutil.copytree(EXAMPLE, example, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    before = sorted(p.relative_to(example) for p in example.rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           "--target", str(tmp_path / "site"), str(example)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.relative_to(example) for p in example.rglob("*")) == before
+    assert (tmp_path / "site" / "toy_engine").is_dir() and (tmp_path / "checkout" / "build" / "toy_engine").is_dir()
