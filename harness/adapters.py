@@ -61,8 +61,6 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if not _WRAPPER_SEGMENT.match(part))
 
 
-
-
 @dataclass
 class ParamSlice:
     """A contiguous piece of one original parameter, flattened: elements ``[start, start + numel)``."""

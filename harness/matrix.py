@@ -85,7 +85,6 @@ WIDE_AXES: dict[str, list[Any]] = {
 }
 
 
-
 #: The constraints every engine meets (FSDP's own), whatever the engine. Each reason names the behaviour
 #: that makes it invalid; what one engine cannot express is on its adapter (``engine_rules``).
 RULES: tuple[Rule, ...] = (

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from harness.cli.options import OneLineParser
 from harness.collector import out_path_problem
+from harness.one_line_parser import OneLineParser
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
 from reports.scope import parse_not_run

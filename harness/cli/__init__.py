@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from harness.cli import bench, certify, history, nightly, perf, run
-from harness.cli.options import OneLineParser, given_options
+from harness.cli.options import given_options
+from harness.one_line_parser import OneLineParser
 from harness.runner import SelectionError
 
 __all__ = ["build_parser", "main"]

@@ -42,9 +42,17 @@ from typing import Any
 from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
-from harness.cli.options import add_execution, add_selection, positive_float
+from harness.cli.options import add_execution, add_placement, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
-from harness.placement import host_facts, n_gpus, plan_lanes
+from harness.placement import (
+    PlacementError,
+    available_memory,
+    crowding_warning,
+    host_facts,
+    memory_refusal,
+    n_gpus,
+    plan_lanes,
+)
 from harness.runner import (
     BAD_VERDICTS,
     CaseRunner,
@@ -67,10 +75,6 @@ DIFF_JSON_NAME = "diff.json"
 
 # ---------------------------------------------------------------------------------------------------
 # Pure logic
-
-
-
-
 
 
 def night_selection(directory: Path) -> str | None:
@@ -183,8 +187,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-
-
 def _matrix_world_sizes() -> list[int]:
     from harness.matrix import AXES
 
@@ -198,26 +200,6 @@ def out_dir_problem(out: Path) -> str | None:
     if out.exists() and not out.is_dir():
         return f"{out} is a file; the nightly writes a directory of products, name a directory"
     return out_path_problem(out / RESULTS_NAME)
-
-
-def _cpu_pools_problem(lanes: Mapping[int, Sequence[Any]]) -> str | None:
-    """Why the CPU pools cannot fit in memory (refused), or None; warns when they crowd the cores."""
-    from harness.placement import available_memory, cpu_footprint
-
-    # The CPU pools of one world size run side by side: their ranks are alive at once.
-    cpu = {ws: sum(1 for lane in group if lane.backend == "gloo") for ws, group in lanes.items()}
-    cpu = {ws: pools for ws, pools in cpu.items() if pools}
-    if not cpu:
-        return None
-    ws = max(cpu, key=lambda w: w * cpu[w])
-    footprint = cpu_footprint([ws * cpu[ws]], os.cpu_count() or 1, available_memory())
-    side = f" ({cpu[ws]} pools side by side, --pools-per-gpu)" if cpu[ws] > 1 else ""
-    if footprint.available_bytes is not None and footprint.bytes > footprint.available_bytes:
-        return (f"--world-size {ws} on CPU{side} takes {footprint.describe()}: more memory than is free; "
-                "lower --world-size (or --pools-per-gpu), or free memory")
-    if footprint.oversubscribed:
-        print(f"harness nightly: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
-              "cases will be slow or run out of memory", file=sys.stderr)
 
 
 def _cases_in(selection: Selection, world_size: int) -> int:
@@ -268,24 +250,27 @@ def _nightly(config: NightlyConfig) -> int:
 
     # -- 1. cases ---------------------------------------------------------------------------------
     host = host_facts()
-    lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes(),
-                                   host=host, pools=config.pools_per_gpu)
-    if not lanes:
-        print(f"harness nightly: no world size can run here (--backend {config.backend}): "
-              f"{'; '.join(skipped_ws.values())}", file=sys.stderr)
+    try:
+        lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes(),
+                                       device=config.device, host=host, pools=config.pools_per_gpu)
+    except PlacementError as exc:
+        print(f"harness nightly: {exc}", file=sys.stderr)
         return 2
-    problem = _cpu_pools_problem(lanes)
-    if problem:
-        print(f"harness nightly: {problem}", file=sys.stderr)
+    refused = memory_refusal(lanes, available_memory())
+    if refused:
+        print(f"harness nightly: {refused}", file=sys.stderr)
         return 2
+    crowded = crowding_warning(lanes, os.cpu_count() or 1, available_memory())
+    if crowded:
+        print(f"harness nightly: warning: {crowded}", file=sys.stderr)
     selection = config.selection()
     cases = select_cases(selection, list(lanes))
     if config.determinism_sample:
         cases = determinism_sample(cases)
     skipped = {ws: {"cases": _cases_in(selection, ws), "reason": why} for ws, why in skipped_ws.items()}
-    backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
+    info = run_info([lane for group in lanes.values() for lane in group])
     try:
-        writer = ResultWriter(out / RESULTS_NAME, run_info(",".join(backends)), resume=config.resume)
+        writer = ResultWriter(out / RESULTS_NAME, info, resume=config.resume)
     except FileExistsError as exc:
         print(f"harness nightly: {exc}; or pass --resume to continue that nightly", file=sys.stderr)
         return 2
@@ -315,8 +300,9 @@ def _nightly(config: NightlyConfig) -> int:
             print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
         state["cases"] = {
             "selected": len(cases), "already_recorded": len(cases) - len(todo), "recorded": 0, "not_run": 0,
-            "world_sizes": sorted(lanes), "backend": ",".join(backends),
-            "lanes": [dataclasses.asdict(lane) for group in lanes.values() for lane in group],
+            "world_sizes": sorted(lanes), "backend": info.backend, "device": info.device,
+            "ranks_per_gpu": info.ranks_per_gpu,
+            "lanes": [{**dataclasses.asdict(lane), "device": lane.device} for group in lanes.values() for lane in group],
             "world_sizes_skipped": skipped, "order": "sampled" if deadline is not None else "generator",
         }
         save()
@@ -530,8 +516,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the whole nightly's seconds: cases run interleaved (every engine, reference and model early) "
                         "and none starts after the budget (the rest are listed in not_run.txt); the fuzz campaign "
                         "gets what is left less 30 s for the report")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto: NCCL with one GPU per rank when there are GPUs, else 2 gloo ranks on CPU")
+    add_placement(p)
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-determinism-sample", action="store_true",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.placement import BackendChoice
+from harness.placement import BackendChoice, DeviceChoice
 from harness.runner import Selection, SelectionError
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
@@ -55,8 +55,11 @@ class NightlyConfig:
     resume: bool = False
     #: the nightly (report directory or results file) to diff against; None: the newest earlier sibling.
     previous: Path | None = None
-    #: ``auto``: NCCL with one GPU per rank when there are GPUs, else gloo on CPU.
+    #: ``auto``: NCCL with one GPU per rank where there are enough GPUs, gloo with ranks sharing the GPUs
+    #: where there are fewer, gloo on CPU without GPUs (``harness.placement.place``).
     backend: BackendChoice = "auto"
+    #: ``auto``: the GPUs where there are any; ``cpu`` keeps gloo ranks on the CPU of a GPU host.
+    device: DeviceChoice = "auto"
     #: seconds per case before it is recorded as a timeout.
     case_timeout_s: float = 300.0
     #: show the progress bar.
@@ -100,7 +103,7 @@ class NightlyConfig:
             optimizers=args.optimizers, checkpoints=args.checkpoints,
             fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
             time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
-            backend=args.backend, case_timeout_s=args.timeout, progress=not args.no_progress,
+            backend=args.backend, device=args.device, case_timeout_s=args.timeout, progress=not args.no_progress,
             stress=args.stress, check_determinism=args.check_determinism,
             determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
             repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterable, Sequence
-from typing import NoReturn
 
-__all__ = ["OneLineParser", "add_execution", "add_selection", "csv_list", "given_options", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
+from harness.placement import OPTION_HELP
 
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (the usage is what ``--help`` is for)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (--help for usage)\n")
+__all__ = ["add_execution", "add_placement", "add_selection", "csv_list", "given_options", "non_negative_int",
+           "positive_float", "positive_int", "world_sizes"]
 
 
 class _Unset(list):  # type: ignore[type-arg]
@@ -120,3 +115,10 @@ def add_execution(p: argparse.ArgumentParser) -> None:
                    help="run every case N times; runs that disagree make the case flaky (never a pass)")
     p.add_argument("--repeat-failures", type=non_negative_int, default=0,
                    help="run a case that did not pass N more times (fail in every run stays fail, else flaky)")
+
+
+
+def add_placement(p: argparse.ArgumentParser) -> None:
+    """``--backend`` and ``--device``: where the ranks run, as ``harness.placement.place`` decides."""
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help=OPTION_HELP["backend"])
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help=OPTION_HELP["device"])
