@@ -254,12 +254,15 @@ _FSDP1_PREFETCH = {"none": None, "pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
 class FSDP1Adapter(EngineAdapter):
     """An engine with torch FSDP1's public API, from the namespace ``module_name``."""
 
-    def __init__(self, name: str, module_name: str, *, offload_needs_accelerator: bool = False) -> None:
+    def __init__(self, name: str, module_name: str, *, offload_needs_accelerator: bool = False,
+                 offload_all_gather_needs_nccl: bool = False) -> None:
         self.name = name
         self.module_name = module_name
         self.fsdp1_module = module_name
         #: torch FSDP1 pins the offloaded shards' host memory, which needs an accelerator.
         self.offload_needs_accelerator = offload_needs_accelerator
+        #: torch FSDP1's offloaded all-gather breaks on gloo with CUDA tensors (ranks sharing a GPU).
+        self.offload_all_gather_needs_nccl = offload_all_gather_needs_nccl
         self._ns: FSDP1Namespace | None = None
 
     @property
@@ -278,6 +281,12 @@ class FSDP1Adapter(EngineAdapter):
         self.ns  # an engine that cannot be imported is an error, not unsupported: raise here
         if case.cpu_offload and self.offload_needs_accelerator and ctx.device_type == "cpu":
             return f"{self.name}: CPU offload pins host memory, which needs an accelerator; this rank runs on CPU"
+        if (case.cpu_offload and self.offload_all_gather_needs_nccl and case.sharding_strategy != "no_shard"
+                and ctx.device_type == "cuda" and ctx.backend == "gloo"):
+            return (f"{self.name}: with CPU offload its all-gather into the unsharded flat parameter fails on gloo with "
+                    "CUDA tensors ('Output 0 of SplitBackward0 is a view and is being modified inplace', raised by "
+                    "gloo's worker thread: suites/harness/test_shared_gpu_limits.py); these ranks share a GPU through "
+                    "gloo: run with one GPU per rank (NCCL)")
         return None
 
     def options(self, case: CaseConfig, ctx: RankContext) -> dict[str, Any]:

@@ -12,16 +12,13 @@ import sys
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from harness.placement import xdist_worker
 from harness.rank import RankContext
-
-if TYPE_CHECKING:
-    from harness.pool import PoolConfig
 
 __all__ = ["Boot", "RankError", "rank_main", "serve"]
 
@@ -49,7 +46,8 @@ class Boot:
     """Everything a rank process needs to start (picklable)."""
 
     rank: int
-    config: "PoolConfig"
+    #: the pool's ``harness.pool.PoolConfig`` (not imported: the pool imports this module).
+    config: Any
     store_host: str
     store_port: int
     store_prefix: str

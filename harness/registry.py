@@ -75,7 +75,8 @@ def register(name: str, factory: Factory) -> None:
 
 register("builtin", lambda name: FSDP1Adapter(name, "engine"))
 # torch FSDP1 pins offloaded shards' host memory, which needs an accelerator.
-register("torch-fsdp", lambda name: FSDP1Adapter(name, "torch.distributed.fsdp", offload_needs_accelerator=True))
+register("torch-fsdp", lambda name: FSDP1Adapter(name, "torch.distributed.fsdp", offload_needs_accelerator=True,
+                                                  offload_all_gather_needs_nccl=True))
 register("torch-fsdp2", lambda name: FSDP2Adapter(name, None))
 
 

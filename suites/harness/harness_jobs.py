@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from harness.case import CaseConfig
+from harness.records import CaseRecord
 from harness.rank import RankContext
 from harness.trace import CommTrace
 
@@ -61,3 +62,10 @@ def trace_collectives(ctx: RankContext, payload: Any) -> dict[str, Any]:
         "patched_inside": patched,
         "restored": dist.all_reduce is original and dist.distributed_c10d.all_reduce is original,
     }
+
+
+def shares_no_offload(case: CaseConfig, record: CaseRecord) -> bool:
+    """Whether ``record`` is torch FSDP1's declared limit on ranks sharing a GPU (its offloaded all-gather
+    fails on gloo with CUDA tensors), and only that."""
+    return (case.engine == "torch-fsdp" and case.cpu_offload and case.sharding_strategy != "no_shard"
+            and "fails on gloo with CUDA tensors" in record.reason)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from harness_jobs import shares_no_offload
 from stray_engine import NAME, run_case_with_stray_engine, stray_parameter
 
 from harness.case import CaseConfig
@@ -158,8 +159,11 @@ def _check_engines(pool: RankPool, world_size: int) -> None:
     cases = offload_cases(world_size)
     assert {c.engine for c in cases} == set(ENGINES) and len(cases) == 36, [c.full_id for c in cases]
     problems = []
+    shared = (pool.config.lane.ranks_per_gpu or 1) > 1
     for case in cases:
         record = _run(pool, case)
+        if shared and record.verdict == "unsupported" and shares_no_offload(case, record):
+            continue  # torch FSDP1's offloaded all-gather on gloo with CUDA: test_shared_gpu_limits.py
         if record.verdict in ("error", "timeout", "crash", "unsupported"):
             problems.append(f"{case.full_id}: {record.verdict}: {record.reason}")
             continue

@@ -60,8 +60,11 @@ def test_planted_race_fails_under_stress_only(gpu_pool: RankPool) -> None:
     stressed = merge_runs(_runs(gpu_pool, RACY.replace(stress="delay"), RUNS))
     assert stressed.verdict == "fail" and stressed.outcomes == {"fail": RUNS}, (stressed.outcomes, stressed.reason)
     assert stressed.detail["stress_points"]["before_backward"] > 0, stressed.detail.get("stress_points")
-    idle = merge_runs(_runs(gpu_pool, RACY, RUNS))
-    assert idle.verdict in ("pass", "flaky"), (idle.outcomes, idle.reason)
+    if gpu_pool.config.lane.ranks_per_gpu == 1:
+        # With NCCL the race needs the delays to show; gloo stages every collective through the host and
+        # loses the overlap the race hides in, so unstressed shared-GPU runs may fail as well.
+        idle = merge_runs(_runs(gpu_pool, RACY, RUNS))
+        assert idle.verdict in ("pass", "flaky"), (idle.outcomes, idle.reason)
     # Our engine itself, under the same stress: no race.
     builtin = merge_runs([record_from_outcome(c, gpu_pool.run(run_case_with_racy_engine, c))
                           for c in [RACY.replace(engine="builtin", stress="delay")] * RUNS])
@@ -81,7 +84,8 @@ RACE_SELECTION = ("--matrix", "full", "--models", "nested", "--references", "loc
 
 
 @pytest.mark.gpu
-@needs_gpus(1)
+@needs_gpus(2, "the race is between NCCL's reduction stream and the offload copy; gloo, which ranks sharing a GPU "
+               "run, synchronizes the stream around each collective and never shows it")
 def test_stress_makes_torch_fsdp1_offload_race_fail_every_run(tmp_path: Path) -> None:
     out = tmp_path / "stress.jsonl"
     done = _harness_run(*RACE_SELECTION, "--stress", "--repeat", str(RUNS), "--out", str(out))
