@@ -68,7 +68,7 @@ def test_the_entry_points_register_both_toy_engines(toy_env: dict[str, str]) -> 
 def test_harness_run_drives_a_package_outside_the_repo(toy_env: dict[str, str], tmp_path: Path) -> None:
     out = tmp_path / "run.jsonl"
     proc = _run(["-m", "harness", "run", "--engines", SPEC, "--matrix", "smoke", "--models", "nested", "--steps", "2",
-                 "--references", "ddp", "--limit", "2", "--out", str(out), "--no-progress"], toy_env)
+                 "--references", "local", "--limit", "2", "--out", str(out), "--no-progress"], toy_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in out.read_text().splitlines() if '"case"' in line]
     assert len(records) == 2 and {r["case"]["engine"] for r in records} == {SPEC}
