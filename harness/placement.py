@@ -378,19 +378,36 @@ def cpu_footprint(world_sizes: Sequence[int], cores: int, available_bytes: int |
     return Footprint(ranks, cores, ranks * RANK_RSS_BYTES, available_bytes)
 
 
-def crowding_warning(lanes: Mapping[int, Sequence[Lane]], cores: int, available_bytes: int | None) -> str | None:
-    """The warning for CPU pools side by side that will crowd the machine (their ranks are alive at
-    once), or None: the world size whose CPU pools take the most ranks, against the cores and memory."""
+def _largest_cpu_pools(lanes: Mapping[int, Sequence[Lane]], cores: int, available_bytes: int | None) -> tuple[str, Footprint] | None:
+    """``--world-size N on CPU (...)`` and the footprint of the world size whose CPU pools take the most
+    ranks (its pools run side by side, their ranks alive at once); None without CPU pools."""
     cpu = {ws: sum(1 for lane in group if lane.device == "cpu") for ws, group in lanes.items()}
     cpu = {ws: pools for ws, pools in cpu.items() if pools}
     if not cpu:
         return None
     ws = max(cpu, key=lambda w: w * cpu[w])
-    footprint = cpu_footprint([ws * cpu[ws]], cores, available_bytes)
-    if not footprint.oversubscribed:
-        return None
     side = f" ({cpu[ws]} pools side by side, --pools-per-gpu)" if cpu[ws] > 1 else ""
-    return f"--world-size {ws} on CPU{side} takes {footprint.describe()}; cases will be slow or run out of memory"
+    return f"--world-size {ws} on CPU{side}", cpu_footprint([ws * cpu[ws]], cores, available_bytes)
+
+
+def crowding_warning(lanes: Mapping[int, Sequence[Lane]], cores: int, available_bytes: int | None) -> str | None:
+    """The warning for CPU pools side by side that will crowd the machine (their ranks are alive at
+    once), or None: the world size whose CPU pools take the most ranks, against the cores and memory."""
+    found = _largest_cpu_pools(lanes, cores, available_bytes)
+    if found is None or not found[1].oversubscribed:
+        return None
+    return f"{found[0]} takes {found[1].describe()}; cases will be slow or run out of memory"
+
+
+def memory_refusal(lanes: Mapping[int, Sequence[Lane]], available_bytes: int | None) -> str | None:
+    """Why the CPU pools cannot run at all: their ranks need more memory than is free (started anyway,
+    the OOM killer ends them mid-case, or swapping stalls them until Ctrl-C); None when they fit or
+    the free memory is unknown."""
+    found = _largest_cpu_pools(lanes, 1, available_bytes)
+    if found is None or available_bytes is None or found[1].bytes <= available_bytes:
+        return None
+    return (f"{found[0]} takes {found[1].describe()}: more memory than is free; lower --world-size "
+            "(or --pools-per-gpu), or free memory")
 
 
 def available_memory() -> int | None:

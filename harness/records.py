@@ -118,8 +118,15 @@ class CaseRecord:
             raise ValueError(
                 f"record schema {d['schema']} is newer than this reader's {SCHEMA_VERSION}: upgrade the project"
             )
-        d = dict(d)
-        d["errors"] = [QuantityError(**e) for e in d.get("errors", [])]
+        d = _known_fields(cls, d)
+        d["errors"] = [QuantityError(**_known_fields(QuantityError, e)) for e in d.get("errors", [])]
         if d.get("run") is not None:
-            d["run"] = RunInfo(**d["run"])
+            d["run"] = RunInfo(**_known_fields(RunInfo, d["run"]))
         return cls(**d)
+
+
+def _known_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` without the keys ``cls`` has no field for: a field a newer writer added within the same
+    schema major is ignored, so the record (and a resume over it) stays readable."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}

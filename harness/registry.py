@@ -38,6 +38,7 @@ from harness.fsdp2_adapter import FSDP2Adapter
 from harness.case import DEFAULT_ENGINES, engine_name
 
 __all__ = [
+    "API_KINDS",
     "DEFAULT_ENGINES",
     "ENTRY_POINT_GROUP",
     "EngineSpecError",
@@ -51,6 +52,9 @@ __all__ = [
 ENTRY_POINT_GROUP = "fsdp_parity.engines"
 
 Factory = Callable[[str], EngineAdapter]
+
+#: the API kinds of a spec ``NAME=KIND:MODULE``: the adapter over a module with that public API.
+API_KINDS: dict[str, Callable[[str, str], EngineAdapter]] = {"fsdp1": FSDP1Adapter, "fsdp2": FSDP2Adapter}
 
 #: name -> factory, filled below and by ``register``; entry points are read on first use.
 _REGISTERED: dict[str, Factory] = {}
@@ -118,16 +122,28 @@ def _build(spec: str) -> EngineAdapter:
                 f"entry point in {ENTRY_POINT_GROUP!r}"
             )
         return _from_object(spec, name, entry.load())
+    if name in registered_names():
+        # Two engines under one name would make the report's rows and verdicts say the wrong one.
+        raise EngineSpecError(
+            f"engine {spec!r}: the name {name!r} is already the registered engine {name!r}; give the spec "
+            f"another name (e.g. {name}-2={target})"
+        )
     kind, colon, rest = target.partition(":")
     if not colon or not kind or not rest:
         raise EngineSpecError(
             f"engine {spec!r}: {target!r} is not fsdp1:MODULE, fsdp2:MODULE or MODULE:OBJECT"
         )
-    if kind == "fsdp1":
-        return FSDP1Adapter(name, rest)
-    if kind == "fsdp2":
-        return FSDP2Adapter(name, rest)
-    module = importlib.import_module(kind)
+    if kind in API_KINDS:
+        return API_KINDS[kind](name, rest)
+    try:
+        module = importlib.import_module(kind)
+    except ModuleNotFoundError as exc:
+        if exc.name != kind.split(".")[0]:
+            raise
+        raise EngineSpecError(
+            f"engine {spec!r}: {kind!r} is no API kind (known: {', '.join(API_KINDS)}) and no module to import "
+            f"for MODULE:OBJECT; write NAME={'|'.join(API_KINDS)}:MODULE or NAME=MODULE:OBJECT"
+        ) from None
     obj: Any = module
     for part in rest.split("."):
         if not hasattr(obj, part):

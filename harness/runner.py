@@ -1,12 +1,11 @@
 """The one case runner every front end shares: select cases, run them on pools, record, show progress.
 
 ``select_cases`` turns a ``Selection`` (what the command line or a config asks for) into cases of the
-matrix; ``interleave`` orders them so that a time budget spent early has still seen every engine,
-reference and model; ``run_case`` runs one case on a pool and decides its record (``run_repeated``:
+matrix (``harness.sampling.sample_order`` picks a ``--limit``'s cases and orders a time budget's);
+``run_case`` runs one case on a pool and decides its record (``run_repeated``:
 several runs folded by ``harness.repeats``); ``CaseRunner`` drains a queue of cases over several
 pools side by side (one thread per pool, see ``harness.placement.plan_lanes``), writing each record
-as it ends; ``Progress`` is the bar (its ETA is for what the budget will run) and the per-verdict
-counts. The CLI's ``run`` and ``nightly`` and the pytest plugin all run cases through here.
+as it ends; ``Progress`` is the bar (or a line a minute without one) and the per-verdict counts. The CLI's ``run`` and ``nightly`` and the pytest plugin all run cases through here.
 
 [Note: the same results whatever the concurrency]
 A case's numbers depend only on the case: each pool is its own process group on its own ranks, every
@@ -31,6 +30,7 @@ from harness.case import CaseConfig
 from harness.placement import Lane
 from harness.records import CaseRecord
 from harness.repeats import merge_runs, needs_rerun
+from harness.sampling import sample_order
 
 if TYPE_CHECKING:
     from harness.pool import RankPool
@@ -46,7 +46,6 @@ __all__ = [
     "expected_total",
     "file_counts",
     "generate_cases",
-    "interleave",
     "run_case",
     "run_repeated",
     "select_cases",
@@ -191,29 +190,6 @@ def run_repeated(pool: "RankPool", case: CaseConfig, repeat: int = 1, repeat_fai
     return merge_runs(runs)
 
 
-#: the axes ``interleave`` spreads, outermost first.
-INTERLEAVE_AXES = ("world_size", "engine", "reference", "model", "sharding_strategy", "precision")
-
-
-def interleave(cases: Sequence[CaseConfig], axes: Sequence[str] = INTERLEAVE_AXES) -> list[CaseConfig]:
-    """The same cases, reordered so every prefix is spread over ``axes``: round robin over the values
-    of the first axis (in first-seen order), each value's cases interleaved by the remaining axes.
-
-    A run cut short by a time budget has then compared every engine against every reference on
-    every model before it goes deeper into any one of them.
-    """
-    if not axes:
-        return list(cases)
-    groups: dict[Any, list[CaseConfig]] = {}
-    for case in cases:
-        groups.setdefault(getattr(case, axes[0]), []).append(case)
-    columns = [interleave(group, axes[1:]) for group in groups.values()]
-    out: list[CaseConfig] = []
-    for depth in range(max((len(c) for c in columns), default=0)):
-        out.extend(column[depth] for column in columns if depth < len(column))
-    return out
-
-
 def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfig]:
     from harness.registry import check_engines
 
@@ -248,7 +224,8 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
             )
         cases = kept
     if args.limit is not None:
-        cases = cases[: args.limit]
+        # A limit keeps a sample over every axis, not the generator's first near-identical cases.
+        cases = sample_order(cases)[: args.limit]
     return cases
 
 
@@ -267,28 +244,51 @@ def expected_total(todo: int, done: int, elapsed_s: float, left_s: float | None)
 class Progress:
     """The progress bar and the per-verdict counts; problems are printed above the bar as they come.
 
-    Under a deadline the bar's total is what the budget will run (``expected_total``), so its ETA is
-    when the run will end, not when the whole selection would have.
+    The bar's total is the cases to run and stays so; under a deadline its postfix says when the budget
+    ends and how many cases it will have run by then (``expected_total``). Without a bar (``--no-progress``,
+    a log file) a status line is printed every ``log_every_s`` seconds instead: cases, verdicts, ETA.
     """
 
-    def __init__(self, total: int, enabled: bool, deadline: float | None = None) -> None:
+    def __init__(self, total: int, enabled: bool, deadline: float | None = None, log_every_s: float | None = 60.0) -> None:
         from tqdm import tqdm
 
         self.counts: collections.Counter[str] = collections.Counter()
         self.todo = total
         self.deadline = deadline
         self.start = time.monotonic()
+        #: cases counted so far (a disabled bar counts nothing).
+        self.done = 0
+        self.log_every_s = None if enabled else log_every_s
+        self._last_log = self.start
         self.bar = tqdm(total=total, unit="case", dynamic_ncols=True, disable=not enabled, file=sys.stderr)
 
     def update(self, record: CaseRecord, full_id: str) -> None:
         self.counts[record.verdict] += 1
+        self.done += 1
         if record.verdict in BAD_VERDICTS:
             self.bar.write(f"{record.verdict:8s} {full_id}: {record.reason}", file=sys.stderr)
+        now = time.monotonic()
+        postfix: dict[str, Any] = dict(self.counts)
         if self.deadline is not None:
-            now = time.monotonic()
-            self.bar.total = expected_total(self.todo, self.bar.n + 1, now - self.start, self.deadline - now)
-        self.bar.set_postfix(dict(self.counts), refresh=False)
+            postfix["budget"] = f"{max(self.deadline - now, 0):.0f}s left, ~{self.expected(now)} cases"
+        self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
+        if self.log_every_s is not None and now - self._last_log >= self.log_every_s:
+            self._last_log = now
+            print(self.status_line(now), file=sys.stderr, flush=True)
+
+    def expected(self, now: float) -> int:
+        """The cases this run will have run: all of them, or what the budget's rest fits."""
+        return expected_total(self.todo, self.done, now - self.start, self.deadline - now if self.deadline is not None else None)
+
+    def status_line(self, now: float) -> str:
+        """``120/451 cases (pass 117, fail 3); 2.0 cases/s; ETA 166 s``."""
+        elapsed = now - self.start
+        expected = self.expected(now)
+        verdicts = ", ".join(f"{v} {n}" for v, n in self.counts.most_common()) or "none yet"
+        eta = f"{(expected - self.done) * elapsed / self.done:.0f} s" if self.done and elapsed > 0 else "?"
+        of = f"{expected} (budget; {self.todo} selected)" if expected < self.todo else str(self.todo)
+        return f"{self.done}/{of} cases ({verdicts}); {rate_text(self.done, elapsed)}; ETA {eta}"
 
     def close(self) -> None:
         self.bar.close()

@@ -12,14 +12,16 @@ import json
 import sys
 from pathlib import Path
 
+from harness.collector import out_path_problem
+from harness.one_line_parser import OneLineParser
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
 from reports.scope import parse_not_run
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m reports", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="python -m reports", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     b = sub.add_parser("build", help="build a report directory from results files")
     b.add_argument("results", nargs="+", type=Path, help="results files (JSON Lines) or report directories")
@@ -47,8 +49,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _out_problem(args: argparse.Namespace) -> str | None:
+    """Why an output path of the command cannot be written (checked before anything is read), or None."""
+    if args.command in ("build", "history") and args.out.exists() and not args.out.is_dir():
+        return f"--out {args.out} is a file; the report is a directory: name a new or existing directory"
+    for option in ("md", "json"):
+        path = getattr(args, option, None)
+        problem = out_path_problem(path) if path is not None else None
+        if problem:
+            return f"--{option}: {problem}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    problem = _out_problem(args)
+    if problem:
+        print(f"python -m reports {args.command}: {problem}", file=sys.stderr)
+        return 2
     try:
         if args.command == "history":
             from reports.history import history
@@ -84,10 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = render.diff_markdown(result, str(args.old), str(args.new))
     print(text, end="")
-    if args.md:
-        args.md.write_text(text, encoding="utf-8")
-    if args.json:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    try:
+        if args.md:
+            args.md.write_text(text, encoding="utf-8")
+        if args.json:
+            args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:  # a full disk, a directory that vanished: one line, not a traceback
+        print(f"python -m reports diff: cannot write {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return result.exit_code
 
 

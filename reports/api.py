@@ -3,7 +3,8 @@
 Inputs are results files (JSON Lines from ``harness.collector``) or report directories (their
 ``results.csv``, plus the unreadable lines their ``summary.json`` recorded), so a diff can compare
 last night's report directory with today's raw results. Next to an input, a ``nightly.json`` and a
-``not_run.txt`` say what the run left out (``reports.scope``); a report built from results files also
+``not_run.txt`` say what the run left out (``reports.scope``) when that nightly made the input (the same
+selection id, ``harness.stored_selection``); a report built from results files also
 gets one page per case that did not pass (``reports.case_page``).
 """
 
@@ -19,6 +20,7 @@ import pandas as pd
 
 from harness.collector import BadLine, PathLike, read_records, record_full_id
 from harness.records import CaseRecord
+from harness.stored_selection import SELECTION_SUFFIX, read_selection, selection_path
 from reports import render, render_html, render_md
 from reports.attribution import attribute, attributions_dict
 from reports.case_page import CASES_DIR, write_case_pages
@@ -52,19 +54,30 @@ class Loaded:
     scope: RunScope | None = None
 
 
-def read_scope(directory: Path) -> RunScope | None:
-    """The scope ``directory``'s ``nightly.json`` and ``not_run.txt`` describe; None when it has neither."""
+def selection_ids(path: Path) -> set[str]:
+    """The ids of the selections ``path`` holds results of (``harness.stored_selection``): a results
+    file's own, or those of the results files in a directory."""
+    files = sorted(path.glob("*" + SELECTION_SUFFIX)) if path.is_dir() else [selection_path(path)]
+    found = (read_selection(f.with_name(f.name[: -len(SELECTION_SUFFIX)])) for f in files)
+    return {s.id for s in found if s is not None}
+
+
+def read_scope(directory: Path, ids: set[str] | None = None) -> RunScope | None:
+    """The scope ``directory``'s ``nightly.json`` and ``not_run.txt`` describe, when that nightly made
+    the results (its selection id is among ``ids``, default: those of ``directory``); else None. A
+    nightly that once wrote into the same directory says nothing about unrelated results."""
     not_run_path, nightly_path = directory / NOT_RUN_NAME, directory / NIGHTLY_NAME
-    not_run = parse_not_run(not_run_path.read_text(encoding="utf-8")) if not_run_path.exists() else []
     state: dict = {}
     if nightly_path.exists():
         try:
             state = json.loads(nightly_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError:
             state = {}
-    if state:
-        return scope_from_nightly(state, not_run)
-    return RunScope(None, not_run, [], NOT_RUN_NAME) if not_run else None
+    night = (state.get("selection") or {}).get("id") if isinstance(state, dict) else None
+    if night is None or night not in (selection_ids(directory) if ids is None else ids):
+        return None
+    not_run = parse_not_run(not_run_path.read_text(encoding="utf-8")) if not_run_path.exists() else []
+    return scope_from_nightly(state, not_run)
 
 
 def _load_one(path: Path) -> tuple[pd.DataFrame, list[BadLine], list[CaseRecord]]:
@@ -100,20 +113,21 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
     frame, superseded = latest(frame)
     # The same winner as ``latest``: the newest time, the later input on a tie.
     by_id = {record_full_id(r): r for r in sorted(records, key=lambda r: r.time)}
-    scope = merge_scopes(read_scope(p if p.is_dir() else p.parent) for p in paths)
+    scope = merge_scopes(read_scope(p if p.is_dir() else p.parent, selection_ids(p)) for p in paths)
     return Loaded(frame, bad_lines, superseded, [str(p) for p in paths], by_id, scope)
 
 
 def build(
     paths: PathLike | Iterable[PathLike], out_dir: PathLike, *, cases: Iterable[str] = (),
-    not_run: Sequence[tuple[str, str]] | None = None, selected: int | None = None,
+    not_run: Sequence[tuple[str, str]] | None = None, selected: int | None = None, plot_deadline: float | None = None,
 ) -> Summary:
     """Write the report of ``paths`` into ``out_dir``: matrix.md, matrix.html, results.csv, one PNG
     heatmap per matrix, one page per case that did not pass (and per full id in ``cases``) under
     ``cases/``, and summary.json. Returns the summary (also in summary.json).
 
     ``not_run`` (``(full id, why)`` pairs) and ``selected`` describe a partial run; by default they
-    come from a ``nightly.json``/``not_run.txt`` next to the inputs.
+    come from a ``nightly.json``/``not_run.txt`` next to the inputs. No case page is plotted after
+    ``plot_deadline`` (``time.monotonic()``), so a time budget holds the report too.
     """
     loaded = load(paths)
     out = Path(out_dir)
@@ -150,7 +164,7 @@ def build(
     if asked:
         chosen = pd.concat([chosen, frame[frame["full_id"].isin(asked) & (frame["verdict"] == "pass")]])
     page_rows = [row for _, row in chosen.iterrows()]
-    case_files = write_case_pages(page_rows, loaded.records, out, banner=banner)
+    case_files = write_case_pages(page_rows, loaded.records, out, banner=banner, plot_deadline=plot_deadline)
     current = set(case_files)
     for stale in (out / CASES_DIR).glob("*"):
         if stale.is_file() and f"{CASES_DIR}/{stale.name}" not in current:
@@ -190,4 +204,5 @@ def diff(
     return diff_frames(
         before.frame, after.frame, ratio_factor=ratio_factor, ratio_floor=ratio_floor,
         bad_lines=before.bad_lines + after.bad_lines,
+        not_run={full_id for full_id, _ in after.scope.not_run} if after.scope is not None else (),
     )

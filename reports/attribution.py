@@ -17,10 +17,18 @@ passing case. The explanation is a greedy set cover of the failing cases by such
   (pairwise) almost any single case is isolated by some three values. Those cases are reported as
   unexplained together with the cases no short term separates from passing ones (noise, flakes, or a
   cause that needs more than ``max_literals`` settings).
+
+[Note: evidence before coincidence]
+Axis values only correlate; a knob check that failed (``ignored_knobs``: the communication trace shows
+a setting without its effect, such as reductions in the wrong dtype) names a cause. The knobs the failing
+cases' checks name come first, with their counts. A sample with fewer than ``MIN_CASES_PER_VALUE`` cases
+per axis value seen in it (a smoke or pairwise run of one engine) cannot tell a cause from a coincidence:
+the attribution says so, and its terms are candidates only.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +45,8 @@ TERM_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a not in ("engine"
 FAILING: tuple[str, ...] = ("fail", "flaky", *ERRORED)
 MAX_LITERALS = 3
 MIN_SUPPORT = 2
+#: cases per axis value a sample needs before its terms are more than candidates (see the module note).
+MIN_CASES_PER_VALUE = 2
 
 
 @dataclass(frozen=True, order=True)
@@ -99,6 +109,10 @@ class Attribution:
     #: failing cases no term of at least ``min_support`` cases explains, sorted.
     unexplained: list[str]
     max_literals: int = MAX_LITERALS
+    #: knob -> failing cases whose knob check found that setting ignored, most first.
+    knobs: dict[str, int] = field(default_factory=dict)
+    #: the sample has fewer than ``MIN_CASES_PER_VALUE`` cases per axis value: terms are candidates only.
+    too_small: bool = False
 
     @property
     def explained(self) -> int:
@@ -114,7 +128,8 @@ class Attribution:
         head = f"{self.engine} vs {self.reference}"
         if not self.failing:
             return [f"{head}: no failing case ({self.passing} pass)."]
-        out = [f"`{t.text}`: {t.covered}/{self.failing} failing case(s), no passing case" for t in self.terms]
+        out = self.evidence()
+        out += [f"`{t.text}`: {t.covered}/{self.failing} failing case(s), no passing case" for t in self.terms]
         if self.unexplained:
             n = len(self.unexplained)
             out.append(
@@ -123,8 +138,19 @@ class Attribution:
             )
         return out
 
+    def evidence(self) -> list[str]:
+        """What outweighs the terms: the knob checks naming a cause, and a sample too small to attribute."""
+        out = [f"knob check `{knob}`: ignored in {n}/{self.failing} failing case(s), a cause the trace shows"
+               for knob, n in self.knobs.items()]
+        if self.too_small:
+            out.append(f"{self.failing + self.passing} case(s) are too few to attribute by axis values (fewer than "
+                       f"{MIN_CASES_PER_VALUE} per value): the terms below are candidates, not causes; "
+                       "run a larger matrix to attribute")
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
+            "knobs": dict(self.knobs), "too_small": self.too_small,
             "engine": self.engine, "reference": self.reference, "failing": self.failing,
             "passing": self.passing, "explained": self.explained, "separable": self.separable,
             "max_literals": self.max_literals, "terms": [t.to_dict() for t in self.terms],
@@ -219,8 +245,25 @@ def attribute(
             if group.empty:
                 continue
             terms, unexplained, n_fail, n_pass = explain(group, max_literals=max_literals, min_support=min_support)
-            out.append(Attribution(engine, reference, n_fail, n_pass, terms, unexplained, max_literals))
+            out.append(Attribution(engine, reference, n_fail, n_pass, terms, unexplained, max_literals,
+                                   knob_evidence(group), too_small(group)))
     return out
+
+
+def knob_evidence(cases: pd.DataFrame) -> dict[str, int]:
+    """Knob -> failing cases of ``cases`` whose knob check found it ignored, most first."""
+    if "ignored_knobs" not in cases.columns:
+        return {}
+    failing = cases[cases["verdict"].isin(FAILING)]
+    counts = collections.Counter(k for text in failing["ignored_knobs"].fillna("") for k in str(text).split(",") if k)
+    return dict(counts.most_common())
+
+
+def too_small(cases: pd.DataFrame, axes: Sequence[str] = TERM_AXES) -> bool:
+    """Whether the cases that ran number fewer than ``MIN_CASES_PER_VALUE`` per axis value seen among them."""
+    ran = cases[cases["verdict"] != "unsupported"]
+    values = sum(ran[a].nunique() for a in axes if a in ran.columns and ran[a].nunique() > 1)
+    return len(ran) < MIN_CASES_PER_VALUE * values
 
 
 def attributions_dict(attributions: Sequence[Attribution]) -> list[dict[str, Any]]:
@@ -228,4 +271,4 @@ def attributions_dict(attributions: Sequence[Attribution]) -> list[dict[str, Any
     return [a.to_dict() for a in attributions]
 
 
-__all__ = ["AxisValue", "Term", "Attribution", "explain", "attribute", "attributions_dict", "TERM_AXES"]
+__all__ = ["AxisValue", "Term", "Attribution", "explain", "attribute", "attributions_dict", "knob_evidence", "too_small", "TERM_AXES"]

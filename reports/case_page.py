@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,10 @@ _STEP = re.compile(r"^(?P<what>loss|grad_norm)@(?P<step>\d+)$")
 BUDGET_SOURCES = {
     "none": "torch.testing.assert_close's defaults for the case's dtype (full precision up to 2 ranks: "
             "averaging two gradients rounds the same in any order).",
+    "ablation": "mixed precision up to 2 ranks: compared with the local reference that emulates the engine's "
+                "casts, under torch's defaults for the full dtype widened per quantity by 0.5x the distance from "
+                "the emulation to the nearest run of an engine that drops a cast (float64, or one MixedPrecision "
+                "field ignored), so a dropped cast fails on values alone.",
     "emulation": "mixed precision: torch's defaults widened per quantity by 4x the distance between the local "
                  "reference that emulates the engine's casts and the same run in float64; rtol of the "
                  "lowest-precision dtype the case computes or reduces in.",
@@ -174,7 +179,7 @@ def _pre_blocks(title: str, per_rank: Mapping[str, Any] | None) -> str:
 
 def case_html(
     row: Mapping[str, Any], record: CaseRecord | None, *, banner: str = "", plot: str | None = None,
-    report_href: str = "../matrix.html",
+    report_href: str = "../matrix.html", plot_skipped: str = "",
 ) -> str:
     """The page of one case. ``row`` is its row of the ``latest`` frame; ``record`` adds the details
     (a report built from ``results.csv`` has none)."""
@@ -195,6 +200,8 @@ def case_html(
     if caveats:
         parts.append("<p>The command differs from this case: " + esc("; ".join(caveats)) + ".</p>")
     settings = "<h2>Settings</h2>" + _table(["axis", "value"], [[esc(k), esc(v)] for k, v in case.items()])
+    if plot_skipped:
+        parts.append(f"<h2>Per step</h2><p>Not plotted: {esc(plot_skipped)}.</p>")
     if plot:
         parts.append(f'<h2>Per step</h2><img src="{esc(plot)}" alt="per-step loss and error of {esc(full_id)}">')
         if record is not None and not record.curves:
@@ -246,12 +253,14 @@ def case_html(
 
 def write_case_pages(
     rows: Sequence[Mapping[str, Any]], records: Mapping[str, CaseRecord], out: Path, *, banner: str = "",
-    max_plots: int = 500,
+    max_plots: int = 500, plot_deadline: float | None = None,
 ) -> list[str]:
     """Write the page (and PNG) of every row into ``out/cases/``; returns the files, relative to ``out``.
 
     Plots are drawn for the first ``max_plots`` rows (callers pass them worst first): a matplotlib
-    figure costs a fraction of a second, and thousands of failing cases share a cause anyway.
+    figure costs a fraction of a second, and thousands of failing cases share a cause anyway. None is
+    drawn after ``plot_deadline`` (``time.monotonic()``; a nightly's time budget): the pages are still
+    written, saying why they have no plot.
     """
     folder = out / CASES_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -260,11 +269,15 @@ def write_case_pages(
         full_id = str(row["full_id"])
         slug = case_slug(full_id)
         record = records.get(full_id)
-        plot = None
+        plot, skipped = None, ""
         if i < max_plots and has_plot(record):
-            plot = f"{slug}.png"
-            plot_case(record, folder / plot)  # type: ignore[arg-type]
-            written.append(f"{CASES_DIR}/{plot}")
-        (folder / f"{slug}.html").write_text(case_html(row, record, banner=banner, plot=plot), encoding="utf-8")
+            if plot_deadline is not None and time.monotonic() >= plot_deadline:
+                skipped = "the time budget was spent (the worst cases are plotted first)"
+            else:
+                plot = f"{slug}.png"
+                plot_case(record, folder / plot)  # type: ignore[arg-type]
+                written.append(f"{CASES_DIR}/{plot}")
+        (folder / f"{slug}.html").write_text(case_html(row, record, banner=banner, plot=plot, plot_skipped=skipped),
+                                             encoding="utf-8")
         written.append(f"{CASES_DIR}/{slug}.html")
     return written

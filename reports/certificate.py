@@ -68,6 +68,8 @@ class Certificate:
     #: torch version, backend, devices, world size, git revision, host, mode.
     environment: dict[str, Any]
     families: list[FamilyResult]
+    #: a failing case's page (full id -> path relative to the certificate), where the report wrote one.
+    pages: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -113,7 +115,8 @@ def markdown(cert: Certificate) -> str:
         if not fam.failures:
             continue
         lines += ["", f"## {fam.name}: failing cases", ""]
-        rows = [(f.case, f.worst_quantity, _ratio(f.worst_ratio), f.reason) for f in fam.failures[:MAX_LISTED]]
+        rows = [(f"[{f.case}]({cert.pages[f.case]})" if f.case in cert.pages else f.case, f.worst_quantity,
+                 _ratio(f.worst_ratio), f.reason) for f in fam.failures[:MAX_LISTED]]
         lines.append(tabulate(rows, headers=("case", "worst quantity", "ratio", "reason"), tablefmt="github"))
         if len(fam.failures) > MAX_LISTED:
             lines.append(f"\n… and {len(fam.failures) - MAX_LISTED} more (certificate.json lists all)")
@@ -148,7 +151,10 @@ def render_html(cert: Certificate) -> str:
             continue
         parts.append(f"<h2>{e(fam.name)}: failing cases</h2><table><tr><th>case</th><th>worst quantity</th><th>ratio</th><th>reason</th></tr>")
         for fl in fam.failures[:MAX_LISTED]:
-            parts.append(f"<tr><td><code>{e(fl.case)}</code></td><td>{e(fl.worst_quantity)}</td>"
+            case = f"<code>{e(fl.case)}</code>"
+            if fl.case in cert.pages:
+                case = f'<a href="{e(cert.pages[fl.case])}">{case}</a>'
+            parts.append(f"<tr><td>{case}</td><td>{e(fl.worst_quantity)}</td>"
                          f"<td>{e(_ratio(fl.worst_ratio))}</td><td>{e(fl.reason)}</td></tr>")
         parts.append("</table>")
         if len(fam.failures) > MAX_LISTED:

@@ -11,7 +11,13 @@ then removed cases, then other verdict changes. Any regression makes the CLI exi
 - a case's worst error relative to tolerance grew more than ``ratio_factor`` times and is now at least
   ``ratio_floor`` (tiny errors double by noise; 0 -> 0.3 is real drift).
 A new case that merely fails is listed as new, not as a regression: adding a case that exposes a known
-gap must not block the change that adds it.
+gap must not block the change that adds it. It is still counted in the headline (``new_failing``), which
+is never green over one.
+
+[Note: not run is not removed]
+A case of the old results that the new run selected but did not run (a time budget spent, a pool that
+did not start: ``not_run``) is ``not run``, not ``removed``. Two results with no case in common are
+refused: nothing in one says anything about the other.
 
 [Note: flaky cases]
 A repeated case whose runs disagree is ``flaky`` (``harness.repeats``). ``pass -> flaky`` is a
@@ -23,6 +29,7 @@ so one clean result proves nothing. ``fail -> flaky`` and back are ``changed`` t
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -32,8 +39,10 @@ from harness.collector import BadLine
 from reports.matrix import ERRORED, SEVERITY, fmt_ratio
 from reports.resume_matrix import resume_suffix
 
-ChangeKind = Literal["regression", "fix", "new", "removed", "changed"]
-KIND_ORDER: dict[str, int] = {"regression": 0, "fix": 1, "new": 2, "removed": 3, "changed": 4}
+ChangeKind = Literal["regression", "fix", "new", "not_run", "removed", "changed"]
+KIND_ORDER: dict[str, int] = {"regression": 0, "fix": 1, "new": 2, "not_run": 3, "removed": 4, "changed": 5}
+#: verdicts of a new case that the headline counts as failing (timeouts and crashes are regressions).
+NEW_FAILING = ("fail", "error", "flaky")
 
 #: default: a worst ratio must more than double to count ...
 RATIO_FACTOR = 2.0
@@ -95,6 +104,11 @@ class DiffResult:
         return self.of_kind("regression")
 
     @property
+    def new_failing(self) -> list[Change]:
+        """New cases that do not pass: they do not block (see the module note), but are never hidden."""
+        return [c for c in self.of_kind("new") if c.new_verdict in NEW_FAILING]
+
+    @property
     def exit_code(self) -> int:
         """1 when anything regressed, else 0."""
         return 1 if self.regressions else 0
@@ -111,6 +125,7 @@ class DiffResult:
         return {
             "exit_code": self.exit_code,
             "counts": {k: len(self.of_kind(k)) for k in KIND_ORDER},  # type: ignore[arg-type]
+            "new_failing": len(self.new_failing),
             "old_cases": self.old_cases,
             "new_cases": self.new_cases,
             "changes": [clean(c) for c in self.changes],
@@ -144,13 +159,18 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
 
 def diff_frames(
     old: pd.DataFrame, new: pd.DataFrame, *, ratio_factor: float = RATIO_FACTOR, ratio_floor: float = RATIO_FLOOR,
-    bad_lines: list[BadLine] | None = None,
+    bad_lines: list[BadLine] | None = None, not_run: Collection[str] = (),
 ) -> DiffResult:
-    """The changes from ``old`` to ``new`` (both one row per case, as ``reports.matrix.latest`` gives)."""
+    """The changes from ``old`` to ``new`` (both one row per case, as ``reports.matrix.latest`` gives);
+    ``not_run``: full ids the new run selected but did not run."""
     if ratio_factor <= 1:
         raise ValueError(f"diff: ratio_factor={ratio_factor} must exceed 1 (a growth factor)")
     old_by_id = {row["full_id"]: row for _, row in old.iterrows()}
     new_by_id = {row["full_id"]: row for _, row in new.iterrows()}
+    if not old_by_id.keys() & new_by_id.keys():
+        raise ValueError(f"the old results ({len(old_by_id)} cases) and the new ({len(new_by_id)} cases) have no "
+                         "case in common; compare results of the same selection")
+    not_run = set(not_run)
     changes: list[Change] = []
     for full_id, n in new_by_id.items():
         o = old_by_id.get(full_id)
@@ -169,7 +189,12 @@ def diff_frames(
                 _ratio(o["worst_ratio"]), _ratio(n["worst_ratio"]), str(n["reason"]), rank,
             ))
     for full_id, o in old_by_id.items():
-        if full_id not in new_by_id:
+        if full_id in not_run:
+            changes.append(Change(
+                "not_run", f"not run (was {o['verdict']})", full_id, cell_name(o), o["verdict"], None,
+                _ratio(o["worst_ratio"]), None, str(o["reason"]), (SEVERITY[o["verdict"]], 0),
+            ))
+        elif full_id not in new_by_id:
             changes.append(Change(
                 "removed", f"removed (was {o['verdict']})", full_id, cell_name(o), o["verdict"], None,
                 _ratio(o["worst_ratio"]), None, str(o["reason"]), (SEVERITY[o["verdict"]], 0),

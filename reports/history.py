@@ -225,13 +225,21 @@ def plot_verdicts(counts: pd.DataFrame, nights: Sequence[str], path: Path) -> No
 
 
 def plot_lines(table: pd.DataFrame, path: Path, ylabel: str, *, log: bool, threshold: float | None = None) -> None:
+    line_figure(table, ylabel, log=log, threshold=threshold).savefig(path)
+
+
+def line_figure(table: pd.DataFrame, ylabel: str, *, log: bool, threshold: float | None = None) -> Figure:
+    """One line per column over the nights. On a log scale a 0 (an exact match) has no place: it is left
+    out of its line and named in a note under the plot, never drawn as some small value."""
     fig = Figure(figsize=(7.5, 3.4), dpi=90)
     ax = fig.subplots()
     xs = range(len(table.index))
+    exact: list[str] = []
     for column in table.columns:
         values = [v if v is not None and not (isinstance(v, float) and math.isnan(v)) else float("nan") for v in table[column]]
         if log:
-            values = [max(v, 1e-4) if not math.isnan(v) else v for v in values]
+            exact += [f"{column} on {night}" for night, v in zip(table.index, values) if v == 0]
+            values = [float("nan") if v == 0 else v for v in values]
         ax.plot(xs, values, "-o", ms=4, label=str(column))
     if threshold is not None:
         ax.axhline(threshold, color="black", ls="--", lw=1, label="tolerance")
@@ -240,8 +248,11 @@ def plot_lines(table: pd.DataFrame, path: Path, ylabel: str, *, log: bool, thres
     ax.set_xticks(list(xs), labels=[str(i) for i in table.index], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
+    if exact:
+        shown = "; ".join(exact[:4]) + (f"; and {len(exact) - 4} more" if len(exact) > 4 else "")
+        fig.text(0.01, 0.01, f"0 (exact match), not drawn on the log scale: {shown}", fontsize=7)
+    fig.tight_layout(rect=(0, 0.05 if exact else 0, 1, 1))
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ RUN_COLUMNS: tuple[str, ...] = ("run_id", "host", "torch_version", "backend", "d
 OUTCOME_COLUMNS: tuple[str, ...] = (
     "verdict", "worst_ratio", "worst_quantity", "reason", "deterministic", "wall_s", "peak_mem_bytes",
     "bytes_all_gathered", "bytes_reduce_scattered", "time",
+    # The knob checks that failed (``precision,sharding_strategy``): the trace's evidence of a cause.
+    "ignored_knobs",
 )
 COLUMNS: tuple[str, ...] = ("full_id", "case_id", *AXIS_COLUMNS, *OUTCOME_COLUMNS, *RUN_COLUMNS, "source")
 
@@ -120,6 +122,8 @@ def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None =
             "bytes_all_gathered": record.bytes_all_gathered,
             "bytes_reduce_scattered": record.bytes_reduce_scattered,
             "time": record.time,
+            "ignored_knobs": ",".join(k.get("knob", "?") for k in record.detail.get("knobs") or []
+                                      if isinstance(k, dict) and k.get("status") == "ignored"),
             **{col: run.get(col) for col in RUN_COLUMNS},
             "source": sources[i] if sources is not None else "",
         })
@@ -132,8 +136,8 @@ def frame_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"results.csv lacks columns {missing}; is it a report's results.csv?")
     frame = frame.reindex(columns=list(COLUMNS)).copy()
-    for col in ("reason", "worst_quantity", "source", "case_id"):
-        frame[col] = frame[col].fillna("").astype(str)
+    for col in ("reason", "worst_quantity", "source", "case_id", "ignored_knobs"):
+        frame[col] = frame[col].astype(object).fillna("").astype(str)  # an all-empty column reads as float
     for col in ("forward_prefetch", "cpu_offload", "use_orig_params"):
         frame[col] = frame[col].map(lambda v: v if isinstance(v, bool) else str(v) == "True")
     for col in ("world_size", "steps"):

@@ -13,6 +13,7 @@ import math
 
 import matplotlib.colors as mcolors
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -48,6 +49,21 @@ STATUS_COLOURS = {
 STATUS_ICONS = {"pass": "✅", "fail": "❌", "flaky": "🎲", "error": "💥", "unsupported": "➖", "empty": ""}
 #: failing cases listed per cell in HTML and in total in Markdown; the rest are counted.
 MAX_LISTED = 50
+#: what a reason may take in a table cell, a cell's pop-up and the Markdown table; more is clipped
+#: (``clip``) and links to the case page, which holds the whole reason.
+REASON_CHARS = {"table": 200, "popup": 160, "markdown": 120}
+
+
+def clip(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` cut before ``limit`` characters, at a word boundary where there is one, ending in an
+    ellipsis, and whether it was cut: a reason is never cut mid-way without saying so."""
+    text = str(text)
+    if len(text) <= limit:
+        return text, False
+    head = text[: limit - 1]
+    if " " in head[limit // 2:]:
+        head = head[: head.rindex(" ")]
+    return head.rstrip() + "…", True
 
 
 def cell_colour(stats: CellStats) -> str:
@@ -95,6 +111,22 @@ def run_lines(summary: Summary) -> list[str]:
 
 def heatmap(m: ParityMatrix, path: str) -> None:
     """A PNG of one matrix: cells coloured as in the HTML, labelled ``passed/total`` and worst ratio."""
+    heatmap_figure(m).savefig(path)
+
+
+def _spread(fig: Figure, labels: list, rotation: float, ha: str) -> None:
+    """Tilt ``labels`` (tick labels of one row) where any two overlap as drawn, so each stays readable."""
+    renderer = fig.canvas.get_renderer()
+    boxes = sorted((t.get_window_extent(renderer) for t in labels if t.get_text()), key=lambda b: b.x0)
+    if any(a.x1 > b.x0 for a, b in zip(boxes, boxes[1:])):
+        for t in labels:
+            t.set_rotation(rotation)
+            t.set_horizontalalignment(ha)
+            t.set_rotation_mode("anchor")
+
+
+def heatmap_figure(m: ParityMatrix) -> Figure:
+    """The figure ``heatmap`` writes (column labels tilted where they would overlap)."""
     n_rows, n_cols = len(m.rows), len(m.columns)
     cell_w, cell_h = 0.78, 0.62
     fig_w = max(6.0, 2.4 + n_cols * cell_w + 1.6)
@@ -102,6 +134,7 @@ def heatmap(m: ParityMatrix, path: str) -> None:
     # A bare Figure (no pyplot): no global figure registry to leak into, and PNGs render with Agg
     # whatever backend the calling process chose.
     fig = Figure(figsize=(fig_w, fig_h), dpi=110)
+    FigureCanvasAgg(fig)  # a renderer to measure labels with (``_spread``)
     ax = fig.subplots()
     image = [[mcolors.to_rgb(cell_colour(m.cell(s, p, b))) for p, b in m.columns] for s in m.rows]
     ax.imshow(image, aspect="auto", interpolation="nearest")
@@ -152,7 +185,10 @@ def heatmap(m: ParityMatrix, path: str) -> None:
     ]
     fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path)
+    _spread(fig, ax.get_xticklabels(), 30, "right")
+    _spread(fig, top.get_xticklabels(), 30, "left")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -161,10 +197,13 @@ def heatmap(m: ParityMatrix, path: str) -> None:
 
 def diff_markdown(result: DiffResult, old: str, new: str) -> str:
     """A diff as Markdown: regressions first, then fixes, new cells and cases, removed, other changes."""
-    counts = {k: len(result.of_kind(k)) for k in ("regression", "fix", "new", "removed", "changed")}
-    head = "❌" if result.exit_code else "✅"
+    counts = {k: len(result.of_kind(k)) for k in ("regression", "fix", "new", "not_run", "removed", "changed")}
+    new_failing = len(result.new_failing)
+    # New failing cases do not block (reports.diff), but a headline over them is never green.
+    head = "❌" if result.exit_code else "⚠️" if new_failing else "✅"
     lines = [
-        f"# {head} Parity diff: {counts['regression']} regression(s), {counts['fix']} fix(es)",
+        f"# {head} Parity diff: {counts['regression']} regression(s), {new_failing} new failing case(s), "
+        f"{counts['fix']} fix(es)",
         "",
         f"old: `{old}` ({result.old_cases} cases) → new: `{new}` ({result.new_cases} cases)",
     ]
@@ -176,7 +215,8 @@ def diff_markdown(result: DiffResult, old: str, new: str) -> str:
         if not changes:
             return
         rows = [[c.what, c.full_id, fmt_ratio(c.old_ratio) if c.old_ratio is not None else "-",
-                 fmt_ratio(c.new_ratio) if c.new_ratio is not None else "-", c.reason[:100]] for c in changes]
+                 fmt_ratio(c.new_ratio) if c.new_ratio is not None else "-", clip(c.reason, REASON_CHARS["markdown"])[0]]
+                for c in changes]
         lines.extend(["", f"## {title} ({len(changes)})", "",
                       tabulate(rows, headers=["change", "case", "old ratio", "new ratio", "reason"], tablefmt="github", disable_numparse=True)])
 
@@ -185,6 +225,7 @@ def diff_markdown(result: DiffResult, old: str, new: str) -> str:
     if result.new_cells:
         lines += ["", f"## New cells ({len(result.new_cells)})", ""] + [f"- {c}" for c in result.new_cells]
     section("New cases", result.of_kind("new"))
+    section("Not run (selected, not run by the new run)", result.of_kind("not_run"))
     section("Removed cases", result.of_kind("removed"))
     section("Other changes", result.of_kind("changed"))
     if not result.changes:

@@ -18,7 +18,7 @@ from reports.case_page import case_href
 from reports.grid import Grid, GridCell, GridRow, GridSection
 from reports.matrix import CellStats, ParityMatrix, Summary, fmt_ratio, sort_failing
 from reports.page import banner_html, esc, page
-from reports.render import STATUS_COLOURS, _text_colour, cell_colour, run_lines
+from reports.render import REASON_CHARS, STATUS_COLOURS, _text_colour, cell_colour, clip, run_lines
 
 #: failing cases listed per cell and in the failing-cases table; the rest are counted.
 MAX_LISTED = 50
@@ -48,7 +48,14 @@ table.grid tr.first td, table.grid tr.first th { border-top: 2px solid #555; }
 .filters { margin: 0.4em 0; font-size: 13px; } .filters select { margin-right: 1em; }
 table.grid summary { list-style: none; text-decoration: underline dotted; }
 table.grid summary::-webkit-details-marker { display: none; }
-table.grid details[open] summary { font-weight: bold; }
+table.grid details[open] summary { outline: 2px solid #000; outline-offset: 1px; }
+/* A strategy's label is on every row, so an engine filter never hides it; repeats are grey. */
+table.grid tr.g:not(.first) th.sticky1 { color: #999; font-weight: normal; }
+/* An opened cell's list floats over the grid: the column keeps its width, the others stay in view. */
+table.grid td.cell { position: relative; }
+table.grid details[open] > ul { position: absolute; z-index: 4; left: 0; top: 100%; width: max-content;
+  max-width: 36em; margin: 0; padding: 0.4em 0.6em 0.4em 1.6em; text-align: left; white-space: normal;
+  border: 1px solid #555; box-shadow: 0 2px 8px rgba(0, 0, 0, 0.3); font-size: 12px; }
 """
 
 FILTER_JS = """
@@ -76,7 +83,18 @@ function showSection(id) {
   box.scrollTop = row.offsetTop - box.querySelector('thead').offsetHeight;
   return true;
 }
+// An opened cell's list floats (it keeps the column widths); it opens leftwards where it would leave the
+// grid's box on the right.
+function placeList(details) {
+  var ul = details.querySelector('ul'), box = document.querySelector('.gridwrap');
+  if (!details.open || !ul || !box) return;
+  ul.style.left = '0'; ul.style.right = 'auto';
+  if (ul.getBoundingClientRect().right > box.getBoundingClientRect().right) { ul.style.left = 'auto'; ul.style.right = '0'; }
+}
 document.addEventListener('DOMContentLoaded', function () {
+  document.querySelectorAll('table.grid td.cell details').forEach(function (d) {
+    d.addEventListener('toggle', function () { placeList(d); });
+  });
   ['f-engine', 'f-model', 'f-verdict'].forEach(function (id) {
     document.getElementById(id).addEventListener('change', applyFilters);
   });
@@ -98,13 +116,20 @@ def _cell_style(cell: GridCell) -> str:
     return f"background:{colour};color:{_text_colour(colour)}"
 
 
+def _reason_html(row: pd.Series, where: str) -> str:
+    """A case's reason, clipped for ``where`` (``REASON_CHARS``) with a link to the whole one on its page."""
+    text, cut = clip(str(row["reason"]), REASON_CHARS[where])
+    more = f' <a class="whole-reason" href="{esc(case_href(row["full_id"]))}">(whole reason)</a>' if cut else ""
+    return esc(text) + more
+
+
 def _case_list(bad: pd.DataFrame) -> str:
     items = []
     for _, r in bad.head(MAX_LISTED).iterrows():
         ratio = f" {esc(fmt_ratio(r['worst_ratio']))}" if not math.isnan(r["worst_ratio"]) else ""
         items.append(f'<li><a href="{esc(case_href(r["full_id"]))}"><b>{esc(r["verdict"])}</b>{ratio} '
                      f'<code>{esc(r["case_id"])}</code></a>'
-                     + (f": {esc(str(r['reason'])[:160])}" if r["reason"] else "") + "</li>")
+                     + (f": {_reason_html(r, 'popup')}" if r["reason"] else "") + "</li>")
     if len(bad) > MAX_LISTED:
         items.append(f"<li>… and {len(bad) - MAX_LISTED} more</li>")
     return f'<ul style="color:#222;background:#fff">{"".join(items)}</ul>'
@@ -151,7 +176,7 @@ def grid_html(grid: Grid) -> str:
             cells = "".join(_grid_cell(section, row, p, b) for p, b in cols)
             rows.append(
                 f'<tr class="g{" first" if first else ""}" data-engine="{esc(row.engine)}" data-model="{esc(row.model)}" '
-                f'data-states="{esc(states)}"><th class="sticky1">{esc(row.strategy) if first else ""}</th>'
+                f'data-states="{esc(states)}"><th class="sticky1">{esc(row.strategy)}</th>'
                 f'<th class="sticky2">{esc(row.engine)}</th>{cells}</tr>'
             )
         bodies.append(f'<tbody data-model="{esc(section.model)}">{"".join(rows)}</tbody>')
@@ -194,7 +219,8 @@ def attribution_html(attributions: Sequence[Attribution]) -> str:
         if not a.failing:
             items.append(f"<li>{head}no failing case ({a.passing} pass)</li>")
             continue
-        terms = "".join(f"<li><code>{esc(t.text)}</code>: {t.covered}/{a.failing} failing, no passing case</li>" for t in a.terms)
+        terms = "".join(f"<li><b>{esc(line)}</b></li>" for line in a.evidence())
+        terms += "".join(f"<li><code>{esc(t.text)}</code>: {t.covered}/{a.failing} failing, no passing case</li>" for t in a.terms)
         if a.unexplained:
             shown = ", ".join(f'<a href="{esc(case_href(i))}"><code>{esc(i.split(":", 2)[-1])}</code></a>' for i in a.unexplained[:8])
             more = f" … and {len(a.unexplained) - 8} more" if len(a.unexplained) > 8 else ""
@@ -211,7 +237,7 @@ def failing_table_html(frame: pd.DataFrame) -> str:
     rows = "".join(
         f'<tr><td>{esc(r["verdict"])}</td><td class="left"><a href="{esc(case_href(r["full_id"]))}"><code>{esc(r["full_id"])}</code></a></td>'
         f'<td>{esc(fmt_ratio(r["worst_ratio"]))}</td><td class="left">{esc(r["worst_quantity"])}</td>'
-        f'<td class="left">{esc(str(r["reason"])[:200])}</td></tr>'
+        f'<td class="left">{_reason_html(r, "table")}</td></tr>'
         for _, r in failing.head(MAX_FAILING_TABLE).iterrows()
     )
     more = f"<p>… and {len(failing) - MAX_FAILING_TABLE} more in results.csv.</p>" if len(failing) > MAX_FAILING_TABLE else ""

@@ -16,7 +16,7 @@ from reports import resume_matrix
 from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.matrix import ParityMatrix, Summary, cell_label, fmt_ratio, sort_failing
-from reports.render import MAX_LISTED, STATUS_ICONS, run_lines
+from reports.render import MAX_LISTED, REASON_CHARS, STATUS_ICONS, clip, run_lines
 
 
 def _bad_lines(summary: Summary) -> list[str]:
@@ -73,8 +73,12 @@ def markdown(
         lines += ["", f"## Cases that did not pass ({len(failing)})", ""]
         rows = []
         for _, r in failing.head(MAX_LISTED).iterrows():
-            case = f"[{r['full_id']}]({case_href(r['full_id'])})" if pages is None or r["full_id"] in pages else r["full_id"]
-            rows.append([r["verdict"], case, fmt_ratio(r["worst_ratio"]), r["worst_quantity"], str(r["reason"])[:120]])
+            paged = pages is None or r["full_id"] in pages
+            case = f"[{r['full_id']}]({case_href(r['full_id'])})" if paged else r["full_id"]
+            reason, cut = clip(str(r["reason"]), REASON_CHARS["markdown"])
+            if cut:
+                reason += f" ([whole reason]({case_href(r['full_id'])}))" if paged else " (whole reason in results.csv)"
+            rows.append([r["verdict"], case, fmt_ratio(r["worst_ratio"]), r["worst_quantity"], reason])
         lines.append(tabulate(rows, headers=["verdict", "case", "ratio", "quantity", "reason"], tablefmt="github", disable_numparse=True))
         if len(failing) > MAX_LISTED:
             lines.append(f"\n… and {len(failing) - MAX_LISTED} more (see matrix.html or results.csv)")

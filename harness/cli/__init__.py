@@ -11,30 +11,36 @@ in the library imports this package.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 from harness.cli import bench, certify, history, nightly, perf, run
+from harness.cli.options import given_options
+from harness.one_line_parser import OneLineParser
 from harness.runner import SelectionError
 
 __all__ = ["build_parser", "main"]
 
 
+#: every command: name, help, ``add_arguments`` (or None), ``main``.
+COMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None, Callable[[argparse.Namespace], int]], ...] = (
+    ("run", "run parity cases and record them", run.add_run_arguments, run.main),
+    ("list", "print the full ids of the selected cases", run.add_list_arguments, run.main_list),
+    ("models", "describe the model zoo", None, run.main_models),
+    ("bench", "per-case overhead: warm pool against spawning the ranks per case", bench.add_arguments, bench.main),
+    ("nightly", "the nightly: full matrix, fuzz campaign, report and diff into one directory",
+     nightly.add_arguments, nightly.main),
+    ("history", "trend page over several nightly directories", history.add_arguments, history.main),
+    ("certify", "conformance certificate of one engine: every behaviour family, Markdown/HTML/JSON",
+     certify.add_arguments, certify.main),
+    ("perf", "training-step benchmark: our engine against torch FSDP1 (and DDP, FSDP2)", perf.add_arguments, perf.main),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    commands = [
-        ("run", "run parity cases and record them", run.add_run_arguments, run.main),
-        ("list", "print the full ids of the selected cases", run.add_list_arguments, run.main_list),
-        ("models", "describe the model zoo", None, run.main_models),
-        ("bench", "per-case overhead: warm pool against spawning the ranks per case", bench.add_arguments, bench.main),
-        ("nightly", "the nightly: full matrix, fuzz campaign, report and diff into one directory",
-         nightly.add_arguments, nightly.main),
-        ("history", "trend page over several nightly directories", history.add_arguments, history.main),
-        ("certify", "conformance certificate of one engine: every behaviour family, Markdown/HTML/JSON",
-         certify.add_arguments, certify.main),
-        ("perf", "training-step benchmark: our engine against torch FSDP1 (and DDP, FSDP2)", perf.add_arguments, perf.main),
-    ]
-    for name, help_text, add_arguments, fn in commands:
+    parser = OneLineParser(prog="python -m harness", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for name, help_text, add_arguments, fn in COMMANDS:
         command = sub.add_parser(name, help=help_text)
         if add_arguments is not None:
             add_arguments(command)
@@ -44,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    add_arguments = next(add for name, _, add, _ in COMMANDS if name == args.command)
+    # Which options the command line sets, for ``--resume`` to tell a contradiction from a default.
+    args.given_options = given_options(add_arguments, argv[argv.index(args.command) + 1:], vars(args)) if add_arguments else frozenset()
     try:
         return int(args.fn(args))
     except SelectionError as exc:

@@ -51,6 +51,8 @@ FULL_SEEDS = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
 FLAT_PARAM_TESTS = ("suites/flat_param/test_engine_layout.py",)
 TORCH_COMMON_TESTS = ("suites/seeds/test_torch_common_fsdp.py",)
 ERRORED = ("error", "timeout", "crash")
+#: the report of the certification's cases, beside the certificate: its case pages are linked from it.
+REPORT_DIR = "report"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -294,6 +296,19 @@ FAMILIES: tuple[Family, ...] = (
 # The command
 
 
+def _case_pages(out: Path, results: Sequence[FamilyResult]) -> dict[str, str]:
+    """The report of the certification's cases (``report/``, with a page per case that did not pass), and
+    the page of every failing case, relative to ``out``, for the certificate to link to."""
+    import reports
+    from reports.case_page import case_href
+
+    if not (out / "results.jsonl").exists():
+        return {}
+    reports.build([out / "results.jsonl"], out / REPORT_DIR)
+    failing = {f.case for r in results for f in r.failures}
+    return {c: f"{REPORT_DIR}/{case_href(c)}" for c in sorted(failing) if (out / REPORT_DIR / case_href(c)).exists()}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", required=True,
                    help="the engine: a registered name or a spec NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT")
@@ -348,7 +363,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"certify {adapter.name}: {family.name} ...", file=sys.stderr)
             family.judge(run, result)
         results.append(result)
-    cert = Certificate(adapter.name, spec, adapter.version(), _environment(run, n_gpus), results)
+    cert = Certificate(adapter.name, spec, adapter.version(), _environment(run, n_gpus), results,
+                       _case_pages(out, results))
     (out / "certificate.md").write_text(markdown(cert))
     (out / "certificate.html").write_text(render_html(cert))
     (out / "certificate.json").write_text(to_json(cert))

@@ -21,7 +21,7 @@ from typing import Any
 
 from harness.placement import RESERVED_CORES, Lane
 
-__all__ = ["REPORT_RESERVE_S", "FuzzOutcome", "FuzzRun", "fuzz_alongside", "fuzz_budget", "parse_fuzz_totals", "run_fuzz"]
+__all__ = ["REPORT_RESERVE_S", "FuzzOutcome", "FuzzRun", "cases_deadline", "fuzz_alongside", "fuzz_budget", "report_reserve", "parse_fuzz_totals", "run_fuzz"]
 
 #: the repository holding this package; the fuzz campaign lives in its ``suites/``.
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -31,12 +31,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 REPORT_RESERVE_S = 30.0
 
 
+def report_reserve(time_budget_s: float) -> float:
+    """Seconds of a budget kept for the report and the diff: ``REPORT_RESERVE_S``, or a quarter of a
+    budget too short for it, so that the budget holds the report too."""
+    return min(REPORT_RESERVE_S, time_budget_s / 4)
+
+
+def cases_deadline(start: float, time_budget_s: float | None) -> float | None:
+    """When the last case may start: the budget's end less the report's reserve; None without a budget."""
+    return None if time_budget_s is None else start + time_budget_s - report_reserve(time_budget_s)
+
+
 def fuzz_budget(time_budget_s: float | None, elapsed_s: float) -> float | None:
     """Seconds the fuzz campaign gets: what the budget has left after the cases, less
-    ``REPORT_RESERVE_S`` for the report; None without a budget (the profile's examples in full)."""
+    ``report_reserve`` for the report; None without a budget (the profile's examples in full)."""
     if time_budget_s is None:
         return None
-    return max(time_budget_s - elapsed_s - REPORT_RESERVE_S, 0.0)
+    return max(time_budget_s - elapsed_s - report_reserve(time_budget_s), 0.0)
 
 
 _TOTAL_ROW = re.compile(r"^\|\s*total\s*\|[^|]*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+|nan)\s*\|", re.MULTILINE)

@@ -36,21 +36,20 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from harness.case import CaseConfig
-from harness.cli.fuzz import FuzzOutcome, FuzzRun, fuzz_alongside, fuzz_budget, run_fuzz
+from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
+from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import add_execution, add_placement, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import (
-    BackendChoice,
-    DeviceChoice,
     PlacementError,
     available_memory,
     crowding_warning,
     host_facts,
+    memory_refusal,
     n_gpus,
     plan_lanes,
 )
@@ -60,12 +59,11 @@ from harness.runner import (
     Progress,
     Selection,
     SelectionError,
-    interleave,
     select_cases,
     under_torchrun,
 )
-
-FuzzProfile = Literal["nightly", "ci", "dev", "none"]
+from harness.sampling import sample_order
+from harness.stored_selection import StoredSelection, legacy_warning, read_selection, selection_options, write_selection
 
 RESULTS_NAME = "results.jsonl"
 FUZZ_NAME = "fuzz.txt"
@@ -75,119 +73,27 @@ DIFF_MD_NAME = "diff.md"
 DIFF_JSON_NAME = "diff.json"
 
 
-@dataclass
-class NightlyConfig:
-    """What one nightly runs and where it writes."""
-
-    #: the nightly's directory; every product is written here.
-    out: Path
-    #: case generator of ``harness.matrix``.
-    matrix: Literal["full", "pairwise", "smoke"] = "full"
-    #: engines to run (None: every engine of the matrix).
-    engines: list[str] | None = None
-    #: references to compare against (None: the matrix's).
-    references: list[str] | None = None
-    #: models of ``harness.models.MODELS`` (None: the matrix's).
-    models: list[str] | None = None
-    #: ranks per case (None: the matrix's world sizes that fit the local GPUs; 2 on CPU).
-    world_sizes: list[int] | None = None
-    #: training steps per case (None: ``CaseConfig``'s default).
-    steps: int | None = None
-    #: optimizers and checkpoint types to widen the matrix with (None: the matrix's sgd and none).
-    optimizers: list[str] | None = None
-    checkpoints: list[str] | None = None
-    #: keep cases whose full id contains one of these.
-    filters: list[str] = field(default_factory=list)
-    #: at most this many cases (for trial runs and tests).
-    limit: int | None = None
-    #: Hypothesis profile of the fuzz campaign; ``none`` skips the campaign.
-    fuzz_profile: FuzzProfile = "nightly"
-    #: examples per fuzz property, overriding the profile's.
-    fuzz_max_examples: int | None = None
-    #: no case is launched once this many seconds have passed since the start (None: no budget).
-    time_budget_s: float | None = None
-    #: continue the nightly already in ``out`` (its recorded cases are skipped, a finished fuzz too).
-    resume: bool = False
-    #: the nightly (report directory or results file) to diff against; None: the newest earlier sibling.
-    previous: Path | None = None
-    #: ``auto``: NCCL with one GPU per rank where there are enough GPUs, gloo with ranks sharing the GPUs
-    #: where there are fewer, gloo on CPU without GPUs (``harness.placement.place``).
-    backend: BackendChoice = "auto"
-    #: ``auto``: the GPUs where there are any; ``cpu`` keeps gloo ranks on the CPU of a GPU host.
-    device: DeviceChoice = "auto"
-    #: seconds per case before it is recorded as a timeout.
-    case_timeout_s: float = 300.0
-    #: show the progress bar.
-    progress: bool = True
-    #: every case under stress delays (``harness.stress``; CUDA only).
-    stress: bool = False
-    #: check determinism on every case; otherwise on ``determinism_sample``'s sample only.
-    check_determinism: bool = False
-    #: check determinism on a sample (one case per engine, strategy and world size).
-    determinism_sample: bool = True
-    #: runs of every case, and extra runs of one that did not pass (``harness.repeats``).
-    repeat: int = 1
-    repeat_failures: int = 0
-    #: pools side by side per group of GPUs (None: ``harness.placement.pools_per_group``).
-    pools_per_gpu: int | None = None
-    #: measure the performance section (``harness.perf_section``).
-    perf: bool = True
-
-    def __post_init__(self) -> None:
-        self.out = Path(self.out)
-        self.previous = Path(self.previous) if self.previous is not None else None
-        if self.fuzz_max_examples is not None and self.fuzz_max_examples < 1:
-            raise ValueError(f"NightlyConfig.fuzz_max_examples={self.fuzz_max_examples} must be at least 1")
-        if self.time_budget_s is not None and self.time_budget_s < 0:
-            raise ValueError(f"NightlyConfig.time_budget_s={self.time_budget_s} must not be negative")
-        if self.repeat < 1 or self.repeat_failures < 0:
-            raise ValueError(f"NightlyConfig.repeat={self.repeat} must be >= 1 and repeat_failures={self.repeat_failures} >= 0")
-        if self.pools_per_gpu is not None and self.pools_per_gpu < 1:
-            raise ValueError(f"NightlyConfig.pools_per_gpu={self.pools_per_gpu} must be at least 1")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "NightlyConfig":
-        return cls(
-            out=args.out, matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
-            world_sizes=args.world_size, steps=args.steps, filters=list(args.filter), limit=args.limit,
-            optimizers=args.optimizers, checkpoints=args.checkpoints,
-            fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
-            time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
-            backend=args.backend, device=args.device, case_timeout_s=args.timeout, progress=not args.no_progress,
-            stress=args.stress, check_determinism=args.check_determinism,
-            determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
-            repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
-            perf=not args.no_perf,
-        )
-
-    def selection(self) -> Selection:
-        """The cases this nightly selects (``harness.runner.select_cases``)."""
-        return Selection(
-            matrix=self.matrix, engines=self.engines, references=self.references, models=self.models,
-            steps=self.steps, filters=self.filters, limit=self.limit, check_determinism=self.check_determinism,
-            stress="delay" if self.stress else "none", optimizers=self.optimizers, checkpoints=self.checkpoints,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["out"] = str(self.out)
-        d["previous"] = str(self.previous) if self.previous is not None else None
-        return d
-
-
 # ---------------------------------------------------------------------------------------------------
 # Pure logic
 
 
-def find_previous(out: Path) -> Path | None:
+def night_selection(directory: Path) -> str | None:
+    """The selection id a nightly directory's ``nightly.json`` records; None for none or an older one."""
+    selection = _read_json(Path(directory) / NIGHTLY_NAME).get("selection")
+    return selection.get("id") if isinstance(selection, dict) else None
+
+
+def find_previous(out: Path, selection_id: str | None = None) -> Path | None:
     """The newest earlier nightly: the sibling directory of ``out`` holding a ``nightly.json`` (what
     only a nightly writes, so a results directory of ``harness run`` next to it is never taken) whose
-    name sorts last among those before ``out``'s name (date names, ``2026-11-21``, sort by date)."""
+    name sorts last among those before ``out``'s name (date names, ``2026-11-21``, sort by date); with
+    ``selection_id``, among the nights of that selection only (another selection is no baseline)."""
     out = Path(out)
     parent = out.parent
     if not parent.is_dir():
         return None
-    earlier = [d for d in parent.iterdir() if d.is_dir() and d.name < out.name and (d / NIGHTLY_NAME).is_file()]
+    earlier = [d for d in parent.iterdir() if d.is_dir() and d.name < out.name and (d / NIGHTLY_NAME).is_file()
+               and (selection_id is None or night_selection(d) == selection_id)]
     return max(earlier, key=lambda d: d.name) if earlier else None
 
 
@@ -234,6 +140,8 @@ def baseline_source(previous: Path) -> Path:
 def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool) -> tuple[int, list[str]]:
     """The nightly's exit status and the reasons for it (see the module docstring)."""
     reasons: list[str] = []
+    if not sum(verdicts.values()):
+        reasons.append("no case was run")  # an empty nightly checked nothing: never a green one
     bad = {v: verdicts.get(v, 0) for v in BAD_VERDICTS if verdicts.get(v, 0)}
     if bad:
         reasons.append("cases " + ", ".join(f"{v}: {n}" for v, n in bad.items()))
@@ -245,6 +153,19 @@ def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions:
         reasons.append("the ranks could not start; some cases were not run")
         return 2, reasons
     return (1 if reasons else 0), reasons
+
+
+def partial_reasons(state: Mapping[str, Any]) -> list[str]:
+    """What a nightly left out of what it was asked for (cases not run, a fuzz campaign or performance
+    section skipped for the budget): a nightly that left something out never reads as ``ok``."""
+    cases, out = state.get("cases") or {}, []
+    if cases.get("not_run"):
+        out.append(f"{cases['not_run']} of {cases.get('selected', '?')} cases not run")
+    for phase, chosen in (("fuzz", "--fuzz-profile none"), ("perf", "--no-perf")):
+        skipped = (state.get(phase) or {}).get("skipped")
+        if skipped and skipped != chosen:
+            out.append(f"{phase} skipped ({skipped})")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -310,6 +231,14 @@ def _nightly(config: NightlyConfig) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / NIGHTLY_NAME
     earlier = _read_json(state_path) if config.resume else {}
+    stored = read_selection(out / RESULTS_NAME) if config.resume else None
+    if config.resume:
+        try:
+            config = resumed_config(config, stored.options if stored else None, earlier.get("config") or {},
+                                    config.given_options)
+        except SelectionError as exc:
+            print(f"harness nightly: {exc}", file=sys.stderr)
+            return 2
     state: dict[str, Any] = {
         "out": str(out), "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resumed": config.resume, "config": config.to_dict(),
@@ -326,6 +255,10 @@ def _nightly(config: NightlyConfig) -> int:
                                        device=config.device, host=host, pools=config.pools_per_gpu)
     except PlacementError as exc:
         print(f"harness nightly: {exc}", file=sys.stderr)
+        return 2
+    refused = memory_refusal(lanes, available_memory())
+    if refused:
+        print(f"harness nightly: {refused}", file=sys.stderr)
         return 2
     crowded = crowding_warning(lanes, os.cpu_count() or 1, available_memory())
     if crowded:
@@ -345,7 +278,7 @@ def _nightly(config: NightlyConfig) -> int:
         print(f"harness nightly: --out: {exc}", file=sys.stderr)
         return 2
     cases_start = time.monotonic()
-    deadline = start + config.time_budget_s if config.time_budget_s is not None else None
+    deadline = cases_deadline(start, config.time_budget_s)  # the budget holds the report too
     fuzz_path = out / FUZZ_NAME
     alongside: FuzzRun | None = None
     if fuzz_alongside(lanes, host.cpu_cores):
@@ -353,10 +286,16 @@ def _nightly(config: NightlyConfig) -> int:
         if _fuzz_not_run(config, earlier, fuzz_path, budget) is None:
             alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, fuzz_path, budget, progress=False).start()  # one bar on the terminal: the cases'
     with writer:
+        if writer.resumed and stored is None:
+            print(legacy_warning(out / RESULTS_NAME, writer.resumed.values()), file=sys.stderr)
+        if stored is None:
+            stored = StoredSelection(selection_options(selection, sorted(lanes)), tuple(c.full_id for c in cases))
+            write_selection(out / RESULTS_NAME, stored)
+        state["selection"] = {"id": stored.id, "options": stored.options}
         done = writer.recorded_ids()
         todo = [c for c in cases if c.full_id not in done]
         if deadline is not None:
-            todo = interleave(todo)  # a budget spent early has still compared every engine on every model
+            todo = sample_order(todo)  # a budget spent early has still seen every value of every axis
         if done:
             print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
         state["cases"] = {
@@ -364,7 +303,7 @@ def _nightly(config: NightlyConfig) -> int:
             "world_sizes": sorted(lanes), "backend": info.backend, "device": info.device,
             "ranks_per_gpu": info.ranks_per_gpu,
             "lanes": [{**dataclasses.asdict(lane), "device": lane.device} for group in lanes.values() for lane in group],
-            "world_sizes_skipped": skipped, "order": "interleaved" if deadline is not None else "generator",
+            "world_sizes_skipped": skipped, "order": "sampled" if deadline is not None else "generator",
         }
         save()
         progress = Progress(len(todo), enabled=config.progress, deadline=deadline)
@@ -440,23 +379,32 @@ def _nightly(config: NightlyConfig) -> int:
     from reports import render
 
     t0 = time.monotonic()
-    summary = reports.build([out / RESULTS_NAME], out)
+    # The budget's end, less a margin for the pages, tables and diff after the plots.
+    summary = reports.build([out / RESULTS_NAME], out, plot_deadline=None if config.time_budget_s is None
+                            else start + config.time_budget_s - report_reserve(config.time_budget_s) / 2)
     state["verdicts"] = dict(summary.verdicts)
     state["determinism"] = determinism_summary(_latest_records(out / RESULTS_NAME))
     state["report"] = {"files": summary.files, "bad_lines": len(summary.bad_lines), "wall_s": round(time.monotonic() - t0, 3)}
     save()
 
     # -- 4. diff against the previous nightly -------------------------------------------------------
-    previous = config.previous if config.previous is not None else find_previous(out)
+    previous = config.previous if config.previous is not None else find_previous(out, stored.id)
     regressions = 0
-    if previous is None:
-        state["diff"] = {"previous": None, "note": f"no earlier nightly next to {out}"}
-        for stale in (out / DIFF_MD_NAME, out / DIFF_JSON_NAME):
-            stale.unlink(missing_ok=True)
-    else:
+    other = night_selection(previous) if previous is not None and previous.is_dir() else None
+    try:
+        if previous is None:
+            raise ValueError(f"no earlier nightly of this selection ({stored.id}) next to {out}")
+        if other is not None and other != stored.id:
+            raise ValueError(f"{previous} is a night of another selection ({other}, this one {stored.id}); "
+                             "nights compare with nights of the same selection")
         old = baseline_source(previous)
         t0 = time.monotonic()
         result = reports.diff(old, out / RESULTS_NAME)
+    except ValueError as exc:  # nothing to compare with: said, never a regression
+        state["diff"] = {"previous": None, "note": str(exc)}
+        for stale in (out / DIFF_MD_NAME, out / DIFF_JSON_NAME):
+            stale.unlink(missing_ok=True)
+    else:
         text = render.diff_markdown(result, str(old), str(out / RESULTS_NAME))
         (out / DIFF_MD_NAME).write_text(text, encoding="utf-8")
         _write_json(out / DIFF_JSON_NAME, result.to_dict())
@@ -473,7 +421,8 @@ def _nightly(config: NightlyConfig) -> int:
     # -- 5. verdict ---------------------------------------------------------------------------------
     fuzz_exit = state["fuzz"].get("exit_code")
     code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed)
-    state.update(complete=True, exit_code=code, exit_reasons=reasons, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    state.update(complete=True, exit_code=code, exit_reasons=reasons, partial=partial_reasons(state),
+                 finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     save()
     print(_summary_text(state))
     return code
@@ -542,7 +491,8 @@ def _summary_text(state: Mapping[str, Any]) -> str:
     else:
         lines.append(f"diff: {diff.get('note')}")
     lines += perf_section.summary_lines(state.get("perf"), state.get("perf_diff"))
-    verdict = "ok" if state["exit_code"] == 0 else "; ".join(state["exit_reasons"])
+    partial = partial_reasons(state)
+    verdict = "; ".join(state["exit_reasons"]) if state["exit_code"] else f"partial: {'; '.join(partial)}" if partial else "ok"
     lines.append(f"nightly {verdict} (exit {state['exit_code']}) in {state['wall_s']:.1f} s -> {state['out']}")
     return "\n".join(lines)
 

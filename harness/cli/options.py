@@ -5,15 +5,44 @@ it (naming the option)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable, Sequence
 
 from harness.placement import OPTION_HELP
 
-__all__ = ["add_execution", "add_placement", "add_selection", "csv_list", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
+__all__ = ["add_execution", "add_placement", "add_selection", "csv_list", "given_options", "non_negative_int",
+           "positive_float", "positive_int", "world_sizes"]
+
+
+class _Unset(list):  # type: ignore[type-arg]
+    """A default no command line set: a list, so that argparse's ``append`` can copy it."""
+
+
+def given_options(add_arguments: Callable[[argparse.ArgumentParser], None], argv: Sequence[str],
+                  dests: Iterable[str]) -> frozenset[str]:
+    """The ``dests`` that ``argv`` (the command's own arguments) sets: a default is not a choice a user
+    made. Parsed again over a namespace of markers, which argparse leaves where no option sets them."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_arguments(probe)
+    marks = {dest: _Unset() for dest in dests}
+    namespace = argparse.Namespace(**marks)
+    probe.parse_known_args(list(argv), namespace)
+    return frozenset(d for d, mark in marks.items() if getattr(namespace, d) is not mark)
 
 
 def csv_list(text: str) -> list[str]:
-    """A comma-separated option value as a list, blanks dropped."""
-    return [part.strip() for part in text.split(",") if part.strip()]
+    """A comma-separated option value as a list, blanks dropped; a value naming nothing is refused
+    (an empty ``--engines ""`` must not mean every engine)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"must name at least one value, got {text!r}")
+    return parts
+
+
+def non_empty(text: str) -> str:
+    """An option value that must not be blank (an empty ``--filter ""`` would match every case)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}")
+    return text
 
 
 def _int_at_least(text: str, low: int, words: str) -> int:
@@ -68,7 +97,7 @@ def add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stress", action="store_true",
                    help="delay the CUDA compute stream where a missing stream wait would show (harness.stress); "
                         "cases get the id segment stress_delay and are unsupported on CPU")
-    p.add_argument("--filter", action="append", default=[], help="keep cases whose full id contains this (repeatable: any of them; a+b: both a and b)")
+    p.add_argument("--filter", action="append", type=non_empty, default=[], help="keep cases whose full id contains this (repeatable: any of them; a+b: both a and b)")
     p.add_argument("--limit", type=positive_int, default=None, help="run at most this many cases")
 
 

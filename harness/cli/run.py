@@ -28,11 +28,23 @@ from typing import Any
 from harness.case import CaseConfig
 from harness.cli.options import add_execution, add_placement, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.stored_selection import (
+    StoredSelection,
+    contradictions,
+    legacy_warning,
+    option_key,
+    read_selection,
+    selection_from_options,
+    selection_options,
+    selection_path,
+    write_selection,
+)
 from harness.runner import (
     BAD_VERDICTS,
     CaseRunner,
     Progress,
     Selection,
+    SelectionError,
     exit_status,
     file_counts,
     select_cases,
@@ -79,25 +91,33 @@ def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
     from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
-    from harness.placement import PlacementError, available_memory, crowding_warning, host_facts, n_gpus, plan_lanes
+    from harness.placement import (
+        PlacementError, available_memory, crowding_warning, host_facts, memory_refusal, n_gpus, plan_lanes,
+    )
 
-    world_sizes = args.world_size or [2]
-    cases = select_cases(Selection.from_args(args), world_sizes)
     out = Path(args.out) if args.out else _default_out()
     problem = out_path_problem(out)
     if problem:
         return _refuse(f"--out: {problem}")
+    resume = args.resume or args.rerun_failed
+    try:
+        selection, world_sizes, stored = resumed_selection(args, out, args.world_size or [2])
+    except SelectionError as exc:
+        return _refuse(str(exc))
+    cases = select_cases(selection, world_sizes)
     try:
         lanes, skipped = plan_lanes(world_sizes, args.backend, n_gpus(), world_sizes, device=args.device,
                                     host=host_facts(), pools=args.pools_per_gpu)
     except PlacementError as exc:
         return _refuse(str(exc))
+    refused = memory_refusal(lanes, available_memory())
+    if refused:
+        return _refuse(refused)
     crowded = crowding_warning(lanes, os.cpu_count() or 1, available_memory())
     if crowded:
         print(f"harness run: warning: {crowded}", file=sys.stderr)
     for ws, why in skipped.items():
         print(f"harness run: world size {ws} skipped: {why}", file=sys.stderr)
-    resume = args.resume or args.rerun_failed
     try:
         writer = ResultWriter(out, run_info([lane for group in lanes.values() for lane in group]), resume=resume)
     except FileExistsError:
@@ -110,6 +130,10 @@ def main(args: argparse.Namespace) -> int:
         for bad in writer.bad_lines:
             print(f"warning: unreadable line {bad}", file=sys.stderr)
         latest = dict(writer.resumed)
+        if latest and stored is None:
+            print(legacy_warning(out, latest.values()), file=sys.stderr)
+        if stored is None:
+            _store_selection(out, selection, world_sizes, cases)
         rerun = {i for i, r in latest.items() if r.verdict in BAD_VERDICTS} if args.rerun_failed else set()
         todo = [c for c in cases if (c.full_id not in latest or c.full_id in rerun) and c.world_size in lanes]
         if latest:
@@ -147,6 +171,33 @@ def main(args: argparse.Namespace) -> int:
         print(f"warning: {len(writer.bad_lines)} unreadable line(s) in {out} (listed above)", file=sys.stderr)
     print(f"report: {report_command(out)}")
     return exit_status(counts)
+
+
+def resumed_selection(args: argparse.Namespace, out: Path, world_sizes: list[int]) -> tuple[Selection, list[int], StoredSelection | None]:
+    """The selection to run: the one stored beside ``out`` when resuming it, else the options'. Raises
+    ``SelectionError`` naming every option given again with another value than the stored one."""
+    selection = Selection.from_args(args)
+    stored = read_selection(out) if args.resume or args.rerun_failed else None
+    if stored is None:
+        return selection, world_sizes, None
+    clash = contradictions(stored.options, selection_options(selection, world_sizes),
+                           {option_key(d) for d in getattr(args, "given_options", ())})
+    if clash:
+        raise SelectionError(f"--resume: {'; '.join(clash)} contradict the selection {out} was made with "
+                             f"({selection_path(out).name}); drop them to continue it (a larger --limit too: "
+                             "the limit picks the sample), or choose a new --out")
+    selection, stored_sizes = selection_from_options(stored.options)
+    return selection, stored_sizes, stored
+
+
+def _store_selection(out: Path, selection: Selection, world_sizes: list[int], cases: list[CaseConfig]) -> None:
+    """Store the selection beside a results file on disk (``harness.stored_selection``) for ``--resume``."""
+    if not out.is_file():
+        return  # a special file (/dev/null): nothing to resume
+    try:
+        write_selection(out, StoredSelection(selection_options(selection, world_sizes), tuple(c.full_id for c in cases)))
+    except OSError as exc:
+        print(f"warning: cannot store the selection beside {out} ({exc}); --resume will need the same options", file=sys.stderr)
 
 
 def lane_text(lanes: dict[int, list[Any]]) -> str:
@@ -228,10 +279,14 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     ctx = RankContext(rank, ws, local_rank, local_ws, backend, device)
     if args.world_size and args.world_size != [ws]:
         print(f"harness run: --world-size {args.world_size} ignored under torchrun (WORLD_SIZE={ws})", file=sys.stderr)
-    cases = select_cases(Selection.from_args(args), [ws])
     out = Path(args.out) if args.out else _default_out()
+    # The stored selection, at torchrun's world size (every rank reads it: rank 0 alone writes the file).
+    selection, _, stored = resumed_selection(args, out, [ws])
+    cases = select_cases(selection, [ws])
 
     writer = ResultWriter(out, run_info([lane]), resume=args.resume or args.rerun_failed) if rank == 0 else None
+    if writer is not None and stored is None:
+        _store_selection(out, selection, [ws], cases)
     # Every rank must walk the same list: rank 0 knows what the file already holds.
     keep = ({i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
             if writer else None)

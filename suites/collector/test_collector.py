@@ -151,6 +151,24 @@ def test_other_bad_lines_are_reported_with_reasons(tmp_path: Path) -> None:
     assert "list" in bad[0].reason and "newer" in bad[1].reason and "verdict" in bad[2].reason
 
 
+def test_a_field_a_newer_writer_added_is_ignored_and_the_record_kept(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    with ResultWriter(path, RUN) as writer:
+        for case in CASES:
+            writer.append(make_record(case))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[0]["from_a_newer_writer"] = 1
+    lines[1]["run"]["from_a_newer_writer"] = "x"
+    lines[2]["errors"][0]["ulps"] = 3
+    path.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    records, bad = read_records(path)
+    assert not bad and [r.case_id for r in records] == [c.case_id for c in CASES]
+    assert records[1].run == RUN and records[2].errors == make_record(CASES[2]).errors
+    # A resume over it skips every recorded case: nothing run twice.
+    with ResultWriter(path, RUN, resume=True) as writer:
+        assert writer.recorded_ids() == {c.full_id for c in CASES} and not writer.bad_lines
+
+
 def test_existing_file_needs_resume(tmp_path: Path) -> None:
     path = tmp_path / "r.jsonl"
     with ResultWriter(path, RUN) as writer:

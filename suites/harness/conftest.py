@@ -1,15 +1,20 @@
-"""Fixtures of the harness suites: rank pools for parity cases and for fault injection."""
+"""Fixtures of the harness suites: rank pools for parity cases and for fault injection, and a ``run``
+that records without ranks."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
+from harness.case import CaseConfig
 from harness.parity import run_case_on_rank
 from harness.pool import PoolConfig, RankPool
+from harness.records import CaseRecord
 
 
 def parity_config(world_size: int = 2) -> PoolConfig:
@@ -36,3 +41,19 @@ def fault_pool() -> Iterator[RankPool]:
         warm = pool.run(run_case_on_rank, HEALTHY, timeout_s=120.0)
         assert warm.status == "ok", f"fault pool warm-up: {warm.reason}"
         yield pool
+
+
+@pytest.fixture
+def fake_run_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``run`` records every case as passed without starting ranks (the pools start lazily, on their
+    first case); returns the full ids it ran."""
+    import harness.runner as runner
+
+    ran: list[str] = []
+
+    def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
+        ran.append(case.full_id)
+        return CaseRecord(case.to_dict(), case.case_id, "pass", reason="pass on purpose", time=time.time())
+
+    monkeypatch.setattr(runner, "run_case", run_case)
+    return ran

@@ -14,6 +14,7 @@ from harness.cli import main
 from harness.collector import read_records
 from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
+from harness.stored_selection import read_selection
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the warm-pool overhead target on CPU with two gloo ranks.
@@ -121,6 +122,10 @@ def test_torchrun_runs_the_same_cases_and_rank0_records(tmp_path: Path, nproc: i
     assert not bad and len(records) == 3
     assert all(r.case["world_size"] == nproc and r.case["reference"] == "local" for r in records)
     assert [r.verdict for r in records] == ["pass"] * 3, [r.reason for r in records]
+    # Rank 0 stores the selection, so the printed resume line continues exactly it.
+    stored = read_selection(out)
+    assert stored is not None and sorted(stored.case_ids) == sorted(
+        f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records)
 
 
 @pytest.mark.gpu

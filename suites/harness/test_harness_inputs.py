@@ -49,22 +49,6 @@ def _write(path: Path, records: list[CaseRecord]) -> None:
             writer.append(record)
 
 
-@pytest.fixture
-def fake_run_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """``run`` records every case as passed without starting ranks (the pools start lazily, on their
-    first case); returns the full ids it ran."""
-    import harness.runner as runner
-
-    ran: list[str] = []
-
-    def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
-        ran.append(case.full_id)
-        return _record(case, "pass", time.time())
-
-    monkeypatch.setattr(runner, "run_case", run_case)
-    return ran
-
-
 def _usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     with pytest.raises(SystemExit) as info:
         main(list(argv))
@@ -319,13 +303,24 @@ def test_the_footprint_of_many_cpu_ranks() -> None:
 def test_many_ranks_on_few_cores_warn_before_starting(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_run_case: list[str]
 ) -> None:
+    import harness.placement
+
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(harness.placement, "available_memory", lambda: 64 * RANK_RSS_BYTES)  # fits: a warning
     cases = _cases(1, world_size=64)
     out = tmp_path / "r.jsonl"
     _write(out, [_record(cases[0], "pass")])  # already recorded: nothing starts 64 ranks here
-    assert main(["run", *TINY, "--limit", "1", "--world-size", "64", "--backend", "gloo", "--out", str(out), "--resume"]) == 0
+    argv = ["run", *TINY, "--limit", "1", "--world-size", "64", "--backend", "gloo", "--out", str(out), "--resume"]
+    assert main(argv) == 0
     err = capsys.readouterr().err
     assert "warning: --world-size 64 on CPU takes 64 rank processes on 2 CPU core(s)" in err and "GiB of memory" in err
+    # More memory than is free: refused in one line before any rank starts, not a warning and then tracebacks.
+    monkeypatch.setattr(harness.placement, "available_memory", lambda: 23 * 2**30)
+    before = out.read_text()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "more memory than is free; lower --world-size" in err and "23.0 GiB available" in err
+    assert fake_run_case == [] and out.read_text() == before
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -475,3 +470,16 @@ def test_the_nightly_runner_stops_at_a_write_error(monkeypatch: pytest.MonkeyPat
         with pytest.raises(ResultWriteError, match=str(path)):
             case_runner.run([Lane(2, "gloo", None)], cases)
     assert case_runner.recorded == 1 and [r.case_id for r in read_records(path)[0]] == [cases[0].case_id]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["list", "--engines", ""], "--engines: must name at least one value"),
+    (["list", "--models", " , "], "--models: must name at least one value"),
+    (["list", "--filter", ""], "--filter: must not be empty"),
+    (["list", "--references", ""], "--references: must name at least one value"),
+    (["nightly", "--out", "x", "--engines", ""], "--engines: must name at least one value"),
+    (["run", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_an_empty_value_or_option_error_is_one_line_not_all(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    err = _usage_error(capsys, *argv).strip()
+    assert needle in err and len(err.splitlines()) == 1 and "usage:" not in err and "(--help for usage)" in err

@@ -101,7 +101,8 @@ def test_a_silently_ignored_setting_fails(parity_pool: RankPool, case: CaseConfi
 def test_dropped_mixed_precision_fails_on_values_and_on_the_knob(parity_pool: RankPool) -> None:
     """Every cast dropped: the values fail (half the distance to float64 is the budget) and so does the
     precision knob check."""
-    case = CaseConfig(**FSDP1, model="nested", precision="bf16", steps=2, extras=(("fault", "ignore_option:mixed_precision"),))
+    case = CaseConfig(**FSDP1, reference="local", model="nested", precision="bf16", steps=2,
+                      extras=(("fault", "ignore_option:mixed_precision"),))
     record = _run(parity_pool, case)
     assert record.verdict == "fail" and "knob precision ignored" in record.reason
     assert not all(e.passed for e in record.errors), "the values alone let an engine without mixed precision pass"
@@ -141,6 +142,8 @@ def test_determinism_check(parity_pool: RankPool) -> None:
     (CaseConfig(**{**FSDP2, "use_orig_params": False}), "use_orig_params=False"),
     (CaseConfig(**FSDP2, model="transformer", precision="bf16"), "buffer dtype"),
     (CaseConfig(**FSDP1, world_size=3), "world_size=3"),
+    # DDP computes in full precision: a mixed-precision case is judged against local only, never twice.
+    (CaseConfig(**FSDP1, precision="reduce_only"), "only the local reference (which emulates the casts) can judge it"),
 ], ids=lambda v: v.full_id if isinstance(v, CaseConfig) else v)
 def test_unsupported_cases_say_why(parity_pool: RankPool, case: CaseConfig, reason: str) -> None:
     record = _run(parity_pool, case)

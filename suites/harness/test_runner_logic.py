@@ -14,7 +14,8 @@ from harness.case import CaseConfig
 from harness.models import build_model
 from harness.records import CaseRecord, QuantityError
 from harness.repeats import decide, merge_runs, needs_rerun
-from harness.runner import Selection, expected_total, interleave, select_cases
+from harness.runner import Selection, expected_total, select_cases
+from harness.sampling import interleave, sample_order
 from harness.stress import Stress, unsupported_reason
 from harness.trace import CommTrace
 
@@ -98,6 +99,28 @@ def test_the_eta_is_for_what_the_budget_will_run() -> None:
     assert expected_total(100, 10, 10.0, -5.0) == 10  # budget spent: what is done
 
 
+def test_without_a_bar_a_status_line_comes_every_minute_and_a_budget_keeps_the_total(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import harness.runner as runner
+
+    clock = [1000.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    progress = runner.Progress(100, enabled=False, deadline=1000.0 + 120)
+    verdicts = ["pass"] * 9 + ["fail"]
+    for n, verdict in enumerate(verdicts * 3):
+        clock[0] += 3.0  # a case every 3 s: 20 a minute
+        progress.update(CaseRecord(CaseConfig().to_dict(), CaseConfig().case_id, verdict, reason="x"), f"c{n}")  # type: ignore[arg-type]
+    lines = [line for line in capsys.readouterr().err.splitlines() if "cases (" in line]
+    assert len(lines) == 1, lines  # 90 s: one minute passed once
+    assert lines[0].startswith("20/40 (budget; 100 selected) cases (pass 18, fail 2); 0.33 cases/s; ETA 60 s"), lines
+    assert progress.bar.total == 100, "the total stays the cases to run"
+    progress.close()
+    quiet = runner.Progress(10, enabled=True)
+    assert quiet.log_every_s is None  # the bar shows it
+    quiet.close()
+
+
 def test_stress_is_unsupported_on_cpu_with_the_reason() -> None:
     assert unsupported_reason("none", "cpu") is None
     assert unsupported_reason("delay", "cuda") is None
@@ -170,3 +193,48 @@ def test_stress_wraps_no_sync_and_restores_it() -> None:
     with module.no_sync():
         pass
     assert stress.counts["around_no_sync"] == 2 and entered == ["in", "in"]
+
+
+def _values(cases: list, axes: list[str]) -> set:
+    return {(a, getattr(c, a)) for c in cases for a in axes}
+
+
+def test_a_limit_samples_every_value_of_every_axis_per_engine_then_pairs() -> None:
+    import itertools
+
+    from harness.sampling import sample_axes
+
+    cases = select_cases(Selection(matrix="full"), [2])
+    axes = sample_axes(cases)
+    assert {"backward_prefetch", "cpu_offload", "use_orig_params", "forward_prefetch", "precision"} <= set(axes)
+    ordered = sample_order(cases)
+    assert sorted(c.full_id for c in ordered) == sorted(c.full_id for c in cases)
+    limited = select_cases(Selection(matrix="full", limit=60), [2])
+    assert [c.full_id for c in limited] == [c.full_id for c in ordered[:60]]
+    for engine in {c.engine for c in cases}:
+        mine = [c for c in cases if c.engine == engine]
+        head = [c for c in limited if c.engine == engine]
+        # 20 cases of one engine show every value its cases take on every axis.
+        assert _values(head, axes) == _values(mine, axes), engine
+        # Deeper, each engine's prefix covers every pair its cases hold before any case repeats one.
+        pairs = {p for c in mine for p in itertools.combinations([(a, getattr(c, a)) for a in axes], 2)}
+        seen: set = set()
+        own = [c for c in ordered if c.engine == engine]
+        for n, case in enumerate(own):
+            if seen == pairs:
+                break
+            seen |= set(itertools.combinations([(a, getattr(case, a)) for a in axes], 2))
+        assert seen == pairs and n < len(own) // 4, (engine, n)
+    # The generator's first 60 cases, by contrast, keep one engine, reference, model, strategy and precision.
+    assert all(len({getattr(c, a) for c in cases[:60]}) == 1
+               for a in ("engine", "reference", "model", "sharding_strategy", "precision"))
+
+
+def test_the_sampled_axes_are_the_matrix_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    import harness.matrix
+    from harness.sampling import sample_axes
+
+    cases = select_cases(Selection(matrix="full", engines=["builtin"]), [2])
+    assert "init_mode" in sample_axes(cases)
+    monkeypatch.setattr(harness.matrix, "AXES", {k: v for k, v in harness.matrix.AXES.items() if k != "init_mode"})
+    assert "init_mode" not in sample_axes(cases)

@@ -21,6 +21,7 @@ from harness.collector import ResultWriter, read_records
 from harness.records import CaseRecord, RunInfo
 from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
+from harness.stored_selection import StoredSelection, selection_options
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the tiny selection the CPU tests run: smoke cases of torch FSDP1 against the local reference.
@@ -48,8 +49,13 @@ def _write_results(path: Path, records: list[CaseRecord], nightly: bool = True) 
     with ResultWriter(path, RunInfo("earlier", "host", torch.__version__, "gloo")) as writer:
         for record in records:
             writer.append(record)
-    if nightly:  # what marks a directory as a nightly (find_previous)
-        (path.parent / "nightly.json").write_text("{}")
+    if nightly:  # what marks a directory as a nightly of TINY's selection (find_previous)
+        (path.parent / "nightly.json").write_text(json.dumps({"selection": {"id": _tiny_selection().id}}))
+
+
+def _tiny_selection() -> StoredSelection:
+    selection = Selection(matrix="smoke", engines=["torch-fsdp"], references=["local"])
+    return StoredSelection(selection_options(selection, [2]), tuple(c.full_id for c in _tiny_cases()))
 
 
 def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) -> None:
@@ -63,6 +69,9 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     # Results of `harness run` next to the nightlies, newer than the baseline: not a nightly.
     _write_results(tmp_path / "2026-01-01b" / "results.jsonl", [CaseRecord(offload.to_dict(), offload.case_id, "unsupported")],
                    nightly=False)
+    # A night of another selection, newer than the baseline: nights compare with their own selection only.
+    _write_results(tmp_path / "2026-01-01c" / "results.jsonl", [CaseRecord(offload.to_dict(), offload.case_id, "unsupported")])
+    (tmp_path / "2026-01-01c" / "nightly.json").write_text(json.dumps({"selection": {"id": "another"}}))
     out = tmp_path / "2026-01-02"
 
     done = _nightly("--out", str(out), *TINY, "--fuzz-max-examples", "20")
@@ -75,7 +84,7 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     records, bad = read_records(out / "results.jsonl")
     assert not bad and len(records) == len(_tiny_cases())
     state = json.loads((out / "nightly.json").read_text())
-    assert state["complete"] and state["exit_code"] == 1
+    assert state["complete"] and state["exit_code"] == 1 and state["selection"]["id"] == _tiny_selection().id
     assert state["cases"]["selected"] == state["cases"]["recorded"] == len(records) and state["cases"]["not_run"] == 0
     counts = {v: sum(r.verdict == v for r in records) for v in state["verdicts"]}
     assert state["verdicts"] == counts and counts["unsupported"] == 1
@@ -116,8 +125,9 @@ def test_a_spent_time_budget_lists_every_case_not_run(tmp_path: Path) -> None:
     _write_results(elsewhere / "results.jsonl", [CaseRecord(cases[0].to_dict(), cases[0].case_id, "pass")])
     out = tmp_path / "budget"
     done = _nightly("--out", str(out), *TINY, "--time-budget-s", "0", "--previous", str(elsewhere))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads((out / "nightly.json").read_text())["cases"]["order"] == "interleaved"
+    assert done.returncode == 1, done.stdout + done.stderr  # nothing ran: never a green nightly
+    assert "no case was run" in done.stdout and "nightly ok" not in done.stdout
+    assert json.loads((out / "nightly.json").read_text())["cases"]["order"] == "sampled"
     listed = (out / "not_run.txt").read_text().splitlines()
     assert sorted(line.split("\t")[0] for line in listed) == sorted(c.full_id for c in cases)
     assert all("time budget" in line for line in listed)
@@ -128,9 +138,11 @@ def test_a_spent_time_budget_lists_every_case_not_run(tmp_path: Path) -> None:
     assert state["fuzz"]["time_budget_s"] == 0
     assert sum(state["verdicts"].values()) == 0 and (out / "matrix.md").is_file()
     assert f"{len(cases)} not run" in done.stdout
-    # A case left out by the budget is "removed" in the diff, not a regression.
-    assert state["diff"]["previous"] == str(elsewhere / "results.jsonl")
-    assert state["diff"]["counts"]["removed"] == 1 and state["diff"]["counts"]["regression"] == 0
+    assert state["partial"] == [f"{len(cases)} of {len(cases)} cases not run", "fuzz skipped (time budget of 0 s spent by the cases)",
+                                "perf skipped (time budget of 0 s spent)"]
+    # Nothing in common with the previous results: no diff, said so; never a regression.
+    assert state["diff"]["previous"] is None and "no case in common" in state["diff"]["note"]
+    assert not (out / "diff.json").exists()
 
 
 def _record_count(path: Path) -> int:
@@ -159,14 +171,18 @@ def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
     refused = _nightly(*args)
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
-    resumed = _nightly(*args, "--resume")
+    stored = json.loads((out / "results.jsonl.selection.json").read_text())
+    # The resume line the nightly prints names --out and --resume only: the rest is the stored selection
+    # and the earlier attempt's options (no fuzz, no perf), not the defaults (the 10,920-case full matrix).
+    resumed = _nightly("--out", str(out), "--resume", "--no-progress")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     records, _ = read_records(out / "results.jsonl")
     ids = [f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records]
-    assert len(ids) == len(set(ids)) == 8
+    assert len(ids) == len(set(ids)) == 8 and sorted(ids) == sorted(stored["case_ids"])
     state = json.loads((out / "nightly.json").read_text())
-    assert state["resumed"] and state["cases"]["already_recorded"] == kept
+    assert state["resumed"] and state["cases"]["already_recorded"] == kept and state["cases"]["selected"] == 8
     assert state["cases"]["recorded"] == 8 - kept and state["complete"]
+    assert state["selection"]["id"] == stored["id"] and state["fuzz"]["skipped"] and state["perf"]["skipped"]
 
 
 @pytest.mark.gpu

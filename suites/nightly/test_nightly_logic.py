@@ -19,7 +19,7 @@ from harness.cli.nightly import (
 )
 from harness.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
 from harness.records import CaseRecord
-from harness.runner import Selection, select_cases
+from harness.runner import Selection, SelectionError, select_cases
 from suites.flat_param.campaign import PropertyRun, report
 
 
@@ -96,6 +96,8 @@ def test_fuzz_totals_are_read_from_the_campaign_table() -> None:
         ({"pass": 3}, 0, 2, False, 1, ["2 regression(s)"]),
         ({"pass": 3, "fail": 2}, 0, 0, True, 2, ["fail: 2", "could not start"]),
         ({"pass": 3, "flaky": 1}, 0, 0, False, 1, ["flaky: 1"]),  # failed in some runs: bad
+        ({}, None, 0, False, 1, ["no case was run"]),  # an empty nightly (a budget of 0 s) is never green
+        ({"pass": 0}, 0, 0, False, 1, ["no case was run"]),
     ],
 )
 def test_exit_status(verdicts: dict, fuzz_exit: int | None, regressions: int, pools_failed: bool, code: int, mentions: list[str]) -> None:
@@ -194,6 +196,17 @@ def test_the_fuzz_gets_what_the_budget_leaves() -> None:
     assert fuzz_budget(600, 590) == 0.0
 
 
+def test_the_budget_keeps_the_report_s_reserve_from_the_cases() -> None:
+    from harness.cli.fuzz import cases_deadline, report_reserve
+
+    assert cases_deadline(1000.0, None) is None
+    assert cases_deadline(1000.0, 600.0) == 1000.0 + 600 - REPORT_RESERVE_S
+    # A short budget keeps a quarter for the report: 60 s must not end at 100 s.
+    assert report_reserve(60.0) == 15.0 and cases_deadline(0.0, 60.0) == 45.0
+    assert fuzz_budget(60, 40) == 60 - 40 - 15.0
+    assert cases_deadline(0.0, 0.0) == 0.0
+
+
 def test_the_fuzz_runs_alongside_gpu_cases_where_cores_are_left() -> None:
     eight = {2: [Lane(2, "nccl", (0, 1))] * 8}
     assert fuzz_alongside(eight, cpu_cores=32)  # 16 ranks, 16 cores left
@@ -202,3 +215,37 @@ def test_the_fuzz_runs_alongside_gpu_cases_where_cores_are_left() -> None:
     assert fuzz_alongside({2: [Lane(2, "gloo", (0, 0))] * 4}, cpu_cores=16)  # ranks sharing a GPU leave cores
     # World sizes run one after the other: the widest one counts.
     assert fuzz_alongside({2: [Lane(2, "nccl", (0, 1))] * 4, 4: [Lane(4, "nccl", (0, 1, 2, 3))] * 2}, cpu_cores=11)
+
+
+def test_a_resumed_nightly_takes_back_its_selection_and_budget_unless_given_again() -> None:
+    from harness.cli.nightly_config import resumed_config
+    from harness.stored_selection import selection_options
+
+    first = NightlyConfig(out=Path("n"), engines=["builtin", "toy-buggy"], time_budget_s=60.0, fuzz_profile="none")
+    stored = selection_options(first.selection(), [2])
+    earlier = first.to_dict()
+    # The printed resume line: --out and --resume, every other option at its default.
+    plain = NightlyConfig(out=Path("n"), resume=True)
+    back = resumed_config(plain, stored, earlier, explicit=())
+    assert back.selection() == first.selection() and back.world_sizes == [2]
+    assert back.time_budget_s == 60.0 and back.fuzz_profile == "none" and back.resume
+    # An option given again wins over the earlier attempt's; a selection option must agree.
+    longer = resumed_config(NightlyConfig(out=Path("n"), time_budget_s=600.0), stored, earlier, explicit={"time_budget_s"})
+    assert longer.time_budget_s == 600.0
+    with pytest.raises(SelectionError, match=r"--engines builtin \(the file's: builtin,toy-buggy\)"):
+        resumed_config(NightlyConfig(out=Path("n"), engines=["builtin"]), stored, earlier, explicit={"engines"})
+    same = resumed_config(NightlyConfig(out=Path("n"), engines=["builtin", "toy-buggy"]), stored, earlier, explicit={"engines"})
+    assert same.selection() == first.selection()
+    # A nightly from before selections were stored keeps the options given now.
+    assert resumed_config(plain, None, {}, explicit=()).selection() == plain.selection()
+
+
+def test_a_partial_nightly_never_reads_as_ok() -> None:
+    from harness.cli.nightly import partial_reasons
+
+    whole = {"cases": {"selected": 5, "not_run": 0}, "fuzz": {"skipped": "--fuzz-profile none"}, "perf": {"skipped": "--no-perf"}}
+    assert partial_reasons(whole) == []
+    trial = {"cases": {"selected": 451, "not_run": 40}, "fuzz": {"skipped": "time budget of 120 s spent by the cases"},
+             "perf": {"skipped": "time budget of 120 s spent"}}
+    assert partial_reasons(trial) == ["40 of 451 cases not run", "fuzz skipped (time budget of 120 s spent by the cases)",
+                                      "perf skipped (time budget of 120 s spent)"]

@@ -85,6 +85,10 @@ def test_specs_resolve_to_adapters_named_by_the_spec(plugins: Path) -> None:
         ("mine=factories:missing", ["'mine=factories:missing'", "missing"]),
         ("mine=factories:not_an_adapter", ["'mine=factories:not_an_adapter'", "EngineAdapter"]),
         ("mine=nonsense", ["'mine=nonsense'", "fsdp1:MODULE"]),
+        # An unknown API kind is named, with the known ones (not "cannot import module 'fsdp3'").
+        ("mine=fsdp3:engine", ["'fsdp3' is no API kind", "known: fsdp1, fsdp2"]),
+        # A spec reusing a registered name: refused, naming both.
+        ("builtin=fsdp1:engine", ["'builtin=fsdp1:engine'", "already the registered engine 'builtin'"]),
     ],
 )
 def test_a_bad_spec_is_one_line_naming_the_engine_and_what_is_missing(plugins: Path, spec: str, names: list[str]) -> None:
@@ -200,5 +204,9 @@ def test_certificate_renders_counts_failures_and_status() -> None:
     assert not cert.ok and [f.status for f in families] == ["pass", "fail", "unsupported"]
     md = markdown(cert)
     assert "DOES NOT CONFORM" in md and "mine:ddp:x" in md and "not yet available" in md
-    assert "mine:ddp:x" in render_html(cert)
+    assert "mine:ddp:x" in render_html(cert) and "<a href" not in render_html(cert)
+    # A failing case with a page in the certification's report links to it.
+    cert.pages = {"mine:ddp:x": "report/cases/x.html"}
+    assert '<a href="report/cases/x.html"><code>mine:ddp:x</code></a>' in render_html(cert)
+    assert "[mine:ddp:x](report/cases/x.html)" in markdown(cert)
     assert '"status": "fail"' in to_json(cert) and '"ok": false' in to_json(cert)

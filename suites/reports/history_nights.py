@@ -16,6 +16,7 @@ from synthetic_records import RUN, record
 from harness.case import CaseConfig
 from harness.collector import ResultWriter
 from harness.matrix import generate
+from harness.stored_selection import StoredSelection, write_selection
 
 NIGHTS = ("2026-11-20", "2026-11-21", "2026-11-22")
 
@@ -59,8 +60,10 @@ def write_nights(root: Path) -> list[Path]:
                 else:
                     r = record(case, "pass", 0.01 * (i % 7) * (n + 1), time=n + 1.0)
                 writer.append(r)
+        stored = StoredSelection({"matrix": "smoke", "models": ["nested"]}, tuple(c.full_id for c in cases))
+        write_selection(d / "results.jsonl", stored)
         state = {
-            "out": f"reports/nightly/{name}", "complete": True,
+            "out": f"reports/nightly/{name}", "complete": True, "selection": {"id": stored.id, "options": stored.options},
             "cases": {"selected": len(cases), "recorded": len(cases) - len(not_run), "not_run": len(not_run),
                       "not_run_reasons": {"time budget of 240 s spent": len(not_run)} if not_run else {},
                       "world_sizes_skipped": {}},

@@ -120,3 +120,26 @@ def test_attribution_is_at_the_top_of_both_reports_and_in_the_summary(tmp_path: 
     assert by_engine["torch-fsdp"]["terms"][0]["term"] == "no_shard & offload & orig"
     assert by_engine["torch-fsdp"]["terms"][0]["literals"][1] == {"axis": "cpu_offload", "value": True}
     assert by_engine["builtin"]["failing"] == 0 and by_engine["builtin"]["separable"]
+
+
+def test_knob_checks_outweigh_coincidences_and_a_small_sample_says_so() -> None:
+    """The toy-buggy shape: a pairwise sample where the reduce dtype is ignored. Axis values single out
+    some coincidence; the knob check names the cause, and the sample is too small to attribute."""
+    cases = generate("pairwise", model="nested", reference="local", world_size=2, engine="torch-fsdp")
+    failing = [c for c in cases if c.precision == "reduce_only"]
+    records = []
+    for c in cases:
+        r = record(c, "fail", 30.0, reason="knob precision ignored: gradient reductions in ['float32'], expected float16") \
+            if c in failing else record(c, "pass", 0.1)
+        r.detail["knobs"] = [{"knob": "precision", "status": "ignored" if c in failing else "ok", "reason": "x"},
+                             {"knob": "sharding_strategy", "status": "ok", "reason": ""}]
+        records.append(r)
+    [a] = attribute(records_frame(records))
+    assert a.knobs == {"precision": len(failing)} and a.too_small
+    lines = a.lines()
+    assert lines[0] == f"knob check `precision`: ignored in {len(failing)}/{len(failing)} failing case(s), a cause the trace shows"
+    assert "too few to attribute" in lines[1] and "candidates, not causes" in lines[1]
+    assert a.to_dict()["knobs"] == {"precision": len(failing)}
+    # The full matrix is large enough; without failed knob checks there is no knob evidence.
+    [b] = attribute(_frame(_full(), lambda c: c.cpu_offload and c.use_orig_params))
+    assert not b.too_small and b.knobs == {} and not b.evidence()

@@ -1,9 +1,11 @@
 """The report's HTML pages in a real headless browser: they render, raise no error, load every image,
-the filters work, and every link points at a file (and anchor) that exists."""
+the filters work as a person sees them (every row left keeps its strategy label; an opened cell keeps
+the column widths), and every link points at a file (and anchor) that exists."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -36,16 +38,66 @@ window.addEventListener('error', function (e) {
 var __ce = console.error; console.error = function () { __errors.push('console.error: ' + [].join.call(arguments, ' ')); __ce.apply(console, arguments); };
 window.addEventListener('load', function () {
   document.querySelectorAll('img').forEach(function (i) { if (!i.complete || i.naturalWidth === 0) __errors.push('image not loaded: ' + i.getAttribute('src')); });
-  var f = document.getElementById('f-engine'), filtered = -1;
+  var f = document.getElementById('f-engine'), filtered = -1, unlabelled = -1, geometry = null;
   if (f && f.options.length > 1) {
-    f.value = f.options[1].value; f.dispatchEvent(new Event('change'));
+    // Filter on the last engine: its rows are never the first of their strategy.
+    f.value = f.options[f.options.length - 1].value; f.dispatchEvent(new Event('change'));
     var rows = Array.prototype.filter.call(document.querySelectorAll('tr.g'), function (tr) { return tr.style.display !== 'none'; });
     filtered = rows.length;
     if (!rows.length || rows.some(function (tr) { return tr.dataset.engine !== f.value; })) __errors.push('engine filter failed');
+    // As a person sees it: every row left shows its strategy's label.
+    unlabelled = rows.filter(function (tr) {
+      var th = tr.querySelector('th.sticky1'), r = th.getBoundingClientRect();
+      return !th.textContent.trim() || r.width === 0 || r.height === 0 || getComputedStyle(th).visibility === 'hidden';
+    }).length;
+    f.value = ''; f.dispatchEvent(new Event('change'));
   }
+  // Open each failing cell (up to 12) as a person would, once its toggle has run: the column widths and the
+  // grid's width stay, and the list shows inside the grid's box.
+  var cells = Array.prototype.slice.call(document.querySelectorAll('table.grid td.cell details'), 0, 12);
+  var box = document.querySelector('.gridwrap'), table = document.querySelector('table.grid');
+  var widths = function () {
+    return Array.prototype.map.call(document.querySelectorAll('table.grid thead tr:nth-child(2) th'),
+                                    function (th) { return Math.round(th.getBoundingClientRect().width); }).join(',');
+  };
+  var before = cells.length ? widths() : '', tableBefore = cells.length ? table.getBoundingClientRect().width : 0;
+  geometry = {cells: cells.length, widths_changed: 0, table_changed: 0, outside_box: 0, empty: 0};
+  var next = function (i) {
+    if (i > 0) {
+      var d = cells[i - 1], r = d.querySelector('ul').getBoundingClientRect(), b = box.getBoundingClientRect();
+      if (widths() !== before) geometry.widths_changed++;
+      if (table.getBoundingClientRect().width !== tableBefore) geometry.table_changed++;
+      if (r.width === 0 || r.height === 0) geometry.empty++;
+      if (r.left < b.left - 1 || r.right > b.right + 1) geometry.outside_box++;
+      d.open = false;
+    }
+    if (i === cells.length) { report(); return; }
+    var td = cells[i].parentElement;
+    box.scrollLeft = td.offsetLeft - box.clientWidth / 2;
+    cells[i].open = true;
+    setTimeout(function () { next(i + 1); }, 20);
+  };
+  var report = function () {
   var m = document.createElement('pre'); m.id = '__probe';
-  m.textContent = '@@' + 'PROBE' + JSON.stringify({errors: __errors, filtered: filtered}) + 'PROBE' + '@@';
+  m.textContent = '@@' + 'PROBE' + JSON.stringify({errors: __errors, filtered: filtered, unlabelled: unlabelled, geometry: geometry}) + 'PROBE' + '@@';
   document.body.appendChild(m);
+  };
+  next(0);
+});
+</script>"""
+
+
+# Opens the first failing cell of the grid and brings it into view, for the screenshot.
+OPEN_CELL = """<script>
+window.addEventListener('load', function () {
+  var cells = document.querySelectorAll('table.grid td.cell details'), d = cells[cells.length - 1];
+  var box = document.querySelector('.gridwrap');
+  if (d && box) {
+    box.scrollIntoView();
+    box.scrollTop = d.parentElement.offsetTop - box.querySelector('thead').offsetHeight - 40;
+    box.scrollLeft = d.parentElement.offsetLeft - box.clientWidth / 2;
+    d.open = true;
+  }
 });
 </script>"""
 
@@ -133,10 +185,21 @@ def test_pages_render_in_a_browser_without_errors(site: Path, tmp_path: Path) ->
         assert result["errors"] == [], f"{page.name}: {result['errors']}"
         if page == main:
             assert result["filtered"] > 0, "the engine filter left no row"
+            assert result["unlabelled"] == 0, "a row the engine filter left shows no strategy"
+            geometry = result["geometry"]
+            assert geometry["cells"] >= 3, "too few failing cells to open"
+            assert geometry == {**geometry, "widths_changed": 0, "table_changed": 0, "empty": 0, "outside_box": 0}, geometry
     shot = tmp_path / "main.png"
     proc = _chromium(f"--screenshot={shot}", main.as_uri(), profile=tmp_path / "profile")
     assert shot.exists() and shot.stat().st_size > 10_000, proc.stderr[-2000:]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The grid with a failing cell opened, as a person sees it (SCREENSHOT_DIR keeps it to look at).
+    opened = main.with_name("opened.html")
+    opened.write_text(main.read_text(encoding="utf-8").replace("</body>", OPEN_CELL + "</body>", 1), encoding="utf-8")
+    shot = Path(os.environ.get("SCREENSHOT_DIR", tmp_path)) / "grid-opened-cell.png"
+    proc = _chromium("--virtual-time-budget=3000", f"--screenshot={shot}", opened.as_uri(), profile=tmp_path / "profile")
+    opened.unlink()
+    assert shot.exists() and shot.stat().st_size > 10_000, proc.stderr[-2000:]
 
 
 @needs_browser

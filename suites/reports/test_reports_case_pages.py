@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from html import escape as html_escape
 from pathlib import Path
 
 import matplotlib.image
@@ -142,3 +143,44 @@ def test_record_from_outcome_keeps_both_sides_curves_per_rank() -> None:
     assert rec.curves == {"loss": {"engine": [[1.0, 0.5], [2.0, 0.5]], "reference": [[1.0, 0.4], [2.0, 0.4]]},
                           "grad_norm": {"engine": [[3.0], [3.0]], "reference": [[3.0], [4.0]]}}
     assert CaseRecord.from_dict(rec.to_dict()).curves == rec.curves
+
+
+def test_a_long_reason_is_never_cut_without_an_ellipsis_and_a_link_to_the_whole(tmp_path: Path) -> None:
+    from reports.render import REASON_CHARS, clip
+
+    tail = "gradient reductions in ['float32'], expected float16"
+    reason = "knob precision: " + "the engine reduced " * 12 + tail
+    case = CaseConfig(precision="reduce_only")
+    summary = reports.build(write_results(tmp_path / "r.jsonl", [record(case, "fail", 3.0, reason=reason)]), tmp_path / "out")
+    assert summary.cases == 1
+    html = (tmp_path / "out" / "matrix.html").read_text()
+    md = (tmp_path / "out" / "matrix.md").read_text()
+    page = (tmp_path / "out" / case_href(case.full_id)).read_text()
+    assert html_escape(tail) in page, "the case page holds the whole reason"
+    for where in ("table", "popup"):
+        shown, cut = clip(reason, REASON_CHARS[where])
+        assert cut and shown.endswith("…") and shown[:-1].rstrip() in reason and len(shown) <= REASON_CHARS[where]
+    assert html.count('(whole reason)</a>') >= 2 and html.count(f'href="{case_href(case.full_id)}"') >= 3
+    assert "… ([whole reason](" in md and tail not in md
+    assert clip("short", 10) == ("short", False)
+
+
+def test_every_tolerance_source_is_in_the_legend() -> None:
+    from typing import get_args
+
+    from harness.tolerance import BudgetSource
+    from reports.case_page import BUDGET_SOURCES
+
+    assert set(BUDGET_SOURCES) == set(get_args(BudgetSource))
+
+
+def test_a_spent_budget_writes_every_page_but_no_more_plots(tmp_path: Path) -> None:
+    import time
+
+    results = write_results(tmp_path / "results.jsonl", [diverging()])
+    summary = reports.build(results, tmp_path / "out", plot_deadline=time.monotonic())  # already spent
+    page = (tmp_path / "out" / case_href(CASE.full_id)).read_text()
+    assert "Not plotted: the time budget was spent" in page and "<img" not in page
+    assert not list((tmp_path / "out" / "cases").glob("*.png")) and any(f.endswith(".html") for f in summary.files)
+    reports.build(results, tmp_path / "whole", plot_deadline=time.monotonic() + 600)
+    assert list((tmp_path / "whole" / "cases").glob("*.png"))

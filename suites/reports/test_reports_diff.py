@@ -131,7 +131,7 @@ def test_cli_diff_without_regressions_exits_zero(tmp_path: Path, capsys: pytest.
     old = write_results(tmp_path / "old.jsonl", [record(C[0], "fail", 3.0)])
     new = write_results(tmp_path / "new.jsonl", [record(C[0], "pass", 0.1)])
     assert main(["diff", str(old), str(new)]) == 0
-    assert "0 regression(s), 1 fix(es)" in capsys.readouterr().out
+    assert "✅ Parity diff: 0 regression(s), 0 new failing case(s), 1 fix(es)" in capsys.readouterr().out
     assert main(["diff", str(old), str(tmp_path / "nope")]) == 2
 
 
@@ -159,3 +159,62 @@ def test_flaky_cases_are_counted_and_coloured_in_the_report(tmp_path: Path) -> N
     summary = reports.build([results], tmp_path / "report")
     assert summary.verdicts["flaky"] == 1 and not summary.ok
     assert "flaky: 1" in (tmp_path / "report" / "matrix.md").read_text()
+
+
+def test_new_failing_cases_do_not_block_but_the_headline_counts_them_and_is_not_green(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = write_results(tmp_path / "old.jsonl", [record(C[0], "pass", 0.1)])
+    new = write_results(tmp_path / "new.jsonl", [record(C[0], "pass", 0.1), record(C[1], "fail", 9.0),
+                                                 record(C[2], "error", None), record(C[3], "pass", 0.1)])
+    assert main(["diff", str(old), str(new)]) == 0  # a new case does not block the change adding it
+    out = capsys.readouterr().out
+    assert out.startswith("# ⚠️ Parity diff: 0 regression(s), 2 new failing case(s), 0 fix(es)")
+    assert "✅" not in out
+    result = reports.diff(old, new)
+    assert sorted(c.full_id for c in result.new_failing) == sorted([C[1].full_id, C[2].full_id])
+    assert result.to_dict()["new_failing"] == 2
+
+
+def test_cases_a_budget_left_out_are_not_run_not_removed() -> None:
+    old = frame([record(c, "pass", 0.1) for c in C[:4]])
+    new = frame([record(C[0], "pass", 0.1)])
+    result = diff_frames(old, new, not_run={C[1].full_id, C[2].full_id})
+    assert sorted((c.kind, c.full_id) for c in result.changes) == sorted(
+        [("not_run", C[1].full_id), ("not_run", C[2].full_id), ("removed", C[3].full_id)])
+    assert result.exit_code == 0 and result.to_dict()["counts"]["not_run"] == 2
+
+
+def test_results_with_no_case_in_common_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="no case in common"):
+        diff_frames(frame([record(C[0], "pass", 0.1)]), frame([record(C[1], "pass", 0.1)]))
+    old = write_results(tmp_path / "old.jsonl", [record(C[0], "pass", 0.1)])
+    new = write_results(tmp_path / "new.jsonl", [record(C[1], "fail", 3.0)])
+    assert main(["diff", str(old), str(new)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no case in common" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["diff", "OLD", "NEW", "--md", "/proc/x.md"], "--md: /proc/x.md is under /proc"),
+    (["diff", "OLD", "NEW", "--json", "/proc/x.json"], "--json: /proc/x.json is under /proc"),
+    (["build", "NEW", "--out", "FILE"], "is a file; the report is a directory"),
+    (["diff", "OLD"], "the following arguments are required: new (--help for usage)"),
+    (["build", "NEW", "--out", "DIR", "--bogus"], "unrecognized arguments: --bogus (--help for usage)"),
+])
+def test_an_output_or_option_that_cannot_work_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    old = write_results(tmp_path / "old.jsonl", [record(C[0], "pass", 0.1)])
+    new = write_results(tmp_path / "new.jsonl", [record(C[0], "fail", 3.0)])
+    (tmp_path / "file").write_text("not a report directory\n")
+    paths = {"OLD": str(old), "NEW": str(new), "FILE": str(tmp_path / "file"), "DIR": str(tmp_path / "report")}
+    argv = [paths.get(a, a) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "usage:" not in err
+    assert (tmp_path / "file").read_text() == "not a report directory\n"

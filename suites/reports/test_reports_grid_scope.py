@@ -1,4 +1,5 @@
-"""The comparison grid, and partial runs: the banner on every page, not-run cells, the diff link."""
+"""The comparison grid, and partial runs: the banner on every page (only over the results of the nightly's
+own selection), not-run cells, the diff link."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from synthetic_records import mixed_records, record
 
 import reports
 from harness.case import CaseConfig
+from harness.collector import record_full_id
 from harness.matrix import generate
+from harness.stored_selection import StoredSelection, selection_path, write_selection
+from reports.api import load
 from reports.case_page import case_href
 from reports.grid import build_grid
 from reports.matrix import records_frame
@@ -67,8 +71,10 @@ def _partial_nightly(tmp_path: Path) -> tuple[Path, list[CaseConfig]]:
     d = tmp_path / "nightly"
     d.mkdir()
     write_results(d / "results.jsonl", records)
+    stored = StoredSelection({"matrix": "pairwise"}, tuple(sorted({*(record_full_id(r) for r in records), *(c.full_id for c in left)})))
+    write_selection(d / "results.jsonl", stored)
     (d / "not_run.txt").write_text("".join(f"{c.full_id}\ttime budget of 240 s spent\n" for c in left))
-    (d / "nightly.json").write_text(json.dumps({"cases": {
+    (d / "nightly.json").write_text(json.dumps({"selection": {"id": stored.id}, "cases": {
         "selected": len(records) + len(left), "not_run": len(left),
         "not_run_reasons": {"time budget of 240 s spent": len(left)}}}))
     (d / "diff.md").write_text("# diff\n")
@@ -113,3 +119,20 @@ def test_grid_has_filters_sticky_headers_toc_and_legend(built) -> None:
     for r in records:
         if r.verdict not in ("pass", "unsupported"):
             assert f'href="{case_href(r.case["engine"] + ":" + r.case["reference"] + ":" + r.case_id)}"' in html
+
+
+def test_a_banner_belongs_only_to_the_results_of_its_own_selection(tmp_path: Path) -> None:
+    d, _ = _partial_nightly(tmp_path)
+    other = tmp_path / "nightly" / "mine.jsonl"  # another run's results in the same directory
+    write_results(other, [record(CaseConfig())])
+    write_selection(other, StoredSelection({"matrix": "smoke"}, (CaseConfig().full_id,)))
+    assert reports.build(other, tmp_path / "mine").scope is None
+    assert "Partial run" not in (tmp_path / "mine" / "matrix.html").read_text()
+    selection_path(other).unlink()  # results that say nothing of their selection: not the nightly's either
+    assert reports.build(other, tmp_path / "mine").scope is None
+    # The nightly's own results, and its report directory, keep the banner.
+    assert reports.build(d / "results.jsonl", d).scope["not_run"] == 4
+    assert load(d).scope is not None
+    state = json.loads((d / "nightly.json").read_text())
+    (d / "nightly.json").write_text(json.dumps({**state, "selection": {"id": "another-night"}}))
+    assert load(d / "results.jsonl").scope is None

@@ -81,3 +81,22 @@ def test_a_nightly_finds_itself_and_the_nights_before_it(three_nights, tmp_path:
     (nights[0].parent / "2026-11-19-empty").mkdir(exist_ok=True)  # no results: not a night
     assert sibling_nights(nights[1]) == nights[:2]
     assert sibling_nights(nights[2], limit=2) == nights[1:]
+
+
+def test_a_zero_ratio_is_not_drawn_as_a_small_one_on_the_log_plot() -> None:
+    import math
+
+    import pandas as pd
+
+    from reports.history import line_figure
+
+    table = pd.DataFrame({"builtin": [0.0, 0.2, 0.0], "torch-fsdp": [0.5, 0.3, 0.4]}, index=["n1", "n2", "n3"])
+    fig = line_figure(table, "worst error / tolerance", log=True, threshold=1.0)
+    builtin = next(line for line in fig.axes[0].get_lines() if line.get_label() == "builtin")
+    ys = list(builtin.get_ydata())
+    assert math.isnan(ys[0]) and ys[1] == 0.2 and math.isnan(ys[2])
+    assert min(v for line in fig.axes[0].get_lines() for v in line.get_ydata() if not math.isnan(v)) >= 0.2
+    notes = [t.get_text() for t in fig.texts]
+    assert notes == ["0 (exact match), not drawn on the log scale: builtin on n1; builtin on n3"]
+    # On a linear scale a zero is a value like any other.
+    assert list(line_figure(table, "value", log=False).axes[0].get_lines()[0].get_ydata()) == [0.0, 0.2, 0.0]

@@ -1,0 +1,162 @@
+"""What one nightly runs and where it writes (``NightlyConfig``), and what a resumed nightly takes back.
+
+``--resume`` continues the nightly already in ``--out``: its selection comes from the results file's
+stored selection (``harness.stored_selection``; options given again with other values are refused by
+name) and its time budget from the earlier attempt's ``nightly.json``, unless given again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from harness.placement import BackendChoice, DeviceChoice
+from harness.runner import Selection, SelectionError
+
+FuzzProfile = Literal["nightly", "ci", "dev", "none"]
+
+
+@dataclass
+class NightlyConfig:
+    """What one nightly runs and where it writes."""
+
+    #: the nightly's directory; every product is written here.
+    out: Path
+    #: case generator of ``harness.matrix``.
+    matrix: Literal["full", "pairwise", "smoke"] = "full"
+    #: engines to run (None: every engine of the matrix).
+    engines: list[str] | None = None
+    #: references to compare against (None: the matrix's).
+    references: list[str] | None = None
+    #: models of ``harness.models.MODELS`` (None: the matrix's).
+    models: list[str] | None = None
+    #: ranks per case (None: the matrix's world sizes that fit the local GPUs; 2 on CPU).
+    world_sizes: list[int] | None = None
+    #: training steps per case (None: ``CaseConfig``'s default).
+    steps: int | None = None
+    #: optimizers and checkpoint types to widen the matrix with (None: the matrix's sgd and none).
+    optimizers: list[str] | None = None
+    checkpoints: list[str] | None = None
+    #: keep cases whose full id contains one of these.
+    filters: list[str] = field(default_factory=list)
+    #: at most this many cases (for trial runs and tests).
+    limit: int | None = None
+    #: Hypothesis profile of the fuzz campaign; ``none`` skips the campaign.
+    fuzz_profile: FuzzProfile = "nightly"
+    #: examples per fuzz property, overriding the profile's.
+    fuzz_max_examples: int | None = None
+    #: no case is launched once this many seconds have passed since the start (None: no budget).
+    time_budget_s: float | None = None
+    #: continue the nightly already in ``out`` (its recorded cases are skipped, a finished fuzz too).
+    resume: bool = False
+    #: the nightly (report directory or results file) to diff against; None: the newest earlier sibling.
+    previous: Path | None = None
+    #: ``auto``: NCCL with one GPU per rank where there are enough GPUs, gloo with ranks sharing the GPUs
+    #: where there are fewer, gloo on CPU without GPUs (``harness.placement.place``).
+    backend: BackendChoice = "auto"
+    #: ``auto``: the GPUs where there are any; ``cpu`` keeps gloo ranks on the CPU of a GPU host.
+    device: DeviceChoice = "auto"
+    #: seconds per case before it is recorded as a timeout.
+    case_timeout_s: float = 300.0
+    #: show the progress bar.
+    progress: bool = True
+    #: every case under stress delays (``harness.stress``; CUDA only).
+    stress: bool = False
+    #: check determinism on every case; otherwise on ``determinism_sample``'s sample only.
+    check_determinism: bool = False
+    #: check determinism on a sample (one case per engine, strategy and world size).
+    determinism_sample: bool = True
+    #: runs of every case, and extra runs of one that did not pass (``harness.repeats``).
+    repeat: int = 1
+    repeat_failures: int = 0
+    #: pools side by side per group of GPUs (None: ``harness.placement.pools_per_group``).
+    pools_per_gpu: int | None = None
+    #: measure the performance section (``harness.perf_section``).
+    perf: bool = True
+    #: the argparse dests the command line set (``harness.cli.options.given_options``): what a resume
+    #: must not silently replace.
+    given_options: frozenset[str] = frozenset()
+    #: the stored selection a resumed nightly continues (``resumed_config``); None: the fields above.
+    resumed_selection: Selection | None = None
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        self.previous = Path(self.previous) if self.previous is not None else None
+        if self.fuzz_max_examples is not None and self.fuzz_max_examples < 1:
+            raise ValueError(f"NightlyConfig.fuzz_max_examples={self.fuzz_max_examples} must be at least 1")
+        if self.time_budget_s is not None and self.time_budget_s < 0:
+            raise ValueError(f"NightlyConfig.time_budget_s={self.time_budget_s} must not be negative")
+        if self.repeat < 1 or self.repeat_failures < 0:
+            raise ValueError(f"NightlyConfig.repeat={self.repeat} must be >= 1 and repeat_failures={self.repeat_failures} >= 0")
+        if self.pools_per_gpu is not None and self.pools_per_gpu < 1:
+            raise ValueError(f"NightlyConfig.pools_per_gpu={self.pools_per_gpu} must be at least 1")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "NightlyConfig":
+        return cls(
+            out=args.out, matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
+            world_sizes=args.world_size, steps=args.steps, filters=list(args.filter), limit=args.limit,
+            optimizers=args.optimizers, checkpoints=args.checkpoints,
+            fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
+            time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
+            backend=args.backend, device=args.device, case_timeout_s=args.timeout, progress=not args.no_progress,
+            stress=args.stress, check_determinism=args.check_determinism,
+            determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
+            repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
+            perf=not args.no_perf, given_options=frozenset(getattr(args, "given_options", ())),
+        )
+
+    def selection(self) -> Selection:
+        """The cases this nightly selects (``harness.runner.select_cases``)."""
+        if self.resumed_selection is not None:
+            return self.resumed_selection
+        return Selection(
+            matrix=self.matrix, engines=self.engines, references=self.references, models=self.models,
+            steps=self.steps, filters=self.filters, limit=self.limit, check_determinism=self.check_determinism,
+            stress="delay" if self.stress else "none", optimizers=self.optimizers, checkpoints=self.checkpoints,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["out"] = str(self.out)
+        d["previous"] = str(self.previous) if self.previous is not None else None
+        d["given_options"] = sorted(self.given_options)
+        return d
+
+
+#: ``NightlyConfig`` fields a resumed nightly takes from its earlier attempt unless the command line
+#: sets them again, with the argparse dest that sets each.
+RESUMED_FIELDS: dict[str, str] = {
+    "time_budget_s": "time_budget_s", "fuzz_profile": "fuzz_profile", "fuzz_max_examples": "fuzz_max_examples",
+    "perf": "no_perf", "determinism_sample": "no_determinism_sample", "repeat": "repeat",
+    "repeat_failures": "repeat_failures", "case_timeout_s": "timeout", "previous": "previous",
+}
+
+
+def resumed_config(config: NightlyConfig, stored_options: Mapping[str, Any] | None, earlier: Mapping[str, Any],
+                   explicit: Iterable[str]) -> NightlyConfig:
+    """``config`` with the stored selection (``stored_options``, None for a nightly from before they were
+    stored: ``config``'s own) and ``RESUMED_FIELDS`` of the earlier attempt's ``nightly.json`` config
+    ``earlier``, where the command line (``explicit``: argparse dests) does not set them.
+
+    Raises ``SelectionError`` naming every option given with another value than the stored one.
+    """
+    from harness.stored_selection import contradictions, option_key, selection_from_options, selection_options
+
+    explicit = set(explicit)
+    keys = {option_key(d) for d in explicit}
+    changes: dict[str, Any] = {f: earlier[f] for f, dest in RESUMED_FIELDS.items() if f in earlier and dest not in explicit}
+    if stored_options is not None:
+        given = selection_options(config.selection(), config.world_sizes or stored_options.get("world_sizes") or [])
+        clash = contradictions(stored_options, given, keys)
+        if clash:
+            raise SelectionError(f"--resume: {'; '.join(clash)} contradict the selection of the nightly in "
+                                 f"{config.out}; drop them to continue it (a larger --limit too: the limit picks "
+                                 "the sample), or choose a new --out")
+        selection, world_sizes = selection_from_options(stored_options)
+        changes.update(resumed_selection=selection, world_sizes=world_sizes)
+    return dataclasses.replace(config, **changes)
