@@ -238,9 +238,10 @@ def host_facts() -> HostFacts:
 
 
 #: GPU memory one rank of a pool may take: the CUDA context (~0.5 GiB), NCCL's buffers and the caching
-#: allocator's blocks for the zoo's models, with room to spare (measured on one H100, torch 2.11: the whole
-#: tree with ``-n 8``, every rank on the one GPU, peaked at 43 GiB, under 1 GiB a rank).
-RANK_GPU_MEMORY = 2 << 30
+#: allocator's blocks for the zoo's models, with room to spare. On one H100 (torch 2.11) the whole tree with
+#: ``-n 8``, every rank on the one GPU, ran at this figure (43 GiB at peak); at half of it, more pools lived
+#: at once and ranks failed to start.
+RANK_GPU_MEMORY = 4 << 30
 #: resident host memory of one CUDA rank process: torch with its CUDA libraries loaded and a context
 #: (measured on torch 2.11, one H100: about 1.1 GiB), with room for gloo's pinned staging buffers.
 RANK_RSS_CUDA_BYTES = 2 << 30

@@ -310,7 +310,7 @@ def test_many_ranks_on_few_cores_warn_before_starting(
     cases = _cases(1, world_size=64)
     out = tmp_path / "r.jsonl"
     _write(out, [_record(cases[0], "pass")])  # already recorded: nothing starts 64 ranks here
-    argv = ["run", *TINY, "--limit", "1", "--world-size", "64", "--backend", "gloo", "--out", str(out), "--resume"]
+    argv = ["run", *TINY, "--limit", "1", "--world-size", "64", "--device", "cpu", "--out", str(out), "--resume"]
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "warning: --world-size 64 on CPU takes 64 rank processes on 2 CPU core(s)" in err and "GiB of memory" in err

@@ -46,7 +46,8 @@ def _quantities(record: CaseRecord) -> dict[str, Any]:
 def test_one_lane_and_two_lanes_give_bitwise_the_same_records() -> None:
     # Tiny and varied: two engines, both references, sharded and mixed-precision cases, 2 steps.
     picked = select_cases(Selection(matrix="smoke", engines=["builtin", "torch-fsdp"], steps=2), [2])
-    cases = [c for c in picked if not c.cpu_offload][:4]
+    # Mixed precision is judged against the local reference only (against DDP it is unsupported).
+    cases = [c for c in picked if not c.cpu_offload and (c.precision == "fp32" or c.reference == "local")][:4]
     assert len({c.engine for c in cases}) == 2
     one, two = _run(cases, lanes=1), _run(cases, lanes=2)
     assert set(one) == set(two) == {c.full_id for c in cases}

@@ -176,8 +176,8 @@ def test_cuda_rank_budget_shares_gpu_and_host_memory_among_workers() -> None:
     gib = 1 << 30
     one_h100 = HostFacts(cpu_cores=16, gpu_memory_bytes=80 * gib, host_memory_bytes=120 * gib)
     assert cuda_rank_budget(one_h100, n_gpus=0) is None
-    assert cuda_rank_budget(one_h100, n_gpus=1) == 40  # 80 GiB at 2 GiB a rank; host memory allows 60
-    assert cuda_rank_budget(one_h100, n_gpus=1, n_workers=8) == 5
+    assert cuda_rank_budget(one_h100, n_gpus=1) == 20  # 80 GiB at 4 GiB a rank; host memory allows 60
+    assert cuda_rank_budget(one_h100, n_gpus=1, n_workers=8) == 2
     # Host memory the tighter limit: 16 GiB at 2 GiB a CUDA rank.
     assert cuda_rank_budget(HostFacts(16, 141 * gib, 16 * gib), n_gpus=2) == 8
     assert cuda_rank_budget(HostFacts(16, 80 * gib, 1 * gib), n_gpus=1, n_workers=8) == 1

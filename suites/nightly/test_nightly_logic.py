@@ -125,7 +125,7 @@ def test_pools_per_group_follow_cores_and_gpu_memory() -> None:
     assert pools_per_group(two, 1, HostFacts(cpu_cores=32, gpu_memory_bytes=141 * GIB)) == 8
     assert pools_per_group(two, 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 6
     # Small GPUs: by the memory; 8 GPUs in 4 groups share the cores.
-    assert pools_per_group(two, 1, HostFacts(cpu_cores=64, gpu_memory_bytes=6 * GIB)) == 3
+    assert pools_per_group(two, 1, HostFacts(cpu_cores=64, gpu_memory_bytes=12 * GIB)) == 3
     assert pools_per_group(two, 4, HostFacts(cpu_cores=19, gpu_memory_bytes=80 * GIB)) == 2
     # Never none; CPU pools need two cores per rank.
     assert pools_per_group(four, 1, HostFacts(cpu_cores=2, gpu_memory_bytes=1 * GIB)) == 1
@@ -136,11 +136,11 @@ def test_pools_per_group_follow_cores_and_gpu_memory() -> None:
 
 
 def test_pools_of_ranks_sharing_a_gpu_budget_its_memory_and_the_hosts() -> None:
-    # One 80 GB GPU, 16 cores: 2 ranks on it per pool take 4 GiB of it: cores allow 6 pools.
+    # One 80 GB GPU, 16 cores: 2 ranks on it per pool take 8 GiB of it: cores allow 6 pools.
     shared2, shared8 = Lane(2, "gloo", (0, 0)), Lane(8, "gloo", (0,) * 8)
     assert pools_per_group(shared2, 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 6
-    # 8 ranks on one GPU: 16 GiB a pool, so 5 fit; 16 cores allow only 1.
-    assert pools_per_group(shared8, 1, HostFacts(cpu_cores=64, gpu_memory_bytes=80 * GIB)) == 5
+    # 8 ranks on one GPU: 32 GiB a pool, so 2 fit; 16 cores allow only 1.
+    assert pools_per_group(shared8, 1, HostFacts(cpu_cores=64, gpu_memory_bytes=80 * GIB)) == 2
     assert pools_per_group(shared8, 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 1
     # Host memory: 2 GiB per CUDA rank.
     assert pools_per_group(shared2, 1, HostFacts(cpu_cores=64, gpu_memory_bytes=141 * GIB, host_memory_bytes=12 * GIB)) == 3
