@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import EngineAdapter, EngineFacts, has_float_buffers
-from harness.case import CaseConfig, PrecisionSpec, is_hybrid
+from harness.case import CLIP_MAX_NORM, CaseConfig, PrecisionSpec, is_hybrid
 from harness.checkpoint import CHECKPOINT_FAULTS, unsupported_checkpoint
+from harness.compiling import backend_for, check_compiled, compile_module, compiled_counts
 from harness.compare import (
     Finding,
     Observation,
@@ -106,7 +107,13 @@ def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, step
                 if stress is not None:
                     stress.watch_parameters(trainee.trainable_parameters())
                     stress.watch_no_sync(trainee.module)
+                if case.compile == "compiled":
+                    trainee.module = compile_module(trainee.module, ctx.device_type)
                 obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
+                if case.compile == "compiled":
+                    counts = compiled_counts()
+                    check_compiled(counts)
+                    obs.notes.append(counts.note(backend_for(ctx.device_type)))
     finally:
         if stress is not None:
             stress.remove()
@@ -124,10 +131,18 @@ def _run_reference(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> O
     try:
         if case.reference == "ddp":
             model, table = fresh_model(case, ctx)
-            return train(build_ddp(case, model, ctx), case, ctx, case.steps, table)
-        return _local_observation(case, spec, ctx)
+            obs = train(build_ddp(case, model, ctx), case, ctx, case.steps, table)
+        else:
+            obs = _local_observation(case, spec, ctx)
     except Exception as exc:
         raise ReferenceFailed(f"the {case.reference!r} reference failed: {type(exc).__name__}: {exc}") from exc
+    unclipped = [step for step, norm in enumerate(obs.clip_norms) if not norm > CLIP_MAX_NORM]
+    if unclipped:
+        raise ReferenceFailed(
+            f"clip_grad='norm': the {case.reference!r} reference's total norm is at most CLIP_MAX_NORM={CLIP_MAX_NORM} "
+            f"at steps {unclipped}, so clipping changes nothing there; lower harness.case.CLIP_MAX_NORM"
+        )
+    return obs
 
 
 def _sharded_units(model: ZooModel) -> int:

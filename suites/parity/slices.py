@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import get_args
 
 from harness.case import PrecisionName, ShardingName
+from harness.matrix import LOOP_SLICE, LOOP_SMOKE_VARIANTS
 from harness.pytest_plugin.cases import SuiteMatrix
 
 STRATEGIES = list(get_args(ShardingName))
@@ -68,4 +69,18 @@ ORIG_PARAMS = SuiteMatrix(
     },
 )
 
-SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS)
+#: What real training loops add around the engine (``harness.matrix.LOOP_SLICE``): parameter groups and
+#: two optimizers, clipping, accumulation with and without no_sync, activation checkpointing and compile,
+#: on the nested units and the tied transformer, with flat and original parameters. The smoke lane runs
+#: the smoke variants that set these axes: every value once.
+TRAINING_LOOP = SuiteMatrix(
+    "training_loop",
+    axes={
+        "model": ["nested", "transformer"],
+        "use_orig_params": [False, True],
+        **LOOP_SLICE,
+    },
+    smoke_variants=LOOP_SMOKE_VARIANTS,
+)
+
+SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS, TRAINING_LOOP)
