@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from engine.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from engine.context import AllGatherLimiter, RootContext, Streams
+from engine.dynamo import outside_dynamo
 from engine.lifecycle import TrainingLifecycle
 from engine.module_tree import is_fsdp, managed_buffers
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
@@ -109,6 +110,7 @@ class ModuleState:
         self.tree: list[ModuleState] = []
 
     # ------------------------------------------------------------------ lazy init
+    @outside_dynamo
     def lazy_init(self) -> None:
         """Make this instance the root of every instance in its tree and create their context."""
         if self.is_root is not None:
@@ -164,6 +166,7 @@ class ModuleState:
             buffers.to_compute()
 
     # ------------------------------------------------------------------ forward
+    @outside_dynamo
     def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.ctx
         ctx.forward_count += 1
@@ -192,6 +195,7 @@ class ModuleState:
             args, kwargs = cast_floating_tensors((args, kwargs), mp.param_dtype)
         return args, kwargs
 
+    @outside_dynamo
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         mp = self.mixed_precision
         unit = self.unit
@@ -210,6 +214,7 @@ class ModuleState:
             self._prefetch(ctx.exec_order.next_forward(unit))
         return args, kwargs
 
+    @outside_dynamo
     def post_forward(self, output: Any) -> Any:
         unit = self.unit
         grad_enabled = torch.is_grad_enabled()

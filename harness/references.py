@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from harness.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
-from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, rank_local_param_names
+from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, canonical_name, rank_local_param_names
 from harness.case import CLIP_MAX_NORM, CaseConfig, PrecisionSpec
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model, to_device
@@ -55,10 +55,10 @@ def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrai
               static_graph=case.activation_checkpointing == "reentrant")
 
     def grads() -> list[ParamSlice]:
-        return [ParamSlice.full(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        return [ParamSlice.full(canonical_name(n), p.grad) for n, p in model.named_parameters() if p.grad is not None]
 
     def params() -> list[ParamSlice]:
-        return [ParamSlice.full(n, p) for n, p in model.named_parameters()]
+        return [ParamSlice.full(canonical_name(n), p) for n, p in model.named_parameters()]
 
     return EngineTrainee(ddp, model, grads, params, lambda: EngineFacts({ctx.device_type}, None), accumulate=ddp.no_sync)
 
