@@ -53,6 +53,7 @@ from harness.registry import resolve
 from harness.knobs import (
     KnobCheck,
     check_backward_prefetch_structure,
+    check_grad_accum,
     check_offload,
     check_offload_placement,
     check_order_changed,
@@ -168,6 +169,8 @@ def knob_checks(
         check_offload(case.cpu_offload, facts.param_devices, ctx.device_type),
         check_use_orig_params(case.use_orig_params, facts.exposes_flat_params),
     ]
+    if case.grad_accum != "none":
+        checks.append(check_grad_accum(case.grad_accum, events, ctx.world_size))
     if case.cpu_offload:
         # A fresh build's step, after the compared run ([Note: a throwaway step, not the compared run]).
         probe = probe_offload_placement(adapter, case, ctx)
