@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from engine.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from engine.context import AllGatherLimiter, RootContext, Streams
 from engine.dynamo import outside_dynamo
-from engine.lifecycle import TrainingLifecycle
+from engine.lifecycle import TrainingLifecycle, TrainingState
 from engine.module_tree import is_fsdp, managed_buffers
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
 from engine.unit import FsdpUnit, ShardedState, ViewState
@@ -197,6 +197,8 @@ class ModuleState:
 
     @outside_dynamo
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self._recomputing():
+            return args, kwargs
         mp = self.mixed_precision
         unit = self.unit
         # Only units with parameters cast (FSDP1): a parameterless unit has nothing to match.
@@ -216,6 +218,8 @@ class ModuleState:
 
     @outside_dynamo
     def post_forward(self, output: Any) -> Any:
+        if self._recomputing():
+            return output
         unit = self.unit
         grad_enabled = torch.is_grad_enabled()
         if unit is not None:
@@ -240,6 +244,13 @@ class ModuleState:
                 if isinstance(t, Tensor) and t.requires_grad:
                     t.register_hook(self.pre_backward)
         return output
+
+    def _recomputing(self) -> bool:
+        """Whether this forward is activation checkpointing recomputing the unit inside its backward,
+        after its pre-backward unsharded it: as FSDP1's, the forward hooks then do nothing (the
+        inputs were saved cast, the parameters are unsharded, and a non-reentrant recomputation may
+        stop before the post-forward runs)."""
+        return self.unit is not None and self.lifecycle.state == TrainingState.PRE_BACKWARD
 
     def _prefetch(self, unit: FsdpUnit | None) -> None:
         if unit is None or unit.sharded_state != ShardedState.SHARDED:
