@@ -48,11 +48,12 @@ def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrai
     ignored = sorted(rank_local_param_names(model))
     if ignored:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    apply_activation_checkpointing(model, checkpointed_units(model), case.activation_checkpointing)
-    # Reentrant checkpointing runs the layers' backward in a nested backward, which DDP's reducer only
-    # follows when told the graph is the same every step (and the transformer's tied weight is used twice).
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device_type == "cuda" else None,
-              static_graph=case.activation_checkpointing == "reentrant")
+    # Recomputing a forward changes no number, so the reference checkpoints non-reentrantly in either
+    # mode: reentrant checkpointing runs the layers' backward in a nested backward, which DDP's reducer
+    # follows only with static_graph=True, and that refuses no_sync in the first step (an internal assert).
+    mode = "non_reentrant" if case.activation_checkpointing == "reentrant" else case.activation_checkpointing
+    apply_activation_checkpointing(model, checkpointed_units(model), mode)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device_type == "cuda" else None)
 
     def grads() -> list[ParamSlice]:
         return [ParamSlice.full(canonical_name(n), p.grad) for n, p in model.named_parameters() if p.grad is not None]
