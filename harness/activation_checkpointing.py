@@ -4,10 +4,12 @@ The innermost units of a zoo model (units holding no other unit: the transformer
 model's leaves) run under ``torch.utils.checkpoint`` through torch's ``checkpoint_wrapper``, so their
 forward runs again inside backward, pre-forward and pre-backward hooks and all-gathers included.
 
-Where the wrapper goes depends on the engine, as each engine's documentation has it: inside an FSDP1
-unit (``FSDP(CheckpointWrapper(layer))``, applied after wrapping: an FSDP1 unit inside a
-``checkpoint_wrapper`` is unsupported), around the module before ``fully_shard`` (FSDP2) or before DDP.
-The local reference leaves it out: recomputing a forward gives the same numbers.
+Where the wrapper goes depends on the engine, as each engine's recipes have it: inside an FSDP1 unit
+(``FSDP(CheckpointWrapper(layer))``, applied after wrapping), around the module before ``fully_shard``
+(FSDP2, as torch's own FSDP2 tests). Units inside a wrapper (``checkpoint_wrapper(FSDP(layer))``) are
+seed checks of their own (``suites/seeds/test_fsdp_checkpoint.py``). Recomputing a forward gives the
+same numbers, so the references are free to differ: DDP checkpoints non-reentrantly in either mode
+(``harness.references.build_ddp`` says why) and the local reference not at all.
 """
 
 from __future__ import annotations
