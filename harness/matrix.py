@@ -438,7 +438,6 @@ SMOKE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"checkpoint": "full"},
     {"checkpoint": "sharded", "optimizer": "adamw"},
     {"checkpoint": "local", "optimizer": "adamw"},
-    *LOOP_SMOKE_VARIANTS,
 )
 
 
@@ -446,7 +445,7 @@ def _smoke(space: _Space) -> list[CaseConfig]:
     cases: dict[str, CaseConfig] = {}
     engines = space.axes.get("engine", [None])
     for engine in engines:
-        for variant in SMOKE_VARIANTS:
+        for variant in (*SMOKE_VARIANTS, *LOOP_SMOKE_VARIANTS):
             wanted = {k: v for k, v in variant.items() if k in space.axes}
             if any(v not in space.axes[k] for k, v in wanted.items()):
                 continue  # this run's axes leave the variant out

@@ -71,16 +71,23 @@ ORIG_PARAMS = SuiteMatrix(
 
 #: What real training loops add around the engine (``harness.matrix.LOOP_SLICE``): parameter groups and
 #: two optimizers, clipping, accumulation with and without no_sync, activation checkpointing and compile,
-#: on the nested units and the tied transformer, with flat and original parameters. The smoke lane runs
+#: on the nested units and the tied transformer, with flat and original parameters, across strategies,
+#: bf16 and CPU offload. The smoke lane runs
 #: the smoke variants that set these axes: every value once.
 TRAINING_LOOP = SuiteMatrix(
     "training_loop",
     axes={
         "model": ["nested", "transformer"],
         "use_orig_params": [False, True],
+        # Clipping and accumulation across shards, replicas, offloaded gradients and mixed precision.
+        "sharding_strategy": STRATEGIES,
+        "precision": ["fp32", "bf16"],
+        "cpu_offload": [False, True],
         **LOOP_SLICE,
     },
     smoke_variants=LOOP_SMOKE_VARIANTS,
+    # The product of the loop axes alone is 144 cases per engine and reference: walked pairwise.
+    widest="pairwise",
 )
 
 SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS, TRAINING_LOOP)

@@ -186,6 +186,10 @@ def test_pairwise_covers_every_pair_of_the_slice_for_every_engine(suite: SuiteMa
 @pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.name)
 def test_full_is_the_product_of_the_slice_minus_invalid(suite: SuiteMatrix) -> None:
     cases = suite.cases(ParityOptions(matrix="full", references=("ddp",)))
+    if suite.widest == "pairwise":
+        # Too large a product for the full lane: the lane walks it pairwise.
+        assert [c.full_id for c in cases] == [c.full_id for c in suite.cases(ParityOptions(matrix="pairwise", references=("ddp",)))]
+        return
     for engine in ENGINES:
         mine = [c for c in cases if c.engine == engine]
         base = engine_baseline(engine)
@@ -219,8 +223,11 @@ def test_lane_sizes_stay_within_their_budgets() -> None:
         matrix: {s.name: len(s.cases(ParityOptions(matrix=matrix))) for s in SUITES}  # type: ignore[arg-type]
         for matrix in ("smoke", "pairwise", "full")
     }
-    assert sum(sizes["smoke"].values()) <= 220, sizes
-    assert sum(sizes["smoke"].values()) < sum(sizes["pairwise"].values()) < sum(sizes["full"].values()) <= 1100, sizes
+    # 200 before the training-loop suite, whose 24 smoke cases (compile and checkpointing among them) took
+    # about 80 s on 2 contended CPU cores.
+    assert sum(sizes["smoke"].values()) <= 230, sizes
+    # 1074 before the training-loop suite, whose full lane is its pairwise walk (96 cases).
+    assert sum(sizes["smoke"].values()) < sum(sizes["pairwise"].values()) < sum(sizes["full"].values()) <= 1200, sizes
     assert len(WRAP.cases(ParityOptions())) >= 3 * 2 * len(WRAP.axes["model"]), "smoke shows every wrap model per engine"
     assert {c.precision for c in MIXED_PRECISION.cases(ParityOptions(matrix="pairwise"))} == set(MIXED_PRECISION.axes["precision"])
     assert {c.forward_prefetch for c in ORIG_PARAMS.cases(ParityOptions(matrix="pairwise"))} == {False, True}
