@@ -133,27 +133,46 @@ def check_diff_trainability(api: FSDPApi, rank: int, world_size: int) -> None:
         _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none=False)
 
 
+def _grads_between_forward_and_backward(model: nn.Module) -> list[str]:
+    """Per parameter: ``none`` or ``zero`` (what ``zero_grad`` left) or ``stale`` (an old gradient kept)."""
+    out = []
+    for p in model.parameters():
+        out.append("none" if p.grad is None else "zero" if not p.grad.count_nonzero() else "stale")
+    return out
+
+
 def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
+    """The seed's two optimizers: Adam (5e-3) over the weights, AdamW (1e-2) over the rest, the first
+    zeroing to None and the second to zeros; at one step the first's gradients are dropped before stepping
+    (Adam skips a None gradient but steps a zero one); ``.grad`` between forward and backward holds no
+    stale gradient."""
     for strategy in (api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP):
         ddp = DDP(SharedTransformer())
         fsdp = _fsdp_transformer(api, sharding_strategy=strategy)
         opts = []
         for model in (ddp, fsdp):
             groups = _param_groups(model)
-            # Two optimizers, only the first sets gradients to None.
-            opts.append((_sgd(groups[:1], False), _sgd(groups[1:], False)))
-        for i in range(5):
-            losses = []
+            opts.append((torch.optim.Adam(groups[:1], lr=5e-3, foreach=False),
+                         torch.optim.AdamW(groups[1:], lr=1e-2, foreach=False)))
+        for i in range(6):
+            losses, seen = [], []
             for model, (a, b) in zip((ddp, fsdp), opts):
-                a.zero_grad(set_to_none=True)
-                b.zero_grad(set_to_none=False)
+                if i > 0:
+                    a.zero_grad(set_to_none=True)
+                    b.zero_grad(set_to_none=False)
                 inputs = SharedTransformer.get_input(step=i, rank=rank)
                 loss = SharedTransformer.get_loss(inputs, model(*inputs))
+                seen.append(sorted(_grads_between_forward_and_backward(model)))
                 loss.backward()
+                if i == 3:
+                    a.zero_grad(set_to_none=True)  # a step with None gradients for the first optimizer
                 a.step()
                 b.step()
                 losses.append(loss)
-            assert_close(losses[0], losses[1])
+            # A sharded parameter's gradient outside its rank's shard may be None where DDP has zeros;
+            # neither may keep the previous step's gradient.
+            assert "stale" not in seen[0] + seen[1], f"{strategy} step {i}: .grad between forward and backward {seen}"
+            assert_close(losses[0], losses[1], msg=lambda m: f"{strategy} step {i}: {m}")
         _check_param_parity(api, ddp, fsdp)
 
 
