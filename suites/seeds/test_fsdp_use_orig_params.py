@@ -57,6 +57,12 @@ def _sgd(groups: Any, foreach: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=5e-3, momentum=0.9, weight_decay=0.0, foreach=foreach)
 
 
+def _adam_family(groups: Any, foreach: bool, offload: bool) -> torch.optim.Optimizer:
+    """The seed's test_diff_hyperparams optimizer: AdamW, and Adam for its CPU-offload twin."""
+    kind = torch.optim.Adam if offload else torch.optim.AdamW
+    return kind(groups, lr=5e-3, foreach=foreach)
+
+
 def _fsdp_transformer(api: FSDPApi, **kwargs: Any) -> nn.Module:
     return api.wrap(SharedTransformer(), auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
 
@@ -98,15 +104,15 @@ def _diff_hyperparams(api: FSDPApi, offload: bool) -> None:
             os.environ["FSDP_SKIP_WRITEBACK_CHECK"] = "1"
         try:
             ddp = DDP(SharedTransformer())
-            ddp_opt = _sgd(_param_groups(ddp), foreach=set_to_none)
+            ddp_opt = _adam_family(_param_groups(ddp), set_to_none, offload)
             kwargs = dict(sharding_strategy=strategy, backward_prefetch=prefetch, cpu_offload=api.CPUOffload(offload))
             if before_wrap:
                 module = SharedTransformer()
-                fsdp_opt = _sgd(_param_groups(module), foreach=not set_to_none)
+                fsdp_opt = _adam_family(_param_groups(module), not set_to_none, offload)
                 fsdp = api.wrap(module, auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
             else:
                 fsdp = _fsdp_transformer(api, **kwargs)
-                fsdp_opt = _sgd(_param_groups(fsdp), foreach=not set_to_none)
+                fsdp_opt = _adam_family(_param_groups(fsdp), not set_to_none, offload)
             _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none)
         finally:
             os.environ.pop("FSDP_SKIP_WRITEBACK_CHECK", None)
