@@ -381,34 +381,48 @@ def check_writeback_between_fwd_and_bwd_for_no_reshard_raises(api: FSDPApi, rank
         os.environ.pop("FSDP_SKIP_WRITEBACK_CHECK")
 
 
-def check_no_reshard_and_mixed_precision(api: FSDPApi, rank: int, world_size: int) -> None:
-    fsdp = api.wrap(
-        _Lin2(),
-        sharding_strategy=api.ShardingStrategy.SHARD_GRAD_OP,
-        auto_wrap_policy=_linear_policy(api),
-        mixed_precision=api.MixedPrecision(param_dtype=torch.bfloat16),
-        use_orig_params=True,
-    )
+def _no_reshard_and_mixed_precision(api: FSDPApi, full_prec_in_eval: bool) -> None:
+    """Compute runs in bf16 in train, and in eval unless ``FSDP_USE_FULL_PREC_IN_EVAL=1`` (read when the
+    units are built); summoned parameters are in full precision, whatever the order of train/eval switches
+    and summons without resharding after forward, and no writeback is falsely triggered."""
+    if full_prec_in_eval:
+        os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        fsdp = api.wrap(
+            _Lin2(),
+            sharding_strategy=api.ShardingStrategy.SHARD_GRAD_OP,
+            auto_wrap_policy=_linear_policy(api),
+            mixed_precision=api.MixedPrecision(param_dtype=torch.bfloat16),
+            use_orig_params=True,
+        )
+    finally:
+        os.environ.pop("FSDP_USE_FULL_PREC_IN_EVAL", None)
+    eval_dtype = torch.float32 if full_prec_in_eval else torch.bfloat16
     x = fsdp.get_input(CPU)
-    # Compute runs in bf16 in train and eval (no FSDP_USE_FULL_PREC_IN_EVAL) and summoned parameters
-    # are in full precision, whatever the order of train/eval switches and summons without
-    # resharding after forward.
     assert fsdp(*x).dtype == torch.bfloat16
     with api.FSDP.summon_full_params(fsdp):
         assert {p.dtype for p in fsdp.parameters()} == {torch.float32}
     fsdp.train()
     assert fsdp(*x).dtype == torch.bfloat16
     fsdp.eval()
-    assert fsdp(*x).dtype == torch.bfloat16
+    assert fsdp(*x).dtype == eval_dtype
     fsdp.train()
     loss = fsdp(*x).sum()
     assert loss.dtype == torch.bfloat16 and torch.isfinite(loss)
     loss.backward()
     fsdp.eval()
-    assert fsdp(*x).dtype == torch.bfloat16
+    assert fsdp(*x).dtype == eval_dtype
     with api.FSDP.state_dict_type(fsdp, api.StateDictType.SHARDED_STATE_DICT):
         fsdp.load_state_dict(fsdp.state_dict())
     fsdp(*x).sum().backward()
+
+
+def check_no_reshard_and_mixed_precision(api: FSDPApi, rank: int, world_size: int) -> None:
+    _no_reshard_and_mixed_precision(api, full_prec_in_eval=False)
+
+
+def check_no_reshard_and_mixed_precision_full_prec_in_eval(api: FSDPApi, rank: int, world_size: int) -> None:
+    _no_reshard_and_mixed_precision(api, full_prec_in_eval=True)
 
 
 def check_named_parameters_in_forward(api: FSDPApi, rank: int, world_size: int) -> None:
@@ -500,6 +514,7 @@ CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
     check_writeback_shape_mismatch,
     check_writeback_between_fwd_and_bwd_for_no_reshard_raises,
     check_no_reshard_and_mixed_precision,
+    check_no_reshard_and_mixed_precision_full_prec_in_eval,
     check_named_parameters_in_forward,
     check_no_sync_correctness,
     check_no_sync_mixed_precision,
