@@ -200,15 +200,15 @@ def check_use_orig_params(use_orig_params: bool, exposes_flat_params: bool | Non
 
 
 def check_grad_accum(grad_accum: str, events: Sequence[CommEvent], world_size: int) -> KnobCheck:
-    """``no_sync``: the micro-batches that accumulate (trace phase ``accumulate``) reduce no gradient; the
-    last one's backward does. Same numbers either way, so only the trace can show an engine that
-    synchronizes every micro-batch."""
+    """``no_sync``: the micro-batches that accumulate (trace phases ``accumulate_forward`` and
+    ``accumulate_backward``) reduce no gradient; the last one's backward does. Same numbers either way, so
+    only the trace can show an engine that synchronizes every micro-batch."""
     knob = "grad_accum"
     if grad_accum != "no_sync":
         return KnobCheck(knob, "n/a", f"grad_accum={grad_accum!r}: every micro-batch synchronizes")
     if world_size == 1:
         return KnobCheck(knob, "n/a", "one rank: no gradient reduction to observe")
-    early = ops(events, op=("reduce_scatter", "all_reduce"), phase="accumulate")
+    early = [e for e in ops(events, op=("reduce_scatter", "all_reduce")) if e.phase.startswith("accumulate_")]
     last = ops(events, op=("reduce_scatter", "all_reduce"), phase="backward")
     seen = f"{len(early)} reductions in the no_sync micro-batches, {len(last)} in the last micro-batch's backward"
     if early or not last:

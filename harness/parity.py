@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -68,7 +68,7 @@ from harness.stress import unsupported_reason as stress_unsupported_reason
 from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
 from harness.resume import run_resumed
-from harness.training import fresh_model, mark_phase, train
+from harness.training import ACCUMULATE, fresh_model, mark_phase, train
 
 __all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
 
@@ -163,8 +163,11 @@ def knob_checks(
         replicate = ctx.world_size // hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
     else:
         replicate = 1
+    # A no_sync micro-batch's all-gathers are its forward's and backward's: FSDP1 keeps SHARD_GRAD_OP's
+    # parameters unsharded through no_sync, so the last micro-batch may gather nothing.
+    gathers = [replace(e, phase=e.phase.removeprefix(ACCUMULATE)) if e.op == "all_gather" else e for e in events]
     checks = [
-        check_sharding(case.sharding_strategy, events, _sharded_units(model), replicate, ctx.world_size),
+        check_sharding(case.sharding_strategy, gathers, _sharded_units(model), replicate, ctx.world_size),
         check_precision(spec, events),
         check_offload(case.cpu_offload, facts.param_devices, ctx.device_type),
         check_use_orig_params(case.use_orig_params, facts.exposes_flat_params),

@@ -8,8 +8,8 @@ holds. A resumed run (``harness.resume``) calls ``train_steps`` twice, around it
 
 A step of a case with ``grad_accum`` runs ``ACCUM_MICRO_BATCHES`` micro-batches (``CaseConfig.micro_batches``),
 each loss divided by their count; with ``no_sync`` all but the last skip gradient synchronization
-(``EngineTrainee.skip_sync``) and run in the trace phase ``accumulate``, so a knob check can see an engine
-that reduces them anyway. With ``clip_grad`` the side clips its gradients (``EngineTrainee.clip_grad_norm``,
+(``EngineTrainee.skip_sync``) and run in the trace phases ``accumulate_forward`` and ``accumulate_backward``,
+so a knob check can see an engine that reduces them anyway. With ``clip_grad`` the side clips its gradients (``EngineTrainee.clip_grad_norm``,
 phase ``clip``) before they are read and stepped, and the total norm it returns is observed every step.
 """
 
@@ -34,7 +34,10 @@ from harness.rank import RankContext
 from harness.stress import Stress
 from harness.trace import CommTrace
 
-__all__ = ["ParamInfo", "fresh_model", "mark_phase", "paused", "train", "train_steps"]
+#: the trace phases of a micro-batch that skips synchronization start with this.
+ACCUMULATE = "accumulate_"
+
+__all__ = ["ACCUMULATE", "ParamInfo", "fresh_model", "mark_phase", "paused", "train", "train_steps"]
 
 
 @dataclass(frozen=True)
@@ -154,10 +157,10 @@ def train_steps(
             skip = case.grad_accum == "no_sync" and not last
             inputs = to_device(zoo.get_input(seed=case.seed, step=batch_step, rank=ctx.rank), ctx.device, full)
             with trainee.skip_sync() if skip else contextlib.nullcontext():
-                mark_phase(trace, "accumulate" if skip else "forward", step)
+                mark_phase(trace, f"{ACCUMULATE}forward" if skip else "forward", step)
                 output = trainee.module(*inputs)
                 loss = zoo.get_loss(inputs, output)
-                mark_phase(trace, "accumulate" if skip else "backward", step)
+                mark_phase(trace, f"{ACCUMULATE}backward" if skip else "backward", step)
                 # One batch keeps its loss as it is (the cases without accumulation stay bitwise as they were).
                 zoo.run_backward(loss / len(batches) if len(batches) > 1 else loss)
             loss_seen += float(loss.detach().double()) / len(batches)
