@@ -105,3 +105,21 @@ def test_options_widen_the_axes_and_filter_knows_the_segments() -> None:
     assert wide.optimizers == LOOP_SLICE["optimizer"]
     with pytest.raises(ValueError, match="--compile"):
         select_cases(_selection("--compile", "inductor"), [2])
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"optimizer": "adamw_groups", "clip_grad": "norm", "grad_accum": "no_sync", "activation_checkpointing": "reentrant",
+     "compile": "compiled", "use_orig_params": True},
+    {"optimizer": "two_optimizers", "grad_accum": "sync", "activation_checkpointing": "non_reentrant", "stress": "delay"},
+])
+def test_reports_read_the_segments_back(changes: dict) -> None:
+    from reports.resume_matrix import resume_suffix
+    from reports.scope import case_from_full_id
+
+    case = CaseConfig(engine="builtin", **changes)
+    parsed = case_from_full_id(case.full_id)
+    assert parsed is not None
+    assert {a: parsed[a] for a in LOOP_SLICE} == {a: getattr(case, a) for a in LOOP_SLICE}
+    suffix = resume_suffix({a: getattr(case, a) for a in (*LOOP_SLICE, "checkpoint")})
+    assert all(segment in suffix for segment in loop_segments(case)), suffix
