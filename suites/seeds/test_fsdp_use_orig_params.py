@@ -182,6 +182,39 @@ def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
         _check_param_parity(api, ddp, fsdp)
 
 
+def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
+    """The seed's test_fsdp_compile: the wrapped transformer (layers as units, original parameters,
+    BACKWARD_PRE) under ``torch.compile`` trains as the same engine's eager model, with activation
+    checkpointing inside the units, and Dynamo compiles graphs (``aot_eager`` on CPU: inductor takes about a
+    minute per graph on two cores). One strategy here; the parity matrix's ``compile`` axis has the rest."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from harness.compiling import backend_for, check_compiled, compiled_counts
+
+    kwargs = dict(auto_wrap_policy=_layer_policy(api), use_orig_params=True,
+                  sharding_strategy=api.ShardingStrategy.FULL_SHARD, backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE)
+    ref = api.wrap(SharedTransformer(), **kwargs)
+    model = api.wrap(SharedTransformer(), **kwargs)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.TransformerEncoderLayer))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=backend_for(CPU.type))
+    ref_opt, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(3):
+        losses = []
+        inputs = SharedTransformer.get_input(step=i, rank=rank)
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            o.zero_grad()
+            loss = SharedTransformer.get_loss(inputs, m(*inputs))
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        assert_close(losses[1], losses[0], msg=lambda m, i=i: f"step {i}: {m}")
+    check_compiled(compiled_counts())
+
+
 def _orig_and_flat_models(api: FSDPApi, strategy: Any, offload: bool):
     models = []
     for orig in (False, True):
@@ -515,6 +548,7 @@ CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
     check_writeback_between_fwd_and_bwd_for_no_reshard_raises,
     check_no_reshard_and_mixed_precision,
     check_no_reshard_and_mixed_precision_full_prec_in_eval,
+    check_fsdp_compile,
     check_named_parameters_in_forward,
     check_no_sync_correctness,
     check_no_sync_mixed_precision,
