@@ -343,7 +343,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
         return _unsupported(reason)
     _inject_fault(case, ctx)
     spec = adapter.effective_precision(case, model)
-    source = budget_source(spec, ctx.world_size, compiled=case.compile != "none")
+    source = budget_source(spec, ctx.world_size, reorders=case.compile != "none" or case.grad_accum != "none")
     notes: list[str] = []
 
     t0 = time.perf_counter()

@@ -56,10 +56,10 @@ def test_fp32_past_two_ranks_measures_the_reference(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 8])
-def test_compiled_cases_are_budgeted_at_every_world_size(world_size: int) -> None:
-    assert budget_source(FP32, world_size, compiled=True) == "reference"
-    assert budget_source(PRECISIONS["bf16"], world_size, compiled=True) == "emulation"
-    assert budget_source(FP64, world_size, compiled=True) == "none"
+def test_reordering_cases_are_budgeted_at_every_world_size(world_size: int) -> None:
+    assert budget_source(FP32, world_size, reorders=True) == "reference"
+    assert budget_source(PRECISIONS["bf16"], world_size, reorders=True) == "emulation"
+    assert budget_source(FP64, world_size, reorders=True) == "none"
 
 
 @given(a=world_sizes, b=world_sizes, precision=st.sampled_from(sorted(PRECISIONS)))
