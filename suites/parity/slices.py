@@ -90,4 +90,20 @@ TRAINING_LOOP = SuiteMatrix(
     widest="pairwise",
 )
 
-SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS, TRAINING_LOOP)
+#: The seed's test_nested_wrapped_model_single_iteration_mixed_precision: one fp16 step (parameters,
+#: reduction and buffers in float16) of the nested units over strategy x CPU offload x use_orig_params,
+#: against the reference emulating the casts. The smoke lane (CI) shows every strategy with and without
+#: offload.
+FP16_SINGLE_ITERATION = SuiteMatrix(
+    "fp16_single_iteration",
+    axes={
+        "sharding_strategy": ["full_shard", "shard_grad_op", "no_shard"],
+        "cpu_offload": [False, True],
+        "use_orig_params": [False, True],
+    },
+    fixed={"model": "nested", "precision": "fp16", "steps": 1},
+    smoke_each=("sharding_strategy", "cpu_offload"),
+    smoke_variants=({},),
+)
+
+SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS, TRAINING_LOOP, FP16_SINGLE_ITERATION)
