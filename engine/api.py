@@ -1,6 +1,6 @@
 """Public enums and configuration dataclasses, with torch FSDP1's names and members.
 
-Users and the seeds speak FSDP1's API, so these mirror it exactly; they are our own classes (the
+Users and PyTorch's FSDP tests speak FSDP1's API, so these mirror it exactly; they are our own classes (the
 engine never imports ``torch.distributed.fsdp``), so code that checks ``isinstance`` against
 torch's classes will not accept ours and vice versa.
 """
@@ -14,8 +14,6 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
-
-from engine.flat_param import HandleShardingStrategy
 
 __all__ = [
     "BackwardPrefetch",
@@ -32,7 +30,6 @@ __all__ = [
     "LocalOptimStateDictConfig",
     "OptimStateKeyType",
     "StateDictSettings",
-    "to_handle_strategy",
 ]
 
 
@@ -52,10 +49,6 @@ class ShardingStrategy(Enum):
 
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-
-
-def to_handle_strategy(strategy: ShardingStrategy) -> HandleShardingStrategy:
-    return HandleShardingStrategy[strategy.name]
 
 
 class BackwardPrefetch(Enum):

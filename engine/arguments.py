@@ -31,6 +31,7 @@ from engine.api import (
 __all__ = [
     "Arguments",
     "as_backward_prefetch",
+    "as_dataclass",
     "as_cpu_offload",
     "as_device_id",
     "as_mixed_precision",
@@ -70,8 +71,13 @@ def _as_enum(value: Any, enum: type[E], param: str) -> E:
     )
 
 
-def _as_dataclass(value: Any, cls: type[D], param: str, hint: str = "") -> D:
-    """``value`` as ``cls``: itself, or torch FSDP1's dataclass of the same name field by field."""
+def as_dataclass(value: Any, cls: type[D], param: str, hint: str = "") -> D:
+    """``value`` as ``cls``: itself, or torch FSDP1's dataclass of the same name field by field.
+
+    The one converter of torch's configurations (constructor arguments and state-dict settings).
+    A public field of torch's class that ours lacks must be at its default; private ones (torch's
+    bookkeeping, such as ``_use_dtensor``) are dropped.
+    """
     if isinstance(value, cls):
         return value
     if is_torch_fsdp_object(value, cls.__name__) and dataclasses.is_dataclass(value):
@@ -81,7 +87,7 @@ def _as_dataclass(value: Any, cls: type[D], param: str, hint: str = "") -> D:
             current = getattr(value, f.name)
             if f.name in ours:
                 kwargs[f.name] = current
-            elif f.default is not dataclasses.MISSING and current != f.default:
+            elif not f.name.startswith("_") and f.default is not dataclasses.MISSING and current != f.default:
                 raise ValueError(
                     f"{param}: torch's {cls.__name__}.{f.name}={current!r} has no equivalent in this "
                     f"engine; leave it at its default ({f.default!r})"
@@ -113,7 +119,7 @@ def as_cpu_offload(value: Any) -> CPUOffload:
     hint = ""
     if isinstance(value, bool):
         hint = f"; pass CPUOffload(offload_params={value}) instead of a bool"
-    return _as_dataclass(value, CPUOffload, "cpu_offload", hint)
+    return as_dataclass(value, CPUOffload, "cpu_offload", hint)
 
 
 def _check_dtype(value: Any, param: str) -> None:
@@ -135,7 +141,7 @@ def as_mixed_precision(value: Any) -> MixedPrecision | None:
         hint = f"; for one dtype everywhere pass MixedPrecision(param_dtype={value}, reduce_dtype={value})"
     elif isinstance(value, dict):
         hint = "; build MixedPrecision(**your_dict) instead of passing a dict"
-    mp = _as_dataclass(value, MixedPrecision, "mixed_precision", hint)
+    mp = as_dataclass(value, MixedPrecision, "mixed_precision", hint)
     for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         _check_dtype(getattr(mp, field), f"MixedPrecision.{field}")
     return mp

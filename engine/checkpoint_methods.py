@@ -2,8 +2,8 @@
 
 The methods are thin: state-dict settings live in :mod:`engine.state_dict_config`, model state
 dicts in :mod:`engine.state_dict`, optimizer state in :mod:`engine.optim_state`, hooks in
-:mod:`engine.comm_hooks`. The mixin reads the wrapper through the attributes named in
-:class:`engine.state_dict_config.FsdpState` and its ``check_is_root()``.
+:mod:`engine.comm_hooks`. The mixin reads each instance's :class:`~engine.state.ModuleState` and the
+wrapper's ``check_is_root()``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.nn as nn
 from engine import optim_state
 from engine import state_dict as model_state
 from engine import state_dict_config as settings
-from engine.api import HYBRID_STRATEGIES, OptimStateKeyType, StateDictSettings
-from engine.state_dict_config import fsdp_states
+from engine.api import OptimStateKeyType, StateDictSettings
+from engine.state import fsdp_states
 
 __all__ = ["CheckpointMethods"]
 
@@ -205,13 +205,13 @@ class CheckpointMethods:
             )
         states = fsdp_states(self)  # type: ignore[arg-type]
         for s in states:
-            if s._sharding_strategy in HYBRID_STRATEGIES:
-                raise AssertionError(f"Communication hook is not supported for hybrid strategies: {s._sharding_strategy}")
-            if s._unit is not None and s._unit.comm_hook is not None:
+            if s.config.hybrid:
+                raise AssertionError(f"Communication hook is not supported for hybrid strategies: {s.config.strategy}")
+            if s.unit is not None and s.unit.comm_hook is not None:
                 raise AssertionError("A communication hook is already registered")
             if not callable(hook):
                 raise ValueError(f"The communication hook must be callable but got {hook}")
         for s in states:
-            if s._unit is not None:
-                s._unit.comm_hook = hook
-                s._unit.comm_hook_state = state
+            if s.unit is not None:
+                s.unit.comm_hook = hook
+                s.unit.comm_hook_state = state

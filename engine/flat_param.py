@@ -28,13 +28,14 @@ tripping the in-place-modification check.
 
 from __future__ import annotations
 
-from enum import Enum, auto
-from typing import Any, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from engine.api import MixedPrecision, ShardingStrategy
+from engine.config import RankAndSize, UnitConfig
 from engine.layout import FlatLayout, ParamEntry, ShardParamInfo, aligned_numel, build_layout
 from engine.param_views import ParamInfo, SharedParamInfo, _flat_view, _is_truly_contiguous
 from engine.writeback import Writeback, WritebackResult
@@ -50,27 +51,8 @@ __all__ = [
 ]
 
 
-class HandleShardingStrategy(Enum):
-    FULL_SHARD = auto()
-    SHARD_GRAD_OP = auto()
-    NO_SHARD = auto()
-    HYBRID_SHARD = auto()
-    _HYBRID_SHARD_ZERO2 = auto()
-
-
-RESHARD_AFTER_FORWARD_STRATEGIES = (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.HYBRID_SHARD)
-NO_RESHARD_AFTER_FORWARD_STRATEGIES = (
-    HandleShardingStrategy.SHARD_GRAD_OP,
-    HandleShardingStrategy._HYBRID_SHARD_ZERO2,
-)
-
-
-class RankAndSize(Protocol):
-    """What the handle needs of a process group: a real one or a test double."""
-
-    def rank(self) -> int: ...
-
-    def size(self) -> int: ...
+#: torch FSDP1 passes the handle its own strategy enum; here it is the one strategy enum there is.
+HandleShardingStrategy = ShardingStrategy
 
 
 class FlatParamShardMetadata(NamedTuple):
@@ -106,7 +88,7 @@ class FlatParameter(nn.Parameter):
         return super().__new__(cls, data, requires_grad)  # type: ignore[arg-type]
 
     # Read-only views of the layout, named as torch FSDP1's attributes so tools that inspect a
-    # flat parameter (checkpoint converters, the seeds) read ours the same way.
+    # flat parameter (checkpoint converters, PyTorch's FSDP tests) read ours the same way.
     @property
     def _fqns(self) -> tuple[str, ...]:
         return tuple(p.fqn for p in self._layout.params)
@@ -144,7 +126,9 @@ class FlatParamHandle(Writeback):
     """Flattens, shards and unflattens one unit's parameters; owns both flat buffers.
 
     Arguments and their names are torch FSDP1's, so code written against its ``FlatParamHandle``
-    constructs ours unchanged. ``process_group`` needs only ``rank()`` and ``size()``.
+    constructs ours unchanged; they become the handle's :class:`~engine.config.UnitConfig`. The
+    engine builds its handles from the instance's config instead (:meth:`from_config`).
+    ``process_group`` needs only ``rank()`` and ``size()``.
     """
 
     def __init__(
@@ -162,9 +146,6 @@ class FlatParamHandle(Writeback):
         *,
         fsdp_extension: Any = None,
     ) -> None:
-        params = list(params)
-        if not params:
-            raise ValueError("Cannot construct a FlatParamHandle with an empty parameter list")
         if fsdp_extension is not None:
             raise ValueError(
                 "FlatParamHandle(fsdp_extension=...) is not supported by this engine: pass None "
@@ -174,27 +155,52 @@ class FlatParamHandle(Writeback):
             raise ValueError(
                 f"sharding_strategy={sharding_strategy!r} must be a HandleShardingStrategy member"
             )
-        #: compute device: where the unsharded parameter lives during forward and backward.
-        self.device = torch.device(device)
-        self.process_group = process_group
-        self.rank = process_group.rank()
-        self.world_size = process_group.size()
-        self._sharding_strategy = sharding_strategy
-        self._offload_params = offload_params
-        self._use_orig_params = use_orig_params
-        self._keep_low_precision_grads = keep_low_precision_grads
-        self._fully_sharded_module = fully_sharded_module
+        mixed = None
+        if mp_param_dtype is not None or mp_reduce_dtype is not None or keep_low_precision_grads:
+            mixed = MixedPrecision(
+                param_dtype=mp_param_dtype, reduce_dtype=mp_reduce_dtype, keep_low_precision_grads=keep_low_precision_grads
+            )
+        config = UnitConfig(
+            strategy=sharding_strategy,
+            compute_device=torch.device(device),
+            shard_group=process_group,
+            offload_params=offload_params,
+            mixed_precision=mixed,
+            use_orig_params=use_orig_params,
+        )
+        self._init_from_config(list(params), fully_sharded_module, config)
 
-        dtype, requires_grad, _ = self._validate_params(params, fully_sharded_module)
+    @classmethod
+    def from_config(
+        cls, params: Sequence[nn.Parameter | Tensor], fully_sharded_module: nn.Module, config: UnitConfig
+    ) -> "FlatParamHandle":
+        """The engine's constructor: the unit's configuration instead of torch FSDP1's scalars."""
+        handle = cls.__new__(cls)
+        handle._init_from_config(list(params), fully_sharded_module, config)
+        return handle
+
+    def _init_from_config(self, params: list[nn.Parameter | Tensor], module: nn.Module, config: UnitConfig) -> None:
+        if not params:
+            raise ValueError("Cannot construct a FlatParamHandle with an empty parameter list")
+        #: the unit's configuration (strategy, devices, dtypes, offload, ``use_orig_params``).
+        self.config = config
+        #: compute device: where the unsharded parameter lives during forward and backward.
+        self.device = config.compute_device
+        self.process_group = config.shard_group
+        self.rank = self.process_group.rank()
+        self.world_size = self.process_group.size()
+        self._fully_sharded_module = module
+
+        dtype, requires_grad, _ = self._validate_params(params, module)
         #: dtype of the full-precision (master) parameters.
         self._orig_param_dtype = dtype
-        self._init_param_reduce_dtypes(mp_param_dtype, mp_reduce_dtype)
+        self._init_param_reduce_dtypes(config.param_dtype, config.reduce_dtype)
         # Alignment is in the dtype that is communicated and computed in (FSDP1 aligns only
         # with use_orig_params, where the original parameters are exposed to the compiler).
         align = aligned_numel(torch.empty((), dtype=self._fwd_bwd_param_dtype).element_size())
-        self._aligned_numel = align if use_orig_params else 0
+        self._aligned_numel = align if config.use_orig_params else 0
 
-        param_infos, shared_infos, unique, shared = self._walk_module_tree(params, fully_sharded_module)
+        param_infos, shared_infos, unique, shared = self._walk_module_tree(params, module)
         #: original parameters (unique, in flat order) and their later registrations.
         self._param_infos: tuple[ParamInfo, ...] = tuple(param_infos)
         self._shared_param_infos: tuple[SharedParamInfo, ...] = tuple(shared_infos)
@@ -227,6 +233,49 @@ class FlatParamHandle(Writeback):
         #: True while this unit ignores its mixed precision (``FSDP_USE_FULL_PREC_IN_EVAL``).
         self._force_full_precision = False
         self.use_unsharded_views(as_params=False, source=self.flat_param)
+
+    # ------------------------------------------------------------------ what the rest of the engine reads
+    # torch FSDP1's private names for these settings, read by its tools and by the param_views and
+    # writeback mixins.
+    @property
+    def _sharding_strategy(self) -> ShardingStrategy:
+        return self.config.strategy
+
+    @property
+    def _offload_params(self) -> bool:
+        return self.config.offload_params
+
+    @property
+    def _use_orig_params(self) -> bool:
+        return self.config.use_orig_params
+
+    @property
+    def _keep_low_precision_grads(self) -> bool:
+        return self.config.keep_low_precision_grads
+
+    @property
+    def use_orig_params(self) -> bool:
+        """Whether the original parameters stay ``nn.Parameter`` objects viewing the flat parameter."""
+        return self.config.use_orig_params
+
+    @property
+    def orig_params(self) -> tuple[nn.Parameter, ...]:
+        """The original parameters, unique, in flat order."""
+        return self._orig_params
+
+    @property
+    def shared_orig_params(self) -> tuple[nn.Parameter, ...]:
+        """Their later registrations (tied weights), one per :attr:`shared_param_infos` entry."""
+        return self._shared_orig_params
+
+    @property
+    def param_infos(self) -> tuple[ParamInfo, ...]:
+        """Where each original parameter is registered (module and attribute name), in flat order."""
+        return self._param_infos
+
+    @property
+    def shared_param_infos(self) -> tuple[SharedParamInfo, ...]:
+        return self._shared_param_infos
 
     # ------------------------------------------------------------------ construction
     def _validate_params(self, params: list[Tensor], module: nn.Module) -> tuple[torch.dtype, bool, torch.device]:
@@ -346,7 +395,7 @@ class FlatParamHandle(Writeback):
     # ------------------------------------------------------------------ sharding & metadata
     @property
     def uses_sharded_strategy(self) -> bool:
-        return self._sharding_strategy != HandleShardingStrategy.NO_SHARD
+        return self.config.sharded
 
     @torch.no_grad()
     def shard(self) -> None:

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from engine import collectives
+from engine.dtensors import distribute, full_tensor
 from engine.flat_param import FlatParamHandle
 from engine.layout import ParamEntry
 from engine.unit import FsdpUnit
@@ -37,7 +38,7 @@ def mesh_for(state: Any) -> DeviceMesh:
     """The 1-D mesh over ``state``'s shard group that sharded values live on (built once per unit)."""
     mesh = state.__dict__.get(_MESH_ATTR)
     if mesh is None:
-        unit = state._unit
+        unit = state.unit
         device_type = unit.device.type if unit is not None else "cpu"
         mesh = DeviceMesh.from_group(state.process_group, device_type)
         state.__dict__[_MESH_ATTR] = mesh
@@ -63,18 +64,17 @@ def full_tensors(unit: FsdpUnit, shard: Tensor) -> list[Tensor]:
 def chunk_dtensor(full: Tensor, mesh: DeviceMesh) -> DTensor:
     """``full`` as a ``DTensor`` sharded on dim 0 over ``mesh`` (``torch.chunk`` chunks, as DTensor's
     ``Shard(0)``); this rank keeps only its chunk."""
-    full = full.contiguous()
-    world, rank = mesh.size(), mesh.get_local_rank()
-    chunks = full.chunk(world, dim=0) if full.dim() > 0 else (full,)
-    local = chunks[rank].clone() if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
+    if full.dim() > 0:
+        return distribute(full, mesh, [Shard(0)])
+    # A scalar cannot be split: the first rank holds it, the others an empty piece.
+    local = full.clone() if mesh.get_local_rank() == 0 else full.new_empty((0,))
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
 
 
 def to_full(value: Tensor) -> Tensor:
-    """A plain full tensor of a checkpoint value (``DTensor``s are gathered: a collective)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    return value
+    """A plain full tensor of a checkpoint value (``DTensor``s are gathered with plain collectives, which
+    run where ranks share a GPU through gloo: ``engine.dtensors``)."""
+    return full_tensor(value)
 
 
 def _storage_order(value: Tensor, entry: ParamEntry) -> Tensor:

@@ -1,9 +1,11 @@
 """``FullyShardedDataParallel``: the FSDP1 public API over our units and runtime.
 
-The class is thin: construction resolves groups and devices, optionally auto-wraps children,
-materializes and syncs the module states, flattens the parameters no child took into one
+The class is thin: construction checks the arguments, resolves the process groups
+(:mod:`engine.groups`), optionally auto-wraps children, materializes, moves and syncs the module
+states (:mod:`engine.materialize`), chooses the compute device and makes the instance's one
+:class:`~engine.config.UnitConfig`; it flattens the parameters no child took into one
 :class:`~engine.flat_param.FlatParamHandle` under an :class:`~engine.unit.FsdpUnit`, and hands
-both to its :class:`~engine.state.ModuleState`, whose hooks ``forward`` calls. Utilities
+config and unit to its :class:`~engine.state.ModuleState`, whose hooks ``forward`` calls. Utilities
 (``no_sync``, ``summon_full_params``, ``clip_grad_norm_``) live here because they are FSDP1
 methods; their logic is in :mod:`engine.summon` and :mod:`engine.grad_norm`. Arguments are
 checked in :mod:`engine.arguments`. Dependencies point down: nothing in the engine imports this
@@ -16,7 +18,6 @@ import contextlib
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
@@ -24,25 +25,28 @@ from engine.api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
     MixedPrecision,
+    OptimStateDictConfig,
     ShardingStrategy,
+    StateDictConfig,
     StateDictType,
-    to_handle_strategy,
 )
 from engine.arguments import normalize_arguments
 from engine.checkpoint_methods import CheckpointMethods
+from engine.config import UnitConfig, choose_compute_device, current_accelerator_device, materialization_device
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
 from engine.grad_norm import clip_grad_norm
+from engine.groups import ProcessGroupArg, resolve_groups
 from engine.lifecycle import TrainingLifecycle, TrainingState
-from engine.module_tree import is_fsdp, managed_buffers, managed_modules
+from engine.materialize import FLATTENED, managed_params, materialize, move_cpu_states, sync_states
+from engine.module_tree import is_fsdp, managed_buffers
 from engine.precision import full_prec_in_eval_from_env
 from engine.state_dict import post_state_dict_hook
 from engine.state import ModuleState
 from engine.summon import summon_full_params
 from engine.unit import FsdpUnit
+from engine.wrap import auto_wrap
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
 
@@ -51,160 +55,6 @@ FLAT_PARAM = "_flat_param"
 #: prefix FSDP adds to every name under it, as in FSDP1.
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
-#: marks an original parameter some unit has flattened, so an enclosing unit skips it.
-_FLATTENED = "_fsdp_flattened"
-
-ProcessGroupArg = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None
-
-
-def _resolve_groups(
-    strategy: ShardingStrategy, process_group: ProcessGroupArg, device_mesh: Any
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """``(shard group, replicate group or None)`` from FSDP1's ``process_group``/``device_mesh``."""
-    if process_group is not None and device_mesh is not None:
-        raise ValueError(
-            "Cannot pass both process_group and device_mesh to FullyShardedDataParallel: pass "
-            "only one (a device_mesh for a 2-D hybrid layout, or the groups directly)"
-        )
-    hybrid = strategy in HYBRID_STRATEGIES
-    if device_mesh is not None:
-        if hybrid:
-            if device_mesh.ndim != 2:
-                raise ValueError(
-                    f"{strategy} needs a 2-D device_mesh (replicate, shard) but got {device_mesh.ndim} dimensions"
-                )
-            return device_mesh.get_group(mesh_dim=1), device_mesh.get_group(mesh_dim=0)
-        if device_mesh.ndim != 1:
-            raise ValueError(
-                f"{strategy} needs a 1-D device_mesh but got {device_mesh.ndim} dimensions: use a "
-                "hybrid strategy for a 2-D mesh"
-            )
-        return device_mesh.get_group(mesh_dim=0), None
-    if hybrid:
-        if isinstance(process_group, tuple):
-            if len(process_group) != 2:
-                raise ValueError(
-                    f"{strategy} takes process_group=(shard_group, replicate_group); got {len(process_group)} groups"
-                )
-            return process_group[0], process_group[1]
-        if process_group is not None:
-            raise ValueError(
-                f"{strategy} needs process_group=(shard_group, replicate_group) or a 2-D device_mesh; "
-                "got a single process group"
-            )
-        return _default_hybrid_groups()
-    if isinstance(process_group, tuple):
-        raise ValueError(
-            f"process_group=(shard_group, replicate_group) is only valid with a hybrid strategy, not {strategy}"
-        )
-    return (process_group if process_group is not None else dist.distributed_c10d._get_default_group()), None
-
-
-def _default_hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """FSDP1's default: shard within a node, replicate across nodes (every rank builds every group)."""
-    world = dist.get_world_size()
-    per_node = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if per_node <= 0 or world % per_node:
-        raise ValueError(
-            "HYBRID_SHARD without process_group needs CUDA devices that divide the world size to "
-            f"infer the node size (world_size={world}, devices per node={per_node}); pass "
-            "process_group=(shard_group, replicate_group) or a 2-D device_mesh"
-        )
-    rank = dist.get_rank()
-    shard = replicate = None
-    for start in range(0, world, per_node):
-        group = dist.new_group(list(range(start, start + per_node)))
-        if start <= rank < start + per_node:
-            shard = group
-    for offset in range(per_node):
-        group = dist.new_group(list(range(offset, world, per_node)))
-        if rank % per_node == offset:
-            replicate = group
-    return shard, replicate
-
-
-def _managed_params(module: nn.Module, ignored_modules: set[nn.Module], ignored_params: set[int]) -> list[nn.Parameter]:
-    params: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for m in managed_modules(module, ignored_modules):
-        for p in m._parameters.values():
-            if p is None or id(p) in seen or id(p) in ignored_params or getattr(p, _FLATTENED, False):
-                continue
-            seen.add(id(p))
-            params.append(p)
-    return params
-
-
-def _materialize(
-    module: nn.Module,
-    param_init_fn: Callable[[nn.Module], None] | None,
-    device: torch.device,
-    ignored_modules: set[nn.Module],
-) -> None:
-    """Materialize meta-device states of the modules this unit manages (FSDP1's rules)."""
-    modules = list(managed_modules(module, ignored_modules))
-    on_meta = any(
-        t.is_meta for m in modules for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None
-    )
-    if not on_meta:
-        return
-    if param_init_fn is not None:
-        if not callable(param_init_fn):
-            raise ValueError(f"param_init_fn must be callable but got {type(param_init_fn).__name__}")
-        for m in modules:
-            param_init_fn(m)
-        return
-    with torch.no_grad():
-        for m in modules:
-            m.to_empty(device=device, recurse=False)
-        for m in modules:
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                reset()
-
-
-def _move_states(module: nn.Module, device: torch.device, ignored_modules: set[nn.Module]) -> None:
-    with torch.no_grad():
-        for m in managed_modules(module, ignored_modules):
-            for p in m._parameters.values():
-                if p is not None and p.device != device:
-                    p.data = p.data.to(device)
-            for name, b in m._buffers.items():
-                if b is not None and b.device != device:
-                    m._buffers[name] = b.to(device)
-
-
-def _sync_states(tensors: list[Tensor], groups: list[dist.ProcessGroup], device: torch.device) -> None:
-    """Every rank takes rank 0's values (rank 0 of each group in turn: shard, then replicate)."""
-    with torch.no_grad():
-        for group in groups:
-            src = dist.get_global_rank(group, 0)
-            for t in tensors:
-                if t.device.type == "cpu" and _uses_nccl(group):
-                    staged = t.detach().to(device)
-                    dist.broadcast(staged, src=src, group=group)
-                    t.copy_(staged.cpu())
-                else:
-                    dist.broadcast(t.detach(), src=src, group=group)
-
-
-def _uses_nccl(group: Any) -> bool:
-    """Whether ``group`` is an NCCL group (False for CPU backends and process-group doubles)."""
-    try:
-        return dist.get_backend(group) == "nccl"
-    except (RuntimeError, ValueError, AttributeError, TypeError):
-        return False
-
-
-def _compute_device(params: list[nn.Parameter], device_id: torch.device | None, group: Any) -> torch.device:
-    if device_id is not None:
-        return device_id
-    for p in params:
-        if p.device.type not in ("cpu", "meta"):
-            return p.device
-    if torch.cuda.is_available() and _uses_nccl(group):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -267,112 +117,63 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         )
         super().__init__()
         strategy = args.sharding_strategy
-        cpu_offload, backward_prefetch, mixed_precision = args.cpu_offload, args.backward_prefetch, args.mixed_precision
-        sync_module_states, forward_prefetch = args.sync_module_states, args.forward_prefetch
-        limit_all_gathers, use_orig_params = args.limit_all_gathers, args.use_orig_params
-        shard_group, replicate_group = _resolve_groups(strategy, process_group, device_mesh)
+        shard_group, replicate_group = resolve_groups(strategy, process_group, device_mesh)
         if strategy not in HYBRID_STRATEGIES and shard_group.size() == 1 and strategy != ShardingStrategy.NO_SHARD:
             # One rank holds everything: sharding is NO_SHARD (FSDP1 switches the same way).
             strategy = ShardingStrategy.NO_SHARD
 
         ignored_mods, ignored_params = self._ignored(module, ignored_modules, ignored_states)
         if auto_wrap_policy is not None:
-            from engine import wrap  # another module of the engine; imported late to keep import order free
-
+            # Every child gets the root's arguments (checked, in the engine's types), which a
+            # policy may override per child.
             root_kwargs = {
-                "process_group": (shard_group, replicate_group) if strategy in HYBRID_STRATEGIES else shard_group,
+                **args._asdict(),
                 "sharding_strategy": strategy,
-                "cpu_offload": cpu_offload,
-                "backward_prefetch": backward_prefetch,
-                "mixed_precision": mixed_precision,
+                "process_group": (shard_group, replicate_group) if strategy in HYBRID_STRATEGIES else shard_group,
                 "param_init_fn": param_init_fn,
-                "device_id": device_id,
-                "sync_module_states": sync_module_states,
-                "forward_prefetch": forward_prefetch,
-                "limit_all_gathers": limit_all_gathers,
-                "use_orig_params": use_orig_params,
                 "ignored_states": list(ignored_mods) + list(ignored_params),
             }
-            wrap.auto_wrap(module, auto_wrap_policy, FullyShardedDataParallel, ignored_mods, ignored_params, root_kwargs)
+            auto_wrap(module, auto_wrap_policy, FullyShardedDataParallel, ignored_mods, ignored_params, root_kwargs)
 
-        dev_from_id = args.device_id
-        init_device = dev_from_id or (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available() and _uses_nccl(shard_group)
-            else torch.device("cpu")
-        )
-        _materialize(module, param_init_fn, init_device, ignored_mods)
-        if dev_from_id is not None:
-            _move_states(module, dev_from_id, ignored_mods)
-        ignored_ids = {id(p) for p in ignored_params}
-        params = _managed_params(module, ignored_mods, ignored_ids)
-        compute_device = _compute_device(params, dev_from_id, shard_group)
-        if sync_module_states:
+        # Devices as torch FSDP1 decides them: from device_id, the parameters and the current
+        # accelerator device, never from the communication backend.
+        current = current_accelerator_device()
+        materialize(module, param_init_fn, materialization_device(args.device_id, current), ignored_mods)
+        if args.device_id is not None:
+            move_cpu_states(module, args.device_id, ignored_mods)
+        params = managed_params(module, ignored_mods, {id(p) for p in ignored_params})
+        compute_device = choose_compute_device(args.device_id, [p.device for p in params], current)
+        if args.sync_module_states:
             groups = [shard_group] + ([replicate_group] if replicate_group is not None else [])
-            _sync_states(params + managed_buffers(module, ignored_mods), groups, compute_device)
+            sync_states(params + managed_buffers(module, ignored_mods), groups, compute_device)
 
+        config = UnitConfig(
+            strategy=strategy,
+            compute_device=compute_device,
+            shard_group=shard_group,
+            replicate_group=replicate_group,
+            offload_params=args.cpu_offload.offload_params,
+            mixed_precision=args.mixed_precision,
+            use_orig_params=args.use_orig_params,
+            backward_prefetch=args.backward_prefetch,
+            forward_prefetch=args.forward_prefetch,
+            limit_all_gathers=args.limit_all_gathers,
+            use_full_prec_in_eval=full_prec_in_eval_from_env(),
+        )
         self._fsdp_wrapped_module = module
-        self._sharding_strategy = strategy
-        self._use_orig_params = use_orig_params
-        self._cpu_offload = cpu_offload
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
-        self._state_dict_config = FullStateDictConfig()
-        self._optim_state_dict_config = FullOptimStateDictConfig()
-        # FSDP1's public state attributes, read by tools and tests written against it.
-        self.process_group = shard_group
-        self.rank = shard_group.rank()
-        self.world_size = shard_group.size()
-        self.compute_device = compute_device
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        self.mixed_precision = mixed_precision or MixedPrecision()
-        self.cpu_offload = cpu_offload
-        self.limit_all_gathers = limit_all_gathers
-        self._replicate_group = replicate_group
         lifecycle = TrainingLifecycle(type(module).__name__)
         unit: FsdpUnit | None = None
         if params:
-            mp = mixed_precision or MixedPrecision()
-            handle = FlatParamHandle(
-                params,
-                module,
-                compute_device,
-                to_handle_strategy(strategy),
-                cpu_offload.offload_params,
-                mp.param_dtype,
-                mp.reduce_dtype,
-                mp.keep_low_precision_grads,
-                shard_group,
-                use_orig_params,
-            )
+            handle = FlatParamHandle.from_config(params, module, config)
             handle.shard()
             for p in params:
-                setattr(p, _FLATTENED, True)
-            if not use_orig_params:
+                setattr(p, FLATTENED, True)
+            if not config.use_orig_params:
                 module.register_parameter(FLAT_PARAM, handle.flat_param)
-            unit = FsdpUnit(
-                handle,
-                module_name=type(module).__name__,
-                strategy=strategy,
-                process_group=shard_group,
-                replicate_group=replicate_group,
-                offload_params=cpu_offload.offload_params,
-                backward_prefetch=backward_prefetch,
-                forward_prefetch=forward_prefetch,
-                keep_low_precision_grads=mp.keep_low_precision_grads,
-                lifecycle=lifecycle,
-            )
-        #: everything below the public API: the unit, the settings the hooks read, the hooks.
+            unit = FsdpUnit(handle, module_name=type(module).__name__, lifecycle=lifecycle)
+        #: everything below the public API: the configuration, the unit, the hooks.
         self._fsdp_state = ModuleState(
-            wrapper=self,
-            module=module,
-            unit=unit,
-            lifecycle=lifecycle,
-            compute_device=compute_device,
-            mixed_precision=mixed_precision,
-            use_full_prec_in_eval=full_prec_in_eval_from_env(),
-            limit_all_gathers=limit_all_gathers,
-            ignored_modules=ignored_mods,
+            wrapper=self, module=module, config=config, unit=unit, lifecycle=lifecycle, ignored_modules=ignored_mods
         )
         self._register_state_dict_hook(_buffers_in_original_dtype)
         # Registered after the dtype hook, which reads the unconverted (wrapped) names.
@@ -482,6 +283,70 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
     def _ignored_modules(self) -> set[nn.Module]:
         return self._fsdp_state.ignored_modules
 
+    # FSDP1's public state attributes, read by tools and tests written against it; the
+    # configuration is their only owner.
+    @property
+    def process_group(self) -> Any:
+        return self._fsdp_state.config.shard_group
+
+    @property
+    def _replicate_group(self) -> Any:
+        return self._fsdp_state.config.replicate_group
+
+    @property
+    def rank(self) -> int:
+        return self._fsdp_state.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._fsdp_state.world_size
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._fsdp_state.compute_device
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        return self._fsdp_state.config.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self._fsdp_state.config.forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        return self._fsdp_state.config.limit_all_gathers
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._fsdp_state.mixed_precision or MixedPrecision()
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return CPUOffload(offload_params=self._fsdp_state.config.offload_params)
+
+    _cpu_offload = cpu_offload
+
+    @property
+    def _sharding_strategy(self) -> ShardingStrategy:
+        return self._fsdp_state.config.strategy
+
+    @property
+    def _use_orig_params(self) -> bool:
+        return self._fsdp_state.config.use_orig_params
+
+    @property
+    def _state_dict_type(self) -> StateDictType:
+        return self._fsdp_state.state_dict_settings.state_dict_type
+
+    @property
+    def _state_dict_config(self) -> StateDictConfig:
+        return self._fsdp_state.state_dict_settings.state_dict_config
+
+    @property
+    def _optim_state_dict_config(self) -> OptimStateDictConfig:
+        return self._fsdp_state.state_dict_settings.optim_state_dict_config
+
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """Inside ``summon_full_params`` names carry no ``_fsdp_wrapped_module.`` prefix (FSDP1)."""
         clean = self._training_state == TrainingState.SUMMON_FULL_PARAMS
@@ -514,11 +379,23 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return self._sharding_strategy
+        return self._fsdp_state.config.strategy
 
     @property
     def training_state(self) -> TrainingState:
         return self._fsdp_state.lifecycle.state
+
+    def _assert_state(self, state: Any) -> None:
+        """``ValueError`` unless this unit is in ``state`` (or one of a list of them), as torch FSDP1's: torch's
+        own test machinery (``common_fsdp``) calls it with torch's ``TrainingState``, matched by name."""
+        wanted = state if isinstance(state, (list, tuple)) else [state]
+        names = {getattr(s, "name", str(s)) for s in wanted}
+        ours = self.training_state
+        # torch FSDP1 has one state for all of forward and backward; ours tells them apart.
+        aliases = {ours.name} | ({"FORWARD_BACKWARD"} if ours not in (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS) else set())
+        if not aliases & names:
+            raise ValueError(f"expected to be in states {sorted(names)} but the current state is {ours.name} "
+                             f"(unit {self._fsdp_state.lifecycle.owner})")
 
     def _ensure_root(self, what: str) -> RootContext:
         state = self._fsdp_state

@@ -41,9 +41,9 @@ def clip_grad_norm(root: nn.Module, group: Any, ctx: RootContext, max_norm: floa
     for unit in ctx.units:
         handle = unit.handle
         managed.add(id(handle.flat_param))
-        managed.update(id(q) for q in handle._orig_params)
-        if handle._use_orig_params:
-            grads = [q.grad for q in handle._orig_params if q.grad is not None]
+        managed.update(id(q) for q in handle.orig_params)
+        if handle.use_orig_params:
+            grads = [q.grad for q in handle.orig_params if q.grad is not None]
         else:
             grads = [handle.flat_param.grad] if handle.flat_param.grad is not None else []
         (sharded if handle.uses_sharded_strategy else replicated).extend(grads)

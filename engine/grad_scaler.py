@@ -28,11 +28,13 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _uses_nccl(group: dist.ProcessGroup | None) -> bool:
-    try:
-        return dist.get_backend(group) == "nccl"
-    except (RuntimeError, ValueError, AttributeError, TypeError):
-        return False
+def scale_device(device: str) -> torch.device:
+    """The device the scale lives on, and the found-inf flags are combined on (torch's rule: the
+    scaler's own device; an accelerator without an index is its current device)."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def unscale_and_check_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
@@ -142,10 +144,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
         Every rank must issue the same collectives, but ranks may hold gradients on different
         devices (a rank whose shard is empty has none), so the flags are combined locally first
-        and exactly one all-reduce runs, on the device the group communicates from.
+        and exactly one all-reduce runs, on the scaler's device (as torch's scaler reduces there).
         """
-        nccl = _uses_nccl(self.process_group)
-        comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        comm_device = scale_device(self._device)
         combined = torch.zeros((), dtype=torch.float32, device=comm_device)
         for flag in found_per_device.values():
             combined = torch.maximum(combined, flag.to(comm_device, torch.float32).reshape(()))

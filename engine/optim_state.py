@@ -27,7 +27,9 @@ from torch.distributed.tensor import DTensor
 from engine.api import StateDictType
 from engine.flat_param import FlatParameter
 from engine.flat_state import chunk_dtensor, compose_shard, full_tensors, mesh_for, shard_piece, to_full, write_param
-from engine.state_dict_config import clean_fqn, fsdp_states, get_state_dict_type, is_fsdp
+from engine.module_tree import is_fsdp
+from engine.state import ModuleState, fsdp_states
+from engine.state_dict_config import clean_fqn, get_state_dict_type
 
 __all__ = ["ParamRef", "consolidate", "flatten_for_load", "optim_settings", "param_refs"]
 
@@ -38,8 +40,9 @@ class ParamRef(NamedTuple):
     param: Tensor
     #: clean names, one per original parameter (a flat parameter stands for all of its unit's).
     fqns: tuple[str, ...]
-    #: the unit that manages it; None for a parameter no unit manages (ignored modules).
-    state: Any
+    #: the module state of the instance that manages it; None for a parameter no unit manages
+    #: (ignored modules).
+    state: ModuleState | None
     #: indices of those original parameters in the unit's handle.
     indices: tuple[int, ...]
     #: True: the optimizer steps the flat parameter (``use_orig_params=False``).
@@ -57,17 +60,18 @@ def param_refs(model: nn.Module) -> dict[int, ParamRef]:
     raw = {id(p): n for n, p in model.named_parameters()}
     refs: dict[int, ParamRef] = {}
     for name, module in model.named_modules():
-        if not is_fsdp(module) or module._unit is None:
+        if not is_fsdp(module) or module._fsdp_state.unit is None:
             continue
-        handle = module._unit.handle
+        state = module._fsdp_state
+        handle = state.unit.handle
         prefix = clean_fqn(name)
         fqns = [clean_fqn(_join(prefix, e.fqn)) for e in handle.layout.params]
-        if module._unit.use_orig_params:
-            for i, p in enumerate(handle._orig_params):
-                refs[id(p)] = ParamRef(p, (fqns[i],), module, (i,), False, raw.get(id(p), fqns[i]))
+        if handle.use_orig_params:
+            for i, p in enumerate(handle.orig_params):
+                refs[id(p)] = ParamRef(p, (fqns[i],), state, (i,), False, raw.get(id(p), fqns[i]))
         else:
             flat = handle.flat_param
-            refs[id(flat)] = ParamRef(flat, tuple(fqns), module, tuple(range(len(fqns))), True, raw.get(id(flat), ""))
+            refs[id(flat)] = ParamRef(flat, tuple(fqns), state, tuple(range(len(fqns))), True, raw.get(id(flat), ""))
     for name, p in model.named_parameters():
         if id(p) not in refs and not isinstance(p, FlatParameter):
             refs[id(p)] = ParamRef(p, (clean_fqn(name),), None, (), False, name)
@@ -100,9 +104,9 @@ def _is_sharded_tensor_state(value: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------------ consolidate
-def _unit_state(unit_state: Any, refs: list[tuple[int, ParamRef]], osd_state: Mapping[Any, Any], full: bool) -> dict[str, dict[str, Any]]:
+def _unit_state(unit_state: ModuleState, refs: list[tuple[int, ParamRef]], osd_state: Mapping[Any, Any], full: bool) -> dict[str, dict[str, Any]]:
     """Per clean FQN, the consolidated state of one unit's parameters (collective over its group)."""
-    unit = unit_state._unit
+    unit = unit_state.unit
     handle = unit.handle
     n = len(handle.layout.params)
     fqn_of = {i: ref.fqns[k] for _, ref in refs for k, i in enumerate(ref.indices)}
@@ -248,8 +252,8 @@ def _check_osd(
             )
     for fqn, st in osd["state"].items():
         ref, k = by_fqn[fqn]
-        shape = ref.state._unit.handle.layout.params[ref.indices[k]].shape if ref.state is not None else tuple(ref.param.shape)
-        sharded_unit = ref.state is not None and ref.state._unit.handle.uses_sharded_strategy
+        shape = ref.state.unit.handle.layout.params[ref.indices[k]].shape if ref.state is not None else tuple(ref.param.shape)
+        sharded_unit = ref.state is not None and ref.state.config.sharded
         for name, value in st.items():
             if not _is_sharded_tensor_state(value):
                 continue
@@ -281,7 +285,7 @@ def _flat_state(ref: ParamRef, saved: list[Mapping[str, Any] | None]) -> dict[st
             f"optimizer state is missing for {missing[:5]} but present for other parameters of the same "
             "unit: they are stepped together, so save and load them together"
         )
-    handle = ref.state._unit.handle
+    handle = ref.state.unit.handle
     flat = handle.flat_param
     out: dict[str, Any] = {}
     for key, first in present[0].items():
@@ -296,7 +300,7 @@ def _flat_state(ref: ParamRef, saved: list[Mapping[str, Any] | None]) -> dict[st
 
 
 def _orig_state(ref: ParamRef, saved: Mapping[str, Any]) -> dict[str, Any] | None:
-    handle = ref.state._unit.handle if ref.state is not None else None
+    handle = ref.state.unit.handle if ref.state is not None else None
     out: dict[str, Any] = {}
     held = True
     for key, value in saved.items():

@@ -45,7 +45,15 @@ from torch import Tensor
 from torch.autograd import Variable
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from engine.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from engine.api import (
+    BackwardPrefetch,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    StateDictSettings,
+    StateDictType,
+)
+from engine.config import UnitConfig
 from engine.context import AllGatherLimiter, RootContext, Streams
 from engine.dynamo import outside_dynamo
 from engine.lifecycle import TrainingLifecycle, TrainingState
@@ -53,10 +61,7 @@ from engine.module_tree import is_fsdp, managed_buffers
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
 from engine.unit import FsdpUnit, ShardedState, ViewState
 
-__all__ = ["ModuleState", "NO_RESHARD_AFTER_FORWARD", "fsdp_states"]
-
-#: strategies that keep the unsharded parameters from forward to backward.
-NO_RESHARD_AFTER_FORWARD = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+__all__ = ["ModuleState", "fsdp_states"]
 
 
 def fsdp_states(module: nn.Module) -> list["ModuleState"]:
@@ -78,28 +83,26 @@ class ModuleState:
         self,
         wrapper: nn.Module,
         module: nn.Module,
+        config: UnitConfig,
         unit: FsdpUnit | None,
         lifecycle: TrainingLifecycle,
-        compute_device: torch.device,
-        mixed_precision: MixedPrecision | None,
-        use_full_prec_in_eval: bool,
-        limit_all_gathers: bool,
         ignored_modules: set[nn.Module],
     ) -> None:
         #: the public wrapper, as a module: its tree and its ``training`` flag.
         self.wrapper = wrapper
         #: the wrapped module.
         self.module = module
+        #: this instance's configuration (its unit and handle hold the same object).
+        self.config = config
         #: None for an instance with no parameters of its own.
         self.unit = unit
         #: the one owner of this instance's training state (the unit holds the same object).
         self.lifecycle = lifecycle
-        self.compute_device = compute_device
-        self.mixed_precision = mixed_precision
-        #: FSDP_USE_FULL_PREC_IN_EVAL=1 at construction: in eval mode, ignore mixed precision.
-        self.use_full_prec_in_eval = use_full_prec_in_eval
-        self.limit_all_gathers = limit_all_gathers
         self.ignored_modules = ignored_modules
+        #: which state dict ``state_dict()`` produces (set for the whole tree by ``set_state_dict_type``).
+        self.state_dict_settings = StateDictSettings(
+            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+        )
         #: None until the first forward (or utility) decides; then whether this is the root.
         self.is_root: bool | None = None
         #: shared with every instance of the root's tree at lazy init.
@@ -108,6 +111,32 @@ class ModuleState:
         self.sync_gradients = True
         #: root only: every instance of its tree (itself first), those without parameters too.
         self.tree: list[ModuleState] = []
+
+    # The configuration's fields the hooks read.
+    @property
+    def compute_device(self) -> torch.device:
+        return self.config.compute_device
+
+    @property
+    def mixed_precision(self) -> MixedPrecision | None:
+        return self.config.mixed_precision
+
+    @property
+    def use_full_prec_in_eval(self) -> bool:
+        return self.config.use_full_prec_in_eval
+
+    @property
+    def process_group(self) -> Any:
+        """The shard group."""
+        return self.config.shard_group
+
+    @property
+    def rank(self) -> int:
+        return self.config.shard_group.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.config.shard_group.size()
 
     # ------------------------------------------------------------------ lazy init
     @outside_dynamo
@@ -125,7 +154,7 @@ class ModuleState:
         ctx = RootContext(
             device=device,
             streams=Streams.for_device(device),
-            limiter=AllGatherLimiter(enabled=self.limit_all_gathers and device.type == "cuda"),
+            limiter=AllGatherLimiter(enabled=self.config.limit_all_gathers and device.type == "cuda"),
             units=[s.unit for s in states if s.unit is not None],
             finish_backward=self.finish_backward,
         )
@@ -232,7 +261,7 @@ class ModuleState:
             )
             if free:
                 unit.reshard(ctx)
-            elif unit.use_orig_params and not (grad_enabled and unit.strategy in NO_RESHARD_AFTER_FORWARD):
+            elif unit.use_orig_params and not (grad_enabled and unit.config.sharded and not unit.reshard_after_forward):
                 # Kept unsharded for backward (the root, NO_SHARD): the original parameters still
                 # show the shard between forward and backward, as FSDP1's; with CPU offload that
                 # is the CPU. SHARD_GRAD_OP keeps the compute views, which backward must find

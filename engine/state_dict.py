@@ -37,7 +37,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 from engine.api import StateDictType
 from engine.flat_param import FlatParameter, FlatParamHandle
 from engine.flat_state import chunk_dtensor, full_tensors, mesh_for, to_full, write_param
-from engine.state_dict_config import FLAT_PARAM, FSDP_PREFIX, clean_fqn, effective_settings, fsdp_states, is_fsdp
+from engine.module_tree import is_fsdp
+from engine.state import ModuleState, fsdp_states
+from engine.state_dict_config import FLAT_PARAM, FSDP_PREFIX, clean_fqn, effective_settings
 from engine.unit import TrainingState, ViewState
 
 __all__ = ["load_model_state_dict", "post_state_dict_hook"]
@@ -50,30 +52,30 @@ def _join(prefix: str, name: str) -> str:
 def _param_index_by_name(handle: FlatParamHandle) -> dict[str, int]:
     """Every registered name of the handle's parameters (tied ones too) -> index of the original."""
     index = {e.fqn: i for i, e in enumerate(handle.layout.params)}
-    for info in handle._shared_param_infos:
+    for info in handle.shared_param_infos:
         index[_join(info.module_name, info.param_name)] = index[_join(info.prim_module_name, info.prim_param_name)]
     return index
 
 
-def _check_idle(state: Any, what: str) -> None:
-    unit = state._unit
+def _check_idle(state: ModuleState, what: str) -> None:
+    unit = state.unit
     busy = unit is not None and unit.training_state != TrainingState.IDLE
-    if busy or state._training_state != TrainingState.IDLE:
+    if busy or state.lifecycle.state != TrainingState.IDLE:
         raise RuntimeError(
             f"{what} cannot run during forward, backward or summon_full_params (unit wrapping "
             f"{type(state.module).__name__}): call it between iterations"
         )
 
 
-def _adopt_user_edits(state: Any) -> None:
+def _adopt_user_edits(state: ModuleState) -> None:
     """With ``use_orig_params`` the shard is authoritative only after edits to the original
     parameters are written back (the runtime does this before each forward)."""
-    unit = state._unit
+    unit = state.unit
     if unit is not None and unit.use_orig_params and unit.view_state == ViewState.SHARDED:
         unit.writeback()
 
 
-def _own_buffer_names(state: Any) -> set[str]:
+def _own_buffer_names(state: ModuleState) -> set[str]:
     """Names (relative to the wrapped module) of the persistent buffers this unit manages."""
     names: set[str] = set()
 
@@ -89,9 +91,9 @@ def _own_buffer_names(state: Any) -> set[str]:
     return names
 
 
-def _local_value(state: Any) -> ShardedTensor:
+def _local_value(state: ModuleState) -> ShardedTensor:
     """This rank's flat shard without right padding, as torch FSDP1's ``ShardedTensor`` (a view)."""
-    flat = state._unit.handle.flat_param
+    flat = state.unit.handle.flat_param
     valid = flat.numel() - flat._shard_numel_padded
     shards = []
     if valid > 0:
@@ -99,16 +101,17 @@ def _local_value(state: Any) -> ShardedTensor:
         # for any shard group other than the world, e.g. hybrid sharding).
         owner = dist.get_global_rank(state.process_group, state.rank)
         shards = [Shard.from_tensor_and_offsets(flat.detach()[:valid].view(valid), [flat.numel() * state.rank], owner)]
-    return init_from_local_shards(shards, state._unit.handle.layout.total_numel, process_group=state.process_group)
+    return init_from_local_shards(shards, state.unit.handle.layout.total_numel, process_group=state.process_group)
 
 
 @torch.no_grad()
-def post_state_dict_hook(state: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def post_state_dict_hook(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """Turn the ``nn.Module`` state dict of one unit's subtree into the active type (in place)."""
+    state: ModuleState = wrapper._fsdp_state
     _check_idle(state, "state_dict()")
     sd_type, config = effective_settings(state, warn=True)
     inner = prefix + FSDP_PREFIX
-    unit = state._unit
+    unit = state.unit
     own_params: dict[str, int] = {}
     values: list[Any] = []
     if unit is not None:
@@ -161,7 +164,7 @@ class _Target(NamedTuple):
     #: "param" (an original parameter of ``state``), "flat" (a unit's local shard), "tensor"
     #: (a buffer or a parameter no unit manages).
     kind: str
-    state: Any
+    state: ModuleState | None
     #: index of the original parameter in its handle; -1 otherwise.
     index: int
     #: False for the second name of a tied parameter (loaded once, under its first name).
@@ -174,21 +177,22 @@ def _targets(root: nn.Module) -> list[_Target]:
     managed: set[int] = set()
     targets: list[_Target] = []
     for name, module in root.named_modules():
-        if not is_fsdp(module) or module._unit is None:
+        if not is_fsdp(module) or module._fsdp_state.unit is None:
             continue
-        handle = module._unit.handle
+        state = module._fsdp_state
+        handle = state.unit.handle
         managed.add(id(handle.flat_param))
-        managed.update(id(p) for p in (*handle._orig_params, *handle._shared_orig_params))
+        managed.update(id(p) for p in (*handle.orig_params, *handle.shared_orig_params))
         prefix = clean_fqn(name)
-        sd_type, _ = effective_settings(module)
+        sd_type, _ = effective_settings(state)
         if sd_type == StateDictType.LOCAL_STATE_DICT:
-            targets.append(_Target(_join(prefix, FLAT_PARAM), "flat", module, -1, True, None, (handle.layout.total_numel,)))
+            targets.append(_Target(_join(prefix, FLAT_PARAM), "flat", state, -1, True, None, (handle.layout.total_numel,)))
             continue
         seen: set[int] = set()
         for param_name, i in _param_index_by_name(handle).items():
             entry = handle.layout.params[i]
             key = clean_fqn(_join(prefix, param_name))
-            targets.append(_Target(key, "param", module, i, i not in seen, None, entry.shape))
+            targets.append(_Target(key, "param", state, i, i not in seen, None, entry.shape))
             seen.add(i)
     for name, module in root.named_modules():
         for pname, p in module._parameters.items():
@@ -252,7 +256,7 @@ def _check_shapes(targets: list[_Target], state_dict: Mapping[str, Any]) -> None
         if not isinstance(value, Tensor):
             raise TypeError(f"state_dict[{t.key!r}] is a {type(value).__name__}; expected a tensor")
         if t.kind == "flat":
-            flat = t.state._unit.handle.flat_param
+            flat = t.state.unit.handle.flat_param
             valid = flat.numel() - flat._shard_numel_padded
             if isinstance(value, ShardedTensor):
                 if tuple(value.size()) != t.shape:
@@ -298,7 +302,7 @@ def load_model_state_dict(root: nn.Module, state_dict: Mapping[str, Any], strict
         _check_idle(s, "load_state_dict()")
     for s in states:
         _adopt_user_edits(s)
-    active = states[0]._state_dict_type if states else StateDictType.FULL_STATE_DICT
+    active = states[0].state_dict_settings.state_dict_type if states else StateDictType.FULL_STATE_DICT
     targets = _targets(root)
     _check_formats(targets, state_dict, active)
     expected = {t.key for t in targets}
@@ -318,16 +322,16 @@ def load_model_state_dict(root: nn.Module, state_dict: Mapping[str, Any], strict
         for t in targets:
             if t.key not in state_dict or not t.primary or t.kind == "tensor":
                 continue
-            flat = t.state._unit.handle.flat_param
+            flat = t.state.unit.handle.flat_param
             if t.kind == "flat":
                 new_flats[id(t.state)] = (t.state, _local_shard(state_dict[t.key], flat.detach()))
                 continue
             _, new = new_flats.setdefault(id(t.state), (t.state, flat.detach().clone()))
-            write_param(t.state._unit.handle, t.index, to_full(state_dict[t.key]).to(new.dtype), new)
+            write_param(t.state.unit.handle, t.index, to_full(state_dict[t.key]).to(new.dtype), new)
         tensors = [(t.tensor, to_full(state_dict[t.key])) for t in targets if t.kind == "tensor" and t.key in state_dict]
 
         for state, new in new_flats.values():
-            unit = state._unit
+            unit = state.unit
             unit.handle.flat_param.data.copy_(new)
             if unit.view_state == ViewState.SHARDED:
                 # An unsharded copy made before the load is stale (the next unshard re-gathers).

@@ -1,24 +1,24 @@
 """Which state dict the units produce: ``set_state_dict_type``/``get_state_dict_type`` and their context.
 
-Every unit of a tree records the same :class:`~engine.api.StateDictType` and configurations;
-the state-dict code (:mod:`engine.state_dict`, :mod:`engine.optim_state`) reads them from the unit.
-Torch's own enum and configuration objects are accepted too (converted by name and fields), so code
-written against ``torch.distributed.fsdp`` drives this engine unchanged.
+Every instance of a tree records the same :class:`~engine.api.StateDictSettings` in its module state
+(``ModuleState.state_dict_settings``); the state-dict code (:mod:`engine.state_dict`,
+:mod:`engine.optim_state`) reads them there. Torch's own enum and configuration objects are accepted
+too (converted by name and fields, :mod:`engine.arguments`), so code written against
+``torch.distributed.fsdp`` drives this engine unchanged.
 
-This module also holds what the state-dict modules share about a wrapper without importing it: the
-:class:`FsdpState` protocol, how to find every unit under a module, and clean parameter names.
+This module also holds what the state-dict modules share: clean parameter names and the names the
+wrapper adds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
-import torch.distributed as dist
 import torch.nn as nn
 
-from engine.arguments import as_state_dict_type
+from engine.arguments import as_dataclass, as_state_dict_type
 from engine.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -32,15 +32,13 @@ from engine.api import (
     StateDictSettings,
     StateDictType,
 )
-from engine.unit import FsdpUnit
+from engine.state import ModuleState, fsdp_states
 
 __all__ = [
     "FSDP_PREFIX",
     "FLAT_PARAM",
-    "FsdpState",
     "clean_fqn",
     "effective_settings",
-    "fsdp_states",
     "get_state_dict_type",
     "set_state_dict_type",
     "state_dict_type",
@@ -64,53 +62,21 @@ _OPTIM_CONFIGS: dict[StateDictType, type[OptimStateDictConfig]] = {
 }
 
 
-class FsdpState(Protocol):
-    """What the state-dict code reads of a ``FullyShardedDataParallel`` instance."""
-
-    _unit: FsdpUnit | None
-    _sharding_strategy: ShardingStrategy
-    _state_dict_type: StateDictType
-    _state_dict_config: StateDictConfig
-    _optim_state_dict_config: OptimStateDictConfig
-    _ignored_modules: set[nn.Module]
-    _is_root: bool | None
-    process_group: dist.ProcessGroup
-    rank: int
-    world_size: int
-
-    @property
-    def module(self) -> nn.Module: ...
-
-
-def is_fsdp(module: nn.Module) -> bool:
-    return getattr(type(module), "_is_fsdp_unit", False)
-
-
-def fsdp_states(module: nn.Module) -> list[Any]:
-    """Every unit in ``module``'s tree, in module order (``module`` first if it is one)."""
-    return [m for m in module.modules() if is_fsdp(m)]
-
-
 def clean_fqn(name: str) -> str:
     """``name`` without the wrappers' segments, as torch FSDP1's clean names."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
-def _as_state_dict_type(value: Any) -> StateDictType:
-    # One rule for every enum argument of the engine (ours or torch FSDP1's member).
-    return as_state_dict_type(value)
-
-
 def _convert_config(config: Any, expected: type, what: str) -> Any:
-    """``config`` as an instance of our ``expected`` class; torch's classes of the same name are
-    converted field by field (duck typing)."""
+    """``config`` as an instance of our ``expected`` class (torch's class of the same name is
+    converted); another configuration class is torch FSDP1's ``RuntimeError``."""
     if config is None:
         return expected()
-    if type(config) is expected:
-        return config
-    if type(config).__name__ == expected.__name__:
-        fields = {f: getattr(config, f) for f in expected.__dataclass_fields__ if hasattr(config, f)}
-        return expected(**fields)
+    try:
+        return as_dataclass(config, expected, what)
+    except ValueError:
+        if type(config).__name__ == expected.__name__:
+            raise
     raise RuntimeError(
         f"Expected {what} of type {expected.__name__} but got {type(config).__name__}: pass the "
         "configuration class that matches the state_dict_type"
@@ -124,15 +90,13 @@ def set_state_dict_type(
     optim_state_dict_config: Any = None,
 ) -> StateDictSettings:
     """Set the type and configurations on every unit under ``module``; returns the previous ones."""
-    sd_type = _as_state_dict_type(state_dict_type)
+    sd_type = as_state_dict_type(state_dict_type)
     sd_config = _convert_config(state_dict_config, _MODEL_CONFIGS[sd_type], "state_dict_config")
     osd_config = _convert_config(optim_state_dict_config, _OPTIM_CONFIGS[sd_type], "optim_state_dict_config")
     states = fsdp_states(module)
     previous = _common_settings(states) if states else None
     for s in states:
-        s._state_dict_type = sd_type
-        s._state_dict_config = sd_config
-        s._optim_state_dict_config = osd_config
+        s.state_dict_settings = StateDictSettings(sd_type, sd_config, osd_config)
     if previous is None:
         return StateDictSettings(sd_type, sd_config, osd_config)
     return previous
@@ -148,10 +112,10 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     return _common_settings(states)
 
 
-def _common_settings(states: list[Any]) -> StateDictSettings:
-    first = StateDictSettings(states[0]._state_dict_type, states[0]._state_dict_config, states[0]._optim_state_dict_config)
+def _common_settings(states: list[ModuleState]) -> StateDictSettings:
+    first = states[0].state_dict_settings
     for s in states[1:]:
-        other = StateDictSettings(s._state_dict_type, s._state_dict_config, s._optim_state_dict_config)
+        other = s.state_dict_settings
         if other != first:
             raise AssertionError(
                 f"All FSDP modules must have the same state dict settings; got {other} and {first}: "
@@ -169,20 +133,20 @@ def state_dict_type(
 ) -> Iterator[None]:
     """``set_state_dict_type`` for the duration; the previous settings come back in ``finally``."""
     states = fsdp_states(module)
-    saved = [(s._state_dict_type, s._state_dict_config, s._optim_state_dict_config) for s in states]
+    saved = [s.state_dict_settings for s in states]
     set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
     try:
         yield
     finally:
-        for s, (t, c, o) in zip(states, saved):
-            s._state_dict_type, s._state_dict_config, s._optim_state_dict_config = t, c, o
+        for s, settings in zip(states, saved):
+            s.state_dict_settings = settings
 
 
-def effective_settings(state: Any, warn: bool = False) -> tuple[StateDictType, Any]:
+def effective_settings(state: ModuleState, warn: bool = False) -> tuple[StateDictType, Any]:
     """The type and model configuration ``state`` produces: NO_SHARD units give full state dicts
     for the sharded and local types (torch FSDP1 does the same, with the same warning)."""
-    sd_type, config = state._state_dict_type, state._state_dict_config
-    if state._sharding_strategy == ShardingStrategy.NO_SHARD and sd_type != StateDictType.FULL_STATE_DICT:
+    sd_type, config = state.state_dict_settings.state_dict_type, state.state_dict_settings.state_dict_config
+    if state.config.strategy == ShardingStrategy.NO_SHARD and sd_type != StateDictType.FULL_STATE_DICT:
         if not warn:
             return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
         warnings.warn(

@@ -145,7 +145,7 @@ def _summon_state(
 
 
 def _registered_params(handle) -> list[nn.Parameter]:
-    return [info.module._parameters[info.param_name] for info in handle._param_infos]
+    return [info.module._parameters[info.param_name] for info in handle.param_infos]
 
 
 def _write_back(unit: FsdpUnit, full: Tensor) -> None:
@@ -174,9 +174,7 @@ def _write_back(unit: FsdpUnit, full: Tensor) -> None:
 
 def _snapshot_attrs(handle) -> list[tuple[nn.Module, str, bool, object]]:
     """``(module, name, registered as parameter, object)`` of every original parameter attribute."""
-    infos = [(i.module, i.param_name) for i in handle._param_infos] + [
-        (i.module, i.param_name) for i in handle._shared_param_infos
-    ]
+    infos = [(i.module, i.param_name) for i in (*handle.param_infos, *handle.shared_param_infos)]
     out = []
     for module, name in infos:
         if name in module._parameters:
@@ -188,7 +186,7 @@ def _snapshot_attrs(handle) -> list[tuple[nn.Module, str, bool, object]]:
 
 def _restore_views(unit: FsdpUnit, prior: ViewState, snapshot: list[tuple[nn.Module, str, bool, object]]) -> None:
     handle = unit.handle
-    if prior == ViewState.SHARDED and handle._use_orig_params:
+    if prior == ViewState.SHARDED and handle.use_orig_params:
         handle.use_sharded_views()
         return
     # Compute views a pending backward expects, or (use_orig_params=False) the plain attributes

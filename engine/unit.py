@@ -4,8 +4,9 @@ A unit is what one ``FullyShardedDataParallel`` instance manages: one all-gather
 one gradient reduction after backward. :class:`FsdpUnit` changes its unsharded buffer only
 through :meth:`unshard` / :meth:`wait_unshard` / :meth:`reshard` (which assert the current
 :class:`ShardedState`) and reduces gradients in :meth:`reduce_grad`. Its training state is its
-instance's :class:`~engine.lifecycle.TrainingLifecycle` (one object, held by both). Hooks and
-ordering live in :mod:`engine.state`; communication in :mod:`engine.collectives`.
+instance's :class:`~engine.lifecycle.TrainingLifecycle` (one object, held by both), its settings
+its instance's :class:`~engine.config.UnitConfig` (the handle's). Hooks and ordering live in
+:mod:`engine.state`; communication in :mod:`engine.collectives`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engine import collectives, comm_hooks
-from engine.api import HYBRID_STRATEGIES, BackwardPrefetch, ShardingStrategy
+from engine.api import BackwardPrefetch, ShardingStrategy
+from engine.config import UnitConfig
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
 from engine.lifecycle import TrainingLifecycle, TrainingState
@@ -72,32 +74,12 @@ def offloaded_placement_error(
 class FsdpUnit:
     """A handle plus the communication state around it."""
 
-    def __init__(
-        self,
-        handle: FlatParamHandle,
-        module_name: str,
-        strategy: ShardingStrategy,
-        process_group: dist.ProcessGroup,
-        replicate_group: dist.ProcessGroup | None,
-        offload_params: bool,
-        backward_prefetch: BackwardPrefetch | None,
-        forward_prefetch: bool,
-        keep_low_precision_grads: bool,
-        lifecycle: TrainingLifecycle | None = None,
-    ) -> None:
+    def __init__(self, handle: FlatParamHandle, module_name: str, lifecycle: TrainingLifecycle | None = None) -> None:
         self.handle = handle
+        #: the instance's configuration, shared with its module state and its handle.
+        self.config: UnitConfig = handle.config
         #: class and position of the wrapped module, for error messages.
         self.module_name = module_name
-        self.strategy = strategy
-        self.process_group = process_group
-        #: hybrid strategies only: the group the reduced shard is all-reduced across.
-        self.replicate_group = replicate_group if strategy in HYBRID_STRATEGIES else None
-        self.offload_params = offload_params
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        self.keep_low_precision_grads = keep_low_precision_grads
-        #: FULL_SHARD and HYBRID_SHARD free the unsharded parameters after forward.
-        self.reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
         #: the training state of the instance this unit belongs to (its owner's object, shared).
         self.lifecycle = lifecycle if lifecycle is not None else TrainingLifecycle(module_name)
@@ -133,7 +115,41 @@ class FsdpUnit:
 
     @property
     def use_orig_params(self) -> bool:
-        return self.handle._use_orig_params
+        return self.config.use_orig_params
+
+    # The settings the runtime reads, under the names the hooks use.
+    @property
+    def strategy(self) -> ShardingStrategy:
+        return self.config.strategy
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.config.shard_group
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """Hybrid strategies only: the group the reduced shard is all-reduced across."""
+        return self.config.replicate_group
+
+    @property
+    def offload_params(self) -> bool:
+        return self.config.offload_params
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        return self.config.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self.config.forward_prefetch
+
+    @property
+    def keep_low_precision_grads(self) -> bool:
+        return self.config.keep_low_precision_grads
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.config.reshard_after_forward
 
     @torch.no_grad()
     def lazy_init(self, post_backward: Callable[[Tensor], None]) -> None:
@@ -173,7 +189,7 @@ class FsdpUnit:
         them at its first forward; later they legitimately show compute views between the hooks."""
         found = self.handle.flat_param.device
         if original_params and self.use_orig_params and found.type == "cpu":
-            moved = next((p.device for p in self.handle._orig_params if p.device.type != "cpu"), None)
+            moved = next((p.device for p in self.handle.orig_params if p.device.type != "cpu"), None)
             found = moved if moved is not None else found
         error = offloaded_placement_error(self.offload_params, found, self.module_name, self.device)
         if error is not None:
@@ -260,6 +276,8 @@ class FsdpUnit:
         self.view_state = ViewState.SHARDED
 
     def use_compute_views(self) -> None:
+        # torch FSDP1's name for the switch: PyTorch's FSDP tests (ported in the seed suites) patch it on
+        # the handle class of either engine.
         self.handle._use_unsharded_views(as_params=False)
         self.view_state = ViewState.COMPUTE
 

@@ -46,6 +46,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 import torch.nn as nn
 
+from engine.module_tree import FSDP_MARKER, is_fsdp
+
 __all__ = [
     "FSDP_UNIT_MARKER",
     "CustomPolicy",
@@ -63,7 +65,7 @@ __all__ = [
 
 #: Class attribute (set to ``True``) by which any wrapper class marks its instances as units, so
 #: that an already-wrapped module is recognised even when another wrapper class is auto-wrapping.
-FSDP_UNIT_MARKER = "_is_fsdp_unit"
+FSDP_UNIT_MARKER = FSDP_MARKER
 
 
 class WrapperClass(Protocol):
@@ -74,7 +76,7 @@ class WrapperClass(Protocol):
 
 def is_wrapped_unit(module: nn.Module, wrapper_cls: Any = None) -> bool:
     """Whether ``module`` is already a unit: an instance of ``wrapper_cls`` or of a marked class."""
-    if getattr(type(module), FSDP_UNIT_MARKER, False):
+    if is_fsdp(module):
         return True
     return isinstance(wrapper_cls, type) and isinstance(module, wrapper_cls)
 

@@ -63,8 +63,6 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if not _WRAPPER_SEGMENT.match(part))
 
 
-
-
 @dataclass
 class ParamSlice:
     """A contiguous piece of one original parameter, flattened: elements ``[start, start + numel)``."""
@@ -318,15 +316,16 @@ _FSDP1_PREFETCH = {"none": None, "pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
 class FSDP1Adapter(EngineAdapter):
     """An engine with torch FSDP1's public API, from the namespace ``module_name``."""
 
-    def __init__(
-        self, name: str, module_name: str, *, offload_needs_accelerator: bool = False,
-        accumulates_with_offload: bool = True,
-    ) -> None:
+    def __init__(self, name: str, module_name: str, *, offload_needs_accelerator: bool = False,
+                 offloaded_summon_needs_nccl: bool = False, accumulates_with_offload: bool = True) -> None:
         self.name = name
         self.module_name = module_name
         self.fsdp1_module = module_name
         #: torch FSDP1 pins the offloaded shards' host memory, which needs an accelerator.
         self.offload_needs_accelerator = offload_needs_accelerator
+        #: torch FSDP1 with CPU offload breaks its next all-gather after ``summon_full_params(offload_to_cpu=True)``
+        #: on gloo with CUDA tensors (ranks sharing a GPU): suites/harness/test_shared_gpu_limits.py.
+        self.offloaded_summon_needs_nccl = offloaded_summon_needs_nccl
         #: False for torch FSDP1 (``FSDP1_OFFLOAD_ACCUMULATION_RULE``).
         self.accumulates_with_offload = accumulates_with_offload
         self._ns: FSDP1Namespace | None = None
@@ -421,6 +420,12 @@ class FSDP1Adapter(EngineAdapter):
         if summon is not None and (case.sharding_strategy == "no_shard" or model.rank_local_modules()
                                    or (ctx.world_size == 1 and not is_hybrid(case.sharding_strategy))):
             missing["summon_offload_to_cpu"] = "FSDP1's summon_full_params refuses offload_to_cpu=True where a unit runs NO_SHARD"
+        if (summon is not None and self.offloaded_summon_needs_nccl and case.cpu_offload and ctx.device_type == "cuda"
+                and ctx.backend == "gloo" and "summon_offload_to_cpu" not in missing):
+            missing["summon_offload_to_cpu"] = (
+                f"{self.name} with CPU offload fails its next all-gather after summon_full_params(offload_to_cpu=True) on "
+                "gloo with CUDA tensors, as ranks sharing a GPU run ('Output 0 of SplitBackward0 is a view and is being "
+                "modified inplace'); observed with one GPU per rank (NCCL)")
         if no_sync is None:
             missing["no_sync"] = f"{self.name} has no no_sync"
         return EngineUtilities(None if summon is None else functools.partial(summon, root),

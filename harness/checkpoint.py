@@ -10,7 +10,9 @@ Each engine family is driven through its own public checkpoint API, as a user wo
   optimizer's own ``state_dict()`` per rank (it holds the flat shards' state, which only the same
   engine at the same world size can take back).
 - FSDP2 (``torch-fsdp2``): ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` and
-  ``get_optimizer_state_dict``, full or sharded) with DCP for the sharded files; it has no local type.
+  ``get_optimizer_state_dict`` in their sharded form; a full checkpoint is gathered from it and split
+  back with plain collectives, ``engine.dtensors``, since the helpers' own full form crashes on gloo
+  with CUDA tensors) with DCP for the sharded files; it has no local type.
 - a plain ``nn.Module`` (the 1-rank end of a reshard): the same DCP helpers, loading without a
   process group.
 
@@ -36,7 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from engine.dtensors import distribute, full_tensor
 from harness.adapters import EngineAdapter, FSDP1Adapter
 from harness.fsdp2_adapter import FSDP2Adapter
 from harness.optim import init_optimizer_state
@@ -200,10 +204,37 @@ def _fsdp1_apply(
 # DCP state-dict helpers (FSDP2 and plain modules)
 
 
-def _dsd_options(kind: str, **extra: Any) -> Any:
+def _sharded_options() -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=kind == "full", cpu_offload=kind == "full", **extra)
+    # Always the sharded (DTensor) form: the helpers' full_state_dict gathers and scatters through
+    # functional collectives, which crash on gloo with CUDA tensors (ranks sharing a GPU); "full" state
+    # is gathered and split here with plain collectives instead (engine.dtensors).
+    return StateDictOptions(full_state_dict=False)
+
+
+def _gathered(tree: Any) -> Any:
+    """``tree`` with every ``DTensor`` replaced by its full tensor on the CPU (collective, in tree order)."""
+    if isinstance(tree, dict):
+        return {k: _gathered(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_gathered(v) for v in tree]
+    if isinstance(tree, DTensor):
+        return full_tensor(tree).cpu()
+    return tree
+
+
+def _split_like(tree: Any, like: Any) -> Any:
+    """A full-tensor ``tree`` laid out as ``like`` (the module's own sharded state): each tensor whose
+    counterpart is a ``DTensor`` becomes this rank's piece of it, on that ``DTensor``'s device."""
+    if isinstance(tree, dict) and isinstance(like, dict):
+        return {k: _split_like(v, like[k]) if k in like else v for k, v in tree.items()}
+    if isinstance(tree, list) and isinstance(like, list) and len(tree) == len(like):
+        return [_split_like(v, w) for v, w in zip(tree, like)]
+    if isinstance(like, DTensor) and isinstance(tree, torch.Tensor) and not isinstance(tree, DTensor):
+        local = like.to_local()
+        return distribute(tree.to(device=local.device, dtype=local.dtype), like.device_mesh, like.placements)
+    return tree
 
 
 def _dsd_state(module: nn.Module, optimizer: torch.optim.Optimizer, kind: str) -> dict[str, Any]:
@@ -211,15 +242,25 @@ def _dsd_state(module: nn.Module, optimizer: torch.optim.Optimizer, kind: str) -
 
     if kind == "local":
         raise ValueError("torch-fsdp2 has no LOCAL state dict")
-    options = _dsd_options(kind)
-    return {"model": get_model_state_dict(module, options=options),
-            "optim": get_optimizer_state_dict(module, optimizer, options=options)}
+    options = _sharded_options()
+    state = {"model": get_model_state_dict(module, options=options),
+             "optim": get_optimizer_state_dict(module, optimizer, options=options)}
+    return _gathered(state) if kind == "full" else state
 
 
 def _dsd_apply(module: nn.Module, optimizer: torch.optim.Optimizer, kind: str, state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    options = _dsd_options(kind)
+    options = _sharded_options()
+    if kind == "full":
+        like = {"model": get_model_state_dict(module, options=options),
+                "optim": get_optimizer_state_dict(module, optimizer, options=options)}
+        state = _split_like(state, like)
     set_model_state_dict(module, state["model"], options=options)
     set_optimizer_state_dict(module, optimizer, state["optim"], options=options)
 

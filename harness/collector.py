@@ -33,14 +33,17 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.case import CaseConfig
 from harness.records import CaseRecord, RunInfo
+
+if TYPE_CHECKING:
+    from harness.placement import Lane
 
 #: how many characters of an unreadable line a ``BadLine`` keeps: enough to recognise the case.
 BAD_LINE_HEAD = 200
@@ -154,13 +157,21 @@ def _git_rev(repo_dir: Path) -> str | None:
     return rev + ("-dirty" if dirty else "") if rev else None
 
 
-def run_info(backend: str, run_id: str | None = None) -> RunInfo:
-    """Facts about this run: host, torch version, GPU and NCCL version (on CUDA), git revision."""
+def run_info(lanes: "Sequence[Lane] | str", run_id: str | None = None) -> RunInfo:
+    """Facts about this run: where its pools run (backend, device, ranks per GPU of ``lanes``; a plain
+    backend name means CPU ranks), host, torch version, GPU and NCCL version (on CUDA), git revision."""
     import torch  # lazily: readers of results files must not need torch
 
+    from harness.placement import Lane
+
+    if isinstance(lanes, str):
+        lanes = [Lane(1, name, None) for name in lanes.split(",")]
+    backend = ",".join(sorted({lane.backend for lane in lanes})) or "gloo"
+    device = ",".join(sorted({lane.device for lane in lanes})) or "cpu"
+    per_gpu = [lane.ranks_per_gpu for lane in lanes if lane.ranks_per_gpu is not None]
     gpu: str | None = None
     nccl: str | None = None
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and "cuda" in device:
         gpu = torch.cuda.get_device_name(0)
         try:
             version = torch.cuda.nccl.version()
@@ -175,6 +186,8 @@ def run_info(backend: str, run_id: str | None = None) -> RunInfo:
         gpu=gpu,
         nccl_version=nccl,
         git_rev=_git_rev(Path(__file__).resolve().parent.parent),
+        device=device,
+        ranks_per_gpu=max(per_gpu) if per_gpu else None,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from engine.dtensors import chunk_rows, full_tensor
 from harness.adapters import (
     EngineAdapter,
     EngineFacts,
@@ -184,10 +185,8 @@ def _dtensor_rows(p: Any) -> tuple[int, int]:
     coordinate = mesh.get_coordinate()
     for mesh_dim, placement in enumerate(placements):
         if placement.is_shard() and getattr(placement, "dim", 0) == 0:
-            n = mesh.size(mesh_dim)
-            chunk = math.ceil(rows / n) if rows else 0
-            start = min(coordinate[mesh_dim] * chunk, rows)
-            first, rows = first + start, min(chunk, rows - start)
+            start, rows = chunk_rows(rows, mesh.size(mesh_dim), coordinate[mesh_dim])
+            first += start
     return first, rows
 
 
@@ -212,7 +211,8 @@ def _fsdp2_full_params(model: nn.Module) -> list[ParamSlice]:
     shards: list[ParamSlice] | None = None
     for name, p in model.named_parameters():
         if hasattr(p, "full_tensor") and p.to_local().device.type == p.device_mesh.device_type:
-            out.append(ParamSlice.full(canonical_name(name), p.full_tensor()))
+            # Plain all-gathers, not p.full_tensor(): functional collectives crash on gloo with CUDA tensors.
+            out.append(ParamSlice.full(canonical_name(name), full_tensor(p)))
         else:
             # Offloaded shards live on CPU while the mesh is on the GPU: compare the shard itself.
             shards = _dtensor_slices(model, "param") if shards is None else shards

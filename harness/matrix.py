@@ -105,7 +105,6 @@ LOOP_AXES: tuple[str, ...] = ("optimizer", "clip_grad", "grad_accum", "activatio
 LOOP_SLICE: dict[str, list[Any]] = {axis: WIDE_AXES[axis] for axis in LOOP_AXES}
 
 
-
 #: The constraints every engine meets (FSDP's own), whatever the engine. Each reason names the behaviour
 #: that makes it invalid; what one engine cannot express is on its adapter (``engine_rules``).
 RULES: tuple[Rule, ...] = (

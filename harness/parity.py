@@ -68,6 +68,7 @@ from harness.stress import unsupported_reason as stress_unsupported_reason
 from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
 from harness.resume import run_resumed
+from harness.stacks import portable_paths
 from harness.training import ACCUMULATE, fresh_model, mark_phase, train
 
 __all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
@@ -433,13 +434,13 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
     if outcome.status != "ok":
         detail: dict[str, Any] = {}
         if outcome.errors:
-            detail["tracebacks"] = {str(r): e.traceback for r, e in outcome.errors.items()}
+            detail["tracebacks"] = {str(r): portable_paths(e.traceback) for r, e in outcome.errors.items()}
         if outcome.stacks:
-            detail["stacks"] = {str(r): s for r, s in outcome.stacks.items()}
+            detail["stacks"] = {str(r): portable_paths(s) for r, s in outcome.stacks.items()}
         if outcome.exit_codes:
             detail["exit_codes"] = {str(r): c for r, c in outcome.exit_codes.items()}
         if outcome.stderr_tails:
-            detail["stderr_tails"] = {str(r): t for r, t in outcome.stderr_tails.items()}
+            detail["stderr_tails"] = {str(r): portable_paths(t) for r, t in outcome.stderr_tails.items()}
         return CaseRecord(verdict=outcome.status, reason=outcome.reason, detail=detail, **base)
 
     values: list[RankResult] = list(outcome.values)

@@ -201,8 +201,10 @@ class PerfConfig:
     seed: int = 0
     lr: float = 3e-4
     world_size: int = 2
-    #: ``nccl`` (one GPU per rank) or ``gloo`` (CPU).
+    #: ``nccl`` (one GPU per rank) or ``gloo`` (CPU, or ranks sharing GPUs).
     backend: Literal["gloo", "nccl"] = "gloo"
+    #: the GPU of each rank (``harness.placement.place``); None on CPU.
+    devices: tuple[int, ...] | None = None
     #: seconds one engine's run may take before it is a timeout.
     timeout_s: float = 300.0
     #: a final loss further than this (relative) from torch FSDP1's fails the benchmark.
@@ -251,13 +253,9 @@ def _jobs(config: PerfConfig) -> list[tuple[str, str | None, str, Any, Any]]:
 def run(config: PerfConfig) -> tuple[list[PerfRow], str]:
     """Every planned run on one pool, in order, and the device the ranks ran on (asked of the ranks, so
     this process never touches the GPUs); raises ``PoolStartError`` when the ranks cannot start."""
-    import torch
-
-    from harness.placement import assign_devices
     from harness.pool import PoolConfig, RankPool
 
-    devices = assign_devices(config.world_size, torch.cuda.device_count()) if config.backend == "nccl" else None
-    pool_config = PoolConfig(world_size=config.world_size, backend=config.backend, devices=devices,
+    pool_config = PoolConfig(world_size=config.world_size, backend=config.backend, devices=config.devices,
                              case_timeout_s=config.timeout_s)
     gpt = not config.zoo_models
     params = count_params(config.model) if gpt else None

@@ -26,6 +26,7 @@ from typing import Any
 
 from harness.benchmark import CPU_MODEL, SIZES, GPTConfig, count_params
 from harness.perf_run import BASELINE, PerfConfig, PerfRow, run
+from harness.placement import place
 
 #: a ratio more than this much worse (relative) than the previous night's is a regression.
 RATIO_TOLERANCE = 0.05
@@ -37,12 +38,20 @@ METRICS = ("step_ms", "p10_ms", "p90_ms", "peak_gib", "reserved_gib", "tokens_pe
 
 
 def section_config(n_gpus: int, timeout_s: float = 600.0) -> PerfConfig:
-    """The section's run: the ``1b`` GPT on two GPUs when there are two, else the tiny GPT on CPU."""
-    if n_gpus >= 2:
+    """The section's run: the ``1b`` GPT on two GPUs with NCCL when there is one per rank, else the tiny GPT
+    on CPU. Ranks sharing a GPU through gloo time the host staging of every collective, not the
+    engines' overlap of NCCL with compute, so one GPU gets the CPU smoke check too."""
+    lane = place(2, n_gpus)
+    if lane.backend == "nccl":
         return PerfConfig(model=SIZES["1b"], engines=list(GPU_ENGINES), strategies=list(GPU_STRATEGIES),
-                          warmup=3, steps=10, world_size=2, backend="nccl", timeout_s=timeout_s)
+                          warmup=3, steps=10, world_size=2, backend="nccl", devices=lane.devices, timeout_s=timeout_s)
     return PerfConfig(model=CPU_MODEL, engines=list(GPU_ENGINES), strategies=["full_shard"], warmup=1, steps=3,
                       world_size=2, backend="gloo", timeout_s=timeout_s)
+
+
+def _kind(config: PerfConfig) -> str:
+    """``gpu`` for a section measured with one GPU per rank, ``smoke`` otherwise (never compared)."""
+    return "gpu" if config.devices is not None and config.backend == "nccl" else "smoke"
 
 
 def _key(row: PerfRow) -> str:
@@ -55,7 +64,7 @@ def _describe(model: GPTConfig) -> str:
 
 def build_section(rows: Sequence[PerfRow], config: PerfConfig, device: str) -> dict[str, Any]:
     """The ``perf`` section of ``nightly.json`` from a run's rows (see the module docstring)."""
-    smoke = config.backend != "nccl"
+    smoke = _kind(config) == "smoke"
     measured = {_key(r): {m: getattr(r, m) for m in METRICS} for r in rows if r.status == "ok"}
     return {
         "kind": "smoke" if smoke else "gpu", "device": device, "backend": config.backend,
@@ -73,7 +82,7 @@ def run_section(n_gpus: int) -> dict[str, Any]:
     try:
         rows, device = run(config)
     except (PoolStartError, ValueError) as exc:
-        return {"kind": "smoke" if config.backend != "nccl" else "gpu", "error": str(exc)}
+        return {"kind": _kind(config), "error": str(exc)}
     return build_section(rows, config, device)
 
 

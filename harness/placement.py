@@ -1,18 +1,21 @@
 """Where ranks run: the one placement rule of the harness.
 
-Every front end (``run``, ``nightly``, ``bench``, ``perf``, the pytest plugin) asks this module which
-backend a pool of ``world_size`` ranks uses, which GPUs it takes (a disjoint block per pytest-xdist
-worker where there are enough GPUs, shared evenly where there are not), how many pools run side by
-side (``plan_lanes``, ``pools_per_group``), how a hybrid strategy splits the world into shard groups,
-and what CPU ranks will take from the machine (``cpu_footprint``, warned about before a run that
-crowds it). Pure functions over plain numbers; only ``default_backend``, ``n_gpus``, ``host_facts``
-and ``available_memory`` look at the machine.
+Every front end (``run``, ``nightly``, ``certify``, ``bench``, ``perf``, torchrun, the pytest plugin)
+asks this module where a pool of ``world_size`` ranks runs (``place``: the backend, the device and the
+GPU of each rank; NCCL with one GPU per rank where there are enough, gloo with ranks sharing the GPUs
+where there are fewer GPUs than ranks, gloo on the CPU without GPUs), which GPUs it takes (a disjoint
+block per pytest-xdist worker where there are enough, shared evenly where there are not), how many
+pools run side by side (``plan_lanes``, ``pools_per_group``, ``cuda_rank_budget``), how a hybrid
+strategy splits the world into shard groups, and what CPU ranks will take from the machine
+(``cpu_footprint``). Pure functions over plain numbers; only ``default_backend``, ``n_gpus``,
+``host_facts`` and ``available_memory`` look at the machine. Nothing else in the harness reads the GPU
+count to choose a backend (``suites/harness/test_placement_rule.py`` checks that).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,6 +25,13 @@ __all__ = [
     "Backend",
     "BackendChoice",
     "CPU_WORLD_SIZE",
+    "Device",
+    "DeviceChoice",
+    "OPTION_HELP",
+    "PlacementError",
+    "RANK_RSS_CUDA_BYTES",
+    "cuda_rank_budget",
+    "place",
     "Footprint",
     "HostFacts",
     "Lane",
@@ -29,6 +39,7 @@ __all__ = [
     "assign_devices",
     "available_memory",
     "cpu_footprint",
+    "crowding_warning",
     "default_backend",
     "default_shard_size",
     "hybrid_shard_size",
@@ -42,6 +53,8 @@ __all__ = [
 
 Backend = Literal["gloo", "nccl"]
 BackendChoice = Literal["auto", "gloo", "nccl"]
+Device = Literal["cpu", "cuda"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
 
 #: ranks per case on a machine without GPUs when no world size is asked for.
 CPU_WORLD_SIZE = 2
@@ -63,24 +76,22 @@ def xdist_worker(env: dict[str, str] | None = None) -> tuple[int, int]:
 
 
 def assign_devices(world_size: int, n_devices: int, worker_index: int = 0, n_workers: int = 1) -> tuple[int, ...]:
-    """The GPUs one pool of ``world_size`` ranks takes in pytest-xdist worker ``worker_index`` of ``n_workers``.
+    """The GPU of each rank of one pool of ``world_size`` ranks in pytest-xdist worker ``worker_index`` of
+    ``n_workers`` (or pool ``worker_index`` of ``n_workers`` side by side).
 
     Each worker owns a block of ``n_devices // n_workers`` consecutive GPUs, and every pool it starts
     (whatever its world size) takes the first ``world_size`` of its block: where the block is big
     enough, concurrent pools never share a GPU. Where it is not (8 workers on 2 GPUs), the workers
     share the GPUs, worker ``i`` starting at GPU ``i * world_size`` modulo ``n_devices`` so each GPU
-    carries as many pools as the others. Sharing is sound (each pool has its own communicators and
-    GPUs time-slice between processes) but makes timings noisy: ``gpus_shared`` says when it happens.
+    carries as many pools as the others. With fewer GPUs than ranks, rank ``r`` takes GPU ``(first + r)
+    mod n_devices``: several ranks of one pool share a GPU, which only gloo allows (``place``).
     """
     if world_size < 1:
         raise ValueError(f"assign_devices: world_size={world_size} must be at least 1")
     if not 0 <= worker_index < n_workers:
         raise ValueError(f"assign_devices: worker_index={worker_index} must be in [0, n_workers={n_workers})")
-    if world_size > n_devices:
-        raise ValueError(
-            f"assign_devices: world_size={world_size} needs one GPU per rank but only {n_devices} are visible; "
-            "run fewer ranks or on CPU (gloo)"
-        )
+    if n_devices < 1:
+        raise ValueError(f"assign_devices: n_devices={n_devices} must be at least 1 (no GPU: run on CPU)")
     block = n_devices // n_workers
     if world_size <= block:
         first = worker_index * block
@@ -94,12 +105,99 @@ def gpus_shared(world_size: int, n_devices: int, n_workers: int = 1) -> bool:
     return world_size > n_devices // n_workers
 
 
+class PlacementError(ValueError):
+    """An asked placement that cannot run on this host; the message is one line naming the option."""
+
+
+@dataclass(frozen=True)
+class Lane:
+    """Where one pool of a run runs: its world size, backend and the GPU of each rank (None on CPU).
+
+    The device (``cpu``, ``cuda``) is not the backend: gloo runs on CPU tensors and on CUDA tensors,
+    and several gloo ranks may share one GPU (``ranks_per_gpu`` > 1), which NCCL refuses.
+    """
+
+    world_size: int
+    backend: str
+    devices: tuple[int, ...] | None
+
+    @property
+    def device(self) -> Device:
+        return "cpu" if self.devices is None else "cuda"
+
+    @property
+    def ranks_per_gpu(self) -> int | None:
+        """Most ranks of this pool on one GPU; None on CPU."""
+        if self.devices is None:
+            return None
+        return max(self.devices.count(d) for d in set(self.devices))
+
+    def describe(self) -> str:
+        """``gloo on CPU``, ``nccl on GPUs [0, 1] (one per rank)``, ``gloo on GPUs [0] (2 ranks per GPU)``."""
+        if self.devices is None:
+            return f"{self.backend} on CPU"
+        per = "one per rank" if self.ranks_per_gpu == 1 else f"{self.ranks_per_gpu} ranks per GPU"
+        return f"{self.backend} on GPUs {sorted(set(self.devices))} ({per})"
+
+
+
+#: what ``--backend`` and ``--device`` mean to ``place``, in every front end's help.
+OPTION_HELP = {
+    "backend": "auto: NCCL with one GPU per rank where there are enough GPUs, gloo with ranks sharing the GPUs "
+               "where there are fewer, gloo on CPU without GPUs; gloo: gloo on the GPUs (or the CPU); nccl: "
+               "one GPU per rank or refused",
+    "device": "auto: the GPUs where there are any, else the CPU; cpu: gloo ranks on the CPU of a GPU host "
+              "(the CPU lane); cuda: GPUs or refused",
+}
+
+
+def place(
+    world_size: int,
+    n_gpus: int,
+    backend: BackendChoice = "auto",
+    device: DeviceChoice = "auto",
+    worker: int = 0,
+    n_workers: int = 1,
+) -> Lane:
+    """The placement rule: where a pool of ``world_size`` ranks runs on a host with ``n_gpus`` visible GPUs.
+
+    - ``n_gpus >= world_size``: NCCL, one GPU per rank;
+    - ``1 <= n_gpus < world_size``: gloo on the GPUs, rank ``r`` on GPU ``r mod n_gpus`` (NCCL refuses
+      two ranks on one GPU; gloo moves CUDA tensors through pinned host memory);
+    - no GPU: gloo on the CPU.
+
+    ``backend`` and ``device`` narrow it: ``device='cpu'`` keeps gloo ranks on the CPU of a GPU host (the
+    CPU lane), ``backend='gloo'`` runs gloo on the GPUs even where NCCL could, ``backend='nccl'`` or
+    ``device='cuda'`` that cannot run here raise ``PlacementError``. ``worker`` of ``n_workers`` (xdist
+    workers, or pools side by side) picks the GPUs as ``assign_devices`` does.
+    """
+    if world_size < 1:
+        raise PlacementError(f"--world-size {world_size}: must be at least 1")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise PlacementError(f"--backend {backend!r}: choose auto, gloo or nccl")
+    if device not in ("auto", "cpu", "cuda"):
+        raise PlacementError(f"--device {device!r}: choose auto, cpu or cuda")
+    if device == "cpu":
+        if backend == "nccl":
+            raise PlacementError("--backend nccl runs on GPUs only; drop --device cpu or use --backend gloo")
+        return Lane(world_size, "gloo", None)
+    if n_gpus < 1:
+        if device == "cuda" or backend == "nccl":
+            option = "--device cuda" if device == "cuda" else "--backend nccl"
+            raise PlacementError(f"{option} needs a CUDA GPU but none is visible; use --device cpu (gloo on the CPU)")
+        return Lane(world_size, "gloo", None)
+    if backend == "nccl" and n_gpus < world_size:
+        raise PlacementError(
+            f"--backend nccl needs one GPU per rank ({world_size} for world size {world_size}) but {n_gpus} visible; "
+            "use --backend gloo (ranks share the GPUs) or fewer ranks"
+        )
+    chosen: Backend = "nccl" if backend != "gloo" and n_gpus >= world_size else "gloo"
+    return Lane(world_size, chosen, assign_devices(world_size, n_gpus, worker, n_workers))
+
+
 def default_backend(world_size: int) -> Backend:
-    """``nccl`` when there is a GPU for every rank, else ``gloo`` on CPU (pytest-xdist workers share
-    GPUs where there are too few for each to own some: ``assign_devices``)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
+    """The backend ``place`` chooses for ``world_size`` ranks on this host."""
+    return place(world_size, n_gpus()).backend  # type: ignore[return-value]
 
 
 def default_shard_size(world_size: int, local_world_size: int | None = None) -> int:
@@ -121,15 +219,6 @@ def hybrid_shard_size(extras: dict[str, Any], world_size: int, local_world_size:
 
 
 @dataclass(frozen=True)
-class Lane:
-    """One pool of a run: its world size, backend and GPUs (None on CPU)."""
-
-    world_size: int
-    backend: str
-    devices: tuple[int, ...] | None
-
-
-@dataclass(frozen=True)
 class HostFacts:
     """What the number of pools side by side depends on."""
 
@@ -137,18 +226,24 @@ class HostFacts:
     cpu_cores: int
     #: memory of the smallest visible GPU in bytes (0 without GPUs).
     gpu_memory_bytes: int = 0
+    #: host memory available now in bytes; None where unknown (no limit is taken from it then).
+    host_memory_bytes: int | None = None
 
 
 def host_facts() -> HostFacts:
     """This machine's ``HostFacts``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     memory = min((torch.cuda.get_device_properties(i).total_memory for i in range(n_gpus())), default=0)
-    return HostFacts(cpu_cores=cores, gpu_memory_bytes=memory)
+    return HostFacts(cpu_cores=cores, gpu_memory_bytes=memory, host_memory_bytes=available_memory())
 
 
 #: GPU memory one rank of a pool may take: the CUDA context (~0.5 GiB), NCCL's buffers and the caching
-#: allocator's blocks for the zoo's models (well under 1 GiB at peak), with room to spare.
-RANK_GPU_MEMORY = 4 << 30
+#: allocator's blocks for the zoo's models, with room to spare (measured on one H100, torch 2.11: the whole
+#: tree with ``-n 8``, every rank on the one GPU, peaked at 43 GiB, under 1 GiB a rank).
+RANK_GPU_MEMORY = 2 << 30
+#: resident host memory of one CUDA rank process: torch with its CUDA libraries loaded and a context
+#: (measured on torch 2.11, one H100: about 1.1 GiB), with room for gloo's pinned staging buffers.
+RANK_RSS_CUDA_BYTES = 2 << 30
 #: cores kept for the parent (the runner threads, the writer), a fuzz campaign running alongside the
 #: cases (the nightly's) and the rest of the machine.
 RESERVED_CORES = 3
@@ -157,23 +252,47 @@ RESERVED_CORES = 3
 MAX_POOLS_PER_GROUP = 8
 
 
-def pools_per_group(world_size: int, backend: Backend, n_groups: int, host: HostFacts) -> int:
-    """How many pools of ``world_size`` ranks share each group of GPUs (or, on CPU, run at all).
+def pools_per_group(lane: Lane, n_groups: int, host: HostFacts) -> int:
+    """How many pools like ``lane`` share each of ``n_groups`` groups of GPUs (or, on CPU, run at all).
 
     A case is mostly host work (Python, kernel launches, small collectives) that leaves a GPU idle,
     so pools side by side fill it: as many as the cores allow (one core per rank beyond
-    ``RESERVED_CORES``) and the GPU memory allows (``RANK_GPU_MEMORY`` per rank), at most
+    ``RESERVED_CORES``), the GPU memory allows (``RANK_GPU_MEMORY`` per rank, times the ranks that share
+    a GPU) and the host memory allows (``RANK_RSS_CUDA_BYTES`` per CUDA rank), at most
     ``MAX_POOLS_PER_GROUP``. On CPU the ranks compete for the same cores, so a pool needs two cores
     per rank to be worth starting. Never below 1. ``--pools-per-gpu`` overrides this.
     """
+    world_size = lane.world_size
     if world_size < 1 or n_groups < 1:
         raise ValueError(f"pools_per_group: world_size={world_size} and n_groups={n_groups} must be at least 1")
-    spare = max(host.cpu_cores - RESERVED_CORES, 0)
-    if backend == "gloo":
+    if lane.device == "cpu":
         return max(1, min(MAX_POOLS_PER_GROUP, host.cpu_cores // (2 * world_size)))
+    spare = max(host.cpu_cores - RESERVED_CORES, 0)
     by_cores = spare // (world_size * n_groups)
-    by_memory = host.gpu_memory_bytes // RANK_GPU_MEMORY if host.gpu_memory_bytes else MAX_POOLS_PER_GROUP
-    return max(1, min(MAX_POOLS_PER_GROUP, by_cores, by_memory))
+    per_gpu = lane.ranks_per_gpu or 1
+    by_gpu_memory = (host.gpu_memory_bytes // (RANK_GPU_MEMORY * per_gpu) if host.gpu_memory_bytes
+                     else MAX_POOLS_PER_GROUP)
+    by_host_memory = (host.host_memory_bytes // (RANK_RSS_CUDA_BYTES * world_size * n_groups)
+                      if host.host_memory_bytes is not None else MAX_POOLS_PER_GROUP)
+    return max(1, min(MAX_POOLS_PER_GROUP, by_cores, by_gpu_memory, by_host_memory))
+
+
+def cuda_rank_budget(host: HostFacts, n_gpus: int, n_workers: int = 1) -> int | None:
+    """How many CUDA rank processes one of ``n_workers`` pytest-xdist workers may keep alive at once.
+
+    Workers keep a pool per world size for the whole session, so ``-n 8`` with world sizes 2, 4 and 8
+    on one GPU would hold 112 CUDA processes; each takes ``RANK_GPU_MEMORY`` of a GPU and
+    ``RANK_RSS_CUDA_BYTES`` of host memory at most, and the workers share both evenly. None without
+    GPUs (CPU ranks are budgeted by ``cpu_footprint``). Never below 1: a worker must run something.
+    """
+    if n_gpus < 1:
+        return None
+    by_gpu = (n_gpus * host.gpu_memory_bytes) // RANK_GPU_MEMORY if host.gpu_memory_bytes else None
+    by_host = host.host_memory_bytes // RANK_RSS_CUDA_BYTES if host.host_memory_bytes is not None else None
+    limits = [x for x in (by_gpu, by_host) if x is not None]
+    if not limits:
+        return None
+    return max(1, min(limits) // max(n_workers, 1))
 
 
 def plan_lanes(
@@ -182,40 +301,44 @@ def plan_lanes(
     n_gpus: int,
     matrix_world_sizes: Sequence[int],
     *,
+    device: DeviceChoice = "auto",
     host: HostFacts | None = None,
     pools: int | None = None,
 ) -> tuple[dict[int, list[Lane]], dict[int, str]]:
     """The pools per world size, and the world sizes that cannot run here with the reason.
 
-    With GPUs every world size splits them into ``n_gpus // world_size`` disjoint groups and runs
-    ``pools`` pools on each group side by side (None: ``pools_per_group`` of ``host``; no host: 1);
-    on CPU (or with ``backend='gloo'``) ``pools`` pools per world size, 2 ranks unless asked otherwise.
-    Lanes are listed group by group, so the first lanes of a world size use every GPU.
+    Each world size is placed by ``place``. With one GPU per rank the GPUs split into
+    ``n_gpus // world_size`` disjoint groups, each running ``pools`` pools side by side (None:
+    ``pools_per_group`` of ``host``; no host: 1); where ranks share GPUs (gloo), all GPUs are one group
+    and pool ``i`` starts at GPU ``i * world_size`` so the ranks spread evenly; on CPU ``pools`` pools.
+    Without ``world_sizes`` (the nightly's default) the world sizes that get one GPU per rank run; where
+    none does, ``CPU_WORLD_SIZE`` ranks run and the others are listed with the option that runs them.
+    Lanes are listed group by group, so the first lanes of a world size use every GPU. A placement that
+    cannot run (``--backend nccl`` on too few GPUs) raises ``PlacementError``.
     """
     if pools is not None and pools < 1:
         raise ValueError(f"plan_lanes: pools={pools} must be at least 1 (--pools-per-gpu)")
-
-    def count(ws: int, lane_backend: Backend, groups: int) -> int:
-        if pools is not None:
-            return pools
-        return pools_per_group(ws, lane_backend, groups, host) if host is not None else 1
-
-    use_nccl = backend == "nccl" or (backend == "auto" and n_gpus >= min(world_sizes or matrix_world_sizes))
-    if not use_nccl:
-        if world_sizes:
-            return {ws: [Lane(ws, "gloo", None)] * count(ws, "gloo", 1) for ws in world_sizes}, {}
-        others = {ws: f"on CPU the nightly runs {CPU_WORLD_SIZE} gloo ranks; pass --world-size {ws} to run these"
-                  for ws in matrix_world_sizes if ws != CPU_WORLD_SIZE}
-        return {CPU_WORLD_SIZE: [Lane(CPU_WORLD_SIZE, "gloo", None)] * count(CPU_WORLD_SIZE, "gloo", 1)}, others
-    lanes: dict[int, list[Lane]] = {}
+    chosen = list(world_sizes or matrix_world_sizes)
     skipped: dict[int, str] = {}
-    for ws in world_sizes or matrix_world_sizes:
-        groups = n_gpus // ws
-        if groups < 1:
-            skipped[ws] = f"world size {ws} needs {ws} GPUs (one per rank); {n_gpus} visible"
-            continue
-        per_group = count(ws, "nccl", groups)
-        lanes[ws] = [Lane(ws, "nccl", tuple(range(i * ws, (i + 1) * ws))) for _ in range(per_group) for i in range(groups)]
+    if not world_sizes:
+        own = [ws for ws in chosen if n_gpus >= ws and device != "cpu"]
+        keep = own or ([CPU_WORLD_SIZE] if backend != "nccl" else chosen[:1])
+        where = "on CPU" if n_gpus < 1 or device == "cpu" else f"with {n_gpus} GPU(s) for more ranks"
+        skipped = {ws: f"{where} the nightly runs {keep} ranks; pass --world-size {ws} to run these"
+                   for ws in chosen if ws not in keep}
+        chosen = keep
+    lanes: dict[int, list[Lane]] = {}
+    for ws in chosen:
+        lane = place(ws, n_gpus, backend, device)
+        groups = n_gpus // ws if lane.ranks_per_gpu == 1 else 1
+        per_group = pools if pools is not None else (pools_per_group(lane, groups, host) if host is not None else 1)
+        if lane.devices is None:
+            lanes[ws] = [lane] * per_group
+        elif lane.ranks_per_gpu == 1:
+            lanes[ws] = [Lane(ws, lane.backend, tuple(range(i * ws, (i + 1) * ws)))
+                         for _ in range(per_group) for i in range(groups)]
+        else:
+            lanes[ws] = [Lane(ws, lane.backend, tuple((p * ws + r) % n_gpus for r in range(ws))) for p in range(per_group)]
     return lanes, skipped
 
 
@@ -253,6 +376,21 @@ def cpu_footprint(world_sizes: Sequence[int], cores: int, available_bytes: int |
     """The estimate for pools of ``world_sizes`` CPU ranks run one after the other (pure)."""
     ranks = max(world_sizes, default=0)
     return Footprint(ranks, cores, ranks * RANK_RSS_BYTES, available_bytes)
+
+
+def crowding_warning(lanes: Mapping[int, Sequence[Lane]], cores: int, available_bytes: int | None) -> str | None:
+    """The warning for CPU pools side by side that will crowd the machine (their ranks are alive at
+    once), or None: the world size whose CPU pools take the most ranks, against the cores and memory."""
+    cpu = {ws: sum(1 for lane in group if lane.device == "cpu") for ws, group in lanes.items()}
+    cpu = {ws: pools for ws, pools in cpu.items() if pools}
+    if not cpu:
+        return None
+    ws = max(cpu, key=lambda w: w * cpu[w])
+    footprint = cpu_footprint([ws * cpu[ws]], cores, available_bytes)
+    if not footprint.oversubscribed:
+        return None
+    side = f" ({cpu[ws]} pools side by side, --pools-per-gpu)" if cpu[ws] > 1 else ""
+    return f"--world-size {ws} on CPU{side} takes {footprint.describe()}; cases will be slow or run out of memory"
 
 
 def available_memory() -> int | None:

@@ -20,15 +20,14 @@ collectives wrongly, so a mismatch respawns the pool too.
 Ranks ignore SIGINT (Ctrl-C reaches the parent, whose ``close()`` kills them), die with the parent
 (``PR_SET_PDEATHSIG`` on Linux), and write stderr to a per-rank file whose tail a crash reports.
 Rendezvous is a TCPStore the parent owns on a free port of 127.0.0.1, so concurrent pools (pytest-xdist
-workers) never collide. GPUs: one per rank (``devices``); ``assign_devices`` gives each xdist worker a
-disjoint set where there are enough GPUs, and spreads the workers evenly over the GPUs where there are not.
+workers) never collide. Where the ranks run is ``harness.placement.place``'s to decide
+(``PoolConfig.placed``): one GPU per rank for NCCL, ranks sharing GPUs for gloo, or the CPU. The rank
+process's own side (its start and job loop) is ``harness.rank_process``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import faulthandler
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -36,21 +35,18 @@ from multiprocessing.reduction import ForkingPickler
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 
-from harness.placement import Backend, xdist_worker
+from harness.placement import Backend, BackendChoice, DeviceChoice, Lane, n_gpus, place, xdist_worker
 from harness.rank import RankContext
+from harness.rank_process import Boot, RankError, rank_main
 from harness.stacks import describe_exit, last_line, timeout_reason
 
 __all__ = [
@@ -82,10 +78,12 @@ class PoolConfig:
 
     #: number of rank processes (one process group over all of them).
     world_size: int = 2
-    #: ``gloo`` (CPU, or GPUs without NCCL) or ``nccl`` (one GPU per rank, ``devices`` required).
+    #: ``gloo`` (CPU tensors, or CUDA tensors with ranks that may share a GPU) or ``nccl`` (one GPU per
+    #: rank, ``devices`` required and distinct). ``harness.placement.place`` chooses it.
     backend: Backend = "gloo"
-    #: CUDA device index of each rank (``len == world_size``); None runs on CPU (gloo only), with the
-    #: GPUs hidden from the ranks (``gpus_hidden``) so a CPU pool is the same on a GPU host as on CI.
+    #: CUDA device index of each rank (``len == world_size``; repeated where gloo ranks share a GPU); None
+    #: runs on CPU (gloo only), with the GPUs hidden from the ranks (``gpus_hidden``) so a CPU pool is
+    #: the same on a GPU host as on CI.
     devices: tuple[int, ...] | None = None
     #: a case with no answer from every rank after this many seconds is a ``timeout``.
     case_timeout_s: float = 300.0
@@ -110,26 +108,21 @@ class PoolConfig:
             raise ValueError(
                 f"PoolConfig.devices={self.devices} must name one device per rank (world_size={self.world_size})"
             )
-        if self.backend == "nccl" and self.devices is None:
-            raise ValueError("PoolConfig.backend='nccl' needs devices (one CUDA device index per rank)")
-
-
-@dataclass
-class RankError:
-    """An exception a rank raised, as plain data."""
-
-    rank: int
-    type: str
-    message: str
-    traceback: str
+        if self.backend == "nccl" and (self.devices is None or len(set(self.devices)) != len(self.devices)):
+            raise ValueError(f"PoolConfig.backend='nccl' needs one distinct CUDA device per rank, not devices={self.devices} "
+                             "(NCCL refuses two ranks on one GPU: use backend='gloo' to share)")
 
     @classmethod
-    def from_exception(cls, rank: int, exc: BaseException) -> "RankError":
-        return cls(rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)))
+    def placed(cls, world_size: int, backend: BackendChoice = "auto", device: DeviceChoice = "auto", **kwargs: Any) -> "PoolConfig":
+        """A pool of ``world_size`` ranks where ``harness.placement.place`` puts it on this host (this
+        pytest-xdist worker's GPUs); ``PlacementError`` says why it cannot run here."""
+        lane = place(world_size, n_gpus(), backend, device, *xdist_worker())
+        return cls(world_size=world_size, backend=lane.backend, devices=lane.devices, **kwargs)  # type: ignore[arg-type]
 
-    def line(self) -> str:
-        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
-        return f"rank {self.rank}: {self.type}: {first}" if first else f"rank {self.rank}: {self.type}"
+    @property
+    def lane(self) -> Lane:
+        """Where this pool runs, as the placement rule describes it (device, ranks per GPU)."""
+        return Lane(self.world_size, self.backend, self.devices)
 
 
 @dataclass
@@ -160,13 +153,7 @@ class PoolStartError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pure helpers
-
-
-
-
-
-
+# Process helpers
 
 
 @contextlib.contextmanager
@@ -191,10 +178,6 @@ def gpus_hidden(hide: bool = True) -> Iterator[None]:
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
-
-
 
 
 def _pid_alive(pid: int) -> bool:
@@ -222,104 +205,6 @@ def remove_stale_pool_dirs(root: str | os.PathLike[str] | None = None) -> list[P
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-# ---------------------------------------------------------------------------------------------------
-# Rank side
-
-
-
-
-@dataclass(frozen=True)
-class _Boot:
-    """Everything a rank process needs to start (picklable)."""
-
-    rank: int
-    config: PoolConfig
-    store_host: str
-    store_port: int
-    store_prefix: str
-    stderr_path: str
-    stacks_path: str
-
-
-def _die_with_parent() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _rank_main(boot: _Boot, conn: mp_connection.Connection) -> None:
-    """Entry point of a rank process: join the group, then run jobs until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    # fd-level redirect so C++ (gloo, NCCL) messages land in the file too.
-    err_fd = os.open(boot.stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(err_fd, 2)
-    stacks = open(boot.stacks_path, "a", buffering=1)
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
-
-    cfg = boot.config
-    if cfg.devices is not None:
-        device = torch.device("cuda", cfg.devices[boot.rank])
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // (cfg.world_size * xdist_worker()[1])))
-    store = dist.TCPStore(
-        boot.store_host, boot.store_port, is_master=False, timeout=timedelta(seconds=cfg.start_timeout_s)
-    )
-    init_kwargs: dict[str, Any] = {}
-    if cfg.backend == "nccl":
-        init_kwargs["device_id"] = device  # eager init: sub-groups split from the world communicator
-    dist.init_process_group(
-        cfg.backend,
-        store=dist.PrefixStore(boot.store_prefix, store),
-        rank=boot.rank,
-        world_size=cfg.world_size,
-        timeout=timedelta(seconds=cfg.pg_timeout_s),
-        **init_kwargs,
-    )
-    ctx = RankContext(boot.rank, cfg.world_size, boot.rank, cfg.world_size, cfg.backend, device)
-    conn.send(("ready", boot.rank, os.getpid()))
-    serve(ctx, conn)
-    # No destroy_process_group: a peer may already be gone, and the parent kills stragglers anyway.
-    os._exit(0)
-
-
-def serve(ctx: RankContext, conn: mp_connection.Connection) -> None:
-    """The rank's job loop: ``("run", seq, fn, payload)``, ``("health", seq)`` or ``("stop",)``."""
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        kind = msg[0]
-        if kind == "stop":
-            return
-        seq = msg[1]
-        if kind == "health":
-            try:
-                conn.send(("health", seq, ctx.sequence_numbers()))
-            except Exception as exc:  # a backend without sequence numbers: the parent respawns
-                conn.send(("raised", seq, RankError.from_exception(ctx.rank, exc)))
-            continue
-        _, _, fn, payload = msg
-        try:
-            value = fn(ctx, payload)
-            conn.send(("ok", seq, value))
-        except BaseException as exc:  # noqa: BLE001 - every failure of a job is a result
-            try:
-                conn.send(("raised", seq, RankError.from_exception(ctx.rank, exc)))
-            except Exception as send_exc:  # e.g. an unpicklable return value
-                conn.send(("raised", seq, RankError.from_exception(ctx.rank, send_exc)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -388,9 +273,9 @@ class RankPool:
         context = mp.get_context("spawn")
         for rank in range(cfg.world_size):
             stderr_path, stacks_path = self._paths(rank)
-            boot = _Boot(rank, cfg, "127.0.0.1", self._store.port, prefix, str(stderr_path), str(stacks_path))
+            boot = Boot(rank, cfg, "127.0.0.1", self._store.port, prefix, str(stderr_path), str(stacks_path))
             parent_conn, child_conn = context.Pipe()
-            proc = context.Process(target=_rank_main, args=(boot, child_conn), daemon=True, name=f"harness-rank{rank}")
+            proc = context.Process(target=rank_main, args=(boot, child_conn), daemon=True, name=f"harness-rank{rank}")
             with gpus_hidden(cfg.devices is None):
                 proc.start()
             child_conn.close()

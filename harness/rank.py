@@ -9,8 +9,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankContext", "new_hybrid_groups"]
+__all__ = ["RankContext", "new_hybrid_groups", "new_singleton_groups", "rank_device"]
 
+
+def rank_device() -> torch.device:
+    """This rank process's device: its current CUDA device where its pool gave it a GPU (one of its own or
+    one shared with other ranks), else the CPU. Pools hide the GPUs from CPU ranks, so whether CUDA is
+    available here says where the rank runs; the backend does not (gloo runs on both)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def new_hybrid_groups(rank: int, world_size: int, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -20,6 +26,12 @@ def new_hybrid_groups(rank: int, world_size: int, shard_size: int) -> tuple[dist
     shard_groups = [dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)]
     replicate_groups = [dist.new_group(list(range(j, world_size, shard_size))) for j in range(shard_size)]
     return shard_groups[rank // shard_size], replicate_groups[rank % shard_size]
+
+
+def new_singleton_groups(rank: int, world_size: int) -> dist.ProcessGroup:
+    """Create a one-rank group per rank and return ``rank``'s. Collective: every rank creates every group, in order."""
+    return [dist.new_group([r]) for r in range(world_size)][rank]
+
 
 @dataclass
 class RankContext:
@@ -71,8 +83,8 @@ class RankContext:
     def singleton_group(self) -> dist.ProcessGroup:
         """A group of this rank alone (every rank creates every rank's, in order)."""
         if "singletons" not in self._cache:
-            self._cache["singletons"] = [dist.new_group([r]) for r in range(self.world_size)]
-        return self._cache["singletons"][self.rank]
+            self._cache["singletons"] = new_singleton_groups(self.rank, self.world_size)
+        return self._cache["singletons"]
 
     def hybrid_groups(self, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """``(shard group, replicate group)`` of this rank for a shard-group size, as FSDP1 takes them."""

@@ -40,10 +40,24 @@ class RunInfo:
     run_id: str
     host: str
     torch_version: str
+    #: the process-group backend(s) of the run's pools (``gloo``, ``nccl``, ``gloo,nccl``).
     backend: str
     gpu: str | None = None
     nccl_version: str | None = None
     git_rev: str | None = None
+    #: where the ranks' tensors live (``cpu``, ``cuda``, ``cpu,cuda``): not the backend, gloo runs on both.
+    #: Records written before it existed read as ``cpu`` where the backend is gloo.
+    device: str | None = None
+    #: most ranks of one pool on one GPU (1: one GPU per rank; 2+: gloo ranks sharing GPUs); None on CPU.
+    ranks_per_gpu: int | None = None
+
+    def placement_text(self) -> str:
+        """``gloo on cuda, 2 ranks per GPU``: the run's placement in one phrase for headers."""
+        device = self.device or ("cuda" if "nccl" in self.backend else "cpu")
+        text = f"{self.backend} on {device}"
+        if self.ranks_per_gpu:
+            text += ", one GPU per rank" if self.ranks_per_gpu == 1 else f", {self.ranks_per_gpu} ranks per GPU"
+        return text
 
 
 @dataclass

@@ -1,15 +1,41 @@
 """Why a pool's job did not answer, read from its ranks: the frame a rank's stack is at, the rank the
-others wait for in a hang, the telling line of a crashed rank's stderr. Pure functions over the
-text of faulthandler dumps and exit codes (``harness.pool`` collects them)."""
+others wait for in a hang, the telling line of a crashed rank's stderr; file paths in that text
+written relative to the tree and the Python installation, so records and reports name no machine's
+directories. Pure functions over the text of faulthandler dumps, tracebacks and exit codes
+(``harness.pool`` collects them)."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import sysconfig
 from pathlib import Path
+from typing import Mapping
 
-__all__ = ["behind_ranks", "describe_exit", "innermost_frame", "last_line", "timeout_reason"]
+__all__ = ["behind_ranks", "describe_exit", "innermost_frame", "last_line", "portable_paths", "timeout_reason"]
+
+
+def local_prefixes() -> dict[str, str]:
+    """This machine's directories and what :func:`portable_paths` writes for them: the tree's root
+    (paths become relative to it), the installed packages and the standard library."""
+    paths = sysconfig.get_paths()
+    return {
+        str(Path(__file__).resolve().parents[1]) + os.sep: "",
+        paths["purelib"] + os.sep: "<site-packages>/",
+        paths["platlib"] + os.sep: "<site-packages>/",
+        paths["stdlib"] + os.sep: "<stdlib>/",
+    }
+
+
+def portable_paths(text: str, prefixes: Mapping[str, str] | None = None) -> str:
+    """``text`` with every directory of ``prefixes`` (default: :func:`local_prefixes`) replaced by
+    its short form, the longest first (the installed packages lie inside the standard library's
+    directory)."""
+    table = local_prefixes() if prefixes is None else prefixes
+    for prefix in sorted(table, key=len, reverse=True):
+        text = text.replace(prefix, table[prefix])
+    return text
 
 
 def describe_exit(code: int) -> str:

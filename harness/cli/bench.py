@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from harness.placement import assign_devices, default_backend, xdist_worker
+from harness.cli.options import add_placement
+from harness.placement import PlacementError, n_gpus, place, xdist_worker
 from harness.pool import PoolConfig, RankPool
 from harness.rank import RankContext
 
@@ -108,16 +109,19 @@ def report(result: BenchResult) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    add_placement(p)
     p.add_argument("--warm-cases", type=int, default=50, help="cases timed on the warm pool")
     p.add_argument("--spawn-cases", type=int, default=3, help="pools spawned for one case each")
 
 
 def main(args: argparse.Namespace) -> int:
     worker, workers = xdist_worker()
-    backend = args.backend if args.backend != "auto" else default_backend(args.world_size)
-    devices = assign_devices(args.world_size, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
-    config = PoolConfig(world_size=args.world_size, backend=backend, devices=devices, case_timeout_s=120)
+    try:
+        lane = place(args.world_size, n_gpus(), args.backend, args.device, worker, workers)
+    except PlacementError as exc:
+        print(f"harness bench: {exc}", file=sys.stderr)
+        return 2
+    config = PoolConfig(world_size=args.world_size, backend=lane.backend, devices=lane.devices, case_timeout_s=120)
     result = measure(config, args.warm_cases, args.spawn_cases)
     print(report(result))
     sys.stdout.flush()

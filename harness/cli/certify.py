@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.cli.options import add_placement
 from harness.case import CaseConfig
+from harness.placement import Lane
 from harness.records import CaseRecord
 from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
 
@@ -63,13 +65,16 @@ class CertifyRun:
     spec: str
     name: str
     quick: bool
-    world_size: int
-    backend: str
-    devices: tuple[int, ...] | None
+    #: where the ranks run (``harness.placement.place``): world size, backend, the GPU of each rank.
+    lane: Lane
     out: Path
     case_timeout_s: float
     progress: bool
     _records: list[CaseRecord] | None = field(default=None, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.lane.world_size
 
     def cases(self) -> list[CaseConfig]:
         from harness.runner import generate_cases
@@ -92,9 +97,9 @@ class CertifyRun:
         cases = self.cases()
         records: list[CaseRecord] = []
         progress = Progress(len(cases), enabled=self.progress)
-        config = PoolConfig(world_size=self.world_size, backend=self.backend, devices=self.devices,  # type: ignore[arg-type]
+        config = PoolConfig(world_size=self.world_size, backend=self.lane.backend, devices=self.lane.devices,  # type: ignore[arg-type]
                             case_timeout_s=self.case_timeout_s)
-        with ResultWriter(self.out / "results.jsonl", run_info(self.backend)) as writer, RankPool(config) as pool:
+        with ResultWriter(self.out / "results.jsonl", run_info([self.lane])) as writer, RankPool(config) as pool:
             for case in cases:
                 record = run_case(pool, case)
                 writer.append(record)
@@ -112,8 +117,8 @@ class CertifyRun:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in sys.path if p]])
         cmd = [sys.executable, "-m", "pytest", *args, "--engine", self.spec, "-p", "no:cacheprovider", "-q",
                f"--junitxml={xml}", "-o", "junit_family=xunit2"]
-        if self.backend == "gloo":
-            cmd += ["--backend", "gloo"]
+        # The suites place their pools by the same rule; the certificate's placement is passed down.
+        cmd += ["--backend", self.lane.backend, "--device", self.lane.device]
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
             tail = (proc.stdout + proc.stderr)[-2000:]
@@ -253,11 +258,9 @@ def judge_flat_param(run: CertifyRun, result: FamilyResult) -> None:
 
 
 def judge_torch_common(run: CertifyRun, result: FamilyResult) -> None:
-    import torch
-
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n_gpus < 2:
-        result.note = f"needs 2+ CUDA GPUs (torch's FSDPTest runs on NCCL); this machine has {n_gpus}"
+    if run.lane.device != "cuda":
+        result.note = ("needs CUDA ranks: torch's FSDPTest builds its models on the current CUDA device "
+                       "(ranks may share one GPU); this certification runs on the CPU")
         return
     missing = _torch_testing_missing()
     if missing:
@@ -300,16 +303,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of families (default all: {','.join(f.name for f in FAMILIES)})")
     p.add_argument("--out", default=None, help="directory for the certificate (default certificates/NAME-TIME)")
     p.add_argument("--world-size", type=int, default=None, help="ranks per case (default: every local GPU, 2 on CPU)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto: NCCL with one GPU per rank where there are enough GPUs, else gloo on CPU")
+    add_placement(p)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
-    from harness.placement import assign_devices, default_backend
+    from harness.placement import PlacementError, n_gpus as visible_gpus, place
     from harness.registry import EngineSpecError, check_engines, resolve
 
     try:
@@ -323,17 +323,20 @@ def main(args: argparse.Namespace) -> int:
         print(f"harness certify: --families {unknown or args.families!r}: choose from {[f.name for f in FAMILIES]}", file=sys.stderr)
         return 2
     adapter = resolve(spec)
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n_gpus = visible_gpus()
     world_size = args.world_size or (n_gpus if n_gpus >= 2 else 2)
-    backend = args.backend if args.backend != "auto" else default_backend(world_size)
+    try:
+        lane = place(world_size, n_gpus, args.backend, args.device)
+    except PlacementError as exc:
+        print(f"harness certify: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else Path("certificates") / f"{adapter.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     if (out / "results.jsonl").exists():
         print(f"harness certify: --out {out} already holds a certification; choose a new directory", file=sys.stderr)
         return 2
     run = CertifyRun(
-        spec=spec, name=adapter.name, quick=args.quick, world_size=world_size, backend=backend,
-        devices=assign_devices(world_size, n_gpus) if backend == "nccl" else None, out=out,
+        spec=spec, name=adapter.name, quick=args.quick, lane=lane, out=out,
         case_timeout_s=args.timeout, progress=not args.no_progress,
     )
     results = []
@@ -359,13 +362,15 @@ def _environment(run: CertifyRun, n_gpus: int) -> dict[str, Any]:
 
     from harness.collector import run_info
 
-    info = run_info(run.backend)
-    devices = "CPU" if run.devices is None else f"GPUs {list(run.devices)} of {n_gpus} ({info.gpu})"
+    info = run_info([run.lane])
+    devices = "CPU" if run.lane.devices is None else f"GPUs {list(run.lane.devices)} of {n_gpus} ({info.gpu})"
     return {
         "mode": "quick" if run.quick else "pairwise matrix, full seed suites",
         "torch": info.torch_version,
         "python": platform.python_version(),
-        "backend": run.backend,
+        "backend": run.lane.backend,
+        "device": run.lane.device,
+        "ranks_per_gpu": run.lane.ranks_per_gpu,
         "world_size": run.world_size,
         "devices": devices,
         "nccl": info.nccl_version,

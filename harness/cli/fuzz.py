@@ -70,11 +70,12 @@ class FuzzOutcome:
 
 
 def fuzz_alongside(lanes: Mapping[int, Sequence[Lane]], cpu_cores: int) -> bool:
-    """Whether the fuzz campaign (one CPU process) runs alongside the cases: when they run on GPUs and
+    """Whether the fuzz campaign (one CPU process) runs alongside the cases: when they run on GPUs (one per
+    rank or shared) and
     the cores their ranks leave include ``RESERVED_CORES`` (the fuzz's among them). On CPU the ranks
     use every core, so the campaign runs after the cases."""
     groups = [lane for group in lanes.values() for lane in group]
-    if not groups or any(lane.backend != "nccl" for lane in groups):
+    if not groups or any(lane.device == "cpu" for lane in groups):
         return False
     # World sizes run one after the other: the widest plan is what runs at once.
     busiest = max(sum(lane.world_size for lane in group) for group in lanes.values())

@@ -42,9 +42,18 @@ from typing import Any, Literal
 
 from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, fuzz_alongside, fuzz_budget, run_fuzz
-from harness.cli.options import add_execution, add_selection, positive_float
+from harness.cli.options import add_execution, add_placement, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
-from harness.placement import BackendChoice, host_facts, n_gpus, plan_lanes
+from harness.placement import (
+    BackendChoice,
+    DeviceChoice,
+    PlacementError,
+    available_memory,
+    crowding_warning,
+    host_facts,
+    n_gpus,
+    plan_lanes,
+)
 from harness.runner import (
     BAD_VERDICTS,
     CaseRunner,
@@ -102,8 +111,11 @@ class NightlyConfig:
     resume: bool = False
     #: the nightly (report directory or results file) to diff against; None: the newest earlier sibling.
     previous: Path | None = None
-    #: ``auto``: NCCL with one GPU per rank when there are GPUs, else gloo on CPU.
+    #: ``auto``: NCCL with one GPU per rank where there are enough GPUs, gloo with ranks sharing the GPUs
+    #: where there are fewer, gloo on CPU without GPUs (``harness.placement.place``).
     backend: BackendChoice = "auto"
+    #: ``auto``: the GPUs where there are any; ``cpu`` keeps gloo ranks on the CPU of a GPU host.
+    device: DeviceChoice = "auto"
     #: seconds per case before it is recorded as a timeout.
     case_timeout_s: float = 300.0
     #: show the progress bar.
@@ -142,7 +154,7 @@ class NightlyConfig:
             optimizers=loop_optimizers(args), checkpoints=args.checkpoints, loop_axes=loop_axes_from_args(args),
             fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
             time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
-            backend=args.backend, case_timeout_s=args.timeout, progress=not args.no_progress,
+            backend=args.backend, device=args.device, case_timeout_s=args.timeout, progress=not args.no_progress,
             stress=args.stress, check_determinism=args.check_determinism,
             determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
             repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
@@ -167,10 +179,6 @@ class NightlyConfig:
 
 # ---------------------------------------------------------------------------------------------------
 # Pure logic
-
-
-
-
 
 
 def find_previous(out: Path) -> Path | None:
@@ -260,8 +268,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-
-
 def _matrix_world_sizes() -> list[int]:
     from harness.matrix import AXES
 
@@ -275,22 +281,6 @@ def out_dir_problem(out: Path) -> str | None:
     if out.exists() and not out.is_dir():
         return f"{out} is a file; the nightly writes a directory of products, name a directory"
     return out_path_problem(out / RESULTS_NAME)
-
-
-def _warn_crowded(lanes: Mapping[int, Sequence[Any]]) -> None:
-    from harness.placement import available_memory, cpu_footprint
-
-    # The CPU pools of one world size run side by side: their ranks are alive at once.
-    cpu = {ws: sum(1 for lane in group if lane.backend == "gloo") for ws, group in lanes.items()}
-    cpu = {ws: pools for ws, pools in cpu.items() if pools}
-    if not cpu:
-        return
-    ws = max(cpu, key=lambda w: w * cpu[w])
-    footprint = cpu_footprint([ws * cpu[ws]], os.cpu_count() or 1, available_memory())
-    if footprint.oversubscribed:
-        side = f" ({cpu[ws]} pools side by side, --pools-per-gpu)" if cpu[ws] > 1 else ""
-        print(f"harness nightly: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
-              "cases will be slow or run out of memory", file=sys.stderr)
 
 
 def _cases_in(selection: Selection, world_size: int) -> int:
@@ -333,21 +323,23 @@ def _nightly(config: NightlyConfig) -> int:
 
     # -- 1. cases ---------------------------------------------------------------------------------
     host = host_facts()
-    lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes(),
-                                   host=host, pools=config.pools_per_gpu)
-    if not lanes:
-        print(f"harness nightly: no world size can run here (--backend {config.backend}): "
-              f"{'; '.join(skipped_ws.values())}", file=sys.stderr)
+    try:
+        lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes(),
+                                       device=config.device, host=host, pools=config.pools_per_gpu)
+    except PlacementError as exc:
+        print(f"harness nightly: {exc}", file=sys.stderr)
         return 2
-    _warn_crowded(lanes)
+    crowded = crowding_warning(lanes, os.cpu_count() or 1, available_memory())
+    if crowded:
+        print(f"harness nightly: warning: {crowded}", file=sys.stderr)
     selection = config.selection()
     cases = select_cases(selection, list(lanes))
     if config.determinism_sample:
         cases = determinism_sample(cases)
     skipped = {ws: {"cases": _cases_in(selection, ws), "reason": why} for ws, why in skipped_ws.items()}
-    backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
+    info = run_info([lane for group in lanes.values() for lane in group])
     try:
-        writer = ResultWriter(out / RESULTS_NAME, run_info(",".join(backends)), resume=config.resume)
+        writer = ResultWriter(out / RESULTS_NAME, info, resume=config.resume)
     except FileExistsError as exc:
         print(f"harness nightly: {exc}; or pass --resume to continue that nightly", file=sys.stderr)
         return 2
@@ -371,8 +363,9 @@ def _nightly(config: NightlyConfig) -> int:
             print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
         state["cases"] = {
             "selected": len(cases), "already_recorded": len(cases) - len(todo), "recorded": 0, "not_run": 0,
-            "world_sizes": sorted(lanes), "backend": ",".join(backends),
-            "lanes": [dataclasses.asdict(lane) for group in lanes.values() for lane in group],
+            "world_sizes": sorted(lanes), "backend": info.backend, "device": info.device,
+            "ranks_per_gpu": info.ranks_per_gpu,
+            "lanes": [{**dataclasses.asdict(lane), "device": lane.device} for group in lanes.values() for lane in group],
             "world_sizes_skipped": skipped, "order": "interleaved" if deadline is not None else "generator",
         }
         save()
@@ -575,8 +568,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the whole nightly's seconds: cases run interleaved (every engine, reference and model early) "
                         "and none starts after the budget (the rest are listed in not_run.txt); the fuzz campaign "
                         "gets what is left less 30 s for the report")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto: NCCL with one GPU per rank when there are GPUs, else 2 gloo ranks on CPU")
+    add_placement(p)
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-determinism-sample", action="store_true",

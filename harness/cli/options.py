@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_execution", "add_selection", "csv_list", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
+from harness.placement import OPTION_HELP
+
+__all__ = ["add_execution", "add_placement", "add_selection", "csv_list", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
 
 
 def csv_list(text: str) -> list[str]:
@@ -94,3 +96,10 @@ def add_execution(p: argparse.ArgumentParser) -> None:
                    help="run every case N times; runs that disagree make the case flaky (never a pass)")
     p.add_argument("--repeat-failures", type=non_negative_int, default=0,
                    help="run a case that did not pass N more times (fail in every run stays fail, else flaky)")
+
+
+
+def add_placement(p: argparse.ArgumentParser) -> None:
+    """``--backend`` and ``--device``: where the ranks run, as ``harness.placement.place`` decides."""
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help=OPTION_HELP["backend"])
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help=OPTION_HELP["device"])

@@ -34,19 +34,20 @@ from pathlib import Path
 
 import torch
 
+from harness.cli.options import add_placement
 from harness.benchmark import CPU_MODEL, ENGINES, SIZES, STRATEGIES, GPTConfig, count_params
 from harness.perf_run import BASELINE, ZOO_MODELS, PerfConfig, ratio_lines, run, table
 
 
 def config_from_args(args: argparse.Namespace) -> PerfConfig:
     """The run the options ask for; ``ValueError`` names a bad option."""
-    from harness.placement import default_backend
+    from harness.placement import n_gpus, place
 
-    backend = args.backend if args.backend != "auto" else default_backend(args.world_size)
+    lane = place(args.world_size, n_gpus(), args.backend, args.device)  # PlacementError is a ValueError
     if args.size is not None:
         base = SIZES[args.size]
     else:
-        base = SIZES["1b"] if backend == "nccl" else CPU_MODEL
+        base = SIZES["1b"] if lane.device == "cuda" else CPU_MODEL
     sizes = {name: getattr(args, name) for name in ("vocab", "d_model", "layers", "heads", "seq", "batch")}
     model = GPTConfig(**{**asdict(base), **{k: v for k, v in sizes.items() if v is not None}})
     engines = args.engines if args.engines is not None else ["builtin", BASELINE]
@@ -54,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> PerfConfig:
     return PerfConfig(
         model=model, engines=engines, strategies=args.strategies, precision=precision,
         warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr, world_size=args.world_size,
-        backend=backend, timeout_s=args.timeout, loss_rtol=args.loss_rtol,
+        backend=lane.backend, devices=lane.devices, timeout_s=args.timeout, loss_rtol=args.loss_rtol,
         profile_dir=str(args.profile) if args.profile is not None else None,
         zoo_models=list(args.zoo_models) if args.small else [], cprofile=args.cprofile,
     )
@@ -63,6 +64,10 @@ def config_from_args(args: argparse.Namespace) -> PerfConfig:
 def _header(config: PerfConfig, device: str) -> str:
     m = config.model
     where = f"{config.world_size} ranks, {config.backend}, {device}, torch {torch.__version__}"
+    shared = config.devices is not None and len(set(config.devices)) < len(config.devices)
+    if shared:
+        where += ("\nranks share GPUs through gloo: step times include the host staging of every collective "
+                  "and no NCCL overlap; compare engines within this run only")
     timing = f"median of {config.steps} steps after {config.warmup} warm-up steps"
     if config.zoo_models:
         return (f"{where}\nhost-bound regime: zoo models {', '.join(config.zoo_models)} built and wrapped as the "
@@ -96,8 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto: NCCL with one GPU per rank when there are enough GPUs, else gloo on CPU")
+    add_placement(p)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine run before it is a timeout")
     p.add_argument("--loss-rtol", type=float, default=1e-3, help="allowed relative difference of final losses")
     p.add_argument("--profile", type=Path, default=None,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.case import CaseConfig
-from harness.cli.options import add_execution, add_selection, positive_float
+from harness.cli.options import add_execution, add_placement, add_selection, positive_float
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.runner import (
     BAD_VERDICTS,
@@ -39,7 +39,6 @@ from harness.runner import (
     summary,
     under_torchrun,
 )
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -61,40 +60,6 @@ def _refuse(message: str) -> int:
     return 2
 
 
-def plan_run_lanes(world_sizes: list[int], backend: str, n_gpus: int, host: Any, pools: int | None) -> tuple[dict[int, list[Any]], dict[int, str]]:
-    """``run``'s lanes: each world size on NCCL where there is a GPU per rank (``auto``), else on gloo."""
-    from harness.placement import plan_lanes
-
-    lanes: dict[int, list[Any]] = {}
-    skipped: dict[int, str] = {}
-    for ws in world_sizes:
-        choice = backend if backend != "auto" else ("nccl" if n_gpus >= ws else "gloo")
-        got, why = plan_lanes([ws], choice, n_gpus, [ws], host=host, pools=pools)  # type: ignore[arg-type]
-        lanes.update(got)
-        skipped.update(why)
-    return lanes, skipped
-
-
-def _machine_problem(args: argparse.Namespace, world_sizes: list[int], gpus: int, lanes: dict[int, list[Any]]) -> str | None:
-    """Why the asked placement cannot run here (checked before any case), or None; warns when it can
-    but will crowd the machine (the CPU pools of one world size run side by side)."""
-    from harness.placement import available_memory, cpu_footprint
-
-    if args.backend == "nccl" and gpus < max(world_sizes):
-        return (f"--backend nccl needs one GPU per rank ({max(world_sizes)} for --world-size {max(world_sizes)}) "
-                f"but {gpus} visible; use --backend gloo (CPU) or auto")
-    cpu = {ws: [lane for lane in group if lane.backend == "gloo"] for ws, group in lanes.items()}
-    cpu = {ws: group for ws, group in cpu.items() if group}
-    if cpu:
-        ws = max(cpu, key=lambda w: w * len(cpu[w]))
-        footprint = cpu_footprint([ws * len(cpu[ws])], os.cpu_count() or 1, available_memory())
-        if footprint.oversubscribed:
-            side = f" ({len(cpu[ws])} pools side by side, --pools-per-gpu)" if len(cpu[ws]) > 1 else ""
-            print(f"harness run: warning: --world-size {ws} on CPU{side} takes {footprint.describe()}; "
-                  "cases will be slow or run out of memory", file=sys.stderr)
-    return None
-
-
 class _Recorded:
     """The results writer as ``CaseRunner`` sees it, keeping ``latest`` (full id -> record) current so
     the exit status covers the file's every case."""
@@ -114,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
     from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
-    from harness.placement import host_facts, n_gpus
+    from harness.placement import PlacementError, available_memory, crowding_warning, host_facts, n_gpus, plan_lanes
 
     world_sizes = args.world_size or [2]
     cases = select_cases(Selection.from_args(args), world_sizes)
@@ -122,17 +87,19 @@ def main(args: argparse.Namespace) -> int:
     problem = out_path_problem(out)
     if problem:
         return _refuse(f"--out: {problem}")
-    gpus = n_gpus()
-    lanes, skipped = plan_run_lanes(world_sizes, args.backend, gpus, host_facts(), args.pools_per_gpu)
-    problem = _machine_problem(args, world_sizes, gpus, lanes)
-    if problem:
-        return _refuse(problem)
+    try:
+        lanes, skipped = plan_lanes(world_sizes, args.backend, n_gpus(), world_sizes, device=args.device,
+                                    host=host_facts(), pools=args.pools_per_gpu)
+    except PlacementError as exc:
+        return _refuse(str(exc))
+    crowded = crowding_warning(lanes, os.cpu_count() or 1, available_memory())
+    if crowded:
+        print(f"harness run: warning: {crowded}", file=sys.stderr)
     for ws, why in skipped.items():
         print(f"harness run: world size {ws} skipped: {why}", file=sys.stderr)
-    backends = sorted({lane.backend for group in lanes.values() for lane in group}) or ["gloo"]
     resume = args.resume or args.rerun_failed
     try:
-        writer = ResultWriter(out, run_info(",".join(backends)), resume=resume)
+        writer = ResultWriter(out, run_info([lane for group in lanes.values() for lane in group]), resume=resume)
     except FileExistsError:
         return _refuse(f"--out {out} already holds results; add --resume to continue it, or choose a new --out")
     except ResultsLocked as exc:
@@ -183,12 +150,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 def lane_text(lanes: dict[int, list[Any]]) -> str:
-    """``4 pools of 2 ranks (nccl, GPUs [0, 1])``, per world size."""
+    """``4 pool(s) of 2 ranks (nccl on GPUs [0, 1] (one per rank))``, per world size."""
     parts = []
     for ws, group in lanes.items():
         devices = sorted({d for lane in group for d in (lane.devices or ())})
-        where = f"GPUs {devices}" if devices else "CPU"
-        parts.append(f"{len(group)} pool(s) of {ws} ranks ({group[0].backend}, {where})")
+        where = group[0].describe() if len(group) == 1 or not devices else (
+            f"{group[0].backend} on GPUs {devices} ({'one per rank' if group[0].ranks_per_gpu == 1 else f'{group[0].ranks_per_gpu} ranks per GPU'})")
+        parts.append(f"{len(group)} pool(s) of {ws} ranks ({where})")
     return "; ".join(parts)
 
 
@@ -242,21 +210,28 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
-    backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+    from harness.placement import PlacementError, n_gpus, place
+
+    # torchrun places the ranks of this node: the rule is the pool's, over the local ranks.
+    try:
+        lane = place(local_ws, n_gpus(), args.backend, args.device)
+    except PlacementError as exc:
+        return _refuse(str(exc))
+    backend = lane.backend
+    if lane.devices is not None:
+        device = torch.device("cuda", lane.devices[local_rank])
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(hours=1))
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=1))
+    init: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(hours=1), **init)
     ctx = RankContext(rank, ws, local_rank, local_ws, backend, device)
     if args.world_size and args.world_size != [ws]:
         print(f"harness run: --world-size {args.world_size} ignored under torchrun (WORLD_SIZE={ws})", file=sys.stderr)
     cases = select_cases(Selection.from_args(args), [ws])
     out = Path(args.out) if args.out else _default_out()
 
-    writer = ResultWriter(out, run_info(backend), resume=args.resume or args.rerun_failed) if rank == 0 else None
+    writer = ResultWriter(out, run_info([lane]), resume=args.resume or args.rerun_failed) if rank == 0 else None
     # Every rank must walk the same list: rank 0 knows what the file already holds.
     keep = ({i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
             if writer else None)
@@ -337,8 +312,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rerun-failed", action="store_true",
                    help="like --resume, but rerun the cases whose latest record is fail, error, timeout, crash or flaky "
                         "(the new record supersedes the old one in reports)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto: NCCL with one GPU per rank when there are enough, else gloo on CPU")
+    add_placement(p)
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_execution(p)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import pytest
 
 from harness.case import CaseConfig, engine_name
+from harness.placement import OPTION_HELP
 from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
 from harness.records import CaseRecord
 from harness.registry import DEFAULT_ENGINES
@@ -78,8 +79,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--world-size", default="2",
                     help="ranks per case, comma list for several (default 2); cases needing more GPUs than "
                          "this process has are skipped with the reason")
-    group.addoption("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                    help="auto: NCCL with one GPU per rank where there are GPUs, else gloo on CPU")
+    group.addoption("--backend", default="auto", choices=("auto", "gloo", "nccl"), help=OPTION_HELP["backend"])
+    group.addoption("--device", default="auto", choices=("auto", "cpu", "cuda"), help=OPTION_HELP["device"])
     group.addoption("--case-timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
     group.addoption("--results", default=None, metavar="FILE",
                     help="append every generated case's record to this JSON Lines file (default: none); "
@@ -96,6 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
             backend=config.getoption("backend"),
             case_timeout=config.getoption("case_timeout"),
             results=config.getoption("results"),
+            device=config.getoption("device"),
         )
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -110,25 +112,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """Where the generated cases' ranks run, per world size (on the controller: before the workers start)."""
-    import torch
-
-    from harness.placement import gpus_shared
+    from harness.placement import gpus_shared, n_gpus
 
     options = config.stash[OPTIONS_KEY]
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = n_gpus()
     n_workers = int(getattr(config.option, "numprocesses", None) or 1)
     lines = []
     for ws in options.world_sizes:
-        plan = plan_pool(ws, options.backend, n_gpus, 0, n_workers)
-        if plan.skip_reason:
+        plan = plan_pool(ws, options.backend, gpus, 0, n_workers, options.device)
+        if plan.lane is None:
             where = f"skipped: {plan.skip_reason}"
-        elif plan.backend == "gloo":
-            where = "gloo on CPU"
         else:
-            where = f"nccl, one of {n_gpus} GPUs per rank"
-            if n_workers > 1:
+            where = plan.lane.describe()
+            if plan.lane.devices is not None and n_workers > 1:
                 where += (f", {n_workers} xdist workers share them (timings are noisy)"
-                          if gpus_shared(ws, n_gpus, n_workers) else f", a disjoint block per xdist worker ({n_workers})")
+                          if gpus_shared(ws, gpus, n_workers) else f", a disjoint block per xdist worker ({n_workers})")
         lines.append(f"parity: --matrix {options.matrix}, world size {ws}: {where}")
     return lines
 
@@ -148,7 +146,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             )
         suite: SuiteMatrix = marker.args[0]
         marks = [pytest.mark.slow] if options.matrix != "smoke" else []
-        gpu = {ws: _plan(ws, options).backend == "nccl" for ws in options.world_sizes}
+        gpu = {ws: _plan(ws, options).devices is not None for ws in options.world_sizes}
         metafunc.parametrize(
             "parity_case",
             [
@@ -187,17 +185,19 @@ def _key_without_engine(item: pytest.Item, engine: str) -> str:
     return f"{item.path.name}::{name}" + (f"[{ids}]" if ids else "")
 
 
-def gpus_missing(n: int) -> str | None:
-    """Why a test that needs ``n`` CUDA GPUs cannot run here; None when it can."""
-    import torch
+def gpus_missing(n: int, why: str = "") -> str | None:
+    """Why a test that needs ``n`` CUDA GPUs cannot run here; None when it can. Multi-rank tests need one
+    GPU (``harness.placement.place`` shares it); only what measures NCCL itself needs one per rank,
+    and says so in ``why``."""
+    from harness.placement import n_gpus
 
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return None if found >= n else f"needs {n} CUDA GPUs; this machine has {found}"
+    found = n_gpus()
+    return None if found >= n else f"needs {n} CUDA GPU(s){f' ({why})' if why else ''}; this machine has {found}"
 
 
-def needs_gpus(n: int) -> pytest.MarkDecorator:
+def needs_gpus(n: int, why: str = "") -> pytest.MarkDecorator:
     """``skipif`` with the reason, for tests and modules that need ``n`` CUDA GPUs."""
-    reason = gpus_missing(n)
+    reason = gpus_missing(n, why)
     return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
@@ -214,11 +214,10 @@ def _worker() -> tuple[int, int]:
 
 
 def _plan(world_size: int, options: ParityOptions) -> PoolPlan:
-    import torch
+    from harness.placement import n_gpus
 
     worker, workers = _worker()
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return plan_pool(world_size, options.backend, n_gpus, worker, workers)
+    return plan_pool(world_size, options.backend, n_gpus(), worker, workers, options.device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,12 +284,9 @@ class ParitySession:
         if self._writer is None:
             from harness.collector import ResultWriter, run_info, worker_results_path
 
-            self._writer = ResultWriter(worker_results_path(self.results), run_info(self._backend_name(), self.run_id))
+            lanes = [plan.lane for plan in (_plan(ws, self.options) for ws in self.options.world_sizes) if plan.lane]
+            self._writer = ResultWriter(worker_results_path(self.results), run_info(lanes or "none", self.run_id))
         self._writer.append(record)
-
-    def _backend_name(self) -> str:
-        names = sorted({_plan(ws, self.options).backend or "none" for ws in self.options.world_sizes})
-        return ",".join(names)
 
     # -- hooks ----------------------------------------------------------------------------------------
 
@@ -367,6 +363,8 @@ class PoolRegistry:
                 skip_here(plan.skip_reason)
             from harness.pool import PoolConfig, PoolStartError, RankPool
 
+            if plan.devices is not None:
+                self._make_room(world_size)
             pool = RankPool(PoolConfig(
                 world_size=world_size, backend=plan.backend, devices=plan.devices,  # type: ignore[arg-type]
                 case_timeout_s=self.options.case_timeout_s,
@@ -379,7 +377,24 @@ class PoolRegistry:
                 self._unavailable[world_size] = ("fail", f"the {world_size} ranks did not start: {exc}")
                 pytest.fail(self._unavailable[world_size][1], pytrace=False)
             self._pools[world_size] = pool
+        self._pools[world_size] = self._pools.pop(world_size)  # most recently used last
         return self._pools[world_size]
+
+    def _make_room(self, world_size: int) -> None:
+        """Close the least recently used CUDA pools until ``world_size`` more CUDA ranks fit this worker's
+        share of the GPU and host memory (``harness.placement.cuda_rank_budget``): with ``-n 8`` and
+        world sizes up to 8 on one GPU, keeping every pool would hold over a hundred CUDA processes."""
+        from harness.placement import cuda_rank_budget, host_facts, n_gpus
+
+        budget = cuda_rank_budget(host_facts(), n_gpus(), _worker()[1])
+        if budget is None:
+            return
+        live = lambda: sum(ws for ws, pool in self._pools.items() if pool.config.devices is not None)  # noqa: E731
+        for ws in list(self._pools):
+            if live() + world_size <= budget:
+                break
+            if self._pools[ws].config.devices is not None:
+                self._pools.pop(ws).close()
 
     def close(self) -> None:
         for pool in self._pools.values():

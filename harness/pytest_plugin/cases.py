@@ -28,7 +28,7 @@ from typing import Any, Literal, get_args
 
 from harness.case import CaseConfig, ReferenceName
 from harness.matrix import AXES, SMOKE_VARIANTS, GeneratorName, generate
-from harness.placement import assign_devices
+from harness.placement import DeviceChoice, Lane, PlacementError, place
 from harness.records import CaseRecord
 from harness.registry import DEFAULT_ENGINES, check_engines, fsdp1_engines
 
@@ -83,8 +83,10 @@ class ParityOptions:
     matrix: GeneratorName = "smoke"
     #: ranks per case, one pool each (``--world-size``).
     world_sizes: tuple[int, ...] = (2,)
-    #: ``auto``: NCCL with one GPU per rank where there are GPUs, else gloo on CPU (``--backend``).
+    #: ``auto``: as ``harness.placement.place`` decides (``--backend``).
     backend: BackendOption = "auto"
+    #: ``auto``, ``cpu`` (gloo ranks on the CPU of a GPU host) or ``cuda`` (``--device``).
+    device: DeviceChoice = "auto"
     #: seconds before a case is a timeout (``--case-timeout``).
     case_timeout_s: float = 300.0
     #: results file every generated case appends its record to; None records nothing (``--results``).
@@ -100,12 +102,15 @@ class ParityOptions:
         backend: str,
         case_timeout: float,
         results: str | None,
+        device: str = "auto",
     ) -> "ParityOptions":
         """From the option strings; ValueError names the bad option."""
         if matrix not in get_args(GeneratorName):
             raise ValueError(f"--matrix: {matrix!r} is not one of {list(get_args(GeneratorName))}")
         if backend not in get_args(BackendOption):
             raise ValueError(f"--backend: {backend!r} is not one of {list(get_args(BackendOption))}")
+        if device not in get_args(DeviceChoice):
+            raise ValueError(f"--device: {device!r} is not one of {list(get_args(DeviceChoice))}")
         sizes = parse_csv(world_size, "--world-size")
         if not all(s.isdigit() and int(s) >= 1 for s in sizes):
             raise ValueError(f"--world-size: {world_size!r} must be positive integers, e.g. 2 or 2,4")
@@ -117,6 +122,7 @@ class ParityOptions:
             matrix=matrix,  # type: ignore[arg-type]
             world_sizes=tuple(int(s) for s in sizes),
             backend=backend,  # type: ignore[arg-type]
+            device=device,  # type: ignore[arg-type]
             case_timeout_s=float(case_timeout),
             results=results,
         )
@@ -238,41 +244,38 @@ def _closest_valid(axes: dict[str, list[Any]], wanted: dict[str, Any], **pinned:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """How one pool of a pytest worker runs: its backend and GPUs, or why it cannot run here."""
+    """How one pool of a pytest worker runs (``harness.placement.place``'s lane), or why it cannot run here."""
 
     world_size: int
-    backend: Literal["gloo", "nccl"] | None
-    #: CUDA device per rank; None runs on CPU.
-    devices: tuple[int, ...] | None
+    #: where the pool runs; None when it cannot run here.
+    lane: Lane | None
     #: set when no pool can run here: the skip reason of every case of this world size.
     skip_reason: str | None = None
 
+    @property
+    def backend(self) -> str | None:
+        return self.lane.backend if self.lane is not None else None
 
-def plan_pool(world_size: int, backend: BackendOption, n_gpus: int, worker: int = 0, n_workers: int = 1) -> PoolPlan:
+    @property
+    def devices(self) -> tuple[int, ...] | None:
+        return self.lane.devices if self.lane is not None else None
+
+
+def plan_pool(world_size: int, backend: BackendOption, n_gpus: int, worker: int = 0, n_workers: int = 1,
+              device: DeviceChoice = "auto") -> PoolPlan:
     """The pool of ``world_size`` ranks for pytest-xdist worker ``worker`` of ``n_workers`` on a host with
-    ``n_gpus`` visible GPUs.
-
-    ``auto`` is NCCL wherever there is a GPU and gloo on CPU otherwise; ``gloo`` always runs on CPU. The
-    GPUs are ``harness.pool.assign_devices``'s: a disjoint block per worker where there are enough,
-    shared evenly where there are more workers than blocks. A case needing more GPUs than the host has
-    is skipped with the reason, never moved to CPU.
+    ``n_gpus`` visible GPUs: ``harness.placement.place``'s rule (NCCL with one GPU per rank, gloo with
+    ranks sharing the GPUs, gloo on CPU). A placement that cannot run here (``--backend nccl`` on too few
+    GPUs) skips every case of this world size with the reason, never moves it elsewhere.
     """
     if world_size < 1:
         raise ValueError(f"plan_pool: world_size={world_size} must be at least 1")
     if n_workers < 1 or not 0 <= worker < n_workers:
         raise ValueError(f"plan_pool: worker={worker} must be in [0, n_workers={n_workers})")
-    chosen = ("nccl" if n_gpus > 0 else "gloo") if backend == "auto" else backend
-    if chosen == "gloo":
-        return PoolPlan(world_size, "gloo", None)
-    if n_gpus == 0:
-        return PoolPlan(world_size, None, None, "--backend nccl needs CUDA GPUs; torch.cuda.device_count() is 0")
-    if world_size > n_gpus:
-        return PoolPlan(
-            world_size, None, None,
-            f"needs {world_size} GPUs (one per rank) but this host has {n_gpus} visible; run on more GPUs, "
-            "fewer ranks (--world-size) or on CPU (--backend gloo)",
-        )
-    return PoolPlan(world_size, "nccl", assign_devices(world_size, n_gpus, worker, n_workers))
+    try:
+        return PoolPlan(world_size, place(world_size, n_gpus, backend, device, worker, n_workers))
+    except PlacementError as exc:
+        return PoolPlan(world_size, None, str(exc))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -29,19 +29,20 @@ from engine import (
     ShardingStrategy,
     StateDictType,
 )
+from engine.dtensors import full_tensor
+from harness.rank import rank_device
 from suites.checkpoint.training import CkptNet, Setup, full_state, make_optimizer, train, wrapped
 from suites.engine.ranks import session_tests
 
-CPU = torch.device("cpu")
 
 
 def _torch_fsdp1(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
-    model.block[0] = TorchFSDP(model.block[0], device_id=CPU)
-    model.block[2] = TorchFSDP(model.block[2], device_id=CPU)
-    model.out = TorchFSDP(model.out, device_id=CPU)
-    return TorchFSDP(model, device_id=CPU)
+    model.block[0] = TorchFSDP(model.block[0], device_id=rank_device())
+    model.block[2] = TorchFSDP(model.block[2], device_id=rank_device())
+    model.out = TorchFSDP(model.out, device_id=rank_device())
+    return TorchFSDP(model, device_id=rank_device())
 
 
 def _train_ours(rank: int, orig: bool = False, steps: int = 2) -> tuple[FSDP, torch.optim.Optimizer]:
@@ -62,7 +63,7 @@ def check_full_into_plain_model(rank: int, world_size: int) -> None:
     assert all(v.device.type == "cpu" for v in sd.values())
     assert "norm.running_mean" in sd and "norm.num_batches_tracked" in sd
     for key, value in plain.state_dict().items():
-        assert_close(value, sd[key], rtol=0, atol=0)
+        assert_close(value, sd[key], rtol=0, atol=0, check_device=False)
 
 
 def check_full_ours_into_torch_fsdp1_and_back(rank: int, world_size: int) -> None:
@@ -87,7 +88,7 @@ def check_full_ours_into_torch_fsdp1_and_back(rank: int, world_size: int) -> Non
         their_osd = TorchFSDP.optim_state_dict(theirs, their_optim)
     mine = full_state(ours)
     for key, value in mine.items():
-        assert_close(their_sd[key], value, msg=lambda m, key=key: f"after a step, {key}: {m}")
+        assert_close(their_sd[key].cpu(), value, msg=lambda m, key=key: f"after a step, {key}: {m}")
     # And torch FSDP1's state (model and optimizer) loads into a fresh engine model.
     fresh, fresh_optim = Setup(ShardingStrategy.FULL_SHARD, False, "adamw").build(rank, world_size)
     with FSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
@@ -95,11 +96,11 @@ def check_full_ours_into_torch_fsdp1_and_back(rank: int, world_size: int) -> Non
         fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, their_osd))
         again = FSDP.optim_state_dict(fresh, fresh_optim)
     for key, value in full_state(fresh).items():
-        assert_close(value, their_sd[key], rtol=0, atol=0)
+        assert_close(value, their_sd[key].cpu(), rtol=0, atol=0)
     assert list(again["state"]) == list(their_osd["state"]), (list(again["state"]), list(their_osd["state"]))
     for fqn, st in their_osd["state"].items():
         for name, value in st.items():
-            assert_close(again["state"][fqn][name], value, rtol=0, atol=0, msg=lambda m: f"{fqn}.{name}: {m}")
+            assert_close(again["state"][fqn][name], value, rtol=0, atol=0, check_device=False, msg=lambda m: f"{fqn}.{name}: {m}")
     assert again["param_groups"][0]["params"] == their_osd["param_groups"][0]["params"]
 
 
@@ -115,13 +116,13 @@ def check_mixed_precision_saves_full_precision(rank: int, world_size: int) -> No
             summoned = {n: p.detach().clone() for n, p in model.named_parameters()}
         for key, value in summoned.items():
             assert sd[key].dtype == torch.float32, f"{key} saved as {sd[key].dtype}"
-            assert_close(sd[key], value, rtol=0, atol=0)
+            assert_close(sd[key], value, rtol=0, atol=0, check_device=False)
         assert sd["norm.running_mean"].dtype == torch.float32
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             ssd = model.state_dict()
         for key in summoned:
             assert isinstance(ssd[key], DTensor) and ssd[key].dtype == torch.float32
-            assert_close(ssd[key].full_tensor(), sd[key], rtol=0, atol=0)
+            assert_close(full_tensor(ssd[key]), sd[key], rtol=0, atol=0)
 
 
 def check_settings_like_torch(rank: int, world_size: int) -> None:
@@ -179,7 +180,7 @@ def _fsdp2_model() -> torch.nn.Module:
 
 
 def _fsdp2_full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return {k: full_tensor(v).detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _params_only(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -222,8 +223,8 @@ def _assert_optim_equal(got: dict, want: dict, context: str) -> None:
         for name, value in st.items():
             other = got["state"][key][name]
             if isinstance(other, DTensor):
-                other = other.full_tensor()
-            assert_close(other, value, rtol=0, atol=0, msg=lambda m: f"{context}: {key}.{name}: {m}")
+                other = full_tensor(other)
+            assert_close(other, value, rtol=0, atol=0, check_device=False, msg=lambda m: f"{context}: {key}.{name}: {m}")
     assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
 
 
@@ -257,7 +258,7 @@ def check_older_optimizer_helpers(rank: int, world_size: int) -> None:
         loaded = fresh_optim.state_dict()
         for key, st in own["state"].items():
             for k, value in st.items():
-                assert_close(loaded["state"][key][k], value, rtol=0, atol=0, msg=lambda m: f"{name}: {key}.{k}: {m}")
+                assert_close(loaded["state"][key][k], value, rtol=0, atol=0, check_device=False, msg=lambda m: f"{name}: {key}.{k}: {m}")
     # Re-keying: a full state by name loads into the unwrapped model's optimizer by position.
     plain = CkptNet()
     plain_optim = make_optimizer("adamw", plain.parameters())
@@ -278,4 +279,4 @@ CHECKS = [
     check_older_optimizer_helpers,
 ]
 
-session, test_check = session_tests(CHECKS, world_size=2)
+session, test_check = session_tests(CHECKS, world_size=2, device=("cpu", "cuda"))

@@ -113,11 +113,11 @@ def test_resume_full_product(full_product: dict[int, RankSession], check: Callab
 
 @pytest.fixture(scope="module")
 def gpu_session() -> RankSession:
-    return RankSession(run_checks(CHECKS_2, world_size=2, backend="nccl", timeout_s=600))
+    return RankSession(run_checks(CHECKS_2, world_size=2, device="cuda", timeout_s=600))
 
 
 @pytest.mark.gpu
-@needs_gpus(2)
+@needs_gpus(1)
 @pytest.mark.parametrize("check", CHECKS_2, ids=lambda c: c.__name__)
 def test_resume_2_gpus(gpu_session: RankSession, check: Callable[[int, int], None]) -> None:
     gpu_session.assert_passed(check)

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from harness.models import ZooModel, register_model, to_device, wrap_bottom_up
-from harness.rank import new_hybrid_groups
+from harness.rank import new_hybrid_groups, rank_device
 
 from engine import (
     FSDP,
@@ -42,9 +42,8 @@ SD_TYPES = {
 
 
 def device_for(rank: int) -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """The rank's device as its pool placed it (a GPU of its own or shared, or the CPU)."""
+    return rank_device()
 
 
 @register_model(CKPT_NET, "Linear, BatchNorm, a parameterless block unit of two units, Linear: uneven checkpoint shards")
@@ -57,11 +56,14 @@ class CkptNet(ZooModel):
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
+        # Initialised on the CPU's generator, then moved: the same values whatever the device (a CUDA
+        # generator under the same seed draws others).
         torch.manual_seed(0)
-        self.inp = nn.Linear(7, 11, device=device)
-        self.norm = nn.BatchNorm1d(11, device=device)
-        self.block = nn.Sequential(nn.Linear(11, 13, device=device), nn.ReLU(), nn.Linear(13, 11, device=device))
-        self.out = nn.Linear(11, 3, device=device)
+        self.inp = nn.Linear(7, 11)
+        self.norm = nn.BatchNorm1d(11)
+        self.block = nn.Sequential(nn.Linear(11, 13), nn.ReLU(), nn.Linear(13, 11))
+        self.out = nn.Linear(11, 3)
+        self.to(device)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.relu(self.block(torch.relu(self.norm(self.inp(x))))))
@@ -77,9 +79,10 @@ class CkptNet(ZooModel):
         return (output**2).mean()
 
 
-def wrapped(device: torch.device | str = "cpu", **kwargs: Any) -> FSDP:
-    """A fresh ``CkptNet`` wrapped by our engine, unit by unit (``wrap_bottom_up``), with ``kwargs``."""
-    return wrap_bottom_up(CkptNet(device), FSDP, **kwargs)
+def wrapped(device: torch.device | str | None = None, **kwargs: Any) -> FSDP:
+    """A fresh ``CkptNet`` wrapped by our engine, unit by unit (``wrap_bottom_up``), with ``kwargs``; built
+    on ``device`` (default: the rank's own, ``harness.rank.rank_device``)."""
+    return wrap_bottom_up(CkptNet(device if device is not None else rank_device()), FSDP, **kwargs)
 
 
 _GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from harness.models import ZooModel, register_model
+from harness.rank import new_singleton_groups
 
 #: keeps the batches of different seeds apart; seed 0 gives the batches these suites always used.
 _SEED_STRIDE = 1_000_003
@@ -163,5 +164,4 @@ register_model("engine_moe", "the engine suites' mixture of experts (rank-local 
 
 def singleton_groups() -> dist.ProcessGroup:
     """This rank's one-rank group (every rank creates every group, in the same order)."""
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    return groups[dist.get_rank()]
+    return new_singleton_groups(dist.get_rank(), dist.get_world_size())

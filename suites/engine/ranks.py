@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from harness.placement import assign_devices, n_gpus, xdist_worker
+from harness.placement import DeviceChoice
+from harness.pytest_plugin import gpus_missing
 from harness.pool import PoolConfig, PoolOutcome, RankPool
 from harness.rank import RankContext
 
@@ -92,18 +93,17 @@ def outcome_of_check(name: str, outcome: PoolOutcome, world_size: int) -> CheckO
 def run_checks(
     checks: Sequence[Check],
     world_size: int = 2,
-    backend: str = "gloo",
+    device: DeviceChoice = "cpu",
     timeout_s: float = 120.0,
     args: tuple[Any, ...] = (),
 ) -> dict[str, CheckOutcome]:
     """Start ``world_size`` ranks once, run every check on each (``check(*args, rank, world_size)``),
-    return outcomes by check name; ``timeout_s`` bounds each check. ``nccl`` takes one GPU per rank
-    (``harness.placement.assign_devices``: a disjoint block per pytest-xdist worker where they fit)."""
-    devices = None
-    if backend == "nccl":
-        devices = assign_devices(world_size, n_gpus(), *xdist_worker())
-    config = PoolConfig(world_size=world_size, backend=backend, devices=devices, case_timeout_s=timeout_s,  # type: ignore[arg-type]
-                        threads_per_rank=1 if backend == "gloo" else None)
+    return outcomes by check name; ``timeout_s`` bounds each check. ``device='cuda'`` places the ranks
+    on this worker's GPUs by ``harness.placement.place`` (NCCL with one GPU per rank where there are
+    enough, gloo ranks sharing them where there are fewer); a check finds its device with
+    ``harness.rank.rank_device()``."""
+    config = PoolConfig.placed(world_size, device=device, case_timeout_s=timeout_s,
+                               threads_per_rank=1 if device == "cpu" else None)
     outcomes: dict[str, CheckOutcome] = {}
     with RankPool(config) as pool:
         for check in checks:
@@ -137,16 +137,29 @@ def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:
     return pytest.mark.xdist_group(name=f"rank-session:{checks[0].__module__}")
 
 
-def session_tests(checks: Sequence[Check], world_size: int = 2, backend: str = "gloo", timeout_s: float = 240.0):
+def session_tests(
+    checks: Sequence[Check],
+    world_size: int = 2,
+    device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
+    timeout_s: float = 240.0,
+):
     """A module-scoped ``session`` fixture and a test per check, for a test module's namespace::
 
         session, test_check = session_tests(CHECKS)
-    """
-    import pytest
 
-    @pytest.fixture(scope="module")
-    def session() -> RankSession:
-        return RankSession(run_checks(checks, world_size=world_size, backend=backend, timeout_s=timeout_s))
+    ``device=("cpu", "cuda")`` runs every check on CPU ranks and again on ranks on the GPUs (sharing one
+    where there are fewer GPUs than ranks); the CUDA session skips, with the reason, on a host without.
+    """
+    devices = device if isinstance(device, tuple) else (device,)
+    # One device keeps the test ids as they were; several add ``on_cpu``/``on_cuda``.
+    params = {"params": devices, "ids": [f"on_{d}" for d in devices]} if len(devices) > 1 else {}
+
+    @pytest.fixture(scope="module", **params)
+    def session(request: pytest.FixtureRequest) -> RankSession:
+        where: DeviceChoice = getattr(request, "param", devices[0])
+        if where == "cuda" and (reason := gpus_missing(1)):
+            pytest.skip(reason=reason)
+        return RankSession(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s))
 
     @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
@@ -160,7 +173,7 @@ def api_session_tests(
     checks: Sequence[Check],
     load_api: Callable[[str], Any],
     world_size: int = 2,
-    backend: str = "gloo",
+    device: DeviceChoice = "cpu",
     timeout_s: float = 240.0,
 ):
     """``session_tests`` once per engine of the ``fsdp_api`` parametrization (``harness.pytest_plugin``:
@@ -174,7 +187,7 @@ def api_session_tests(
     @pytest.fixture(scope="module")
     def session(fsdp_api: str) -> RankSession:
         api = load_api(fsdp_api)
-        return RankSession(run_checks(checks, world_size=world_size, backend=backend, timeout_s=timeout_s, args=(api,)))
+        return RankSession(run_checks(checks, world_size=world_size, device=device, timeout_s=timeout_s, args=(api,)))
 
     @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)

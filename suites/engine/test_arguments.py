@@ -119,10 +119,12 @@ def test_torch_configurations_are_accepted_as_equivalents() -> None:
 
 def test_mixing_both_apis_computes_in_the_configured_dtype() -> None:
     # Our policy and strategy with torch's MixedPrecision and CPUOffload (forward only: the
-    # process-group double cannot reduce gradients).
+    # process-group double cannot reduce gradients). On the CPU on any host: without device_id a
+    # host with CUDA would compute on its current device, as torch FSDP1 does.
     model = FSDP(
         NestedWrapped(),
         process_group=PG,
+        device_id=torch.device("cpu"),
         auto_wrap_policy=always_wrap_policy,
         sharding_strategy=engine.ShardingStrategy.FULL_SHARD,
         mixed_precision=torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16),

@@ -24,12 +24,10 @@ from suites.engine.ranks import session_tests
 
 pytestmark = [
     pytest.mark.gpu,
-    needs_gpus(2),
+    needs_gpus(1),
 ]
 
 STRATEGIES = parity.STRATEGIES
-
-
 
 
 def check_nested_sweep(rank: int, world_size: int) -> None:
@@ -42,10 +40,6 @@ def check_transformer_sweep(rank: int, world_size: int) -> None:
 
 def check_moe_sweep(rank: int, world_size: int) -> None:
     parity.sweep("moe", _device())
-
-
-
-
 
 
 def check_delays_expose_missing_synchronization(rank: int, world_size: int) -> None:
@@ -96,4 +90,4 @@ CHECKS = [
     check_cpu_offload_placement,
     check_no_sync_mixed_precision_dtypes,
 ]
-session, test_check = session_tests(CHECKS, backend="nccl", timeout_s=540)
+session, test_check = session_tests(CHECKS, device="cuda", timeout_s=540)

@@ -127,4 +127,4 @@ def check_module_moved_to_gpu_after_offload_wrapping(rank: int, world_size: int)
 
 
 CHECKS = [check_offload_placement_matches_torch, check_module_moved_to_gpu_after_offload_wrapping]
-session, test_check = session_tests(CHECKS, world_size=WORLD, backend="nccl", timeout_s=540)
+session, test_check = session_tests(CHECKS, world_size=WORLD, device="cuda", timeout_s=540)

@@ -39,4 +39,4 @@ def check_one_rank_hybrid_under_sleeps(rank: int, world_size: int) -> None:
 
 
 CHECKS = [check_one_rank_hybrid_under_sleeps]
-session, test_check = session_tests(CHECKS, world_size=1, backend="nccl", timeout_s=300)
+session, test_check = session_tests(CHECKS, world_size=1, device="cuda", timeout_s=300)

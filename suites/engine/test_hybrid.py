@@ -1,9 +1,12 @@
 """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 4 CPU ranks (2 replicas x 2 shards), against the
-all-data local reference and DDP, with groups passed as a pair and built from a 2-D mesh."""
+all-data local reference and DDP, with groups passed as a pair, built from a 2-D mesh, and the
+default groups (a node of the launcher's ``LOCAL_WORLD_SIZE`` ranks)."""
 
 from __future__ import annotations
 
 import itertools
+import os
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -11,6 +14,7 @@ from torch.testing import assert_close
 
 from engine import FSDP, BackwardPrefetch, ShardingStrategy
 from harness.model_protocol import wrap_bottom_up
+from harness.rank import new_hybrid_groups
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
@@ -21,10 +25,7 @@ HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
 
 def _pair_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Shard groups {0,1} {2,3}, replicate groups {0,2} {1,3} (every rank creates all)."""
-    rank = dist.get_rank()
-    shard = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
-    replicate = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
-    return shard, replicate
+    return new_hybrid_groups(dist.get_rank(), 4, 2)
 
 
 def check_hybrid_parity_group_pair(rank: int, world_size: int) -> None:
@@ -74,11 +75,23 @@ def check_hybrid_sync_module_states(rank: int, world_size: int) -> None:
         assert_close(model.module.bias, expected.bias)
 
 
+def check_hybrid_default_groups_from_local_world_size(rank: int, world_size: int) -> None:
+    """No process_group: shard within a node of LOCAL_WORLD_SIZE ranks (none of these CPU ranks has a
+    GPU), replicate across nodes."""
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": "2"}):
+        model = FSDP(NestedWrapped(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    assert (model.process_group.size(), model._replicate_group.size()) == (2, 2)
+    assert model.rank == rank % 2 and model._replicate_group.rank() == rank // 2
+    total = sum(p.numel() for p in NestedWrapped().parameters())
+    assert model.module._flat_param.numel() == -(-total // 2)
+
+
 CHECKS = [
     check_hybrid_parity_group_pair,
     check_hybrid_parity_device_mesh,
     check_hybrid_shards_within_group,
     check_hybrid_no_sync_and_clip,
     check_hybrid_sync_module_states,
+    check_hybrid_default_groups_from_local_world_size,
 ]
 session, test_check = session_tests(CHECKS, world_size=4, timeout_s=400)

@@ -1,5 +1,6 @@
 """Pure pieces of the runtime, in-process: gradient division factors, execution order,
-the all-gather limiter, argument validation, public names, and the no-FSDP1-import rule."""
+the all-gather limiter, argument validation, what a unit's configuration decides from its strategy,
+public names, and the no-FSDP1-import rule."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch.distributed.fsdp as torch_fsdp
 
 import engine
 from engine.collectives import predivide_factor
+from engine.config import UnitConfig
+from engine.flat_param import HandleShardingStrategy
 from engine.context import AllGatherLimiter, ExecOrder
-from engine.fully_sharded import _resolve_groups
+from engine.groups import resolve_groups
 
 ENGINE_DIR = pathlib.Path(engine.__file__).parent
 
@@ -63,7 +66,32 @@ def test_limiter_waits_for_the_oldest_free() -> None:
 
 def test_process_group_and_device_mesh_conflict() -> None:
     with pytest.raises(ValueError, match="both process_group and device_mesh"):
-        _resolve_groups(engine.ShardingStrategy.FULL_SHARD, object(), object())  # type: ignore[arg-type]
+        resolve_groups(engine.ShardingStrategy.FULL_SHARD, object(), object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "strategy, sharded, hybrid, reshard_after_forward",
+    [
+        ("FULL_SHARD", True, False, True),
+        ("SHARD_GRAD_OP", True, False, False),
+        ("NO_SHARD", False, False, False),
+        ("HYBRID_SHARD", True, True, True),
+        ("_HYBRID_SHARD_ZERO2", True, True, False),
+    ],
+)
+def test_unit_config_decides_from_the_strategy(strategy: str, sharded: bool, hybrid: bool, reshard_after_forward: bool) -> None:
+    group = object()
+    config = UnitConfig(engine.ShardingStrategy[strategy], torch.device("cpu"), group, group if hybrid else None)
+    assert (config.sharded, config.hybrid, config.reshard_after_forward) == (sharded, hybrid, reshard_after_forward)
+    # The handle's strategy argument (torch FSDP1's HandleShardingStrategy) is the same enum.
+    assert HandleShardingStrategy[strategy] is engine.ShardingStrategy[strategy]
+
+
+def test_unit_config_refuses_a_replicate_group_without_a_hybrid_strategy() -> None:
+    with pytest.raises(ValueError, match="replicate_group is only valid with a hybrid strategy"):
+        UnitConfig(engine.ShardingStrategy.FULL_SHARD, torch.device("cpu"), object(), object())
+    with pytest.raises(ValueError, match="must be a ShardingStrategy member"):
+        UnitConfig("FULL_SHARD", torch.device("cpu"), object())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ from suites.engine import parity
 from suites.engine.ranks import session_tests
 
 
-
 def check_nested_sweep(rank: int, world_size: int) -> None:
     parity.sweep("nested", torch.device("cpu"))
 

@@ -5,21 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
 from harness.parity import run_case_on_rank
-from harness.placement import assign_devices, default_backend, xdist_worker
 from harness.pool import PoolConfig, RankPool
 
 
 def parity_config(world_size: int = 2) -> PoolConfig:
-    """NCCL with one GPU per rank where there are enough GPUs (shared by xdist workers where needed), else gloo on CPU."""
-    worker, workers = xdist_worker()
-    backend = default_backend(world_size)
-    devices = assign_devices(world_size, torch.cuda.device_count(), worker, workers) if backend == "nccl" else None
-    return PoolConfig(world_size=world_size, backend=backend, devices=devices, case_timeout_s=180.0)
+    """Where ``harness.placement.place`` puts ``world_size`` ranks on this worker: the GPUs (one per rank,
+    or shared through gloo) where there are any, else gloo on CPU."""
+    return PoolConfig.placed(world_size, case_timeout_s=180.0)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import pytest
 
 from harness.cli import main
 from harness.collector import read_records
+from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +23,8 @@ CPU_TARGET_MS = 100.0
 #: the warm-pool overhead target on two GPUs with NCCL.
 GPU_TARGET_MS = 50.0
 
-needs_two_gpus = needs_gpus(2)
+#: the NCCL overhead target needs NCCL itself: one GPU per rank (ranks sharing a GPU run gloo).
+needs_two_gpus = needs_gpus(2, "NCCL with one GPU per rank: the overhead target is NCCL's")
 
 
 def _harness(
@@ -130,9 +132,9 @@ def test_bench_on_two_gpus() -> None:
 
 
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpus(1)
 @pytest.mark.parametrize("launcher", ["pool", "torchrun"])
-def test_smoke_run_on_two_gpus(tmp_path: Path, launcher: str) -> None:
+def test_smoke_run_on_gpus(tmp_path: Path, launcher: str) -> None:
     out = tmp_path / f"{launcher}.jsonl"
     run = ("run", "--matrix", "smoke", "--engines", "torch-fsdp,torch-fsdp2", "--references", "ddp,local",
            "--out", str(out), "--no-progress")
@@ -140,11 +142,15 @@ def test_smoke_run_on_two_gpus(tmp_path: Path, launcher: str) -> None:
         done = _harness("--standalone", "--nproc-per-node", "2", "-m", "harness", *run,
                         launcher=("-m", "torch.distributed.run"), gpus=True, timeout=600)
     else:
-        done = _harness(*run, "--backend", "nccl", gpus=True, timeout=600)
+        done = _harness(*run, gpus=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     records, bad = read_records(out)
     assert records and not bad
-    assert all(r.run is not None and r.run.backend == "nccl" and r.run.gpu for r in records)
+    # Two ranks on the GPUs: NCCL with one GPU each where there are two, gloo sharing one otherwise.
+    shared = n_gpus() < 2
+    assert all(r.run is not None and r.run.device == "cuda" and r.run.gpu
+               and r.run.backend == ("gloo" if shared else "nccl") and r.run.ranks_per_gpu == (2 if shared else 1)
+               for r in records), [r.run for r in records]
     assert {r.verdict for r in records} <= {"pass", "unsupported"}
     # On GPUs CPU offload runs, and its knob check must see the parameters on CPU.
     offloaded = [r for r in records if r.case["cpu_offload"] and r.verdict == "pass"]

@@ -4,7 +4,7 @@ cannot be a results file, a full disk, a results file another run holds, resumed
 in the exit status, unreadable lines warned about.
 
 Most tests call ``harness.cli.main`` in-process; where a test needs a case recorded without running
-ranks it replaces ``harness.cli.run.run_case`` (the pool starts lazily, so no process is spawned):
+ranks it replaces ``harness.runner.run_case`` (the pool starts lazily, so no process is spawned):
 what is tested is the command line and the collector, the pool has its own suite.
 """
 
@@ -31,7 +31,7 @@ from harness.runner import Selection, select_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = RunInfo(run_id="earlier", host="h", torch_version="2.13", backend="gloo")
-#: one tiny case (the brief's cheapest selection).
+#: a tiny selection: the smoke matrix of one small model, one step.
 TINY = ["--matrix", "smoke", "--models", "nested", "--steps", "1", "--no-progress"]
 
 
@@ -304,7 +304,7 @@ def test_nccl_without_gpus_is_one_line(capsys: pytest.CaptureFixture[str], tmp_p
         pytest.skip("needs a machine without GPUs (CUDA is available here)")
     out = tmp_path / "r.jsonl"
     assert main(["run", *TINY, "--limit", "1", "--backend", "nccl", "--out", str(out)]) == 2
-    assert "--backend nccl needs one GPU per rank" in _one_line(capsys.readouterr().err)
+    assert "--backend nccl needs a CUDA GPU" in _one_line(capsys.readouterr().err)
     assert not out.exists()
 
 
@@ -442,6 +442,23 @@ def test_the_rank_behind_is_the_one_not_waiting_in_a_collective(stacks: dict[int
         assert f"rank {behind[0]} is behind, at parity.py:300 in _hang_in_forward" in reason
     else:
         assert "behind" not in reason and "rank 0 at" in reason
+
+
+def test_stacks_and_tracebacks_name_no_machine_directory() -> None:
+    import torch
+
+    import harness.parity
+    from harness.stacks import local_prefixes, portable_paths
+
+    table = {"/site/": "<site-packages>/", "/repo/": ""}
+    assert '"harness/parity.py", line 300 in _hang_in_forward' in portable_paths(STUCK, table)
+    assert "/site/" not in portable_paths(WAITING, table) and "<site-packages>/torch/distributed" in portable_paths(WAITING, table)
+    # The longest prefix first: the installed packages lie inside the standard library's directory.
+    nested = {"/py/lib/": "<stdlib>/", "/py/lib/site-packages/": "<site-packages>/"}
+    assert portable_paths("/py/lib/site-packages/torch/x.py /py/lib/os.py", nested) == "<site-packages>/torch/x.py <stdlib>/os.py"
+    here = f'File "{harness.parity.__file__}", line 1 in f\nFile "{torch.__file__}", line 2 in g'
+    assert portable_paths(here) == 'File "harness/parity.py", line 1 in f\nFile "<site-packages>/torch/__init__.py", line 2 in g'
+    assert all(prefix.startswith("/") or ":" in prefix for prefix in local_prefixes())
 
 
 def test_the_nightly_runner_stops_at_a_write_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

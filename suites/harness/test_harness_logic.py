@@ -337,8 +337,10 @@ def test_assign_devices_is_disjoint_per_worker_where_blocks_fit_and_shared_where
     sets = [set(assign_devices(2, 8, worker, 4)) for worker in range(4)]
     assert set().union(*sets) == set(range(8)) and sum(map(len, sets)) == 8
     assert [assign_devices(2, 4, w, 3) for w in range(3)] == [(0, 1), (2, 3), (0, 1)]
-    with pytest.raises(ValueError, match="world_size=4 needs one GPU per rank"):
-        assign_devices(4, 2)
+    # Fewer GPUs than ranks: rank r on GPU r mod n (gloo only: harness.placement.place).
+    assert assign_devices(4, 2) == (0, 1, 0, 1)
+    with pytest.raises(ValueError, match="n_devices=0"):
+        assign_devices(2, 0)
     with pytest.raises(ValueError, match="worker_index=3"):
         assign_devices(1, 2, 3, 3)
 

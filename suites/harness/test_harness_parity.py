@@ -159,10 +159,10 @@ GPU_CASES: list[CaseConfig] = [
 
 
 @pytest.mark.gpu
-@needs_gpus(2)
+@needs_gpus(1)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.full_id)
 def test_gpu_only_behaviours(parity_pool: RankPool, case: CaseConfig) -> None:
-    assert parity_pool.config.backend == "nccl"
+    assert parity_pool.config.lane.device == "cuda"
     record = _run(parity_pool, case)
     assert record.verdict == "pass", record.reason
     assert record.peak_mem_bytes > 0

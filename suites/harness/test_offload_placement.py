@@ -111,7 +111,7 @@ def test_the_probe_runs_after_the_compared_run_and_leaves_it_alone(parity_pool: 
     record = _run(parity_pool, case)
     assert record.verdict == "pass" and record.deterministic, record.reason
     check = _knob(record)
-    on_cpu = parity_pool.config.backend == "gloo"
+    on_cpu = parity_pool.config.lane.device == "cpu"
     assert check["status"] == ("n/a" if on_cpu else "ok"), check
     assert f"at {len(PARAMETER_POINTS) + len(COMPUTE_POINTS)} points" in check["reason"], check
     # Without offload there is no promise to probe.
@@ -177,13 +177,13 @@ def _check_engines(pool: RankPool, world_size: int) -> None:
 
 @pytest.fixture(scope="module")
 def one_gpu_pool() -> Iterator[RankPool]:
-    with RankPool(PoolConfig(world_size=1, backend="nccl", devices=(0,), case_timeout_s=300.0)) as pool:
+    with RankPool(PoolConfig.placed(1, device="cuda", case_timeout_s=300.0)) as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def two_gpu_pool() -> Iterator[RankPool]:
-    with RankPool(PoolConfig(world_size=2, backend="nccl", devices=(0, 1), case_timeout_s=300.0)) as pool:
+    with RankPool(PoolConfig.placed(2, device="cuda", case_timeout_s=300.0)) as pool:
         yield pool
 
 
@@ -194,6 +194,6 @@ def test_offload_placement_on_one_gpu(one_gpu_pool: RankPool) -> None:
 
 
 @pytest.mark.gpu
-@needs_gpus(2)
-def test_offload_placement_on_two_gpus(two_gpu_pool: RankPool) -> None:
+@needs_gpus(1)
+def test_offload_placement_on_two_gpu_ranks(two_gpu_pool: RankPool) -> None:
     _check_engines(two_gpu_pool, 2)

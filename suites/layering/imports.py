@@ -1,4 +1,5 @@
-"""The project's import graph, read from the source (no module is imported), and its circles.
+"""The project's import graph, read from the source (no module is imported), its circles and the
+imports that run up the layers.
 
 Every ``import`` and ``from ... import`` counts, wherever it is written: at the top, under
 ``if TYPE_CHECKING:``, inside a function. ``from package import name`` counts as an import of
@@ -10,7 +11,18 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-__all__ = ["find_cycles", "import_graph", "module_name"]
+__all__ = ["LAYERS", "find_cycles", "import_graph", "layer_of", "module_name", "upward_imports"]
+
+#: the layers, lowest first: a module may import its own layer and the layers below it. The
+#: harness library is ``harness`` without its front ends (the command line, the pytest plugin and
+#: ``python -m harness``), which sit above the reports they print.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("engine", ("engine",)),
+    ("harness library", ("harness",)),
+    ("reports", ("reports",)),
+    ("front ends", ("harness.cli", "harness.pytest_plugin", "harness.__main__")),
+    ("suites", ("suites",)),
+)
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -94,3 +106,26 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return sorted(found, key=lambda c: (-len(c), c))
+
+
+def layer_of(module: str) -> int | None:
+    """Index in :data:`LAYERS` of ``module``'s layer (the longest matching prefix wins); None outside them."""
+    best: tuple[int, int] | None = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for every import of ``graph`` from a lower layer into a higher one, sorted."""
+    found = []
+    for module, targets in graph.items():
+        low = layer_of(module)
+        for target in targets:
+            high = layer_of(target)
+            if low is not None and high is not None and high > low:
+                found.append((module, target))
+    return sorted(found)

@@ -1,5 +1,6 @@
 """Layering: no import circle among the modules of engine/, harness/ and reports/ (imports anywhere
-in a module count), and every engine module imports alone, from a clean start.
+in a module count), imports pointing down the layers only (engine < harness library < reports <
+front ends < suites), and every engine module imports alone, from a clean start.
 """
 
 from __future__ import annotations
@@ -9,9 +10,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-from suites.layering.imports import find_cycles, import_graph
+from suites.layering.imports import LAYERS, find_cycles, import_graph, layer_of, upward_imports
 
 ROOT = Path(__file__).resolve().parents[2]
+
+#: ``(importer, imported)`` pairs allowed to run up the layers. Empty: every import of the tree
+#: points down. An entry here is a known debt to pay, never a way to make the test pass.
+ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset()
+
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
@@ -50,6 +56,60 @@ def test_one_way_imports_have_no_circle(tmp_path: Path) -> None:
     graph = import_graph(root, ["low", "high"])
     assert graph["high.top"] == {"low.base"} and graph["high"] == {"high.top"}
     assert find_cycles(graph) == []
+
+
+def test_layer_of_knows_front_ends_from_the_library() -> None:
+    names = [name for name, _ in LAYERS]
+    assert names[layer_of("engine.unit")] == "engine"
+    assert names[layer_of("harness.runner")] == "harness library"
+    assert names[layer_of("harness")] == "harness library"
+    assert names[layer_of("harness.cli.run")] == "front ends"
+    assert names[layer_of("harness.pytest_plugin")] == "front ends"
+    assert names[layer_of("harness.__main__")] == "front ends"
+    assert names[layer_of("reports.diff")] == "reports"
+    assert names[layer_of("suites.layering.imports")] == "suites"
+    assert layer_of("harnessing") is None and layer_of("examples.toy") is None
+
+
+def test_planted_upward_import_is_found(tmp_path: Path) -> None:
+    files = {
+        "engine/__init__.py": "",
+        "engine/unit.py": "import torch\n",
+        "harness/__init__.py": "",
+        "harness/runner.py": "from engine import unit\n",
+        "harness/cli/__init__.py": "",
+        "harness/cli/run.py": "from harness import runner\nimport reports.page\n",
+        "reports/__init__.py": "",
+        "reports/page.py": "from harness.runner import x\n",
+        "suites/__init__.py": "",
+        "suites/test_x.py": "import harness.cli.run\nimport reports.page\n",
+    }
+    root = _tree(tmp_path, files)
+    clean = import_graph(root, ["engine", "harness", "reports", "suites"])
+    assert upward_imports(clean) == []
+    # One import up from each layer: the engine into the library, the library into the reports,
+    # the reports into a front end, a front end into the suites.
+    planted = {
+        "engine/unit.py": "def f():\n    from harness import runner\n",
+        "harness/runner.py": "from reports.page import render\n",
+        "reports/page.py": "from harness.cli import run\n",
+        "harness/cli/run.py": "import suites.test_x\n",
+    }
+    root = _tree(tmp_path, planted)
+    found = upward_imports(import_graph(root, ["engine", "harness", "reports", "suites"]))
+    assert found == [
+        ("engine.unit", "harness.runner"),
+        ("harness.cli.run", "suites.test_x"),
+        ("harness.runner", "reports.page"),
+        ("reports.page", "harness.cli.run"),
+    ]
+
+
+def test_imports_point_down_the_layers() -> None:
+    graph = import_graph(ROOT, ["engine", "harness", "reports", "suites"])
+    found = set(upward_imports(graph))
+    assert not found - ALLOWED_UPWARD, f"imports up the layers (engine < harness library < reports < front ends < suites): {sorted(found - ALLOWED_UPWARD)}"
+    assert not ALLOWED_UPWARD - found, f"allowed upward imports that no longer exist: drop them from ALLOWED_UPWARD: {sorted(ALLOWED_UPWARD - found)}"
 
 
 def test_engine_has_no_import_circle() -> None:

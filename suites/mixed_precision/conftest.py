@@ -9,7 +9,8 @@ import pytest
 from harness.pool import PoolConfig, RankPool
 from harness.pytest_plugin import gpus_missing
 
-#: the seed runs its multi-rank tests on two GPUs; the CPU lane runs them on two gloo ranks.
+#: the torch tests this suite ports run on two ranks: on the GPUs (NCCL with one GPU per rank, or gloo
+#: ranks sharing one: ``harness.placement.place``) or on two gloo CPU ranks.
 WORLD = 2
 
 
@@ -22,9 +23,9 @@ def cpu_pair() -> Iterator[RankPool]:
 
 @pytest.fixture(scope="package")
 def gpu_pair() -> Iterator[RankPool]:
-    """Two NCCL ranks on GPUs 0 and 1."""
-    if reason := gpus_missing(WORLD):
+    """Two ranks on this worker's GPUs (one each, or sharing one)."""
+    if reason := gpus_missing(1):
         pytest.skip(reason=reason)
-    with RankPool(PoolConfig(world_size=WORLD, backend="nccl", devices=(0, 1), case_timeout_s=240.0)) as pool:
+    with RankPool(PoolConfig.placed(WORLD, device="cuda", case_timeout_s=240.0)) as pool:
         yield pool
 

@@ -148,7 +148,6 @@ def full_precision_in_eval_comm(ctx: RankContext, payload: dict[str, Any]) -> No
         assert reductions and reduced_dtypes(reductions) == {want}, (cast_inputs, use_full, reduced_dtypes(reductions))
 
 
-
 # ---------------------------------------------------------------------------- train / EMA / eval
 def train_ema_eval(ctx: RankContext, payload: dict[str, Any]) -> dict[str, list[float]]:
     """Train -> EMA update (inside summon_full_params) -> eval on the EMA model, three times per

@@ -77,7 +77,6 @@ def resnet50(ctx: RankContext, payload: dict[str, Any]) -> int:
     return n_bn
 
 
-
 # ---------------------------------------------------------------------------- ignored modules
 def ignored_modules(ctx: RankContext, payload: dict[str, Any]) -> None:
     """Parameters (and buffers) of ignored modules keep their dtype: feeding them low-precision

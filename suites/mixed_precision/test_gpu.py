@@ -32,7 +32,7 @@ from suites.mixed_precision.rank_api import MP_CONFIGS, assert_ok
 
 pytestmark = [
     pytest.mark.gpu,
-    needs_gpus(2),
+    needs_gpus(1),
 ]
 
 OFFLOAD = pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])

@@ -19,7 +19,6 @@ from suites.mixed_precision.models import ParityNet
 from suites.wrap.wrap_models import DummyProcessGroup
 
 
-
 # ---------------------------------------------------------------------------- inputs
 def test_cast_floating_tensors_leaves_integers_and_others() -> None:
     ids = torch.tensor([1, 2])

@@ -19,6 +19,7 @@ from harness.case import CaseConfig
 from harness.runner import Selection, select_cases
 from harness.collector import ResultWriter, read_records
 from harness.records import CaseRecord, RunInfo
+from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,18 +170,28 @@ def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@needs_gpus(2)
+@needs_gpus(1)
 def test_nightly_on_the_gpus(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
     done = _nightly("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--fuzz-profile", "none",
                     "--no-progress", gpus=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     state = json.loads((out / "nightly.json").read_text())
-    assert state["cases"]["backend"] == "nccl" and state["cases"]["not_run"] == 0
+    n = n_gpus()
+    assert state["cases"]["not_run"] == 0 and state["cases"]["device"] == "cuda"
     pairs = [lane for lane in state["cases"]["lanes"] if lane["world_size"] == 2]
-    groups = torch.cuda.device_count() // 2
+    assert len(pairs) >= 1 and state["cases"]["cases_per_s"] > 0
+    if n < 2:
+        # One GPU: both ranks of every pool on it, through gloo; the perf section is the CPU smoke check
+        # (gloo's host staging is no measure of NCCL overlap).
+        assert state["cases"]["backend"] == "gloo" and state["cases"]["ranks_per_gpu"] == 2
+        assert {tuple(lane["devices"]) for lane in pairs} == {(0, 0)}
+        assert state["perf"]["kind"] == "smoke", state["perf"]
+        return
+    assert state["cases"]["backend"] == "nccl" and state["cases"]["ranks_per_gpu"] == 1
+    groups = n // 2
     # Every GPU pair runs cases, several pools on each side by side.
     assert {tuple(lane["devices"]) for lane in pairs} == {(2 * i, 2 * i + 1) for i in range(groups)}
-    assert len(pairs) % groups == 0 and state["cases"]["cases_per_s"] > 0
+    assert len(pairs) % groups == 0
     assert state["perf"]["kind"] == "gpu", state["perf"]
     assert state["perf"]["rows"]["builtin/full_shard"]["ratio"] > 0 and state["perf"]["rows"]["builtin/full_shard"]["peak_gib"] > 0

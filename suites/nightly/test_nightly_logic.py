@@ -27,14 +27,17 @@ def test_cpu_runs_one_gloo_pool_of_two_ranks_and_says_what_it_leaves_out() -> No
     lanes, skipped = plan_lanes(None, "auto", n_gpus=0, matrix_world_sizes=[2, 4])
     assert lanes == {CPU_WORLD_SIZE: [Lane(2, "gloo", None)]}
     assert set(skipped) == {4} and "--world-size 4" in skipped[4]
-    lanes, skipped = plan_lanes([4], "gloo", n_gpus=8, matrix_world_sizes=[2, 4])
+    lanes, skipped = plan_lanes([4], "gloo", n_gpus=8, matrix_world_sizes=[2, 4], device="cpu")
     assert lanes == {4: [Lane(4, "gloo", None)]} and skipped == {}
+    # gloo alone is not "on the CPU": with GPUs it runs on them.
+    lanes, _ = plan_lanes([4], "gloo", n_gpus=8, matrix_world_sizes=[2, 4])
+    assert lanes == {4: [Lane(4, "gloo", (0, 1, 2, 3)), Lane(4, "gloo", (4, 5, 6, 7))]}
 
 
 def test_gpus_are_split_into_disjoint_pools_per_world_size() -> None:
     lanes, skipped = plan_lanes(None, "auto", n_gpus=2, matrix_world_sizes=[2, 4])
     assert lanes == {2: [Lane(2, "nccl", (0, 1))]}
-    assert "needs 4 GPUs" in skipped[4] and "2 visible" in skipped[4]
+    assert "--world-size 4" in skipped[4] and "2 GPU(s)" in skipped[4]
 
     lanes, skipped = plan_lanes(None, "auto", n_gpus=8, matrix_world_sizes=[2, 4])
     assert skipped == {}
@@ -115,18 +118,30 @@ GIB = 1 << 30
 
 
 def test_pools_per_group_follow_cores_and_gpu_memory() -> None:
+    two, four = Lane(2, "nccl", (0, 1)), Lane(4, "nccl", (0, 1, 2, 3))
     # 2 x H200 (141 GB) with 32 cores: capped by MAX_POOLS_PER_GROUP; 16 cores: by the cores.
-    assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=32, gpu_memory_bytes=141 * GIB)) == 8
-    assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 6
+    assert pools_per_group(two, 1, HostFacts(cpu_cores=32, gpu_memory_bytes=141 * GIB)) == 8
+    assert pools_per_group(two, 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 6
     # Small GPUs: by the memory; 8 GPUs in 4 groups share the cores.
-    assert pools_per_group(2, "nccl", 1, HostFacts(cpu_cores=64, gpu_memory_bytes=12 * GIB)) == 3
-    assert pools_per_group(2, "nccl", 4, HostFacts(cpu_cores=19, gpu_memory_bytes=80 * GIB)) == 2
+    assert pools_per_group(two, 1, HostFacts(cpu_cores=64, gpu_memory_bytes=6 * GIB)) == 3
+    assert pools_per_group(two, 4, HostFacts(cpu_cores=19, gpu_memory_bytes=80 * GIB)) == 2
     # Never none; CPU pools need two cores per rank.
-    assert pools_per_group(4, "nccl", 1, HostFacts(cpu_cores=2, gpu_memory_bytes=1 * GIB)) == 1
-    assert pools_per_group(2, "gloo", 1, HostFacts(cpu_cores=2)) == 1
-    assert pools_per_group(2, "gloo", 1, HostFacts(cpu_cores=16)) == 4
+    assert pools_per_group(four, 1, HostFacts(cpu_cores=2, gpu_memory_bytes=1 * GIB)) == 1
+    assert pools_per_group(Lane(2, "gloo", None), 1, HostFacts(cpu_cores=2)) == 1
+    assert pools_per_group(Lane(2, "gloo", None), 1, HostFacts(cpu_cores=16)) == 4
     with pytest.raises(ValueError, match="world_size"):
-        pools_per_group(0, "nccl", 1, HostFacts(cpu_cores=8))
+        pools_per_group(Lane(0, "nccl", None), 1, HostFacts(cpu_cores=8))
+
+
+def test_pools_of_ranks_sharing_a_gpu_budget_its_memory_and_the_hosts() -> None:
+    # One 80 GB GPU, 16 cores: 2 ranks on it per pool take 4 GiB of it: cores allow 6 pools.
+    shared2, shared8 = Lane(2, "gloo", (0, 0)), Lane(8, "gloo", (0,) * 8)
+    assert pools_per_group(shared2, 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 6
+    # 8 ranks on one GPU: 16 GiB a pool, so 5 fit; 16 cores allow only 1.
+    assert pools_per_group(shared8, 1, HostFacts(cpu_cores=64, gpu_memory_bytes=80 * GIB)) == 5
+    assert pools_per_group(shared8, 1, HostFacts(cpu_cores=16, gpu_memory_bytes=80 * GIB)) == 1
+    # Host memory: 2 GiB per CUDA rank.
+    assert pools_per_group(shared2, 1, HostFacts(cpu_cores=64, gpu_memory_bytes=141 * GIB, host_memory_bytes=12 * GIB)) == 3
 
 
 def test_lanes_put_several_pools_on_each_gpu_group() -> None:
@@ -138,6 +153,13 @@ def test_lanes_put_several_pools_on_each_gpu_group() -> None:
     assert [lane.devices for lane in lanes[2]] == [(0, 1), (2, 3), (0, 1), (2, 3)]
     lanes, _ = plan_lanes(None, "auto", n_gpus=0, matrix_world_sizes=[2, 4], pools=2)
     assert lanes == {2: [Lane(2, "gloo", None)] * 2}
+    # One GPU: the nightly's 2 ranks share it through gloo, pools side by side spread over the GPUs.
+    lanes, skipped = plan_lanes(None, "auto", n_gpus=1, matrix_world_sizes=[2, 4], pools=3)
+    assert lanes == {2: [Lane(2, "gloo", (0, 0))] * 3} and "--world-size 4" in skipped[4]
+    lanes, _ = plan_lanes([4], "auto", n_gpus=2, matrix_world_sizes=[2, 4], pools=2)
+    assert [lane.devices for lane in lanes[4]] == [(0, 1, 0, 1), (0, 1, 0, 1)]
+    lanes, _ = plan_lanes([3], "auto", n_gpus=2, matrix_world_sizes=[2, 4], pools=2)
+    assert [lane.devices for lane in lanes[3]] == [(0, 1, 0), (1, 0, 1)]
     with pytest.raises(ValueError, match="pools-per-gpu"):
         plan_lanes(None, "auto", n_gpus=0, matrix_world_sizes=[2], pools=0)
 
@@ -177,5 +199,6 @@ def test_the_fuzz_runs_alongside_gpu_cases_where_cores_are_left() -> None:
     assert fuzz_alongside(eight, cpu_cores=32)  # 16 ranks, 16 cores left
     assert not fuzz_alongside(eight, cpu_cores=18)  # 2 cores left: too few
     assert not fuzz_alongside({2: [Lane(2, "gloo", None)]}, cpu_cores=64)  # CPU ranks take every core
+    assert fuzz_alongside({2: [Lane(2, "gloo", (0, 0))] * 4}, cpu_cores=16)  # ranks sharing a GPU leave cores
     # World sizes run one after the other: the widest one counts.
     assert fuzz_alongside({2: [Lane(2, "nccl", (0, 1))] * 4, 4: [Lane(4, "nccl", (0, 1, 2, 3))] * 2}, cpu_cores=11)

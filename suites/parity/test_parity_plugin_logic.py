@@ -76,38 +76,40 @@ def test_bad_options_name_the_option(overrides: dict, option: str) -> None:
 def test_cpu_host_runs_gloo_on_cpu() -> None:
     plan = plan_pool(2, "auto", n_gpus=0)
     assert (plan.backend, plan.devices, plan.skip_reason) == ("gloo", None, None)
-    assert plan_pool(4, "gloo", n_gpus=8).devices is None, "gloo runs on CPU even where there are GPUs"
+    assert plan_pool(4, "gloo", n_gpus=8, device="cpu").devices is None, "--device cpu keeps the ranks on the CPU"
+    assert plan_pool(4, "gloo", n_gpus=8).devices == (0, 1, 2, 3), "gloo alone runs on the GPUs"
 
 
 def test_nccl_without_gpus_skips_with_the_reason() -> None:
     plan = plan_pool(2, "nccl", n_gpus=0)
-    assert plan.backend is None and "needs CUDA GPUs" in plan.skip_reason
+    assert plan.backend is None and "needs a CUDA GPU" in plan.skip_reason
 
 
-def test_more_ranks_than_gpus_is_a_skip_not_a_move_to_cpu() -> None:
+def test_more_ranks_than_gpus_share_them_through_gloo_never_move_to_cpu() -> None:
     plan = plan_pool(4, "auto", n_gpus=2)
-    assert plan.backend is None and plan.devices is None
-    assert "needs 4 GPUs" in plan.skip_reason and "2 visible" in plan.skip_reason
-    assert plan_pool(4, "auto", n_gpus=2, worker=1, n_workers=8).skip_reason == plan.skip_reason
+    assert (plan.backend, plan.devices, plan.skip_reason) == ("gloo", (0, 1, 0, 1), None)
+    refused = plan_pool(4, "nccl", n_gpus=2)
+    assert refused.devices is None and "one GPU per rank" in refused.skip_reason and "2 visible" in refused.skip_reason
 
 
 @pytest.mark.parametrize("n_gpus, n_workers", [(g, w) for g in range(1, 9) for w in range(1, 9)])
 def test_xdist_workers_own_disjoint_gpus_where_they_fit_and_share_evenly_where_not(n_gpus: int, n_workers: int) -> None:
-    """Every pool of every world size that fits the host gets distinct GPUs of the host. Where every
-    worker has a block of at least ``world_size`` GPUs, two workers never hold the same GPU; where not,
-    the workers' pools of one world size load every GPU within one pool of each other."""
+    """Every pool of every world size gets GPUs of the host: distinct ones (NCCL) where the host has one
+    per rank, shared ones (gloo) where it has fewer. Where every worker has a block of at least
+    ``world_size`` GPUs, two workers never hold the same GPU; where not, the workers' pools of one world
+    size load every GPU within one pool of each other."""
     block = n_gpus // n_workers
     owned: dict[int, set[int]] = {}
     for world_size in range(1, 5):
         load = [0] * n_gpus
         for worker in range(n_workers):
             plan = plan_pool(world_size, "auto", n_gpus, worker, n_workers)
-            if world_size > n_gpus:
-                assert plan.devices is None and f"needs {world_size} GPUs" in plan.skip_reason
-                continue
-            assert plan.backend == "nccl" and plan.skip_reason is None
-            assert len(plan.devices) == world_size == len(set(plan.devices))
+            assert plan.skip_reason is None and len(plan.devices) == world_size
             assert all(0 <= d < n_gpus for d in plan.devices)
+            if world_size > n_gpus:
+                assert plan.backend == "gloo" and plan.lane.ranks_per_gpu == -(-world_size // n_gpus)
+                continue
+            assert plan.backend == "nccl" and len(set(plan.devices)) == world_size
             assert gpus_shared(world_size, n_gpus, n_workers) == (world_size > block)
             for d in plan.devices:
                 load[d] += 1

@@ -1,5 +1,5 @@
-"""Parity at 4 and 8 ranks on CPU (gloo): what only shows past two ranks (issue #8, until 4- and
-8-GPU machines are lent).
+"""Parity at 4 and 8 ranks on CPU (gloo): what only shows past two ranks, on any machine (no GPU
+needed).
 
 - Hybrid sharding with real shard and replicate groups: 2x2 at world size 4; 2x4 (the harness's
   default shard-group size, half the world) and 4x2 (``extras=(("shard_size", 2),)``) at world size 8;

@@ -1,1 +1,5 @@
-"""Ports of the seed behaviours (torch FSDP test files) onto our engine."""
+"""The seed suites: PyTorch's own FSDP1 test files (``test/distributed/fsdp/test_fsdp_core.py``,
+``test_fsdp_use_orig_params.py``, ``test_fsdp_flatten_params.py``, ``test_wrap.py``,
+``test_fsdp_mixed_precision.py``) ported as conformance checks run against every engine with torch
+FSDP1's API (``suites/seeds``, with ``suites/wrap`` and ``suites/mixed_precision``). "Seed" in the
+project means these files; "the seed's X" is what PyTorch's test file does."""

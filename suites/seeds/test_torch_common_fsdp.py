@@ -17,7 +17,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from harness.placement import n_gpus, place
 from harness.pytest_plugin import needs_gpus
 from harness.pytest_plugin.cases import ParityOptions
 from suites.seeds.api import FSDPApi, load_api
@@ -26,7 +30,7 @@ common_fsdp = pytest.importorskip(
     "torch.testing._internal.common_fsdp", reason="package missing: torch's testing extras (expecttest) do not import"
 )
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2)]
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
 #: the engine spec the rank processes patch ``common_fsdp`` with (they get no pytest options).
 ENGINE_ENV = "FSDP_PARITY_COMMON_FSDP_ENGINE"
@@ -71,21 +75,45 @@ def _api() -> FSDPApi:
     return load_api(os.environ[ENGINE_ENV])
 
 
+from torch.testing._internal.common_utils import set_rng_seed  # noqa: E402 - after the importorskip above
+
 _DEVICE_INIT = getattr(common_fsdp, "DEVICEInitMode", None) or getattr(common_fsdp, "CUDAInitMode")
 _DEVICE_BEFORE = getattr(_DEVICE_INIT, "DEVICE_BEFORE", None) or getattr(_DEVICE_INIT, "CUDA_BEFORE")
 
 
 class TestTorchParityMachinery(common_fsdp.FSDPTest):
-    """torch's parity checks, the engine in FSDP's place, on two GPUs."""
+    """torch's parity checks, the engine in FSDP's place, on two ranks placed by the harness's rule: NCCL
+    with one GPU per rank where there are two, gloo with both ranks on one GPU where there is one."""
 
     @property
     def world_size(self) -> int:
         return 2
 
+    @classmethod
+    def _run(cls, rank: int, test_name: str, file_name: str, pipe: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        # torch's own _run exits as skipped below one GPU per rank and always asks for NCCL; this one
+        # places the ranks as every pool of the harness is placed, then runs the test as torch's does.
+        self = cls(test_name)
+        self.rank, self.file_name = rank, file_name
+        lane = place(self.world_size, n_gpus(), device="cuda")
+        torch.cuda.set_device(lane.devices[rank])  # type: ignore[index]
+        dist.init_process_group(init_method=self.init_method, backend=lane.backend,
+                                world_size=self.world_size, rank=rank)
+        dist.barrier()
+        torch._dynamo.reset()
+        set_rng_seed()
+        self.run_test(test_name, pipe)
+        torch._dynamo.reset()
+        dist.barrier()
+        dist.destroy_process_group()
+
     def _parity(self, model: Any, strategy: str, **kwargs: Any) -> None:
         api = _api()
+        # torch's default reference is DDP on GPU ``rank``, which does not exist where ranks share a GPU.
+        device = torch.cuda.current_device()
         self._test_fsdp_parity(
             model, common_fsdp.FSDPInitMode.RECURSIVE, _DEVICE_BEFORE,
+            ref_init_fn=lambda m: DistributedDataParallel(m, device_ids=[device], output_device=device),
             sharding_strategy=getattr(api.ShardingStrategy, strategy), cpu_offload=api.CPUOffload(), **kwargs,
         )
 

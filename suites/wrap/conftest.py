@@ -16,7 +16,8 @@ from harness.pool import PoolConfig, RankPool
 from harness.pytest_plugin import gpus_missing
 from suites.seeds.api import FSDPApi, load_api
 
-#: the seed runs its multi-rank tests on two GPUs; the CPU lane runs them on two gloo ranks.
+#: the torch tests this suite ports run their multi-rank tests on two ranks, on the GPUs (NCCL with one
+#: GPU per rank, or gloo ranks sharing one: ``harness.placement.place``) or on two gloo CPU ranks.
 GPU_WORLD = 2
 
 
@@ -53,15 +54,15 @@ def cpu_single() -> Iterator[RankPool]:
 
 @pytest.fixture(scope="module")
 def gpu_pair() -> Iterator[RankPool]:
-    """Two NCCL ranks on GPUs 0 and 1."""
-    if reason := gpus_missing(GPU_WORLD):
+    """Two ranks on this worker's GPUs (one each, or sharing one)."""
+    if reason := gpus_missing(1):
         pytest.skip(reason=reason)
-    yield from _pool(PoolConfig(world_size=2, backend="nccl", devices=(0, 1), case_timeout_s=120.0))
+    yield from _pool(PoolConfig.placed(GPU_WORLD, device="cuda", case_timeout_s=120.0))
 
 
 @pytest.fixture(scope="module")
 def gpu_single() -> Iterator[RankPool]:
-    """One NCCL rank on GPU 0."""
+    """One rank on this worker's first GPU."""
     if reason := gpus_missing(1):
         pytest.skip(reason=reason)
-    yield from _pool(PoolConfig(world_size=1, backend="nccl", devices=(0,), case_timeout_s=120.0))
+    yield from _pool(PoolConfig.placed(1, device="cuda", case_timeout_s=120.0))
