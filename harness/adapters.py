@@ -408,7 +408,7 @@ class FSDP1Adapter(EngineAdapter):
             read_facts=lambda: _fsdp1_facts(root),
             notes=notes,
             utilities=self._utilities(root, case, model, ctx),
-            clip=root.clip_grad_norm_,
+            clip=getattr(root, "clip_grad_norm_", None) or _no_clip(self.name),
         )
 
     def _utilities(self, root: nn.Module, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineUtilities:
@@ -505,6 +505,16 @@ def _fsdp1_slices(root: nn.Module, kind: str, use_orig_params: bool = False) -> 
                 piece = data[info.offset_in_shard : info.offset_in_shard + numel]
             slices.append(ParamSlice(name, start, piece.clone()))
     return slices
+
+
+def _no_clip(engine: str) -> Callable[[float], Any]:
+    """A clip for an FSDP1-API engine without ``clip_grad_norm_``: torch's own over its shards would clip
+    by a local norm, so a clipping case raises naming what is missing."""
+
+    def clip(max_norm: float) -> Any:
+        raise NotImplementedError(f"{engine}: its FullyShardedDataParallel has no clip_grad_norm_ (clip_grad='norm' needs it)")
+
+    return clip
 
 
 def _fsdp1_facts(root: nn.Module) -> EngineFacts:
