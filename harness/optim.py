@@ -4,8 +4,8 @@ Engines, DDP and the local reference all train with the torch optimizer class an
 ``build_optimizer`` gives, so a difference in the trajectory is the engine's, not the optimizer's.
 ``adamw_groups`` and ``two_optimizers`` need the parameters' names (canonical, as the unwrapped model
 has them): ``build_optimizers`` takes ``(name, parameter)`` pairs, and ``freeze`` marks the parameters a
-case trains frozen before any side wraps its model. ``init_optimizer_state`` materialises an optimizer's state without changing any parameter: a fresh
-optimizer has no state, and a checkpoint's optimizer state is loaded in place into a template of the
+case trains frozen before any side wraps its model. ``init_optimizer_state`` materialises an
+optimizer's state without changing any parameter: a fresh optimizer has no state, and a checkpoint's optimizer state is loaded in place into a template of the
 right structure (``harness.checkpoint``).
 """
 
@@ -60,8 +60,9 @@ def freeze(case: CaseConfig, model: nn.Module, rank_local: Iterable[str] = ()) -
     """Mark the parameters ``case`` trains frozen (before wrapping: every side freezes the same ones)."""
     if case.optimizer != "adamw_groups":
         return
+    frozen = frozen_names(list(model.named_parameters()), rank_local)
     for name, p in model.named_parameters():
-        if name in frozen_names(list(model.named_parameters()), rank_local):
+        if name in frozen:
             p.requires_grad_(False)
 
 

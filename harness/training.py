@@ -6,11 +6,12 @@ global step numbers (each rank its own batch per ``(seed, step, rank)``) and app
 context's ranks: shared pieces once, rank-local ones this rank's own), and the gradient pieces the engine
 holds. A resumed run (``harness.resume``) calls ``train_steps`` twice, around its checkpoint.
 
-A step of a case with ``grad_accum`` runs ``ACCUM_MICRO_BATCHES`` micro-batches (``CaseConfig.micro_batches``),
-each loss divided by their count; with ``no_sync`` all but the last skip gradient synchronization
-(``EngineTrainee.skip_sync``) and run in the trace phases ``accumulate_forward`` and ``accumulate_backward``,
-so a knob check can see an engine that reduces them anyway. With ``clip_grad`` the side clips its gradients (``EngineTrainee.clip_grad_norm``,
-phase ``clip``) before they are read and stepped, and the total norm it returns is observed every step.
+A step of a case with ``grad_accum`` runs ``ACCUM_MICRO_BATCHES`` micro-batches
+(``CaseConfig.micro_batches``), each loss divided by their count; with ``no_sync`` all but the last skip
+gradient synchronization (``EngineTrainee.skip_sync``) and run in the trace phases ``accumulate_forward``
+and ``accumulate_backward``, so a knob check can see an engine that reduces them anyway. With
+``clip_grad`` the side clips its gradients (``EngineTrainee.clip_grad_norm``, phase ``clip``) before they
+are read and stepped, and the total norm it returns is observed every step.
 """
 
 from __future__ import annotations
