@@ -7,7 +7,9 @@ manages) are identical on every rank and are counted once, locally.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -31,7 +33,8 @@ def _norm_stat(grads: list[Tensor], p: float, device: torch.device) -> Tensor:
 def clip_grad_norm(root: nn.Module, group: Any, ctx: RootContext, max_norm: float, norm_type: float) -> Tensor:
     """Clip every gradient under ``root`` (the root instance, as a module; its units are
     ``ctx.units``) to a total norm of ``max_norm``; sharded gradients' statistics are all-reduced
-    over ``group``. Returns the total norm before clipping."""
+    over ``group``. Returns the total norm before clipping, as FSDP1 returns it: in the largest gradient
+dtype (float32 with a warning on a rank without gradients), on the CPU under CPU offload."""
     p = float(norm_type)
     if p <= 0 and not math.isinf(p):
         raise ValueError(f"norm_type={norm_type} must be positive or inf")
@@ -59,8 +62,22 @@ def clip_grad_norm(root: nn.Module, group: Any, ctx: RootContext, max_norm: floa
         total = torch.maximum(local, rest)
     else:
         total = (local + rest).pow(1.0 / p)
+    offload = getattr(root, "cpu_offload", None)
+    if offload is not None and offload.offload_params:
+        # FSDP1 returns the norm where the offloaded gradients are.
+        total = total.cpu()
     clip_coef = max_norm / (total + 1e-6)
+    grads = sharded + replicated
     if clip_coef.item() < 1.0:
-        for g in sharded + replicated:
+        for g in grads:
             g.detach().mul_(clip_coef.to(g.device, g.dtype))
-    return total
+    if not grads:
+        # FSDP1's documented behaviour: without communication this rank cannot know the other ranks' dtype.
+        warnings.warn(
+            f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank(group)} with no gradients -- returning the "
+            f"total norm in the default dtype {total.dtype}",
+            stacklevel=3,
+        )
+        return total
+    # The "largest" gradient dtype (FSDP1: as if the local norms had not been forced to float32).
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))

@@ -55,7 +55,8 @@ from engine.api import (
 )
 from engine.config import UnitConfig
 from engine.context import AllGatherLimiter, RootContext, Streams
-from engine.lifecycle import TrainingLifecycle
+from engine.dynamo import outside_dynamo
+from engine.lifecycle import TrainingLifecycle, TrainingState
 from engine.module_tree import is_fsdp, managed_buffers
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
 from engine.unit import FsdpUnit, ShardedState, ViewState
@@ -138,6 +139,7 @@ class ModuleState:
         return self.config.shard_group.size()
 
     # ------------------------------------------------------------------ lazy init
+    @outside_dynamo
     def lazy_init(self) -> None:
         """Make this instance the root of every instance in its tree and create their context."""
         if self.is_root is not None:
@@ -193,6 +195,7 @@ class ModuleState:
             buffers.to_compute()
 
     # ------------------------------------------------------------------ forward
+    @outside_dynamo
     def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.ctx
         ctx.forward_count += 1
@@ -221,7 +224,10 @@ class ModuleState:
             args, kwargs = cast_floating_tensors((args, kwargs), mp.param_dtype)
         return args, kwargs
 
+    @outside_dynamo
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self._recomputing():
+            return args, kwargs
         mp = self.mixed_precision
         unit = self.unit
         # Only units with parameters cast (FSDP1): a parameterless unit has nothing to match.
@@ -239,7 +245,10 @@ class ModuleState:
             self._prefetch(ctx.exec_order.next_forward(unit))
         return args, kwargs
 
+    @outside_dynamo
     def post_forward(self, output: Any) -> Any:
+        if self._recomputing():
+            return output
         unit = self.unit
         grad_enabled = torch.is_grad_enabled()
         if unit is not None:
@@ -264,6 +273,13 @@ class ModuleState:
                 if isinstance(t, Tensor) and t.requires_grad:
                     t.register_hook(self.pre_backward)
         return output
+
+    def _recomputing(self) -> bool:
+        """Whether this forward is activation checkpointing recomputing the unit inside its backward,
+        after its pre-backward unsharded it: as FSDP1's, the forward hooks then do nothing (the
+        inputs were saved cast, the parameters are unsharded, and a non-reentrant recomputation may
+        stop before the post-forward runs)."""
+        return self.unit is not None and self.lifecycle.state == TrainingState.PRE_BACKWARD
 
     def _prefetch(self, unit: FsdpUnit | None) -> None:
         if unit is None or unit.sharded_state != ShardedState.SHARDED:

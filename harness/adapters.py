@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from harness.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.capabilities import Rule, first_reason
 from harness.case import CaseConfig, PrecisionSpec, is_hybrid
 from harness.dtypes import dtype_of
@@ -52,12 +53,13 @@ __all__ = [
     "rank_local_param_names",
 ]
 
-_WRAPPER_SEGMENT = re.compile(r"^_\w*wrapped_module$")
+#: ``torch.compile``'s ``OptimizedModule`` holds the compiled module as ``_orig_mod``.
+_WRAPPER_SEGMENT = re.compile(r"^(_\w*wrapped_module|_orig_mod)$")
 
 
 def canonical_name(name: str) -> str:
-    """A parameter name with wrapper segments (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``
-    ...) removed, so engine and reference name a parameter alike."""
+    """A parameter name with wrapper segments (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``,
+    ``_orig_mod`` ...) removed, so engine and reference name a parameter alike."""
     return ".".join(part for part in name.split(".") if not _WRAPPER_SEGMENT.match(part))
 
 
@@ -204,9 +206,38 @@ class EngineTrainee:
     utilities: EngineUtilities = field(
         default_factory=lambda: EngineUtilities.none("the engine's adapter exposes no FSDP1 utilities")
     )
+    #: the context in which a micro-batch accumulates its gradient without synchronizing it (FSDP1's
+    #: ``no_sync``); None: ``utilities.no_sync``.
+    accumulate: Callable[[], AbstractContextManager[Any]] | None = None
+    #: ``clip_grad_norm_(max_norm)`` over every gradient the side holds, returning the total norm before
+    #: clipping; None: ``torch.nn.utils.clip_grad_norm_`` over the trainable parameters (full gradients).
+    clip: Callable[[float], Any] | None = None
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
+
+    def named_trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``trainable_parameters`` with the canonical names the unwrapped model gives them (empty for a
+        parameter it does not have, such as a flat parameter of the root)."""
+        names = {id(p): canonical_name(n) for n, p in self.zoo.named_parameters()}
+        return [(names.get(id(p), ""), p) for p in self.trainable_parameters()]
+
+    def skip_sync(self) -> AbstractContextManager[Any]:
+        """Enter the engine's gradient accumulation without synchronization; raises where it has none."""
+        accumulate = self.accumulate or self.utilities.no_sync
+        if accumulate is None:
+            raise NotImplementedError(f"no_sync: {self.utilities.missing.get('no_sync', 'the engine has no no_sync')}")
+        return accumulate()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients to a total norm of ``max_norm`` the engine's way; the total norm before it."""
+        if self.clip is not None:
+            total = self.clip(max_norm)
+        else:
+            total = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
+        # FSDP2's norm is a DTensor over the mesh: its full value is the total norm.
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total
+        return float(torch.as_tensor(total).detach().double().cpu())
 
     def grad_slices(self) -> list[ParamSlice]:
         return self.read_grads()
@@ -241,6 +272,37 @@ class FSDP1Namespace:
         return cls(**{n: getattr(module, n) for n in names})
 
 
+#: What FSDP1's API cannot express, whoever implements it (torch's ``FullyShardedDataParallel`` docstring
+#: and Dynamo's FSDP support).
+FSDP1_RULES: tuple[Rule, ...] = (
+    Rule(
+        "fsdp1_named_optimizers_need_orig_params",
+        ("optimizer", "use_orig_params"),
+        "parameter groups with different hyperparameters, optimizers over disjoint parameters and frozen "
+        "parameters beside trainable ones in a unit need use_orig_params=True (a FlatParameter is one "
+        "optimizer parameter with one requires_grad)",
+        lambda c: c["optimizer"] in ("adamw_groups", "two_optimizers") and not c["use_orig_params"],
+    ),
+    Rule(
+        "fsdp1_compile_needs_orig_params",
+        ("compile", "use_orig_params"),
+        "torch.compile supports FSDP1 only with use_orig_params=True (Dynamo: 'Dynamo only supports FSDP with "
+        "use_orig_params=True')",
+        lambda c: c["compile"] != "none" and not c["use_orig_params"],
+    ),
+)
+
+#: torch FSDP1's own limit: ``FullyShardedDataParallel``'s docstring says gradient accumulation outside
+#: ``no_sync()`` with CPU offload is not supported (it uses the newly reduced gradient instead of adding it
+#: to the existing one).
+FSDP1_OFFLOAD_ACCUMULATION_RULE = Rule(
+    "fsdp1_accumulation_with_offload",
+    ("grad_accum", "cpu_offload"),
+    "gradient accumulation outside no_sync() with CPU offload is documented unsupported (the newly reduced "
+    "gradient replaces the accumulated one)",
+    lambda c: c["grad_accum"] == "sync" and c["cpu_offload"],
+)
+
 _FSDP1_STRATEGY = {
     "full_shard": "FULL_SHARD",
     "shard_grad_op": "SHARD_GRAD_OP",
@@ -255,7 +317,7 @@ class FSDP1Adapter(EngineAdapter):
     """An engine with torch FSDP1's public API, from the namespace ``module_name``."""
 
     def __init__(self, name: str, module_name: str, *, offload_needs_accelerator: bool = False,
-                 offloaded_summon_needs_nccl: bool = False) -> None:
+                 offloaded_summon_needs_nccl: bool = False, accumulates_with_offload: bool = True) -> None:
         self.name = name
         self.module_name = module_name
         self.fsdp1_module = module_name
@@ -264,7 +326,12 @@ class FSDP1Adapter(EngineAdapter):
         #: torch FSDP1 with CPU offload breaks its next all-gather after ``summon_full_params(offload_to_cpu=True)``
         #: on gloo with CUDA tensors (ranks sharing a GPU): suites/harness/test_shared_gpu_limits.py.
         self.offloaded_summon_needs_nccl = offloaded_summon_needs_nccl
+        #: False for torch FSDP1 (``FSDP1_OFFLOAD_ACCUMULATION_RULE``).
+        self.accumulates_with_offload = accumulates_with_offload
         self._ns: FSDP1Namespace | None = None
+
+    def capability_rules(self) -> tuple[Rule, ...]:
+        return FSDP1_RULES + (() if self.accumulates_with_offload else (FSDP1_OFFLOAD_ACCUMULATION_RULE,))
 
     @property
     def ns(self) -> FSDP1Namespace:
@@ -280,6 +347,9 @@ class FSDP1Adapter(EngineAdapter):
 
     def unsupported_reason(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
         self.ns  # an engine that cannot be imported is an error, not unsupported: raise here
+        rule = self.unsupported(case)
+        if rule is not None:
+            return f"{self.name}: {rule}"
         if case.cpu_offload and self.offload_needs_accelerator and ctx.device_type == "cpu":
             return f"{self.name}: CPU offload pins host memory, which needs an accelerator; this rank runs on CPU"
         return None
@@ -323,8 +393,11 @@ class FSDP1Adapter(EngineAdapter):
             model.to(ctx.device)
         # A rank-local unit: a one-rank group, nothing to shard or reduce.
         local_kwargs = {**kwargs, "sharding_strategy": ns.ShardingStrategy.NO_SHARD}
+        checkpointed = checkpointed_units(model)
         root = wrap_bottom_up(model, lambda unit: fsdp(unit, process_group=group, **kwargs),
                               lambda unit: fsdp(unit, process_group=ctx.singleton_group(), **local_kwargs))
+        # FSDP1 checkpoints inside its units: FSDP(CheckpointWrapper(layer)), applied after wrapping.
+        apply_activation_checkpointing(root, checkpointed, case.activation_checkpointing)
         if case.init_mode == "after":
             root.to(ctx.device)
         notes: list[str] = []
@@ -335,6 +408,7 @@ class FSDP1Adapter(EngineAdapter):
             read_facts=lambda: _fsdp1_facts(root),
             notes=notes,
             utilities=self._utilities(root, case, model, ctx),
+            clip=getattr(root, "clip_grad_norm_", None) or _no_clip(self.name),
         )
 
     def _utilities(self, root: nn.Module, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineUtilities:
@@ -431,6 +505,16 @@ def _fsdp1_slices(root: nn.Module, kind: str, use_orig_params: bool = False) -> 
                 piece = data[info.offset_in_shard : info.offset_in_shard + numel]
             slices.append(ParamSlice(name, start, piece.clone()))
     return slices
+
+
+def _no_clip(engine: str) -> Callable[[float], Any]:
+    """A clip for an FSDP1-API engine without ``clip_grad_norm_``: torch's own over its shards would clip
+    by a local norm, so a clipping case raises naming what is missing."""
+
+    def clip(max_norm: float) -> Any:
+        raise NotImplementedError(f"{engine}: its FullyShardedDataParallel has no clip_grad_norm_ (clip_grad='norm' needs it)")
+
+    return clip
 
 
 def _fsdp1_facts(root: nn.Module) -> EngineFacts:

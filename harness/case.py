@@ -48,7 +48,24 @@ DEFAULT_ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2")
 def engine_name(spec: str) -> str:
     """The name part of an engine spec: ``mine`` of ``mine=fsdp1:pkg``; a bare name is its own name."""
     return spec.partition("=")[0].strip()
-OptimizerName = Literal["sgd", "adamw"]
+#: ``adamw_groups``: AdamW with a decay and a no-decay group at two learning rates and some parameters
+#: frozen; ``two_optimizers``: Adam and AdamW over disjoint parameters (``harness.optim``).
+OptimizerName = Literal["sgd", "adamw", "adamw_groups", "two_optimizers"]
+#: ``norm``: ``clip_grad_norm_`` to a max norm small enough to clip every step; the returned total norm is
+#: compared every step (``harness.training``).
+ClipGradName = Literal["none", "norm"]
+#: ``no_sync``: ``ACCUM_MICRO_BATCHES`` micro-batches per step, all but the last skipping gradient
+#: synchronization; ``sync``: the same micro-batches, each synchronized.
+GradAccumName = Literal["none", "no_sync", "sync"]
+#: Micro-batches per optimizer step when ``grad_accum`` is not ``none``.
+ACCUM_MICRO_BATCHES = 2
+#: ``clip_grad='norm'``'s max norm: below every zoo model's gradient norm, so that every step clips (the
+#: parity run checks that the reference's norm exceeded it at every step).
+CLIP_MAX_NORM = 0.05
+#: ``torch.utils.checkpoint`` over the model's innermost units (``harness.activation_checkpointing``).
+ActivationCheckpointingName = Literal["none", "non_reentrant", "reentrant"]
+#: ``compiled``: the engine's wrapped model under ``torch.compile`` (``harness.compiling``).
+CompileName = Literal["none", "compiled"]
 #: ``none`` trains straight through; ``full``/``sharded``/``local`` save after step ``checkpoint_step``
 #: with that state-dict type, rebuild and resume; ``dcp-reshard`` resumes at another world size.
 CheckpointName = Literal["none", "full", "sharded", "local", "dcp-reshard"]
@@ -57,6 +74,20 @@ CheckpointName = Literal["none", "full", "sharded", "local", "dcp-reshard"]
 CHECKPOINT_SEGMENTS: dict[str, str] = {
     "full": "ckpt_full", "sharded": "ckpt_sharded", "local": "ckpt_local", "dcp-reshard": "ckpt_dcp",
 }
+
+
+#: id segment of each training-loop axis value off its default (``--filter clip_`` selects clipped cases).
+LOOP_SEGMENTS: dict[str, dict[str, str]] = {
+    "clip_grad": {"norm": "clip_norm"},
+    "grad_accum": {"no_sync": f"accum{ACCUM_MICRO_BATCHES}_nosync", "sync": f"accum{ACCUM_MICRO_BATCHES}_sync"},
+    "activation_checkpointing": {"non_reentrant": "ac_nonreentrant", "reentrant": "ac_reentrant"},
+    "compile": {"compiled": "compiled"},
+}
+
+
+def loop_segments(case: "CaseConfig") -> list[str]:
+    """The id segments of the training-loop axes a case sets (none at their defaults)."""
+    return [names[value] for axis, names in LOOP_SEGMENTS.items() if (value := getattr(case, axis)) in names]
 
 
 @dataclass(frozen=True)
@@ -147,6 +178,14 @@ class CaseConfig:
     check_determinism: bool = False
     #: delays on the compute stream that turn stream races into failures (``harness.stress``).
     stress: StressName = "none"
+    #: gradient clipping before each optimizer step (see ``ClipGradName``).
+    clip_grad: ClipGradName = "none"
+    #: gradient accumulation over micro-batches (see ``GradAccumName``).
+    grad_accum: GradAccumName = "none"
+    #: activation checkpointing inside the units (see ``ActivationCheckpointingName``).
+    activation_checkpointing: ActivationCheckpointingName = "none"
+    #: ``torch.compile`` over the engine's wrapped model (see ``CompileName``).
+    compile: CompileName = "none"
     #: free-form extras for adapters and tests (e.g. a fault to inject); must be hashable.
     extras: tuple[tuple[str, Any], ...] = ()
 
@@ -162,6 +201,10 @@ class CaseConfig:
             ("stress", get_args(StressName)),
             ("optimizer", get_args(OptimizerName)),
             ("checkpoint", get_args(CheckpointName)),
+            ("clip_grad", get_args(ClipGradName)),
+            ("grad_accum", get_args(GradAccumName)),
+            ("activation_checkpointing", get_args(ActivationCheckpointingName)),
+            ("compile", get_args(CompileName)),
         ):
             value = getattr(self, field)
             if value not in allowed:
@@ -192,6 +235,13 @@ class CaseConfig:
     def checkpoint_step(self) -> int:
         """Steps trained before the checkpoint is saved: the first half, rounded down (at least one)."""
         return max(1, self.steps // 2)
+
+    def micro_batches(self, step: int) -> list[int]:
+        """The batch numbers (``ZooModel.get_input``'s ``step``) of step ``step``'s micro-batches: the step
+        itself without accumulation, else ``ACCUM_MICRO_BATCHES`` batches of their own."""
+        if self.grad_accum == "none":
+            return [step]
+        return [step * ACCUM_MICRO_BATCHES + i for i in range(ACCUM_MICRO_BATCHES)]
 
     @property
     def precision_spec(self) -> PrecisionSpec:
@@ -232,6 +282,7 @@ class CaseConfig:
             parts.append(f"resume_{self.resume_engine}")
         if self.stress != "none":
             parts.append(f"stress_{self.stress}")
+        parts.extend(loop_segments(self))
         return "-".join(parts)
 
     @property

@@ -46,6 +46,8 @@ class Observation:
 
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    #: per step, with ``clip_grad``: the total norm the side's ``clip_grad_norm_`` returned (before clipping).
+    clip_norms: list[float] = field(default_factory=list)
     #: per step: the gradient pieces this side holds (a reference holds every parameter in full).
     grads: list[list[ParamSlice]] = field(default_factory=list)
     #: the parameters at the end, pieces or full.
@@ -64,6 +66,7 @@ class Observation:
         return cls(
             losses=list(run.losses),
             grad_norms=list(run.grad_norms),
+            clip_norms=list(run.clip_norms),
             grads=[[ParamSlice(n, 0, g) for n, g in step.items()] for step in run.grads],
             params=[ParamSlice(n, 0, p) for n, p in run.params.items()],
         )
@@ -150,6 +153,11 @@ def compare_observations(engine: Observation, reference: Observation, policy: To
         scalar(f"loss@{step}", a, e, step)
     for step, (a, e) in enumerate(zip(engine.grad_norms, reference.grad_norms)):
         scalar(f"grad_norm@{step}", a, e, step)
+    for step, (a, e) in enumerate(zip(engine.clip_norms, reference.clip_norms)):
+        scalar(f"clip_norm@{step}", a, e, step)
+    if len(engine.clip_norms) != len(reference.clip_norms):
+        atol, rtol = policy.tolerance("clip_norm")
+        findings["clip_norm"] = Finding(QuantityError("clip_norm", math.inf, math.inf, atol, rtol, False, math.inf), None)
     grad_findings: dict[str, Finding] = {}
     for step, (a_slices, e_slices) in enumerate(zip(engine.grads, reference.grads)):
         for name, finding in _compare_slices("grad", a_slices, _reference_tensors(e_slices), policy, step).items():
@@ -184,6 +192,8 @@ def magnitudes(obs: Observation) -> dict[str, float]:
         out[f"loss@{step}"] = abs(loss)
     for step, norm in enumerate(obs.grad_norms):
         out[f"grad_norm@{step}"] = abs(norm)
+    for step, norm in enumerate(obs.clip_norms):
+        out[f"clip_norm@{step}"] = abs(norm)
     for slices, prefix in [(s, "grad") for s in obs.grads] + [(obs.params, "param")]:
         for piece in slices:
             name = f"{prefix}:{piece.name}"

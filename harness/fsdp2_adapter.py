@@ -9,8 +9,10 @@ interface it implements, and the FSDP1 adapter beside it, are in ``harness.adapt
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +30,7 @@ from harness.adapters import (
     has_float_buffers,
     module_version,
 )
+from harness.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.capabilities import Rule
 from harness.case import CaseConfig, PrecisionSpec, is_hybrid
 from harness.dtypes import dtype_of
@@ -137,6 +140,9 @@ class FSDP2Adapter(EngineAdapter):
             kwargs.pop(ignored, None)
         if case.init_mode == "before":
             model.to(ctx.device)
+        # FSDP2 takes checkpointing before fully_shard (torch's own FSDP2 tests: CheckpointWrapper(layer),
+        # then fully_shard on the layer).
+        apply_activation_checkpointing(model, checkpointed_units(model), case.activation_checkpointing)
         wrap_bottom_up(model, lambda unit: api.fully_shard(unit, mesh=mesh, **kwargs),
                        lambda unit: api.fully_shard(unit, mesh=ctx.singleton_mesh(), **kwargs))
         if case.forward_prefetch and ignored != "forward_prefetch":
@@ -156,7 +162,18 @@ class FSDP2Adapter(EngineAdapter):
                 None,
             ),
             utilities=EngineUtilities(missing=dict(FSDP2_MISSING_UTILITIES)),
+            accumulate=lambda: _without_gradient_sync(model),
         )
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's counterpart of ``no_sync``: ``set_requires_gradient_sync(False)`` on every FSDP module."""
+    model.set_requires_gradient_sync(False, recurse=True)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True, recurse=True)  # type: ignore[operator]
 
 
 def _dtensor_rows(p: Any) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from harness.trace import CommEvent, movable_gathers, ops, signature
 __all__ = [
     "KnobCheck",
     "check_backward_prefetch_structure",
+    "check_grad_accum",
     "check_offload",
     "check_offload_placement",
     "check_order_changed",
@@ -196,3 +197,20 @@ def check_use_orig_params(use_orig_params: bool, exposes_flat_params: bool | Non
         return KnobCheck("use_orig_params", "ok", f"module.parameters() yields {what}")
     what = "flat parameters" if exposes_flat_params else "original parameters"
     return KnobCheck("use_orig_params", "ignored", f"use_orig_params={use_orig_params} but module.parameters() yields {what}")
+
+
+def check_grad_accum(grad_accum: str, events: Sequence[CommEvent], world_size: int) -> KnobCheck:
+    """``no_sync``: the micro-batches that accumulate (trace phases ``accumulate_forward`` and
+    ``accumulate_backward``) reduce no gradient; the last one's backward does. Same numbers either way, so
+    only the trace can show an engine that synchronizes every micro-batch."""
+    knob = "grad_accum"
+    if grad_accum != "no_sync":
+        return KnobCheck(knob, "n/a", f"grad_accum={grad_accum!r}: every micro-batch synchronizes")
+    if world_size == 1:
+        return KnobCheck(knob, "n/a", "one rank: no gradient reduction to observe")
+    early = [e for e in ops(events, op=("reduce_scatter", "all_reduce")) if e.phase.startswith("accumulate_")]
+    last = ops(events, op=("reduce_scatter", "all_reduce"), phase="backward")
+    seen = f"{len(early)} reductions in the no_sync micro-batches, {len(last)} in the last micro-batch's backward"
+    if early or not last:
+        return KnobCheck(knob, "ignored", f"no_sync: expected reductions only after the last micro-batch; saw {seen}")
+    return KnobCheck(knob, "ok", seen)

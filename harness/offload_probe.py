@@ -35,7 +35,7 @@ from harness.adapters import EngineAdapter
 from harness.case import CaseConfig
 from harness.dtypes import dtype_of
 from harness.models import to_device
-from harness.optim import build_optimizer
+from harness.optim import NAMED_OPTIMIZERS, build_optimizer
 from harness.param_devices import PlacementLog, original_names, record_training_step
 from harness.rank import RankContext
 from harness.training import fresh_model
@@ -69,7 +69,11 @@ def probe_offload_placement(adapter: EngineAdapter, case: CaseConfig, ctx: RankC
         log = record_training_step(
             trainee.module,
             names,
-            make_optimizer=lambda params: build_optimizer(case, [p for p in params if p.requires_grad]),
+            # Placement does not depend on how parameters are grouped: the optimizers that split them by name
+            # are AdamW-family, probed as one AdamW.
+            make_optimizer=lambda params: build_optimizer(
+                case.replace(optimizer="adamw") if case.optimizer in NAMED_OPTIMIZERS else case,
+                [p for p in params if p.requires_grad]),
             batch=inputs,
             loss_fn=lambda output: model.get_loss(inputs, output),
             summon=utilities.summon,

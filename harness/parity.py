@@ -24,15 +24,16 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from harness.adapters import EngineAdapter, EngineFacts, has_float_buffers
-from harness.case import CaseConfig, PrecisionSpec, is_hybrid
+from harness.case import CLIP_MAX_NORM, CaseConfig, PrecisionSpec, is_hybrid
 from harness.checkpoint import CHECKPOINT_FAULTS, unsupported_checkpoint
+from harness.compiling import backend_for, check_compiled, compile_module, compiled_counts
 from harness.compare import (
     Finding,
     Observation,
@@ -52,6 +53,7 @@ from harness.registry import resolve
 from harness.knobs import (
     KnobCheck,
     check_backward_prefetch_structure,
+    check_grad_accum,
     check_offload,
     check_offload_placement,
     check_order_changed,
@@ -67,7 +69,7 @@ from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixe
 from harness.trace import CommTrace, ops, total_bytes
 from harness.resume import run_resumed
 from harness.stacks import portable_paths
-from harness.training import fresh_model, mark_phase, train
+from harness.training import ACCUMULATE, fresh_model, mark_phase, train
 
 __all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
 
@@ -107,7 +109,13 @@ def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, step
                 if stress is not None:
                     stress.watch_parameters(trainee.trainable_parameters())
                     stress.watch_no_sync(trainee.module)
+                if case.compile == "compiled":
+                    trainee.module = compile_module(trainee.module, ctx.device_type)
                 obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
+                if case.compile == "compiled":
+                    counts = compiled_counts()
+                    check_compiled(counts)
+                    obs.notes.append(counts.note(backend_for(ctx.device_type)))
     finally:
         if stress is not None:
             stress.remove()
@@ -125,10 +133,18 @@ def _run_reference(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> O
     try:
         if case.reference == "ddp":
             model, table = fresh_model(case, ctx)
-            return train(build_ddp(case, model, ctx), case, ctx, case.steps, table)
-        return _local_observation(case, spec, ctx)
+            obs = train(build_ddp(case, model, ctx), case, ctx, case.steps, table)
+        else:
+            obs = _local_observation(case, spec, ctx)
     except Exception as exc:
         raise ReferenceFailed(f"the {case.reference!r} reference failed: {type(exc).__name__}: {exc}") from exc
+    unclipped = [step for step, norm in enumerate(obs.clip_norms) if not norm > CLIP_MAX_NORM]
+    if unclipped:
+        raise ReferenceFailed(
+            f"clip_grad='norm': the {case.reference!r} reference's total norm is at most CLIP_MAX_NORM={CLIP_MAX_NORM} "
+            f"at steps {unclipped}, so clipping changes nothing there; lower harness.case.CLIP_MAX_NORM"
+        )
+    return obs
 
 
 def _sharded_units(model: ZooModel) -> int:
@@ -148,12 +164,17 @@ def knob_checks(
         replicate = ctx.world_size // hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
     else:
         replicate = 1
+    # A no_sync micro-batch's all-gathers are its forward's and backward's: FSDP1 keeps SHARD_GRAD_OP's
+    # parameters unsharded through no_sync, so the last micro-batch may gather nothing.
+    gathers = [replace(e, phase=e.phase.removeprefix(ACCUMULATE)) if e.op == "all_gather" else e for e in events]
     checks = [
-        check_sharding(case.sharding_strategy, events, _sharded_units(model), replicate, ctx.world_size),
+        check_sharding(case.sharding_strategy, gathers, _sharded_units(model), replicate, ctx.world_size),
         check_precision(spec, events),
         check_offload(case.cpu_offload, facts.param_devices, ctx.device_type),
         check_use_orig_params(case.use_orig_params, facts.exposes_flat_params),
     ]
+    if case.grad_accum != "none":
+        checks.append(check_grad_accum(case.grad_accum, events, ctx.world_size))
     if case.cpu_offload:
         # A fresh build's step, after the compared run ([Note: a throwaway step, not the compared run]).
         probe = probe_offload_placement(adapter, case, ctx)
@@ -323,7 +344,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
         return _unsupported(reason)
     _inject_fault(case, ctx)
     spec = adapter.effective_precision(case, model)
-    source = budget_source(spec, ctx.world_size)
+    source = budget_source(spec, ctx.world_size, reorders=case.compile != "none" or case.grad_accum != "none")
     if source == "ablation" and case.reference != "local":
         # DDP computes in full precision: only the emulation says what the casts should give. Compared
         # with it under this case's id, the grid and the certificate would say DDP and show each failure

@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 
-from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, rank_local_param_names
-from harness.case import CaseConfig, PrecisionSpec
+from harness.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
+from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, canonical_name, rank_local_param_names
+from harness.case import CLIP_MAX_NORM, CaseConfig, PrecisionSpec
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model, to_device
-from harness.optim import build_optimizer
+from harness.optim import build_optimizers, freeze
 from harness.rank import RankContext
 
-__all__ = ["LocalReference", "ReferenceRun", "TRUTH_SPEC", "build_ddp", "cast_ablations", "gradient_divide_factors"]
+__all__ = ["LocalReference", "ReferenceRun", "TrainingLoop", "TRUTH_SPEC", "build_ddp", "cast_ablations", "gradient_divide_factors"]
 
 
 def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
@@ -47,15 +48,20 @@ def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrai
     ignored = sorted(rank_local_param_names(model))
     if ignored:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    # Recomputing a forward changes no number, so the reference checkpoints non-reentrantly in either
+    # mode: reentrant checkpointing runs the layers' backward in a nested backward, which DDP's reducer
+    # follows only with static_graph=True, and that refuses no_sync in the first step (an internal assert).
+    mode = "non_reentrant" if case.activation_checkpointing == "reentrant" else case.activation_checkpointing
+    apply_activation_checkpointing(model, checkpointed_units(model), mode)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device_type == "cuda" else None)
 
     def grads() -> list[ParamSlice]:
-        return [ParamSlice.full(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        return [ParamSlice.full(canonical_name(n), p.grad) for n, p in model.named_parameters() if p.grad is not None]
 
     def params() -> list[ParamSlice]:
-        return [ParamSlice.full(n, p) for n, p in model.named_parameters()]
+        return [ParamSlice.full(canonical_name(n), p) for n, p in model.named_parameters()]
 
-    return EngineTrainee(ddp, model, grads, params, lambda: EngineFacts({ctx.device_type}, None))
+    return EngineTrainee(ddp, model, grads, params, lambda: EngineFacts({ctx.device_type}, None), accumulate=ddp.no_sync)
 
 
 def gradient_divide_factors(world_size: int) -> tuple[float, float]:
@@ -76,6 +82,22 @@ class ReferenceRun:
     grads: list[dict[str, torch.Tensor]]
     #: full parameters at the end.
     params: dict[str, torch.Tensor]
+    #: per step, with clipping: the total norm before clipping.
+    clip_norms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrainingLoop:
+    """What the local reference's loop does besides one batch per step: the case's micro-batches, whether
+    all but the last skip synchronization, and the clipping max norm (None: no clipping)."""
+
+    micro_batches: Callable[[int], list[int]] = lambda step: [step]
+    skip_sync: bool = False
+    clip_max_norm: float | None = None
+
+    @classmethod
+    def for_case(cls, case: CaseConfig) -> "TrainingLoop":
+        return cls(case.micro_batches, case.grad_accum == "no_sync", CLIP_MAX_NORM if case.clip_grad == "norm" else None)
 
 
 def case_schedule(case: CaseConfig) -> list[int]:
@@ -114,6 +136,8 @@ class LocalReference:
         local_names: frozenset[str] = frozenset(),
         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
         schedule: Sequence[int] | None = None,
+        make_optimizers: Callable[[list[tuple[str, nn.Parameter]]], list[torch.optim.Optimizer]] | None = None,
+        loop: TrainingLoop | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("LocalReference needs one model per rank (replicas is empty)")
@@ -136,10 +160,21 @@ class LocalReference:
         self.local = [
             {n: p for n, p in replica.named_parameters() if n in self.local_names} for replica in self.replicas
         ]
-        masters = [p for p in self.shared.values() if p.requires_grad]
+        named = [(n, p) for n, p in self.shared.items() if p.requires_grad]
         for params in self.local:
-            masters += [p for p in params.values() if p.requires_grad]
-        self.optimizer = make_optimizer(masters) if make_optimizer else torch.optim.SGD(masters, lr=lr, momentum=momentum)
+            named += [(n, p) for n, p in params.items() if p.requires_grad]
+        masters = [p for _, p in named]
+        if make_optimizers is not None:
+            self.optimizers = make_optimizers(named)
+        else:
+            self.optimizers = [make_optimizer(masters) if make_optimizer else torch.optim.SGD(masters, lr=lr, momentum=momentum)]
+        self.masters = masters
+        self.loop = loop or TrainingLoop()
+        if self.loop.clip_max_norm is not None and self.local_names:
+            raise ValueError(
+                "LocalReference: clipping with rank-local parameters gives every rank its own total norm, so the "
+                "shared parameters would differ across ranks; clip a model without rank-local modules"
+            )
         #: ranks taking part in each step (a resharded checkpoint changes it half-way).
         self.schedule = list(schedule) if schedule else [self.world_size] * steps
         if max(self.schedule) > self.world_size:
@@ -154,17 +189,23 @@ class LocalReference:
             replicas = [first] + [build_model(case.model, seed=case.seed, rank=r, world_size=world_size) for r in range(1, world_size)]
         else:
             replicas = [first] * world_size
+        local_names = frozenset(rank_local_param_names(first))
+        for replica in {id(m): m for m in replicas}.values():
+            freeze(case, replica, local_names)
         return cls(
             replicas, spec, device, steps=case.steps, lr=case.lr, momentum=case.momentum,
             inputs=lambda step, r: replicas[r].get_input(seed=case.seed, step=step, rank=r),
-            loss=first.get_loss, local_names=frozenset(rank_local_param_names(first)),
-            make_optimizer=lambda masters: build_optimizer(case, masters), schedule=case_schedule(case),
+            loss=first.get_loss, local_names=local_names,
+            make_optimizers=lambda named: build_optimizers(case, named), schedule=case_schedule(case),
+            loop=TrainingLoop.for_case(case),
         )
 
     def _view(self, r: int) -> dict[str, nn.Parameter]:
         return {**self.shared, **self.local[r]}
 
-    def _rank_step(self, r: int, step: int) -> tuple[float, dict[str, torch.Tensor]]:
+    def _rank_step(self, r: int, step: int, scale: int = 1) -> tuple[float, dict[str, torch.Tensor]]:
+        """Rank ``r``'s loss at batch ``step`` and the gradients of the loss divided by ``scale`` (the
+        micro-batches of one step)."""
         model = self.replicas[r]
         inputs = to_device(self.inputs(step, r), self.device, self.full)
         inputs = tuple(t.to(self.compute) if t.is_floating_point() else t for t in inputs)
@@ -176,7 +217,7 @@ class LocalReference:
         output = torch.func.functional_call(model, {**compute, **buffers}, inputs)
         loss = self.loss(inputs, output)
         trainable = [n for n, p in compute.items() if p.requires_grad]
-        grads = torch.autograd.grad(loss, [compute[n] for n in trainable], allow_unused=True)
+        grads = torch.autograd.grad(loss / scale if scale > 1 else loss, [compute[n] for n in trainable], allow_unused=True)
         return float(loss.detach().double()), {
             n: g if g is not None else torch.zeros_like(compute[n]) for n, g in zip(trainable, grads)
         }
@@ -188,22 +229,35 @@ class LocalReference:
         schedule = self.schedule
         for step, world_size in enumerate(schedule):
             pre, post = gradient_divide_factors(world_size)
-            losses, per_rank = zip(*(self._rank_step(r, step) for r in range(world_size)))
+            batches = self.loop.micro_batches(step)
+            k = len(batches)
+            micro = [[self._rank_step(r, b, k) for r in range(world_size)] for b in batches]
+            losses = [sum(m[r][0] / k for m in micro) for r in range(world_size)]
+            if self.loop.skip_sync:
+                # Unsynchronized micro-batches accumulate each rank's gradient where it is computed (in the
+                # compute dtype); the last one's backward reduces the sum.
+                micro = [[(0.0, {n: sum(m[r][1][n] for m in micro) for n in micro[0][r][1]}) for r in range(world_size)]]
             for n, p in self.shared.items():
                 if p.requires_grad:
-                    total = sum(g[n].to(self.reduce) / pre for g in per_rank)
-                    p.grad = (total / post).to(self.full)
+                    p.grad = sum(
+                        (sum(g[n].to(self.reduce) / pre for _, g in per_rank) / post).to(self.full) for per_rank in micro
+                    )
             for r, params in enumerate(self.local[:world_size]):
                 for n, p in params.items():
                     if p.requires_grad:
-                        p.grad = per_rank[r][n].to(self.reduce).to(self.full)
+                        p.grad = sum(m[r][1][n].to(self.reduce).to(self.full) for m in micro)
+            if self.loop.clip_max_norm is not None:
+                total = torch.nn.utils.clip_grad_norm_(self.masters, self.loop.clip_max_norm)
+                if rank < world_size:
+                    out.clip_norms.append(float(total.double()))
             if rank < world_size:
                 view = {n: p.grad.detach().clone() for n, p in self._view(rank).items() if p.grad is not None}
                 out.losses.append(losses[rank])
                 out.grad_norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in view.values())))
                 out.grads.append({n: g.reshape(-1).cpu() for n, g in view.items()})
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            for optimizer in self.optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         if rank < schedule[-1]:
             out.params = {n: p.detach().reshape(-1).cpu().clone() for n, p in self._view(rank).items()}
         return out

@@ -76,7 +76,7 @@ def register(name: str, factory: Factory) -> None:
 register("builtin", lambda name: FSDP1Adapter(name, "engine"))
 # torch FSDP1 pins offloaded shards' host memory, which needs an accelerator.
 register("torch-fsdp", lambda name: FSDP1Adapter(name, "torch.distributed.fsdp", offload_needs_accelerator=True,
-                                                  offloaded_summon_needs_nccl=True))
+                                                 offloaded_summon_needs_nccl=True, accumulates_with_offload=False))
 register("torch-fsdp2", lambda name: FSDP2Adapter(name, None))
 
 

@@ -72,6 +72,9 @@ class Selection:
     optimizers: list[str] | None = None
     #: checkpoint types: none, full, sharded, local (None: the matrix's, none).
     checkpoints: list[str] | None = None
+    #: training-loop axis (``clip_grad``, ``grad_accum``, ``activation_checkpointing``, ``compile``) -> its
+    #: values (``harness.matrix.WIDE_AXES``; an axis left out keeps the matrix's one value).
+    loop_axes: dict[str, list[str]] = field(default_factory=dict)
     #: run each engine twice and require bitwise-equal results.
     check_determinism: bool = False
     #: the ``stress`` axis of every case (``delay``: ``--stress``).
@@ -86,11 +89,34 @@ class Selection:
         """From the argparse namespace of a front end that added the selection options."""
         return cls(
             matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
-            steps=args.steps, optimizers=getattr(args, "optimizers", None), checkpoints=getattr(args, "checkpoints", None),
+            steps=args.steps, optimizers=loop_optimizers(args), checkpoints=getattr(args, "checkpoints", None),
+            loop_axes=loop_axes_from_args(args),
             check_determinism=bool(getattr(args, "check_determinism", False)),
             stress="delay" if getattr(args, "stress", False) else "none",
             filters=list(args.filter or []), limit=args.limit,
         )
+
+
+#: The training-loop axes with an option of their own (``--clip-grad`` ...); ``--loop-axes`` widens them all.
+LOOP_OPTION_AXES = ("clip_grad", "grad_accum", "activation_checkpointing", "compile")
+
+
+def loop_axes_from_args(args: Any) -> dict[str, list[str]]:
+    """The training-loop axes an argparse namespace asks for: ``--loop-axes`` (every value of each, the
+    named slice ``harness.matrix.LOOP_SLICE``), then each axis's own option."""
+    from harness.matrix import LOOP_SLICE
+
+    chosen = {a: list(LOOP_SLICE[a]) for a in LOOP_OPTION_AXES} if getattr(args, "loop_axes", False) else {}
+    chosen.update({a: list(v) for a in LOOP_OPTION_AXES if (v := getattr(args, a, None))})
+    return chosen
+
+
+def loop_optimizers(args: Any) -> list[str] | None:
+    """``--optimizers``, else every optimizer under ``--loop-axes``, else None (the matrix's)."""
+    from harness.matrix import LOOP_SLICE
+
+    given = getattr(args, "optimizers", None)
+    return given or (list(LOOP_SLICE["optimizer"]) if getattr(args, "loop_axes", False) else None)
 
 
 #: verdicts that make ``run`` exit with status 1 (a flaky case failed at least once: see ``harness.repeats``).
@@ -200,7 +226,8 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
         axes["model"] = args.models
     from harness.matrix import WIDE_AXES
 
-    for option, axis, values in (("--optimizers", "optimizer", args.optimizers), ("--checkpoints", "checkpoint", args.checkpoints)):
+    loop = [(f"--{axis.replace('_', '-')}", axis, values) for axis, values in args.loop_axes.items()]
+    for option, axis, values in (("--optimizers", "optimizer", args.optimizers), ("--checkpoints", "checkpoint", args.checkpoints), *loop):
         if values:
             unknown = [v for v in values if v not in WIDE_AXES[axis]]
             if unknown:

@@ -5,6 +5,13 @@ global step numbers (each rank its own batch per ``(seed, step, rank)``) and app
 ``Observation``: the rank's loss, the norm of the gradient its optimizer applies (gathered over the
 context's ranks: shared pieces once, rank-local ones this rank's own), and the gradient pieces the engine
 holds. A resumed run (``harness.resume``) calls ``train_steps`` twice, around its checkpoint.
+
+A step of a case with ``grad_accum`` runs ``ACCUM_MICRO_BATCHES`` micro-batches
+(``CaseConfig.micro_batches``), each loss divided by their count; with ``no_sync`` all but the last skip
+gradient synchronization (``EngineTrainee.skip_sync``) and run in the trace phases ``accumulate_forward``
+and ``accumulate_backward``, so a knob check can see an engine that reduces them anyway. With
+``clip_grad`` the side clips its gradients (``EngineTrainee.clip_grad_norm``, phase ``clip``) before they
+are read and stepped, and the total norm it returns is observed every step.
 """
 
 from __future__ import annotations
@@ -19,16 +26,19 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import EngineTrainee, ParamSlice, rank_local_param_names
-from harness.case import CaseConfig
+from harness.case import CLIP_MAX_NORM, CaseConfig
 from harness.compare import Observation
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model, gpu_sleep, to_device
-from harness.optim import build_optimizer
+from harness.optim import build_optimizers, freeze, zero_grads
 from harness.rank import RankContext
 from harness.stress import Stress
 from harness.trace import CommTrace
 
-__all__ = ["ParamInfo", "fresh_model", "mark_phase", "paused", "train", "train_steps"]
+#: the trace phases of a micro-batch that skips synchronization start with this.
+ACCUMULATE = "accumulate_"
+
+__all__ = ["ACCUMULATE", "ParamInfo", "fresh_model", "mark_phase", "paused", "train", "train_steps"]
 
 
 @dataclass(frozen=True)
@@ -39,11 +49,13 @@ class ParamInfo:
     trainable: bool
     #: belongs to a rank-local module: this rank's own, never reduced.
     rank_local: bool
+    #: dimensions (wrappers may show a flattened shard instead: parameter groups decide by this).
+    dim: int = 1
 
 
 def _param_table(model: ZooModel) -> dict[str, ParamInfo]:
     local = rank_local_param_names(model)
-    return {name: ParamInfo(p.numel(), p.requires_grad, name in local) for name, p in model.named_parameters()}
+    return {name: ParamInfo(p.numel(), p.requires_grad, name in local, p.dim()) for name, p in model.named_parameters()}
 
 
 def _gather_grad_norm(slices: Sequence[ParamSlice], table: dict[str, ParamInfo], ctx: RankContext) -> tuple[float, dict[str, int]]:
@@ -110,11 +122,12 @@ def train(
     ``table`` describes the model's parameters, taken before wrapping; ``stress`` (engines of a
     stressed case) adds its optimizer and final-unshard delays.
     """
-    optimizer = build_optimizer(case, trainee.trainable_parameters())
+    optimizers = build_optimizers(case, trainee.named_trainable_parameters(), {n: info.dim for n, info in table.items()})
     if stress is not None:
-        stress.watch_optimizer(optimizer)
+        for optimizer in optimizers:
+            stress.watch_optimizer(optimizer)
     obs = Observation()
-    train_steps(trainee, optimizer, case, ctx, range(steps), table, obs, trace=trace, perturb=perturb)
+    train_steps(trainee, optimizers, case, ctx, range(steps), table, obs, trace=trace, perturb=perturb)
     with paused(trace), (stress.around("around_summon") if stress is not None else contextlib.nullcontext()):
         obs.params = trainee.final_params()
     obs.notes.extend(trainee.notes)
@@ -123,7 +136,7 @@ def train(
 
 def train_steps(
     trainee: EngineTrainee,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     case: CaseConfig,
     ctx: RankContext,
     steps: range,
@@ -134,29 +147,42 @@ def train_steps(
     perturb: bool = False,
 ) -> None:
     """Train ``steps`` (global step numbers: the batches depend on them) and append what was seen to ``obs``."""
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     zoo = trainee.zoo
     full = dtype_of(case.precision_spec.full)
     for step in steps:
-        inputs = to_device(zoo.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device, full)
-        mark_phase(trace, "forward", step)
-        output = trainee.module(*inputs)
-        loss = zoo.get_loss(inputs, output)
-        mark_phase(trace, "backward", step)
-        zoo.run_backward(loss)
+        batches = case.micro_batches(step)
+        loss_seen = 0.0
+        for i, batch_step in enumerate(batches):
+            last = i == len(batches) - 1
+            skip = case.grad_accum == "no_sync" and not last
+            inputs = to_device(zoo.get_input(seed=case.seed, step=batch_step, rank=ctx.rank), ctx.device, full)
+            with trainee.skip_sync() if skip else contextlib.nullcontext():
+                mark_phase(trace, f"{ACCUMULATE}forward" if skip else "forward", step)
+                output = trainee.module(*inputs)
+                loss = zoo.get_loss(inputs, output)
+                mark_phase(trace, f"{ACCUMULATE}backward" if skip else "backward", step)
+                # One batch keeps its loss as it is (the cases without accumulation stay bitwise as they were).
+                zoo.run_backward(loss / len(batches) if len(batches) > 1 else loss)
+            loss_seen += float(loss.detach().double()) / len(batches)
         if perturb:
             _perturb_gradient(trainee)
+        if case.clip_grad == "norm":
+            mark_phase(trace, "clip", step)
+            obs.clip_norms.append(trainee.clip_grad_norm(CLIP_MAX_NORM))
         with paused(trace):
             slices = trainee.grad_slices()
             norm, gaps = _gather_grad_norm(slices, table, ctx)
-        obs.losses.append(float(loss.detach().double()))
+        obs.losses.append(loss_seen)
         obs.grad_norms.append(norm)
         obs.grads.append(slices)
         for name, missing in gaps.items():
             obs.coverage_gaps[name] = max(missing, obs.coverage_gaps.get(name, 0))
         mark_phase(trace, "step", step)
         gpu_sleep(zoo.sleeps.before_step_ms, ctx.device)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.step()
+        zero_grads(case, optimizers)
 
 
 @torch.no_grad()
@@ -180,4 +206,5 @@ def fresh_model(case: CaseConfig, ctx: RankContext, seed: int | None = None) -> 
     elsewhere, so that only a correct load puts it back on the trajectory)."""
     model = build_model(case.model, seed=case.seed if seed is None else seed, rank=ctx.rank, world_size=ctx.world_size)
     model.to(dtype_of(case.precision_spec.full))
+    freeze(case, model, rank_local_param_names(model))
     return model, _param_table(model)

@@ -24,8 +24,13 @@ import pandas as pd
 
 from harness.case import (
     DEFAULT_ENGINES,
+    LOOP_SEGMENTS,
+    ActivationCheckpointingName,
     CaseConfig,
     CheckpointName,
+    ClipGradName,
+    CompileName,
+    GradAccumName,
     InitModeName,
     OptimizerName,
     PrecisionName,
@@ -41,10 +46,10 @@ from harness.records import VERDICTS, CaseRecord
 AXIS_COLUMNS: tuple[str, ...] = (
     "engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch",
     "forward_prefetch", "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps",
-    "optimizer", "checkpoint", "resume_engine",
+    "optimizer", "checkpoint", "resume_engine", *LOOP_SEGMENTS,
 )
 #: Axes that results written before them lack (read as their defaults).
-_LATER_AXES = ("optimizer", "checkpoint", "resume_engine")
+_LATER_AXES = ("optimizer", "checkpoint", "resume_engine", *LOOP_SEGMENTS)
 #: Axes ``marginals`` tabulates: cross-engine resume has its own matrix (``reports.resume_matrix``).
 MARGINAL_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a != "resume_engine")
 RUN_COLUMNS: tuple[str, ...] = ("run_id", "host", "torch_version", "backend", "device", "ranks_per_gpu", "gpu",
@@ -76,6 +81,10 @@ VALUE_ORDER: dict[str, list[Any]] = {
     "use_orig_params": [False, True],
     "optimizer": list(get_args(OptimizerName)),
     "checkpoint": list(get_args(CheckpointName)),
+    "clip_grad": list(get_args(ClipGradName)),
+    "grad_accum": list(get_args(GradAccumName)),
+    "activation_checkpointing": list(get_args(ActivationCheckpointingName)),
+    "compile": list(get_args(CompileName)),
 }
 
 CellStatus = Literal["pass", "fail", "flaky", "error", "unsupported", "empty"]
@@ -142,8 +151,8 @@ def frame_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
         frame[col] = frame[col].map(lambda v: v if isinstance(v, bool) else str(v) == "True")
     for col in ("world_size", "steps"):
         frame[col] = frame[col].astype(int)
-    # Results from before the optimizer and checkpoint axes hold their defaults.
-    for col, default in (("optimizer", _DEFAULTS["optimizer"]), ("checkpoint", _DEFAULTS["checkpoint"]), ("resume_engine", "")):
+    # Results from before the optimizer, checkpoint and training-loop axes hold their defaults.
+    for col, default in ((a, "" if a == "resume_engine" else _DEFAULTS[a]) for a in _LATER_AXES):
         frame[col] = frame[col].astype(object).where(frame[col].notna(), default).astype(str)
     frame["worst_ratio"] = frame["worst_ratio"].astype(float)
     frame["time"] = frame["time"].fillna(0.0).astype(float)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness.case import LOOP_SEGMENTS
 from reports.matrix import CellStats, ordered
 
 __all__ = ["checkpoint_table", "html_section", "markdown_lines", "resume_matrices", "resume_suffix"]
@@ -35,6 +36,8 @@ def resume_suffix(row: Any) -> str:
     if isinstance(checkpoint, str) and checkpoint and checkpoint != "none":
         loader = get("resume_engine")
         parts.append(f"ckpt {checkpoint}" + (f" → {loader}" if isinstance(loader, str) and loader else ""))
+    # The training-loop axes off their defaults, by their id segments (``clip_norm``, ``accum2_nosync`` ...).
+    parts.extend(names[value] for axis, names in LOOP_SEGMENTS.items() if isinstance(value := get(axis), str) and value in names)
     return "".join(f" · {p}" for p in parts)
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 
 from harness.case import (
     CHECKPOINT_SEGMENTS,
+    LOOP_SEGMENTS,
     InitModeName,
     OptimizerName,
     PrecisionName,
@@ -114,9 +115,13 @@ _ID = re.compile(
     r"-(?P<model>[A-Za-z0-9_]+)(?:-ws(?P<world_size>\d+))?(?:-steps(?P<steps>\d+))?"
     r"(?:-(?P<optimizer>" + "|".join(o for o in get_args(OptimizerName) if o != "sgd") + r"))?"
     r"(?:-(?P<checkpoint>" + "|".join(CHECKPOINT_SEGMENTS.values()) + r")(?:-\d+to\d+)?)?"
-    r"(?:-resume_(?P<resume_engine>.+?))?(?:-stress_(?P<stress>delay))?$"
+    r"(?:-resume_(?P<resume_engine>.+?))?(?:-stress_(?P<stress>delay))?"
+    + "".join(f"(?:-(?P<{axis}>" + "|".join(names.values()) + "))?" for axis, names in LOOP_SEGMENTS.items())
+    + "$"
 )
 _CHECKPOINTS = {segment: name for name, segment in CHECKPOINT_SEGMENTS.items()}
+#: per training-loop axis: id segment -> value.
+_LOOP_VALUES = {axis: {segment: value for value, segment in names.items()} for axis, names in LOOP_SEGMENTS.items()}
 
 
 def case_from_full_id(full_id: str) -> dict[str, Any] | None:
@@ -132,6 +137,7 @@ def case_from_full_id(full_id: str) -> dict[str, Any] | None:
         "init_mode": m["init_mode"] or "before", "world_size": int(m["world_size"] or 2),
         "steps": int(m["steps"] or 5), "optimizer": m["optimizer"] or "sgd",
         "checkpoint": _CHECKPOINTS.get(m["checkpoint"] or "", "none"), "resume_engine": m["resume_engine"] or "",
+        **{axis: values.get(m[axis] or "", "none") for axis, values in _LOOP_VALUES.items()},
     }
 
 
@@ -144,5 +150,5 @@ def not_run_frame(scope: RunScope | None) -> pd.DataFrame:
             rows.append({**case, "why": why})
     columns = ["full_id", "engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch",
                "forward_prefetch", "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps",
-               "optimizer", "checkpoint", "resume_engine", "why"]
+               "optimizer", "checkpoint", "resume_engine", *LOOP_SEGMENTS, "why"]
     return pd.DataFrame(rows, columns=columns)

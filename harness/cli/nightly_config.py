@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.placement import BackendChoice, DeviceChoice
-from harness.runner import Selection, SelectionError
+from harness.runner import Selection, SelectionError, loop_axes_from_args, loop_optimizers
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
 
@@ -38,9 +38,10 @@ class NightlyConfig:
     world_sizes: list[int] | None = None
     #: training steps per case (None: ``CaseConfig``'s default).
     steps: int | None = None
-    #: optimizers and checkpoint types to widen the matrix with (None: the matrix's sgd and none).
+    #: optimizers, checkpoint types and training-loop axes to widen the matrix with (``Selection``'s).
     optimizers: list[str] | None = None
     checkpoints: list[str] | None = None
+    loop_axes: dict[str, list[str]] = field(default_factory=dict)
     #: keep cases whose full id contains one of these.
     filters: list[str] = field(default_factory=list)
     #: at most this many cases (for trial runs and tests).
@@ -100,7 +101,7 @@ class NightlyConfig:
         return cls(
             out=args.out, matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
             world_sizes=args.world_size, steps=args.steps, filters=list(args.filter), limit=args.limit,
-            optimizers=args.optimizers, checkpoints=args.checkpoints,
+            optimizers=loop_optimizers(args), checkpoints=args.checkpoints, loop_axes=loop_axes_from_args(args),
             fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
             time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
             backend=args.backend, device=args.device, case_timeout_s=args.timeout, progress=not args.no_progress,
@@ -118,6 +119,7 @@ class NightlyConfig:
             matrix=self.matrix, engines=self.engines, references=self.references, models=self.models,
             steps=self.steps, filters=self.filters, limit=self.limit, check_determinism=self.check_determinism,
             stress="delay" if self.stress else "none", optimizers=self.optimizers, checkpoints=self.checkpoints,
+            loop_axes=self.loop_axes,
         )
 
     def to_dict(self) -> dict[str, Any]:

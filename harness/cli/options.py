@@ -89,7 +89,17 @@ def add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", type=csv_list, default=None, help="comma list of harness.models.MODELS (default: the matrix's)")
     p.add_argument("--world-size", type=world_sizes, default=None,
                    help="ranks per case, comma list for several pools, repeats kept once (default 2; under torchrun its WORLD_SIZE)")
-    p.add_argument("--optimizers", type=csv_list, default=None, help="comma list: sgd,adamw (default: sgd)")
+    p.add_argument("--optimizers", type=csv_list, default=None,
+                   help="comma list: sgd,adamw,adamw_groups,two_optimizers (default: sgd)")
+    p.add_argument("--clip-grad", type=csv_list, default=None, help="comma list: none,norm (default: none)")
+    p.add_argument("--grad-accum", type=csv_list, default=None,
+                   help="comma list: none,no_sync,sync: micro-batches per step, skipping synchronization or not (default: none)")
+    p.add_argument("--activation-checkpointing", type=csv_list, default=None,
+                   help="comma list: none,non_reentrant,reentrant (default: none)")
+    p.add_argument("--compile", type=csv_list, default=None,
+                   help="comma list: none,compiled: torch.compile, aot_eager on CPU and inductor on GPUs (default: none)")
+    p.add_argument("--loop-axes", action="store_true",
+                   help="widen every training-loop axis and the optimizers to all their values (harness.matrix.LOOP_SLICE)")
     p.add_argument("--checkpoints", type=csv_list, default=None,
                    help="comma list: none,full,sharded,local: save half-way and resume (default: none)")
     p.add_argument("--steps", type=positive_int, default=None, help="training steps per case (default: CaseConfig's 5)")

@@ -166,6 +166,9 @@ class SuiteMatrix:
     smoke_each: tuple[str, ...] = ()
     #: the smoke lane's variants before projection on ``axes``.
     smoke_variants: tuple[Mapping[str, Any], ...] = SMOKE_VARIANTS
+    #: the widest generator the suite walks: ``pairwise`` for a slice whose full product would not fit the
+    #: full lane (the full lane then walks it pairwise).
+    widest: str = "full"
 
     def __post_init__(self) -> None:
         owned = [a for a in [*self.axes, *self.fixed] if a in _OPTION_AXES]
@@ -200,7 +203,8 @@ class SuiteMatrix:
                 cases = self._smoke(engine, pins, options)
             else:
                 axes = {**{a: list(v) for a, v in self.axes.items()}, "engine": [engine]}
-                cases = generate_cases(options.matrix, options.world_sizes, options.references, axes=axes, **pins)
+                matrix = "pairwise" if options.matrix == "full" and self.widest == "pairwise" else options.matrix
+                cases = generate_cases(matrix, options.world_sizes, options.references, axes=axes, **pins)
             for case in cases:
                 found.setdefault(case.full_id, case)
         return list(found.values())

@@ -138,7 +138,7 @@ def test_emulation_keeps_master_and_optimizer_in_full_precision() -> None:
     ref = _reference(PRECISIONS["fp16"], steps=1)
     ref.run(0)
     assert all(p.dtype == torch.float32 for p in ref.shared.values())
-    assert all(t.dtype == torch.float32 for s in ref.optimizer.state.values() for t in s.values() if t.is_floating_point())
+    assert all(t.dtype == torch.float32 for o in ref.optimizers for s in o.state.values() for t in s.values() if t.is_floating_point())
 
 
 @pytest.mark.parametrize("precision", [p for p, spec in PRECISIONS.items() if spec.is_mixed])

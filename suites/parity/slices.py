@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import get_args
 
 from harness.case import PrecisionName, ShardingName
+from harness.matrix import LOOP_SLICE, LOOP_SMOKE_VARIANTS
 from harness.pytest_plugin.cases import SuiteMatrix
 
 STRATEGIES = list(get_args(ShardingName))
@@ -68,4 +69,41 @@ ORIG_PARAMS = SuiteMatrix(
     },
 )
 
-SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS)
+#: What real training loops add around the engine (``harness.matrix.LOOP_SLICE``): parameter groups and
+#: two optimizers, clipping, accumulation with and without no_sync, activation checkpointing and compile,
+#: on the nested units and the tied transformer, with flat and original parameters, across strategies,
+#: bf16 and CPU offload. The smoke lane runs
+#: the smoke variants that set these axes: every value once.
+TRAINING_LOOP = SuiteMatrix(
+    "training_loop",
+    axes={
+        "model": ["nested", "transformer"],
+        "use_orig_params": [False, True],
+        # Clipping and accumulation across shards, replicas, offloaded gradients and mixed precision.
+        "sharding_strategy": STRATEGIES,
+        "precision": ["fp32", "bf16"],
+        "cpu_offload": [False, True],
+        **LOOP_SLICE,
+    },
+    smoke_variants=LOOP_SMOKE_VARIANTS,
+    # The product of the loop axes alone is 144 cases per engine and reference: walked pairwise.
+    widest="pairwise",
+)
+
+#: The seed's test_nested_wrapped_model_single_iteration_mixed_precision: one fp16 step (parameters,
+#: reduction and buffers in float16) of the nested units over strategy x CPU offload x use_orig_params,
+#: against the reference emulating the casts. The smoke lane (CI) shows every strategy with and without
+#: offload.
+FP16_SINGLE_ITERATION = SuiteMatrix(
+    "fp16_single_iteration",
+    axes={
+        "sharding_strategy": ["full_shard", "shard_grad_op", "no_shard"],
+        "cpu_offload": [False, True],
+        "use_orig_params": [False, True],
+    },
+    fixed={"model": "nested", "precision": "fp16", "steps": 1},
+    smoke_each=("sharding_strategy", "cpu_offload"),
+    smoke_variants=({},),
+)
+
+SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS, TRAINING_LOOP, FP16_SINGLE_ITERATION)

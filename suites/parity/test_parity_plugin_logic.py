@@ -168,8 +168,8 @@ def test_every_lane_gives_valid_unique_cases_for_every_engine(suite: SuiteMatrix
     assert {c.engine for c in cases} == set(ENGINES)
     assert {c.reference for c in cases} == {"ddp", "local"}
     for case in cases:
-        # Axes outside the slice stay at the engine's baseline.
-        base = engine_baseline(case.engine)
+        # Axes outside the slice stay at the engine's baseline, or at what the suite pins.
+        base = {**engine_baseline(case.engine), **suite.fixed}
         outside = [a for a in base if a not in suite.axes and a not in ("engine", "reference", "world_size")]
         assert {a: getattr(case, a) for a in outside} == {a: base[a] for a in outside}, case.full_id
 
@@ -180,7 +180,8 @@ def test_pairwise_covers_every_pair_of_the_slice_for_every_engine(suite: SuiteMa
     for engine in ENGINES:
         for reference in ("ddp", "local"):
             mine = [c for c in cases if c.engine == engine and c.reference == reference]
-            pins = {a: v for a, v in engine_baseline(engine).items() if a not in suite.axes and a not in ("reference",)}
+            pins = {a: v for a, v in {**engine_baseline(engine), **suite.fixed}.items()
+                    if a not in suite.axes and a not in ("reference",)}
             pins["reference"] = reference
             assert not pairs_uncovered(mine, axes=suite.axes, **pins), (engine, reference)
 
@@ -188,9 +189,13 @@ def test_pairwise_covers_every_pair_of_the_slice_for_every_engine(suite: SuiteMa
 @pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.name)
 def test_full_is_the_product_of_the_slice_minus_invalid(suite: SuiteMatrix) -> None:
     cases = suite.cases(ParityOptions(matrix="full", references=("ddp",)))
+    if suite.widest == "pairwise":
+        # Too large a product for the full lane: the lane walks it pairwise.
+        assert [c.full_id for c in cases] == [c.full_id for c in suite.cases(ParityOptions(matrix="pairwise", references=("ddp",)))]
+        return
     for engine in ENGINES:
         mine = [c for c in cases if c.engine == engine]
-        base = engine_baseline(engine)
+        base = {**engine_baseline(engine), **suite.fixed}
         product = [
             CaseConfig(**{**base, "reference": "ddp", **dict(zip(suite.axes, values))})
             for values in itertools.product(*suite.axes.values())
@@ -221,8 +226,12 @@ def test_lane_sizes_stay_within_their_budgets() -> None:
         matrix: {s.name: len(s.cases(ParityOptions(matrix=matrix))) for s in SUITES}  # type: ignore[arg-type]
         for matrix in ("smoke", "pairwise", "full")
     }
-    assert sum(sizes["smoke"].values()) <= 220, sizes
-    assert sum(sizes["smoke"].values()) < sum(sizes["pairwise"].values()) < sum(sizes["full"].values()) <= 1100, sizes
+    # 200 before the training-loop suite, whose 24 smoke cases (compile and checkpointing among them) took
+    # about 80 s on 2 contended CPU cores, and the fp16 single iteration's 36 (7 s).
+    assert sum(sizes["smoke"].values()) <= 260, sizes
+    # 1074 before the training-loop suite, whose full lane is its pairwise walk (96 cases), and the fp16
+    # single iteration (60 one-step cases).
+    assert sum(sizes["smoke"].values()) < sum(sizes["pairwise"].values()) < sum(sizes["full"].values()) <= 1250, sizes
     assert len(WRAP.cases(ParityOptions())) >= 3 * 2 * len(WRAP.axes["model"]), "smoke shows every wrap model per engine"
     assert {c.precision for c in MIXED_PRECISION.cases(ParityOptions(matrix="pairwise"))} == set(MIXED_PRECISION.axes["precision"])
     assert {c.forward_prefetch for c in ORIG_PARAMS.cases(ParityOptions(matrix="pairwise"))} == {False, True}

@@ -55,6 +55,13 @@ def test_fp32_past_two_ranks_measures_the_reference(world_size: int) -> None:
     assert budget_source(FP32, world_size) == "reference"
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_reordering_cases_are_budgeted_at_every_world_size(world_size: int) -> None:
+    assert budget_source(FP32, world_size, reorders=True) == "reference"
+    assert budget_source(PRECISIONS["bf16"], world_size, reorders=True) == "emulation"
+    assert budget_source(FP64, world_size, reorders=True) == "none"
+
+
 @given(a=world_sizes, b=world_sizes, precision=st.sampled_from(sorted(PRECISIONS)))
 def test_the_rule_is_monotone_in_world_size(a: int, b: int, precision: str) -> None:
     """More ranks never take a budget away, nor change where it comes from, except that mixed precision

@@ -128,7 +128,10 @@ def test_case_engine_is_a_spec_and_ids_use_its_name() -> None:
 def test_fsdp2_rules_live_on_its_adapter_and_prune_the_matrix() -> None:
     reasons = [r.name for r in resolve("torch-fsdp2").capability_rules()]
     assert reasons == ["fsdp2_has_no_flat_params", "fsdp2_backward_prefetch"]
-    assert resolve("builtin").capability_rules() == ()
+    # FSDP1's API itself (parameter groups and compile need original parameters), torch FSDP1's own limit besides.
+    assert [r.name for r in resolve("builtin").capability_rules()] == [
+        "fsdp1_named_optimizers_need_orig_params", "fsdp1_compile_needs_orig_params"]
+    assert [r.name for r in resolve("torch-fsdp").capability_rules()][-1] == "fsdp1_accumulation_with_offload"
     assert "use_orig_params=False does not exist" in invalid_reason(CaseConfig(engine="torch-fsdp2", backward_prefetch="pre"))
 
 

@@ -172,7 +172,7 @@ def optim(params: Any) -> torch.optim.Optimizer:
 
 
 def clean(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "")
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def full_params(api: FSDPApi, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -195,13 +195,15 @@ def _all_data(cls: Any, step: int, world: int, device: torch.device) -> tuple[to
 
 
 def train_parity(
-    api: FSDPApi, model_name: str, fsdp_kwargs: dict[str, Any], device: torch.device, reference: str = "ddp", steps: int = 4
+    api: FSDPApi, model_name: str, fsdp_kwargs: dict[str, Any], device: torch.device, reference: str = "ddp", steps: int = 4,
+    wrap: Callable[..., nn.Module] | None = None,
 ) -> None:
     """Train the wrapped model and its reference; compare losses every step, full parameters at the end.
 
     ``ddp``: torch DDP on the same per-rank batches; ``local``: one unsharded copy seeing every rank's
     batch. The mixture of experts is compared with the unwrapped model and its declared reduction
-    (its experts differ per rank, DDP would average them).
+    (its experts differ per rank, DDP would average them). ``wrap`` replaces ``api.wrap`` for every unit
+    (e.g. to put checkpoint wrappers inside or around units).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     cls = MODELS[model_name]
@@ -213,7 +215,7 @@ def train_parity(
         reference = "declared"
     else:
         ref = cls(device)
-        model = wrap_bottom_up(cls(device), api.wrap, **fsdp_kwargs)
+        model = wrap_bottom_up(cls(device), wrap or api.wrap, **fsdp_kwargs)
     ref_model: nn.Module = DDP(ref) if reference == "ddp" else ref
     opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
     for step in range(steps):

@@ -57,6 +57,12 @@ def _sgd(groups: Any, foreach: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=5e-3, momentum=0.9, weight_decay=0.0, foreach=foreach)
 
 
+def _adam_family(groups: Any, foreach: bool, offload: bool) -> torch.optim.Optimizer:
+    """The seed's test_diff_hyperparams optimizer: AdamW, and Adam for its CPU-offload twin."""
+    kind = torch.optim.Adam if offload else torch.optim.AdamW
+    return kind(groups, lr=5e-3, foreach=foreach)
+
+
 def _fsdp_transformer(api: FSDPApi, **kwargs: Any) -> nn.Module:
     return api.wrap(SharedTransformer(), auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
 
@@ -98,15 +104,15 @@ def _diff_hyperparams(api: FSDPApi, offload: bool) -> None:
             os.environ["FSDP_SKIP_WRITEBACK_CHECK"] = "1"
         try:
             ddp = DDP(SharedTransformer())
-            ddp_opt = _sgd(_param_groups(ddp), foreach=set_to_none)
+            ddp_opt = _adam_family(_param_groups(ddp), set_to_none, offload)
             kwargs = dict(sharding_strategy=strategy, backward_prefetch=prefetch, cpu_offload=api.CPUOffload(offload))
             if before_wrap:
                 module = SharedTransformer()
-                fsdp_opt = _sgd(_param_groups(module), foreach=not set_to_none)
+                fsdp_opt = _adam_family(_param_groups(module), not set_to_none, offload)
                 fsdp = api.wrap(module, auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
             else:
                 fsdp = _fsdp_transformer(api, **kwargs)
-                fsdp_opt = _sgd(_param_groups(fsdp), foreach=not set_to_none)
+                fsdp_opt = _adam_family(_param_groups(fsdp), not set_to_none, offload)
             _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none)
         finally:
             os.environ.pop("FSDP_SKIP_WRITEBACK_CHECK", None)
@@ -133,28 +139,80 @@ def check_diff_trainability(api: FSDPApi, rank: int, world_size: int) -> None:
         _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none=False)
 
 
+def _grads_between_forward_and_backward(model: nn.Module) -> list[str]:
+    """Per parameter: ``none`` or ``zero`` (what ``zero_grad`` left) or ``stale`` (an old gradient kept)."""
+    out = []
+    for p in model.parameters():
+        out.append("none" if p.grad is None else "zero" if not p.grad.count_nonzero() else "stale")
+    return out
+
+
 def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
+    """The seed's two optimizers: Adam (5e-3) over the weights, AdamW (1e-2) over the rest, the first
+    zeroing to None and the second to zeros; at one step the first's gradients are dropped before stepping
+    (Adam skips a None gradient but steps a zero one); ``.grad`` between forward and backward holds no
+    stale gradient."""
     for strategy in (api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP):
         ddp = DDP(SharedTransformer())
         fsdp = _fsdp_transformer(api, sharding_strategy=strategy)
         opts = []
         for model in (ddp, fsdp):
             groups = _param_groups(model)
-            # Two optimizers, only the first sets gradients to None.
-            opts.append((_sgd(groups[:1], False), _sgd(groups[1:], False)))
-        for i in range(5):
-            losses = []
+            opts.append((torch.optim.Adam(groups[:1], lr=5e-3, foreach=False),
+                         torch.optim.AdamW(groups[1:], lr=1e-2, foreach=False)))
+        for i in range(6):
+            losses, seen = [], []
             for model, (a, b) in zip((ddp, fsdp), opts):
-                a.zero_grad(set_to_none=True)
-                b.zero_grad(set_to_none=False)
+                if i > 0:
+                    a.zero_grad(set_to_none=True)
+                    b.zero_grad(set_to_none=False)
                 inputs = SharedTransformer.get_input(step=i, rank=rank)
                 loss = SharedTransformer.get_loss(inputs, model(*inputs))
+                seen.append(sorted(_grads_between_forward_and_backward(model)))
                 loss.backward()
+                if i == 3:
+                    a.zero_grad(set_to_none=True)  # a step with None gradients for the first optimizer
                 a.step()
                 b.step()
                 losses.append(loss)
-            assert_close(losses[0], losses[1])
+            # A sharded parameter's gradient outside its rank's shard may be None where DDP has zeros;
+            # neither may keep the previous step's gradient.
+            assert "stale" not in seen[0] + seen[1], f"{strategy} step {i}: .grad between forward and backward {seen}"
+            assert_close(losses[0], losses[1], msg=lambda m: f"{strategy} step {i}: {m}")
         _check_param_parity(api, ddp, fsdp)
+
+
+def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
+    """The seed's test_fsdp_compile: the wrapped transformer (layers as units, original parameters,
+    BACKWARD_PRE) under ``torch.compile`` trains as the same engine's eager model, with activation
+    checkpointing inside the units, and Dynamo compiles graphs (``aot_eager`` on CPU: inductor takes about a
+    minute per graph on two cores). One strategy here; the parity matrix's ``compile`` axis has the rest."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from harness.compiling import backend_for, check_compiled, compiled_counts
+
+    kwargs = dict(auto_wrap_policy=_layer_policy(api), use_orig_params=True,
+                  sharding_strategy=api.ShardingStrategy.FULL_SHARD, backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE)
+    ref = api.wrap(SharedTransformer(), **kwargs)
+    model = api.wrap(SharedTransformer(), **kwargs)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.TransformerEncoderLayer))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=backend_for(CPU.type))
+    ref_opt, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(3):
+        losses = []
+        inputs = SharedTransformer.get_input(step=i, rank=rank)
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            o.zero_grad()
+            loss = SharedTransformer.get_loss(inputs, m(*inputs))
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        assert_close(losses[1], losses[0], msg=lambda m, i=i: f"step {i}: {m}")
+    check_compiled(compiled_counts())
 
 
 def _orig_and_flat_models(api: FSDPApi, strategy: Any, offload: bool):
@@ -356,34 +414,48 @@ def check_writeback_between_fwd_and_bwd_for_no_reshard_raises(api: FSDPApi, rank
         os.environ.pop("FSDP_SKIP_WRITEBACK_CHECK")
 
 
-def check_no_reshard_and_mixed_precision(api: FSDPApi, rank: int, world_size: int) -> None:
-    fsdp = api.wrap(
-        _Lin2(),
-        sharding_strategy=api.ShardingStrategy.SHARD_GRAD_OP,
-        auto_wrap_policy=_linear_policy(api),
-        mixed_precision=api.MixedPrecision(param_dtype=torch.bfloat16),
-        use_orig_params=True,
-    )
+def _no_reshard_and_mixed_precision(api: FSDPApi, full_prec_in_eval: bool) -> None:
+    """Compute runs in bf16 in train, and in eval unless ``FSDP_USE_FULL_PREC_IN_EVAL=1`` (read when the
+    units are built); summoned parameters are in full precision, whatever the order of train/eval switches
+    and summons without resharding after forward, and no writeback is falsely triggered."""
+    if full_prec_in_eval:
+        os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        fsdp = api.wrap(
+            _Lin2(),
+            sharding_strategy=api.ShardingStrategy.SHARD_GRAD_OP,
+            auto_wrap_policy=_linear_policy(api),
+            mixed_precision=api.MixedPrecision(param_dtype=torch.bfloat16),
+            use_orig_params=True,
+        )
+    finally:
+        os.environ.pop("FSDP_USE_FULL_PREC_IN_EVAL", None)
+    eval_dtype = torch.float32 if full_prec_in_eval else torch.bfloat16
     x = fsdp.get_input(CPU)
-    # Compute runs in bf16 in train and eval (no FSDP_USE_FULL_PREC_IN_EVAL) and summoned parameters
-    # are in full precision, whatever the order of train/eval switches and summons without
-    # resharding after forward.
     assert fsdp(*x).dtype == torch.bfloat16
     with api.FSDP.summon_full_params(fsdp):
         assert {p.dtype for p in fsdp.parameters()} == {torch.float32}
     fsdp.train()
     assert fsdp(*x).dtype == torch.bfloat16
     fsdp.eval()
-    assert fsdp(*x).dtype == torch.bfloat16
+    assert fsdp(*x).dtype == eval_dtype
     fsdp.train()
     loss = fsdp(*x).sum()
     assert loss.dtype == torch.bfloat16 and torch.isfinite(loss)
     loss.backward()
     fsdp.eval()
-    assert fsdp(*x).dtype == torch.bfloat16
+    assert fsdp(*x).dtype == eval_dtype
     with api.FSDP.state_dict_type(fsdp, api.StateDictType.SHARDED_STATE_DICT):
         fsdp.load_state_dict(fsdp.state_dict())
     fsdp(*x).sum().backward()
+
+
+def check_no_reshard_and_mixed_precision(api: FSDPApi, rank: int, world_size: int) -> None:
+    _no_reshard_and_mixed_precision(api, full_prec_in_eval=False)
+
+
+def check_no_reshard_and_mixed_precision_full_prec_in_eval(api: FSDPApi, rank: int, world_size: int) -> None:
+    _no_reshard_and_mixed_precision(api, full_prec_in_eval=True)
 
 
 def check_named_parameters_in_forward(api: FSDPApi, rank: int, world_size: int) -> None:
@@ -475,6 +547,8 @@ CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
     check_writeback_shape_mismatch,
     check_writeback_between_fwd_and_bwd_for_no_reshard_raises,
     check_no_reshard_and_mixed_precision,
+    check_no_reshard_and_mixed_precision_full_prec_in_eval,
+    check_fsdp_compile,
     check_named_parameters_in_forward,
     check_no_sync_correctness,
     check_no_sync_mixed_precision,

@@ -1,0 +1,94 @@
+"""Planted training-loop bugs: our engine with one slip each, proving each training-loop axis can fail.
+
+- ``clip-local``: ``clip_grad_norm_`` clips every rank's gradient by the norm of its own shard (no
+  reduction across ranks): the classic sharded-clipping bug. Fails ``clip_grad='norm'`` cases on values.
+- ``sync-always``: ``no_sync()`` does nothing, so every micro-batch reduces its gradient. The numbers are
+  those of accumulation with synchronization; only the ``grad_accum`` knob check (reductions counted in
+  the micro-batches that should skip them) catches it.
+- ``dynamo-traced``: the forward hooks are not kept out of Dynamo (``engine.dynamo.outside_dynamo``
+  undone), so a compiled model traces the engine's all-gathers. Fails ``compile='compiled'`` cases.
+
+Importing this module registers the three engines (``harness.registry.register``) in the importing
+process; a pool's ranks import it through ``run_case_with_loop_engines``, the job to send them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import engine
+from engine.state import ModuleState
+from harness.adapters import FSDP1Adapter, FSDP1Namespace
+from harness.parity import RankResult, run_case_on_rank
+from harness.rank import RankContext
+from harness.registry import register
+
+__all__ = ["CLIP_LOCAL", "DYNAMO_TRACED", "SYNC_ALWAYS", "run_case_with_loop_engines"]
+
+CLIP_LOCAL = "clip-local"
+SYNC_ALWAYS = "sync-always"
+DYNAMO_TRACED = "dynamo-traced"
+
+
+class ClipLocalFSDP(engine.FullyShardedDataParallel):
+    """Clips by this rank's own shard norm."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())
+        coef = max_norm / (float(local) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.detach().mul_(coef)
+        return local
+
+
+class SyncAlwaysFSDP(engine.FullyShardedDataParallel):
+    """``no_sync()`` that synchronizes anyway."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+
+class _TracedState(ModuleState):
+    """The module state with its forward hooks visible to Dynamo again."""
+
+    lazy_init = ModuleState.lazy_init.__wrapped__  # type: ignore[attr-defined]
+    root_pre_forward = ModuleState.root_pre_forward.__wrapped__  # type: ignore[attr-defined]
+    pre_forward = ModuleState.pre_forward.__wrapped__  # type: ignore[attr-defined]
+    post_forward = ModuleState.post_forward.__wrapped__  # type: ignore[attr-defined]
+
+
+class DynamoTracedFSDP(engine.FullyShardedDataParallel):
+    """Forward hooks Dynamo traces."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fsdp_state.__class__ = _TracedState
+
+
+class _PlantedAdapter(FSDP1Adapter):
+    """The built-in engine's adapter with another ``FullyShardedDataParallel`` class."""
+
+    def __init__(self, name: str, fsdp: type) -> None:
+        super().__init__(name, "engine")
+        self._planted = fsdp
+
+    @property
+    def ns(self) -> FSDP1Namespace:
+        return dataclasses.replace(FSDP1Namespace.load("engine"), FullyShardedDataParallel=self._planted)
+
+
+def run_case_with_loop_engines(ctx: RankContext, case: Any) -> RankResult:
+    """``harness.parity.run_case_on_rank`` on a rank that has imported (and so registered) the doubles."""
+    return run_case_on_rank(ctx, case)
+
+
+for _name, _fsdp in ((CLIP_LOCAL, ClipLocalFSDP), (SYNC_ALWAYS, SyncAlwaysFSDP), (DYNAMO_TRACED, DynamoTracedFSDP)):
+    register(_name, lambda name, fsdp=_fsdp: _PlantedAdapter(name, fsdp))
