@@ -119,6 +119,20 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     assert len(read_records(out / "results.jsonl")[0]) == len(records)
 
 
+def test_the_time_budget_holds_the_whole_nightly_report_included(tmp_path: Path) -> None:
+    """More cases than fit: the nightly, its report and case pages included, ends within its budget (plus
+    the one case running when the budget runs out), and says what it left out."""
+    budget = 25.0
+    out = tmp_path / "budget"
+    done = _nightly("--out", str(out), "--matrix", "full", "--engines", "builtin", "--models", "nested", "--no-progress",
+                    "--fuzz-profile", "none", "--no-perf", "--time-budget-s", str(budget), timeout=240)
+    state = json.loads((out / "nightly.json").read_text())
+    assert state["cases"]["recorded"] > 0 and state["cases"]["not_run"] > 0, done.stdout + done.stderr
+    slowest = max(r.wall_s for r in read_records(out / "results.jsonl")[0])
+    assert state["wall_s"] <= budget + slowest + 2.0, (state["wall_s"], slowest)
+    assert (out / "matrix.html").is_file() and "nightly ok" not in done.stdout
+
+
 def test_a_spent_time_budget_lists_every_case_not_run(tmp_path: Path) -> None:
     cases = _tiny_cases()
     elsewhere = tmp_path / "baselines" / "last-week"  # --previous: any nightly, not only a sibling
