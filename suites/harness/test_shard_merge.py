@@ -1,0 +1,93 @@
+"""One report over the shards of a run (``reports build`` of their results files): the same verdict counts
+as the run in one piece, shards of different partitions refused, a missing or unfinished shard named in the
+banner. In-process: ``run_case`` decides a verdict from the case id (no ranks start), so the verdicts vary
+and are the same in every run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import reports.__main__ as reports_cli
+from harness.case import CaseConfig
+from harness.cli import main
+from harness.records import CaseRecord
+
+#: the selection: the pairwise matrix of two engines against one reference.
+RUN = ["run", "--matrix", "pairwise", "--engines", "builtin,torch-fsdp", "--references", "local", "--no-progress"]
+
+
+@pytest.fixture
+def varied_run_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` records pass, fail or unsupported by a hash of the case id, without starting ranks."""
+    import harness.runner as runner
+
+    def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
+        verdict = ("pass", "pass", "fail", "unsupported")[hashlib.sha256(case.full_id.encode()).digest()[0] % 4]
+        return CaseRecord(case.to_dict(), case.case_id, verdict, reason=f"{verdict} on purpose", time=time.time())
+
+    monkeypatch.setattr(runner, "run_case", run_case)
+
+
+def _build(capsys: pytest.CaptureFixture[str], out: Path, *results: Path) -> tuple[int, dict[str, Any], str]:
+    capsys.readouterr()
+    code = reports_cli.main(["build", *map(str, results), "--out", str(out)])
+    err = capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
+    return code, summary, err
+
+
+def _shards(tmp_path: Path, n: int) -> list[Path]:
+    outs = [tmp_path / f"{n}" / f"shard{k}.jsonl" for k in range(1, n + 1)]
+    for k, out in enumerate(outs, 1):
+        out.parent.mkdir(exist_ok=True)
+        assert main([*RUN, "--shard", f"{k}/{n}", "--out", str(out)]) in (0, 1)
+    return outs
+
+
+def test_the_merged_shards_report_the_one_shot_run_s_verdicts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, varied_run_case: None
+) -> None:
+    whole = tmp_path / "whole.jsonl"
+    assert main([*RUN, "--out", str(whole)]) == 1  # some cases fail on purpose
+    code, one_shot, _ = _build(capsys, tmp_path / "whole-report", whole)
+    assert code == 0 and one_shot["verdicts"].get("fail") and one_shot["verdicts"].get("unsupported")
+    shards = _shards(tmp_path, 4)
+    code, merged, err = _build(capsys, tmp_path / "merged", *shards)
+    assert code == 0 and "incomplete" not in err
+    assert merged["cases"] == one_shot["cases"] and merged["verdicts"] == one_shot["verdicts"]
+    assert merged["scope"] is None, "all four shards, finished: nothing to say"
+
+
+def test_shards_of_different_partitions_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, varied_run_case: None
+) -> None:
+    of_three, of_four = _shards(tmp_path, 3), _shards(tmp_path, 4)
+    code, _, err = _build(capsys, tmp_path / "mixed", of_three[0], of_three[1], of_four[2])
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "shards of different partitions" in err and str(of_four[2]) in err
+    assert not (tmp_path / "mixed" / "summary.json").exists()
+
+
+def test_a_missing_or_unfinished_shard_is_named_in_the_banner(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, varied_run_case: None
+) -> None:
+    shards = _shards(tmp_path, 4)
+    code, summary, err = _build(capsys, tmp_path / "missing", shards[0], shards[1], shards[3])
+    assert code == 0 and "warning: incomplete run: shard 3/4 missing" in err
+    assert summary["scope"]["shards"] == [summary["scope"]["shards"][0]] and "shard 3/4 missing" in summary["scope"]["shards"][0]
+    page = (tmp_path / "missing" / "matrix.md").read_text()
+    assert "Incomplete run: shard 3/4 missing" in page
+    # Shard 2 killed after one case: unfinished, with how many of its cases it lacks.
+    lines = shards[1].read_text().splitlines(keepends=True)
+    shards[1].write_text(lines[0])
+    code, summary, err = _build(capsys, tmp_path / "unfinished", *shards)
+    held = json.loads(Path(str(shards[1]) + ".selection.json").read_text())["shard"]["case_ids"]
+    assert code == 0
+    assert f"shard 2/4 unfinished ({len(held) - 1} of {len(held)} cases not recorded" in err
+    assert "Incomplete run: shard 2/4 unfinished" in (tmp_path / "unfinished" / "matrix.html").read_text()
