@@ -57,7 +57,9 @@ class Loaded:
 def selection_ids(path: Path) -> set[str]:
     """The ids of the selections ``path`` holds results of (``harness.stored_selection``): a results
     file's own, or those of the results files in a directory."""
-    files = sorted(path.glob("*" + SELECTION_SUFFIX)) if path.is_dir() else [selection_path(path)]
+    # A merged night's selection is its shards' (``shards/K-of-N``, every shard shares the selection's id).
+    files = (sorted([*path.glob("*" + SELECTION_SUFFIX), *path.glob("shards/*/*" + SELECTION_SUFFIX)]) if path.is_dir()
+             else [selection_path(path)])
     found = (read_selection(f.with_name(f.name[: -len(SELECTION_SUFFIX)])) for f in files)
     return {s.id for s in found if s is not None}
 

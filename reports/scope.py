@@ -95,7 +95,8 @@ def scope_from_nightly(state: Mapping[str, Any], not_run: Sequence[tuple[str, st
         for ws, info in (cases.get("world_sizes_skipped") or {}).items()
     ]
     selected = cases.get("selected")
-    return RunScope(int(selected) if selected is not None else None, listed, skipped, "nightly.json")
+    shards = [str(p) for p in (state.get("shards") or {}).get("problems") or []]  # a merged night's
+    return RunScope(int(selected) if selected is not None else None, listed, skipped, "nightly.json", shards)
 
 
 def merge_scopes(scopes: Iterable[RunScope]) -> RunScope | None:

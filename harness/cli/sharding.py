@@ -13,7 +13,10 @@ from harness.case import CaseConfig
 from harness.shards import ShardError, ShardSpec, case_costs, parse_shard, partition, read_costs
 from harness.stored_selection import StoredSelection
 
-__all__ = ["add_sharding", "cut_shard", "shard_text"]
+__all__ = ["SHARDS_DIR", "add_sharding", "cut_shard", "resolve_shard", "shard_dir", "shard_text"]
+
+#: the directory of a night's shards, under the night's own.
+SHARDS_DIR = "shards"
 
 
 def _shard_value(text: str) -> ShardSpec | str:
@@ -26,18 +29,32 @@ def _shard_value(text: str) -> ShardSpec | str:
         raise argparse.ArgumentTypeError(str(exc).partition(": ")[2]) from None
 
 
-def add_sharding(p: argparse.ArgumentParser) -> None:
+def add_sharding(p: argparse.ArgumentParser, more: str = "") -> None:
     p.add_argument("--shard", type=_shard_value, default=None, metavar="K/N|auto",
                    help="run only the K-th of N disjoint parts of the selected cases, K counted from 1 (1/4 .. 4/4), "
                         "balanced by cost; every case is in exactly one part. auto: from SLURM_ARRAY_TASK_ID "
                         "(against SLURM_ARRAY_TASK_MIN and _COUNT), JOB_COMPLETION_INDEX with FSDP_PARITY_SHARD_COUNT, "
-                        "or FSDP_PARITY_SHARD_INDEX (0-based) and FSDP_PARITY_SHARD_COUNT")
+                        "or FSDP_PARITY_SHARD_INDEX (0-based) and FSDP_PARITY_SHARD_COUNT" + (f"; {more}" if more else ""))
     p.add_argument("--shard-costs", type=Path, default=None, metavar="FILE",
                    help="a results file or nightly directory whose wall times balance the parts "
                         "(default: an estimate per case from its world size and steps)")
 
 
-def cut_shard(args: argparse.Namespace, cases: Sequence[CaseConfig], selection_id: str,
+def resolve_shard(given: ShardSpec | str | None, env: Mapping[str, str] | None = None) -> ShardSpec | None:
+    """``--shard``'s value with ``auto`` read from the environment (``harness.shards.shard_from_env``)."""
+    if given == "auto":
+        return parse_shard("auto", os.environ if env is None else env)
+    assert given is None or isinstance(given, ShardSpec)
+    return given
+
+
+def shard_dir(out: Path, shard: ShardSpec | None) -> Path:
+    """Where a nightly shard writes: ``OUT/shards/K-of-N`` (K from 1), so that every shard of one night
+    sits in one directory for the merge; ``out`` itself for a whole nightly."""
+    return out if shard is None else out / SHARDS_DIR / f"{shard.index + 1}-of-{shard.count}"
+
+
+def cut_shard(args: Any, cases: Sequence[CaseConfig], selection_id: str,
               stored: StoredSelection | None = None, env: Mapping[str, str] | None = None) -> tuple[list[CaseConfig], dict[str, Any] | None]:
     """The cases of the shard ``args`` names and the shard's record for the stored selection (None and
     every case without ``--shard``). Resuming (``stored``), the stored part is kept: a ``--shard`` or
@@ -55,8 +72,8 @@ def cut_shard(args: argparse.Namespace, cases: Sequence[CaseConfig], selection_i
         return [c for c in cases if c.full_id in ids], earlier
     if given is None:
         return list(cases), None
-    spec = parse_shard("auto", os.environ if env is None else env) if given == "auto" else given
-    assert isinstance(spec, ShardSpec)
+    spec = resolve_shard(given, env)
+    assert spec is not None
     if earlier is not None and costs_path is None and (earlier["index"], earlier["count"]) == (spec.index, spec.count):
         return [c for c in cases if c.full_id in set(earlier["case_ids"])], earlier  # the same command line, requeued
     measured = read_costs(costs_path) if costs_path is not None else {}

@@ -91,3 +91,61 @@ def test_a_missing_or_unfinished_shard_is_named_in_the_banner(
     assert code == 0
     assert f"shard 2/4 unfinished ({len(held) - 1} of {len(held)} cases not recorded" in err
     assert "Incomplete run: shard 2/4 unfinished" in (tmp_path / "unfinished" / "matrix.html").read_text()
+
+
+#: a sharded nightly of a small selection, without the fuzz campaign and the performance section.
+NIGHTLY = ["nightly", "--matrix", "pairwise", "--engines", "builtin,torch-fsdp", "--references", "local",
+           "--no-progress", "--fuzz-profile", "none", "--no-perf", "--no-determinism-sample"]
+
+
+def _night(night: Path) -> dict[str, Any]:
+    return json.loads((night / "nightly.json").read_text())
+
+
+def test_a_sharded_night_merges_and_a_missing_or_killed_shard_is_never_green(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_run_case: list[str]
+) -> None:
+    night = tmp_path / "2026-01-02"
+    for k in (1, 2):
+        assert main([*NIGHTLY, "--out", str(night), "--shard", f"{k}/2"]) == 0
+    shard1, shard2 = night / "shards" / "1-of-2", night / "shards" / "2-of-2"
+    assert _night(shard2)["shard"]["index"] == 1 and _night(shard2)["diff"]["previous"] is None
+    assert main(["nightly", "--out", str(night), "--merge-shards"]) == 0
+    merged = _night(night)
+    assert merged["exit_code"] == 0 and merged["shards"]["merged"] == ["1-of-2", "2-of-2"] and not merged["shards"]["problems"]
+    assert sum(merged["verdicts"].values()) == merged["cases"]["selected"] == len(set(fake_run_case))
+
+    # Shard 2 killed after one case: the merge names it and fails; resumed, shard 1 untouched, the night is whole.
+    lines = (shard2 / "results.jsonl").read_text().splitlines(keepends=True)
+    (shard2 / "results.jsonl").write_text(lines[0])
+    (shard2 / "nightly.json").write_text(json.dumps({**_night(shard2), "complete": False}))
+    capsys.readouterr()
+    assert main(["nightly", "--out", str(night), "--merge-shards"]) == 1
+    out = capsys.readouterr().out
+    assert "shard 2/2 unfinished" in out and "nightly ok" not in out
+    assert "Incomplete run: shard 2/2 unfinished" in (night / "matrix.md").read_text()
+    before = {p: p.read_bytes() for p in shard1.rglob("*") if p.is_file()}
+    fake_run_case.clear()
+    assert main([*NIGHTLY, "--out", str(night), "--shard", "2/2", "--resume"]) == 0
+    assert len(fake_run_case) == len(lines) - 1
+    assert {p: p.read_bytes() for p in shard1.rglob("*") if p.is_file()} == before
+    assert main(["nightly", "--out", str(night), "--merge-shards"]) == 0
+
+    # Shard 2 missing altogether.
+    import shutil
+
+    shutil.rmtree(shard2)
+    assert main(["nightly", "--out", str(night), "--merge-shards"]) == 1
+    merged = _night(night)
+    assert merged["exit_code"] == 1 and any("shard 2/2 missing" in r for r in merged["exit_reasons"])
+    # ... which the night's own scope says too (reports history reads it there).
+    from reports.api import read_scope
+
+    scope = read_scope(night)
+    assert scope is not None and scope.partial and "shard 2/2 missing" in scope.banner()
+
+    # A shard of another partition beside them: refused.
+    assert main([*NIGHTLY, "--out", str(night), "--shard", "1/3"]) == 0
+    capsys.readouterr()
+    assert main(["nightly", "--out", str(night), "--merge-shards"]) == 2
+    assert "shards of different partitions" in capsys.readouterr().err
