@@ -114,6 +114,12 @@ def test_a_sharded_night_merges_and_a_missing_or_killed_shard_is_never_green(
     merged = _night(night)
     assert merged["exit_code"] == 0 and merged["shards"]["merged"] == ["1-of-2", "2-of-2"] and not merged["shards"]["problems"]
     assert sum(merged["verdicts"].values()) == merged["cases"]["selected"] == len(set(fake_run_case))
+    # The next night diffs against this merged one, as against any night of its selection.
+    later = tmp_path / "2026-01-03"
+    for k in (1, 2):
+        assert main([*NIGHTLY, "--out", str(later), "--shard", f"{k}/2"]) == 0
+    assert main(["nightly", "--out", str(later), "--merge-shards"]) == 0
+    assert _night(later)["diff"]["previous"] == str(night) and (later / "diff.md").is_file()
 
     # Shard 2 killed after one case: the merge names it and fails; resumed, shard 1 untouched, the night is whole.
     lines = (shard2 / "results.jsonl").read_text().splitlines(keepends=True)
@@ -143,6 +149,10 @@ def test_a_sharded_night_merges_and_a_missing_or_killed_shard_is_never_green(
 
     scope = read_scope(night)
     assert scope is not None and scope.partial and "shard 2/2 missing" in scope.banner()
+    from reports.history import history
+
+    history([night], tmp_path / "history")
+    assert "shard 2/2 missing" in (tmp_path / "history" / "history.md").read_text()
 
     # A shard of another partition beside them: refused.
     assert main([*NIGHTLY, "--out", str(night), "--shard", "1/3"]) == 0
