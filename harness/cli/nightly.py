@@ -141,10 +141,12 @@ def baseline_source(previous: Path) -> Path:
     return previous
 
 
-def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool) -> tuple[int, list[str]]:
-    """The nightly's exit status and the reasons for it (see the module docstring)."""
+def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool,
+                empty_part: bool = False) -> tuple[int, list[str]]:
+    """The nightly's exit status and the reasons for it (see the module docstring); ``empty_part``: a
+    shard whose part holds no case (more shards than cases), which has nothing to run."""
     reasons: list[str] = []
-    if not sum(verdicts.values()):
+    if not sum(verdicts.values()) and not empty_part:
         reasons.append("no case was run")  # an empty nightly checked nothing: never a green one
     bad = {v: verdicts.get(v, 0) for v in BAD_VERDICTS if verdicts.get(v, 0)}
     if bad:
@@ -438,7 +440,8 @@ def _nightly(config: NightlyConfig) -> int:
 
     # -- 5. verdict ---------------------------------------------------------------------------------
     fuzz_exit = state["fuzz"].get("exit_code")
-    code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed)
+    code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed,
+                                empty_part=shard is not None and not shard["case_ids"])
     state.update(complete=True, exit_code=code, exit_reasons=reasons, partial=partial_reasons(state),
                  finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     save()

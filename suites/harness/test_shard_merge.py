@@ -159,3 +159,13 @@ def test_a_sharded_night_merges_and_a_missing_or_killed_shard_is_never_green(
     capsys.readouterr()
     assert main(["nightly", "--out", str(night), "--merge-shards"]) == 2
     assert "shards of different partitions" in capsys.readouterr().err
+
+
+def test_a_shard_with_an_empty_part_has_nothing_to_run_and_is_not_a_failure(
+    tmp_path: Path, fake_run_case: list[str]
+) -> None:
+    one_case = [*NIGHTLY, "--limit", "1", "--out", str(tmp_path)]
+    assert main([*one_case, "--shard", "2/2"]) == 0 and fake_run_case == []
+    assert main([*one_case, "--shard", "1/2"]) == 0 and len(fake_run_case) == 1
+    assert main(["nightly", "--out", str(tmp_path), "--merge-shards"]) == 0
+    assert _night(tmp_path)["shards"]["problems"] == []
