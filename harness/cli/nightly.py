@@ -20,6 +20,10 @@ One straight line, every product written into the out directory as it is made:
    configuration, what was not run and why (rewritten after every phase, ``complete: false`` until the
    end); ``not_run.txt`` lists the cases a time budget left out.
 
+With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.shards``) into
+``OUT/shards/K-of-N``, the fuzz campaign and the performance section on shard 1 only and no diff;
+``--merge-shards`` (``harness.cli.nightly_merge``) makes the night of the shards in ``OUT``.
+
 Exit status: 0 when every case passed or is unsupported (a flaky case is bad), the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
 ranks could not start, ``--out`` cannot be the nightly's directory, or the results file could not be

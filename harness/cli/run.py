@@ -4,7 +4,8 @@
 (several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
 ``harness.runner.CaseRunner``) and appends one record per case to a JSON Lines file through the
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
-ranks are torchrun's own: every rank walks the same case list and rank 0 records.
+ranks are torchrun's own: every rank walks the same case list and rank 0 records. ``--shard K/N`` runs
+(or lists) the K-th of N disjoint parts of the selection (``harness.cli.sharding``).
 
 Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
 is unsupported, 1 when some failed, errored, timed out or crashed, 2 when an option cannot work

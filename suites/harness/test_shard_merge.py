@@ -169,3 +169,23 @@ def test_a_shard_with_an_empty_part_has_nothing_to_run_and_is_not_a_failure(
     assert main([*one_case, "--shard", "1/2"]) == 0 and len(fake_run_case) == 1
     assert main(["nightly", "--out", str(tmp_path), "--merge-shards"]) == 0
     assert _night(tmp_path)["shards"]["problems"] == []
+
+
+def test_shard_problems_tell_missing_from_unfinished_from_left_out_by_a_budget() -> None:
+    from reports.scope import ShardInput, ShardMismatch, shard_problems
+
+    selection = [f"c{i}" for i in range(6)]
+
+    def shard(k: int, ids: list[str], recorded: list[str], not_run: list[str] = (), partition: str = "p") -> ShardInput:  # type: ignore[assignment]
+        return ShardInput(f"s{k}", {"index": k, "count": 3, "partition": partition, "case_ids": ids}, selection,
+                          frozenset(recorded), frozenset(not_run))
+
+    whole = [shard(0, ["c0", "c3"], ["c0", "c3"]), shard(1, ["c1", "c4"], ["c1", "c4"]), shard(2, ["c2", "c5"], ["c2", "c5"])]
+    assert shard_problems(whole) == [] and shard_problems([]) == []
+    # A time budget listed c4 as not run: partial (the not-run banner says so), not unfinished.
+    assert shard_problems([whole[0], shard(1, ["c1", "c4"], ["c1"], ["c4"]), whole[2]]) == []
+    assert shard_problems([whole[0], shard(1, ["c1", "c4"], ["c1"]), whole[2]]) == [
+        "shard 2/3 unfinished (1 of 2 cases not recorded: --resume it)"]
+    assert shard_problems([whole[1]]) == ["shards 1/3, 3/3 missing (4 cases)"]
+    with pytest.raises(ShardMismatch, match="s2 is shard 3/3 of partition q"):
+        shard_problems([whole[0], shard(2, ["c2"], ["c2"], partition="q")])
