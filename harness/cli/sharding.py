@@ -57,8 +57,8 @@ def shard_dir(out: Path, shard: ShardSpec | None) -> Path:
 def cut_shard(args: Any, cases: Sequence[CaseConfig], selection_id: str,
               stored: StoredSelection | None = None, env: Mapping[str, str] | None = None) -> tuple[list[CaseConfig], dict[str, Any] | None]:
     """The cases of the shard ``args`` names and the shard's record for the stored selection (None and
-    every case without ``--shard``). Resuming (``stored``), the stored part is kept: a ``--shard`` or
-    ``--shard-costs`` that would cut another part is refused, naming it. Raises ``ShardError``."""
+    every case without ``--shard``). Resuming (``stored``), the stored part is kept: a ``--shard`` naming
+    another part is refused, and so is one given to a file of a whole run. Raises ``ShardError``."""
     given = getattr(args, "shard", None)
     costs_path = getattr(args, "shard_costs", None)
     if costs_path is not None and given is None:
@@ -67,15 +67,19 @@ def cut_shard(args: Any, cases: Sequence[CaseConfig], selection_id: str,
     if stored is not None and earlier is None and given is not None:
         raise ShardError(f"--resume: --shard {given} contradicts the file, which holds a whole run (not a shard); "
                          "drop --shard to continue it, or choose a new --out")
-    if earlier is not None and given is None and costs_path is None:
-        ids = set(earlier["case_ids"])
-        return [c for c in cases if c.full_id in ids], earlier
+    if earlier is not None:
+        # The stored part is this file's, whatever the cost file says now: the other shards were cut
+        # with the costs of then, so recutting could lose or repeat cases.
+        spec = resolve_shard(given, env) if given is not None else None
+        if spec is not None and (spec.index, spec.count) != (earlier["index"], earlier["count"]):
+            raise ShardError(f"--resume: --shard {spec} is another part than the file's (shard {earlier['index'] + 1}/"
+                             f"{earlier['count']} of partition {earlier.get('partition')}); drop it to continue the "
+                             "file, or choose a new --out")
+        return _kept(cases, earlier["case_ids"]), earlier
     if given is None:
         return list(cases), None
     spec = resolve_shard(given, env)
     assert spec is not None
-    if earlier is not None and costs_path is None and (earlier["index"], earlier["count"]) == (spec.index, spec.count):
-        return [c for c in cases if c.full_id in set(earlier["case_ids"])], earlier  # the same command line, requeued
     measured = read_costs(costs_path) if costs_path is not None else {}
     by_id = {c.full_id: c for c in cases}
     costs = case_costs({i: c.to_dict() for i, c in by_id.items()}, measured)
@@ -83,12 +87,13 @@ def cut_shard(args: Any, cases: Sequence[CaseConfig], selection_id: str,
     record = {"index": spec.index, "count": spec.count, "partition": part.id, "case_ids": list(part.parts[spec.index]),
               "costs_from": str(costs_path) if costs_path is not None else "estimate",
               "measured": sum(1 for i in by_id if i in measured)}
-    if earlier is not None and (earlier.get("partition"), earlier.get("index")) != (part.id, spec.index):
-        raise ShardError(f"--resume: --shard {spec}{' --shard-costs ' + str(costs_path) if costs_path else ''} cuts "
-                         f"another part than the file's (shard {earlier['index'] + 1}/{earlier['count']} of partition "
-                         f"{earlier.get('partition')}); drop them to continue it, or choose a new --out")
-    ids = set(record["case_ids"])
-    return [c for c in cases if c.full_id in ids], record
+    return _kept(cases, record["case_ids"]), record
+
+
+def _kept(cases: Sequence[CaseConfig], ids: Sequence[str]) -> list[CaseConfig]:
+    """The ``cases`` whose full ids are among ``ids``, in the selection's order."""
+    wanted = set(ids)
+    return [c for c in cases if c.full_id in wanted]
 
 
 def shard_text(shard: Mapping[str, Any] | None, total: int) -> str:

@@ -201,7 +201,7 @@ def test_a_killed_shard_resumes_its_own_part_without_touching_the_others(
     assert sorted({i for out in outs for i in _latest_ids(out)}) == sorted(whole)
     # Resuming with another shard is refused, naming the options.
     assert main(["run", "--out", str(outs[1]), "--resume", "--shard", "1/3"]) == 2
-    assert "cuts another part than the file's (shard 2/3" in capsys.readouterr().err
+    assert "--shard 1/3 is another part than the file's (shard 2/3" in capsys.readouterr().err
 
 
 def _ids_first(line: str) -> str:
@@ -226,3 +226,25 @@ def test_a_whole_run_resumed_with_a_shard_is_refused(capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert "holds a whole run" in err and len(err.strip().splitlines()) == 1
     assert json.loads(Path(str(out) + ".selection.json").read_text()).get("shard") is None
+
+
+def test_a_resumed_shard_keeps_its_part_when_the_cost_file_changed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_run_case: list[str]
+) -> None:
+    ids = _listed(capsys, "--matrix", "pairwise")
+    costs = _results(tmp_path / "costs.jsonl", {i: 1.0 for i in ids})
+    out = tmp_path / "shard.jsonl"
+    command = ["run", "--matrix", "pairwise", "--no-progress", "--shard", "1/2", "--shard-costs", str(costs), "--out", str(out)]
+    assert main(command) == 0
+    part = read_selection(out).shard  # type: ignore[union-attr]
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0])
+    # Last night's costs, read again on a requeue, now say otherwise: the part stays the stored one.
+    costs.unlink()
+    _results(costs, {i: 1.0 for i in ids} | {ids[0]: 50.0})
+    assert _listed(capsys, "--matrix", "pairwise", "--shard", "1/2", "--shard-costs", str(costs)) != part["case_ids"]  # type: ignore[index]
+    fake_run_case.clear()
+    assert main([*command, "--resume"]) == 0
+    assert sorted(fake_run_case) == sorted(set(part["case_ids"]) - {_ids_first(lines[0])})  # type: ignore[index]
+    assert read_selection(out).shard == part  # type: ignore[union-attr]
+    assert sorted(_latest_ids(out)) == sorted(part["case_ids"])  # type: ignore[index]
