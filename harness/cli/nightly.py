@@ -87,7 +87,7 @@ ONE_SHARD = "run once per night, by shard 1"
 
 def night_selection(directory: Path) -> str | None:
     """The selection id a nightly directory's ``nightly.json`` records; None for none or an older one."""
-    selection = _read_json(Path(directory) / NIGHTLY_NAME).get("selection")
+    selection = read_json(Path(directory) / NIGHTLY_NAME).get("selection")
     return selection.get("id") if isinstance(selection, dict) else None
 
 
@@ -182,14 +182,14 @@ def partial_reasons(state: Mapping[str, Any]) -> list[str]:
 # Side effects
 
 
-def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
     # Atomic: a nightly killed mid-write keeps the previous version, never half a file.
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -240,7 +240,7 @@ def _nightly(config: NightlyConfig) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / NIGHTLY_NAME
-    earlier = _read_json(state_path) if config.resume else {}
+    earlier = read_json(state_path) if config.resume else {}
     stored = read_selection(out / RESULTS_NAME) if config.resume else None
     if config.resume:
         try:
@@ -256,7 +256,7 @@ def _nightly(config: NightlyConfig) -> int:
 
     def save() -> None:
         state["wall_s"] = round(time.monotonic() - start, 3)
-        _write_json(state_path, state)
+        write_json(state_path, state)
 
     # -- 1. cases ---------------------------------------------------------------------------------
     host = host_facts()
@@ -431,7 +431,7 @@ def _nightly(config: NightlyConfig) -> int:
     else:
         text = render.diff_markdown(result, str(old), str(out / RESULTS_NAME))
         (out / DIFF_MD_NAME).write_text(text, encoding="utf-8")
-        _write_json(out / DIFF_JSON_NAME, result.to_dict())
+        write_json(out / DIFF_JSON_NAME, result.to_dict())
         regressions = len(result.regressions)
         state["diff"] = {
             "previous": str(old), "exit_code": result.exit_code,

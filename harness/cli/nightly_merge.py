@@ -13,8 +13,8 @@ a case regressed; 2 when there is no shard to merge or the shards are of differe
 
 from __future__ import annotations
 
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from harness.cli.nightly import (
@@ -23,13 +23,13 @@ from harness.cli.nightly import (
     NIGHTLY_NAME,
     NOT_RUN_NAME,
     RESULTS_NAME,
-    _read_json,
-    _write_json,
     baseline_source,
     config_from_args,
     exit_status,
     find_previous,
     night_selection,
+    read_json,
+    write_json,
 )
 from harness.cli.nightly import main as nightly_main
 from harness.cli.nightly_config import NightlyConfig
@@ -48,8 +48,6 @@ def main(args: Any) -> int:
 
 
 def _fail(message: str) -> int:
-    import sys
-
     print(f"harness nightly --merge-shards: {message}", file=sys.stderr)
     return 2
 
@@ -78,7 +76,7 @@ def merge_shards(config: NightlyConfig) -> int:
         return _fail(str(exc))
     scope = summary.scope or {}
     problems = list(scope.get("shards") or [])
-    nights = {d.name: _read_json(d / NIGHTLY_NAME) for d in shard_dirs}
+    nights = {d.name: read_json(d / NIGHTLY_NAME) for d in shard_dirs}
     for name, night in sorted(nights.items()):
         label = name.replace("-of-", "/")
         if not night.get("complete") and not any(p.startswith(f"shard {label} ") for p in problems):
@@ -108,7 +106,7 @@ def merge_shards(config: NightlyConfig) -> int:
     else:
         result = reports.diff(baseline_source(previous), files)
         (out / DIFF_MD_NAME).write_text(render.diff_markdown(result, str(previous), str(out)), encoding="utf-8")
-        _write_json(out / DIFF_JSON_NAME, result.to_dict())
+        write_json(out / DIFF_JSON_NAME, result.to_dict())
         regressions = len(result.regressions)
         state["diff"] = {"previous": str(previous), "counts": result.to_dict()["counts"]}
     code, reasons = exit_status(summary.verdicts, (state["fuzz"] or {}).get("exit_code"), regressions, False)
@@ -116,7 +114,7 @@ def merge_shards(config: NightlyConfig) -> int:
         code, reasons = max(code, 1), [*reasons, *problems]
     state.update(exit_code=code, exit_reasons=reasons, wall_s=round(time.monotonic() - start, 3),
                  finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    _write_json(out / NIGHTLY_NAME, state)
+    write_json(out / NIGHTLY_NAME, state)
     verdicts = ", ".join(f"{v} {n}" for v, n in summary.verdicts.items() if n) or "no case"
     print(f"{len(shard_dirs)} of {stored.shard['count']} shards merged: {summary.cases} cases ({verdicts})")
     print(f"nightly {'; '.join(reasons) if code else 'ok'} (exit {code}) -> {out}")
