@@ -66,6 +66,10 @@ class StoredSelection:
     options: dict[str, Any]
     #: the full ids of the selected cases, in selection order.
     case_ids: tuple[str, ...]
+    #: the part of the selection this file holds when it is a shard (``harness.shards``): ``index``
+    #: (0-based), ``count``, ``partition`` (``Partition.id``) and its ``case_ids``; None for a whole run.
+    #: Not part of ``id``: every shard of one selection shares it.
+    shard: dict[str, Any] | None = None
 
     @property
     def id(self) -> str:
@@ -74,11 +78,13 @@ class StoredSelection:
         return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "options": self.options, "case_ids": list(self.case_ids)}
+        return {"id": self.id, "options": self.options, "case_ids": list(self.case_ids),
+                **({"shard": self.shard} if self.shard is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StoredSelection":
-        return cls(dict(d["options"]), tuple(d["case_ids"]))
+        shard = d.get("shard")
+        return cls(dict(d["options"]), tuple(d["case_ids"]), dict(shard) if isinstance(shard, Mapping) else None)
 
 
 def selection_options(selection: "Selection", world_sizes: Sequence[int]) -> dict[str, Any]:

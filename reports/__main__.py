@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"-> {args.out}/: {', '.join(shown)}, {pages} case page(s) in cases/")
             for bad in summary.bad_lines:
                 print(f"warning: unreadable line {bad}", file=sys.stderr)
+            for problem in (summary.scope or {}).get("shards") or []:
+                print(f"warning: incomplete run: {problem}", file=sys.stderr)
             return 0
         result = api.diff(args.old, args.new, ratio_factor=args.ratio_factor, ratio_floor=args.ratio_floor)
     except (FileNotFoundError, ValueError) as e:

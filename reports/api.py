@@ -27,7 +27,7 @@ from reports.case_page import CASES_DIR, write_case_pages
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR, DiffResult, diff_frames
 from reports.grid import build_grid
 from reports.matrix import Summary, frame_from_csv, latest, marginals, parity_matrices, records_frame, sort_failing, summarize
-from reports.scope import RunScope, merge_scopes, not_run_frame, parse_not_run, scope_from_nightly
+from reports.scope import RunScope, ShardInput, merge_scopes, not_run_frame, parse_not_run, scope_from_nightly, shard_problems
 
 CSV_NAME = "results.csv"
 SUMMARY_NAME = "summary.json"
@@ -57,7 +57,9 @@ class Loaded:
 def selection_ids(path: Path) -> set[str]:
     """The ids of the selections ``path`` holds results of (``harness.stored_selection``): a results
     file's own, or those of the results files in a directory."""
-    files = sorted(path.glob("*" + SELECTION_SUFFIX)) if path.is_dir() else [selection_path(path)]
+    # A merged night's selection is its shards' (``shards/K-of-N``, every shard shares the selection's id).
+    files = (sorted([*path.glob("*" + SELECTION_SUFFIX), *path.glob("shards/*/*" + SELECTION_SUFFIX)]) if path.is_dir()
+             else [selection_path(path)])
     found = (read_selection(f.with_name(f.name[: -len(SELECTION_SUFFIX)])) for f in files)
     return {s.id for s in found if s is not None}
 
@@ -102,18 +104,29 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not paths:
         raise ValueError("reports: give at least one results file or report directory")
-    frames, bad_lines, records = [], [], []
+    frames, bad_lines, records, shards = [], [], [], []
+    scopes = []
     for path in paths:
         frame, bad, recs = _load_one(path)
         frames.append(frame)
         bad_lines += bad
         records += recs
+        scopes.append(read_scope(path if path.is_dir() else path.parent, selection_ids(path)))
+        stored = None if path.is_dir() else read_selection(path)
+        if stored is not None and stored.shard is not None:
+            shards.append(ShardInput(str(path), stored.shard, stored.case_ids, frozenset(map(record_full_id, recs)),
+                                     frozenset(i for i, _ in scopes[-1].not_run) if scopes[-1] is not None else frozenset()))
+    problems = shard_problems(shards)  # refuses shards of different partitions (ValueError)
     frames = [f for f in frames if not f.empty]
     frame = pd.concat(frames, ignore_index=True) if frames else records_frame([])
     frame, superseded = latest(frame)
     # The same winner as ``latest``: the newest time, the later input on a tie.
     by_id = {record_full_id(r): r for r in sorted(records, key=lambda r: r.time)}
-    scope = merge_scopes(read_scope(p if p.is_dir() else p.parent, selection_ids(p)) for p in paths)
+    scope = merge_scopes(scopes)
+    if problems:  # the whole selection is what the shards were cut from, present or not
+        base = scope or RunScope()
+        scope = RunScope(len(shards[0].selection), base.not_run, base.not_selected,
+                         ", ".join(filter(None, [base.source, "shards"])), base.shards + problems)
     return Loaded(frame, bad_lines, superseded, [str(p) for p in paths], by_id, scope)
 
 
@@ -135,7 +148,7 @@ def build(
     frame = loaded.frame
     scope = loaded.scope
     if not_run is not None or selected is not None:
-        scope = RunScope(selected, list(not_run or []), [], "arguments")
+        scope = RunScope(selected, list(not_run or []), [], "arguments", loaded.scope.shards if loaded.scope else [])
     scope = scope if scope is not None and scope.partial else None
     banner = scope.banner() if scope is not None else ""
     matrices = parity_matrices(frame)

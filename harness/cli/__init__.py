@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from harness.cli import bench, certify, history, nightly, perf, run
+from harness.cli import bench, certify, history, nightly, nightly_merge, perf, run
 from harness.cli.options import given_options
 from harness.one_line_parser import OneLineParser
 from harness.runner import SelectionError
@@ -29,7 +29,7 @@ COMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None
     ("models", "describe the model zoo", None, run.main_models),
     ("bench", "per-case overhead: warm pool against spawning the ranks per case", bench.add_arguments, bench.main),
     ("nightly", "the nightly: full matrix, fuzz campaign, report and diff into one directory",
-     nightly.add_arguments, nightly.main),
+     nightly.add_arguments, nightly_merge.main),
     ("history", "trend page over several nightly directories", history.add_arguments, history.main),
     ("certify", "conformance certificate of one engine: every behaviour family, Markdown/HTML/JSON",
      certify.add_arguments, certify.main),

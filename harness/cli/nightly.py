@@ -20,6 +20,10 @@ One straight line, every product written into the out directory as it is made:
    configuration, what was not run and why (rewritten after every phase, ``complete: false`` until the
    end); ``not_run.txt`` lists the cases a time budget left out.
 
+With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.shards``) into
+``OUT/shards/K-of-N``, the fuzz campaign and the performance section on shard 1 only and no diff;
+``--merge-shards`` (``harness.cli.nightly_merge``) makes the night of the shards in ``OUT``.
+
 Exit status: 0 when every case passed or is unsupported (a flaky case is bad), the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
 ranks could not start, ``--out`` cannot be the nightly's directory, or the results file could not be
@@ -43,6 +47,7 @@ from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import add_execution, add_placement, add_selection, positive_float
+from harness.cli.sharding import add_sharding, cut_shard, resolve_shard, shard_dir, shard_text
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import (
     PlacementError,
@@ -63,6 +68,7 @@ from harness.runner import (
     under_torchrun,
 )
 from harness.sampling import sample_order
+from harness.shards import ShardError
 from harness.stored_selection import StoredSelection, legacy_warning, read_selection, selection_options, write_selection
 
 RESULTS_NAME = "results.jsonl"
@@ -71,6 +77,8 @@ NIGHTLY_NAME = "nightly.json"
 NOT_RUN_NAME = "not_run.txt"
 DIFF_MD_NAME = "diff.md"
 DIFF_JSON_NAME = "diff.json"
+#: why a shard but the first skips the fuzz campaign and the performance section (not a partial night).
+ONE_SHARD = "run once per night, by shard 1"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -79,7 +87,7 @@ DIFF_JSON_NAME = "diff.json"
 
 def night_selection(directory: Path) -> str | None:
     """The selection id a nightly directory's ``nightly.json`` records; None for none or an older one."""
-    selection = _read_json(Path(directory) / NIGHTLY_NAME).get("selection")
+    selection = read_json(Path(directory) / NIGHTLY_NAME).get("selection")
     return selection.get("id") if isinstance(selection, dict) else None
 
 
@@ -137,10 +145,12 @@ def baseline_source(previous: Path) -> Path:
     return previous
 
 
-def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool) -> tuple[int, list[str]]:
-    """The nightly's exit status and the reasons for it (see the module docstring)."""
+def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool,
+                empty_part: bool = False) -> tuple[int, list[str]]:
+    """The nightly's exit status and the reasons for it (see the module docstring); ``empty_part``: a
+    shard whose part holds no case (more shards than cases), which has nothing to run."""
     reasons: list[str] = []
-    if not sum(verdicts.values()):
+    if not sum(verdicts.values()) and not empty_part:
         reasons.append("no case was run")  # an empty nightly checked nothing: never a green one
     bad = {v: verdicts.get(v, 0) for v in BAD_VERDICTS if verdicts.get(v, 0)}
     if bad:
@@ -163,7 +173,7 @@ def partial_reasons(state: Mapping[str, Any]) -> list[str]:
         out.append(f"{cases['not_run']} of {cases.get('selected', '?')} cases not run")
     for phase, chosen in (("fuzz", "--fuzz-profile none"), ("perf", "--no-perf")):
         skipped = (state.get(phase) or {}).get("skipped")
-        if skipped and skipped != chosen:
+        if skipped and skipped not in (chosen, ONE_SHARD):
             out.append(f"{phase} skipped ({skipped})")
     return out
 
@@ -172,14 +182,14 @@ def partial_reasons(state: Mapping[str, Any]) -> list[str]:
 # Side effects
 
 
-def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
     # Atomic: a nightly killed mid-write keeps the previous version, never half a file.
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -223,14 +233,14 @@ def _nightly(config: NightlyConfig) -> int:
     from harness.collector import ResultsLocked, ResultWriter, run_info
 
     start = time.monotonic()
-    out = config.out
+    out = shard_dir(config.out, config.shard)
     problem = out_dir_problem(out)
     if problem:
         print(f"harness nightly: --out: {problem}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / NIGHTLY_NAME
-    earlier = _read_json(state_path) if config.resume else {}
+    earlier = read_json(state_path) if config.resume else {}
     stored = read_selection(out / RESULTS_NAME) if config.resume else None
     if config.resume:
         try:
@@ -246,7 +256,7 @@ def _nightly(config: NightlyConfig) -> int:
 
     def save() -> None:
         state["wall_s"] = round(time.monotonic() - start, 3)
-        _write_json(state_path, state)
+        write_json(state_path, state)
 
     # -- 1. cases ---------------------------------------------------------------------------------
     host = host_facts()
@@ -267,6 +277,13 @@ def _nightly(config: NightlyConfig) -> int:
     cases = select_cases(selection, list(lanes))
     if config.determinism_sample:
         cases = determinism_sample(cases)
+    selected = cases
+    selection_id = stored.id if stored else StoredSelection(selection_options(selection, sorted(lanes)), tuple(c.full_id for c in cases)).id
+    try:
+        cases, shard = cut_shard(config, cases, selection_id, stored)
+    except ShardError as exc:
+        print(f"harness nightly: {exc}", file=sys.stderr)
+        return 2
     skipped = {ws: {"cases": _cases_in(selection, ws), "reason": why} for ws, why in skipped_ws.items()}
     info = run_info([lane for group in lanes.values() for lane in group])
     try:
@@ -281,7 +298,7 @@ def _nightly(config: NightlyConfig) -> int:
     deadline = cases_deadline(start, config.time_budget_s)  # the budget holds the report too
     fuzz_path = out / FUZZ_NAME
     alongside: FuzzRun | None = None
-    if fuzz_alongside(lanes, host.cpu_cores):
+    if fuzz_alongside(lanes, host.cpu_cores) and not _other_shard(shard):
         budget = fuzz_budget(config.time_budget_s, time.monotonic() - start)
         if _fuzz_not_run(config, earlier, fuzz_path, budget) is None:
             alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, fuzz_path, budget, progress=False).start()  # one bar on the terminal: the cases'
@@ -289,9 +306,12 @@ def _nightly(config: NightlyConfig) -> int:
         if writer.resumed and stored is None:
             print(legacy_warning(out / RESULTS_NAME, writer.resumed.values()), file=sys.stderr)
         if stored is None:
-            stored = StoredSelection(selection_options(selection, sorted(lanes)), tuple(c.full_id for c in cases))
+            stored = StoredSelection(selection_options(selection, sorted(lanes)), tuple(c.full_id for c in selected), shard)
             write_selection(out / RESULTS_NAME, stored)
         state["selection"] = {"id": stored.id, "options": stored.options}
+        if shard is not None:
+            state["shard"] = {k: v for k, v in shard.items() if k != "case_ids"} | {"selected": len(selected)}
+            print(f"harness nightly: {shard_text(shard, len(selected))} -> {out}", file=sys.stderr)
         done = writer.recorded_ids()
         todo = [c for c in cases if c.full_id not in done]
         if deadline is not None:
@@ -347,7 +367,7 @@ def _nightly(config: NightlyConfig) -> int:
     if alongside is not None:
         state["fuzz"] = {**dataclasses.asdict(alongside.wait()), "alongside_cases": True}
     else:
-        skip = _fuzz_not_run(config, earlier, fuzz_path, fuzz_budget(config.time_budget_s, time.monotonic() - start))
+        skip = _fuzz_not_run(config, earlier, fuzz_path, fuzz_budget(config.time_budget_s, time.monotonic() - start), shard)
         if skip is not None:
             state["fuzz"] = skip
         else:
@@ -366,6 +386,8 @@ def _nightly(config: NightlyConfig) -> int:
 
     if not config.perf:
         state["perf"] = {"skipped": "--no-perf"}
+    elif _other_shard(shard):
+        state["perf"] = {"skipped": ONE_SHARD}
     elif config.resume and earlier.get("perf") and not earlier["perf"].get("skipped"):
         state["perf"] = earlier["perf"]
     elif deadline is not None and time.monotonic() > deadline:
@@ -392,6 +414,8 @@ def _nightly(config: NightlyConfig) -> int:
     regressions = 0
     other = night_selection(previous) if previous is not None and previous.is_dir() else None
     try:
+        if shard is not None:
+            raise ValueError(f"a shard: the night's diff is the merge's (python -m harness nightly --out {config.out} --merge-shards)")
         if previous is None:
             raise ValueError(f"no earlier nightly of this selection ({stored.id}) next to {out}")
         if other is not None and other != stored.id:
@@ -407,7 +431,7 @@ def _nightly(config: NightlyConfig) -> int:
     else:
         text = render.diff_markdown(result, str(old), str(out / RESULTS_NAME))
         (out / DIFF_MD_NAME).write_text(text, encoding="utf-8")
-        _write_json(out / DIFF_JSON_NAME, result.to_dict())
+        write_json(out / DIFF_JSON_NAME, result.to_dict())
         regressions = len(result.regressions)
         state["diff"] = {
             "previous": str(old), "exit_code": result.exit_code,
@@ -420,7 +444,8 @@ def _nightly(config: NightlyConfig) -> int:
 
     # -- 5. verdict ---------------------------------------------------------------------------------
     fuzz_exit = state["fuzz"].get("exit_code")
-    code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed)
+    code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed,
+                                empty_part=shard is not None and not shard["case_ids"])
     state.update(complete=True, exit_code=code, exit_reasons=reasons, partial=partial_reasons(state),
                  finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     save()
@@ -428,10 +453,18 @@ def _nightly(config: NightlyConfig) -> int:
     return code
 
 
-def _fuzz_not_run(config: NightlyConfig, earlier: Mapping[str, Any], path: Path, budget: float | None) -> dict[str, Any] | None:
+def _other_shard(shard: Mapping[str, Any] | None) -> bool:
+    """A shard but the first: the fuzz campaign and the performance section run once per night, on shard 1."""
+    return shard is not None and shard["index"] != 0
+
+
+def _fuzz_not_run(config: NightlyConfig, earlier: Mapping[str, Any], path: Path, budget: float | None,
+                  shard: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """``nightly.json``'s ``fuzz`` when the campaign is not to run now (and why), else None."""
     if config.fuzz_profile == "none":
         return dataclasses.asdict(FuzzOutcome("none", config.fuzz_max_examples, skipped="--fuzz-profile none"))
+    if _other_shard(shard):
+        return dataclasses.asdict(FuzzOutcome(config.fuzz_profile, config.fuzz_max_examples, skipped=ONE_SHARD))
     if config.resume and earlier.get("fuzz", {}).get("exit_code") is not None and path.exists():
         return {**earlier["fuzz"], "resumed_from_earlier_attempt": True}
     if budget is not None and budget <= 0:
@@ -523,6 +556,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not check determinism on the sample of one case per engine, strategy and world size")
     add_execution(p)
     p.add_argument("--no-perf", action="store_true", help="skip the performance section (step time and memory against torch FSDP1)")
+    add_sharding(p, "each shard writes OUT/shards/K-of-N; the fuzz campaign and the performance section run on shard 1")
+    p.add_argument("--merge-shards", action="store_true",
+                   help="merge the shards in OUT/shards into the night: report, diff and nightly.json in OUT; "
+                        "exit 1 when a shard is missing or unfinished")
+
+
+def config_from_args(args: argparse.Namespace) -> NightlyConfig | None:
+    """The nightly's configuration, ``--shard auto`` read from the environment; None (said in one line)
+    when an option cannot work."""
+    try:
+        args.shard = resolve_shard(args.shard)
+        return NightlyConfig.from_args(args)
+    except ValueError as exc:  # a ShardError too
+        print(f"harness nightly: {exc}", file=sys.stderr)
+        return None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -530,9 +578,7 @@ def main(args: argparse.Namespace) -> int:
         print("harness nightly: start it without torchrun; it starts its own ranks (one pool per group of GPUs)",
               file=sys.stderr)
         return 2
-    try:
-        config = NightlyConfig.from_args(args)
-    except ValueError as exc:
-        print(f"harness nightly: {exc}", file=sys.stderr)
+    config = config_from_args(args)
+    if config is None:
         return 2
     return nightly(config)

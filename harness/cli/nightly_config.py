@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from harness.placement import BackendChoice, DeviceChoice
 from harness.runner import Selection, SelectionError, loop_axes_from_args, loop_optimizers
+from harness.shards import ShardSpec
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
 
@@ -78,6 +79,11 @@ class NightlyConfig:
     pools_per_gpu: int | None = None
     #: measure the performance section (``harness.perf_section``).
     perf: bool = True
+    #: run only this part of the selection (``harness.shards``; ``--shard``, ``auto`` resolved by ``main``),
+    #: into ``out/shards/K-of-N``; None: all of it.
+    shard: ShardSpec | None = None
+    #: results whose wall times balance the shards (``--shard-costs``); None: estimates.
+    shard_costs: Path | None = None
     #: the argparse dests the command line set (``harness.cli.options.given_options``): what a resume
     #: must not silently replace.
     given_options: frozenset[str] = frozenset()
@@ -109,6 +115,7 @@ class NightlyConfig:
             determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
             repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
             perf=not args.no_perf, given_options=frozenset(getattr(args, "given_options", ())),
+            shard=args.shard, shard_costs=args.shard_costs,
         )
 
     def selection(self) -> Selection:
@@ -127,6 +134,8 @@ class NightlyConfig:
         d["out"] = str(self.out)
         d["previous"] = str(self.previous) if self.previous is not None else None
         d["given_options"] = sorted(self.given_options)
+        d["shard"] = str(self.shard) if self.shard is not None else None
+        d["shard_costs"] = str(self.shard_costs) if self.shard_costs is not None else None
         return d
 
 

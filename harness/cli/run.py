@@ -4,7 +4,8 @@
 (several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
 ``harness.runner.CaseRunner``) and appends one record per case to a JSON Lines file through the
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
-ranks are torchrun's own: every rank walks the same case list and rank 0 records.
+ranks are torchrun's own: every rank walks the same case list and rank 0 records. ``--shard K/N`` runs
+(or lists) the K-th of N disjoint parts of the selection (``harness.cli.sharding``).
 
 Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
 is unsupported, 1 when some failed, errored, timed out or crashed, 2 when an option cannot work
@@ -27,7 +28,9 @@ from typing import Any
 
 from harness.case import CaseConfig
 from harness.cli.options import add_execution, add_placement, add_selection, positive_float
+from harness.cli.sharding import add_sharding, cut_shard, shard_text
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.shards import ShardError
 from harness.stored_selection import (
     StoredSelection,
     contradictions,
@@ -104,7 +107,11 @@ def main(args: argparse.Namespace) -> int:
         selection, world_sizes, stored = resumed_selection(args, out, args.world_size or [2])
     except SelectionError as exc:
         return _refuse(str(exc))
-    cases = select_cases(selection, world_sizes)
+    selected = select_cases(selection, world_sizes)
+    try:
+        cases, shard = cut_shard(args, selected, _selection_id(selection, world_sizes, selected, stored), stored)
+    except ShardError as exc:
+        return _refuse(str(exc))
     try:
         lanes, skipped = plan_lanes(world_sizes, args.backend, n_gpus(), world_sizes, device=args.device,
                                     host=host_facts(), pools=args.pools_per_gpu)
@@ -133,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         if latest and stored is None:
             print(legacy_warning(out, latest.values()), file=sys.stderr)
         if stored is None:
-            _store_selection(out, selection, world_sizes, cases)
+            _store_selection(out, selection, world_sizes, selected, shard)
         rerun = {i for i, r in latest.items() if r.verdict in BAD_VERDICTS} if args.rerun_failed else set()
         todo = [c for c in cases if (c.full_id not in latest or c.full_id in rerun) and c.world_size in lanes]
         if latest:
@@ -141,7 +148,8 @@ def main(args: argparse.Namespace) -> int:
                   f"{len(cases)} cases already recorded"
                   + (f", {len([c for c in cases if c.full_id in rerun])} not passing to rerun" if args.rerun_failed else ""),
                   file=sys.stderr)
-        print(f"harness run: {len(todo)} cases on {lane_text(lanes)}", file=sys.stderr)
+        of = f" ({shard_text(shard, len(selected))})" if shard else ""
+        print(f"harness run: {len(todo)} cases{of} on {lane_text(lanes)}", file=sys.stderr)
         progress = Progress(len(todo), enabled=not args.no_progress)
         runner = CaseRunner(_Recorded(writer, latest), progress, None, args.timeout,
                             repeat=args.repeat, repeat_failures=args.repeat_failures)
@@ -190,12 +198,21 @@ def resumed_selection(args: argparse.Namespace, out: Path, world_sizes: list[int
     return selection, stored_sizes, stored
 
 
-def _store_selection(out: Path, selection: Selection, world_sizes: list[int], cases: list[CaseConfig]) -> None:
-    """Store the selection beside a results file on disk (``harness.stored_selection``) for ``--resume``."""
+def _selection_id(selection: Selection, world_sizes: list[int], cases: list[CaseConfig], stored: StoredSelection | None) -> str:
+    """The id of the selection (the stored one when resuming): what every shard of it shares."""
+    if stored is not None:
+        return stored.id
+    return StoredSelection(selection_options(selection, world_sizes), tuple(c.full_id for c in cases)).id
+
+
+def _store_selection(out: Path, selection: Selection, world_sizes: list[int], cases: list[CaseConfig],
+                     shard: dict[str, Any] | None = None) -> None:
+    """Store the selection (every selected case, and the part a shard runs) beside a results file on disk
+    (``harness.stored_selection``) for ``--resume``."""
     if not out.is_file():
         return  # a special file (/dev/null): nothing to resume
     try:
-        write_selection(out, StoredSelection(selection_options(selection, world_sizes), tuple(c.full_id for c in cases)))
+        write_selection(out, StoredSelection(selection_options(selection, world_sizes), tuple(c.full_id for c in cases), shard))
     except OSError as exc:
         print(f"warning: cannot store the selection beside {out} ({exc}); --resume will need the same options", file=sys.stderr)
 
@@ -282,11 +299,16 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else _default_out()
     # The stored selection, at torchrun's world size (every rank reads it: rank 0 alone writes the file).
     selection, _, stored = resumed_selection(args, out, [ws])
-    cases = select_cases(selection, [ws])
+    selected = select_cases(selection, [ws])
+    # Every rank cuts the same part: the partition is a function of the selection, N and the costs.
+    try:
+        cases, shard = cut_shard(args, selected, _selection_id(selection, [ws], selected, stored), stored)
+    except ShardError as exc:
+        return _refuse(str(exc))
 
     writer = ResultWriter(out, run_info([lane]), resume=args.resume or args.rerun_failed) if rank == 0 else None
     if writer is not None and stored is None:
-        _store_selection(out, selection, [ws], cases)
+        _store_selection(out, selection, [ws], selected, shard)
     # Every rank must walk the same list: rank 0 knows what the file already holds.
     keep = ({i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
             if writer else None)
@@ -339,10 +361,16 @@ def _run_torchrun(args: argparse.Namespace) -> int:
 
 
 def main_list(args: argparse.Namespace) -> int:
-    cases = select_cases(Selection.from_args(args), args.world_size or [2])
+    selection, world_sizes = Selection.from_args(args), args.world_size or [2]
+    selected = select_cases(selection, world_sizes)
+    try:
+        cases, shard = cut_shard(args, selected, _selection_id(selection, world_sizes, selected, None))
+    except ShardError as exc:
+        print(f"harness list: {exc}", file=sys.stderr)
+        return 2
     for case in cases:
         print(case.full_id)
-    print(f"{len(cases)} cases", file=sys.stderr)
+    print(f"{len(cases)} cases" + (f" ({shard_text(shard, len(selected))})" if shard else ""), file=sys.stderr)
     return 0
 
 
@@ -361,6 +389,7 @@ def main_models(args: argparse.Namespace) -> int:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_selection(p)
+    add_sharding(p)
     p.add_argument("--out", default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
     p.add_argument("--resume", action="store_true",
                    help="continue --out, skipping the cases it records; the exit status covers every case in the file")
@@ -375,3 +404,4 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_list_arguments(p: argparse.ArgumentParser) -> None:
     add_selection(p)
+    add_sharding(p)
