@@ -2,10 +2,10 @@
 
 One module per command, each with ``add_arguments(parser)`` and ``main(args) -> exit status``:
 ``run`` and ``list`` (``harness.cli.run``), ``models``, ``bench`` (pool overhead), ``nightly`` (matrix,
-fuzz, report, diff in one directory), ``history`` (trend over nightlies), ``certify`` (conformance
-certificate of one engine) and ``perf`` (training-step benchmark against torch). The shared selection
-options live in ``harness.cli.options``; every command runs cases through ``harness.runner``. Nothing
-in the library imports this package.
+fuzz, report, diff in one directory; its shards merged, or submitted as one job array), ``history`` (trend
+over nightlies), ``certify`` (conformance certificate of one engine) and ``perf`` (training-step
+benchmark against torch). The shared selection options live in ``harness.cli.options``; every command
+runs cases through ``harness.runner``. Nothing in the library imports this package.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from harness.cli import bench, certify, history, nightly, nightly_merge, perf, run
+from harness.cli import bench, certify, history, nightly_submit, perf, run
 from harness.cli.options import given_options
 from harness.one_line_parser import OneLineParser
 from harness.runner import SelectionError
@@ -29,7 +29,7 @@ COMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None
     ("models", "describe the model zoo", None, run.main_models),
     ("bench", "per-case overhead: warm pool against spawning the ranks per case", bench.add_arguments, bench.main),
     ("nightly", "the nightly: full matrix, fuzz campaign, report and diff into one directory",
-     nightly.add_arguments, nightly_merge.main),
+     nightly_submit.add_arguments, nightly_submit.main),
     ("history", "trend page over several nightly directories", history.add_arguments, history.main),
     ("certify", "conformance certificate of one engine: every behaviour family, Markdown/HTML/JSON",
      certify.add_arguments, certify.main),

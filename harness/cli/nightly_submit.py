@@ -1,0 +1,266 @@
+"""``python -m harness nightly --submit local|slurm --shards N``: the shards of a night as one job array.
+
+The scheduler is submitit's (``submitit.AutoExecutor``: Slurm, or its local executor on this machine); we
+build none. Each array task runs the nightly of one shard in-process (``nightly --shard K/N`` into
+``OUT/shards/K-of-N``, ``harness.cli.nightly``), its index passed explicitly: the local executor sets no
+Slurm variables, so ``--shard auto`` would not find one. Once every task has ended, the merge
+(``harness.cli.nightly_merge.merge_shards``) writes the night into ``OUT``, and its exit status is the
+command's; raised to 1 when a task raised, was killed or could not run its cases (status 2), so that such a
+night never reads as green even where the merge found every shard's files.
+
+A task that Slurm preempts or times out is requeued by submitit (``checkpoint``) and continues its shard
+with ``--resume``: the cases it recorded are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from harness.cli import nightly, nightly_merge
+from harness.cli.sharding import shard_dir
+from harness.shards import ShardSpec
+
+__all__ = ["SUBMIT_DIR", "ArrayPlan", "ShardTask", "SubmitOptions", "add_arguments", "main", "plan_array"]
+
+#: submitit's folder (pickled tasks, logs, results) under the night's directory, by default.
+SUBMIT_DIR = "submitit"
+
+Cluster = Literal["local", "slurm"]
+
+
+@dataclass(frozen=True)
+class SubmitOptions:
+    """Where and how the array runs: what the command line says of it, checked once."""
+
+    #: submitit's executor: ``slurm``, or ``local`` (subprocesses on this machine, as CI tests it).
+    cluster: Cluster
+    #: shards of the night: tasks of the array.
+    shards: int
+    #: submitit's folder; None: ``OUT/submitit``.
+    folder: Path | None = None
+    #: Slurm partition (None: the cluster's default).
+    partition: str | None = None
+    #: minutes a task may run before the scheduler stops it (and submitit requeues it).
+    time_min: int | None = None
+    #: GPUs of one task (one node each); on ``local``, submitit shows every task the first G GPUs.
+    gpus_per_task: int | None = None
+    #: CPU cores of one task (its rank pools need several).
+    cpus_per_task: int | None = None
+    #: tasks running at once (Slurm's ``--array=...%P``); None: all.
+    parallelism: int | None = None
+    #: further ``#SBATCH`` options (``account=...``, ``qos=...``), as submitit's ``slurm_additional_parameters``.
+    slurm_params: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"--shards {self.shards}: must be at least 1")
+        if self.cluster == "local":
+            given = [name for name, value in (("--partition", self.partition), ("--slurm-param", self.slurm_params or None))
+                     if value is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only for --submit slurm (the local executor has no partition)")
+
+    def executor_parameters(self) -> dict[str, Any]:
+        """``AutoExecutor.update_parameters`` keywords: generic ones, translated by submitit for each
+        cluster, and ``slurm_`` ones, which the local executor ignores."""
+        params: dict[str, Any] = {"name": "fsdp-parity-nightly", "nodes": 1, "tasks_per_node": 1,
+                                  "slurm_array_parallelism": self.parallelism or self.shards}
+        optional = {"timeout_min": self.time_min, "gpus_per_node": self.gpus_per_task,
+                    "cpus_per_task": self.cpus_per_task, "slurm_partition": self.partition}
+        params.update({k: v for k, v in optional.items() if v is not None})
+        if self.slurm_params:
+            params["slurm_additional_parameters"] = dict(self.slurm_params)
+        return params
+
+
+class ShardTask:
+    """One array task: the nightly of shard ``index`` of ``count`` with the command line's options.
+
+    A plain callable object so that submitit pickles it; ``checkpoint`` is submitit's hook on preemption
+    and timeout (``submitit.helpers.Checkpointable``'s protocol): the requeued task resumes its shard."""
+
+    def __init__(self, args: argparse.Namespace, index: int, count: int) -> None:
+        self.args = copy.copy(args)
+        # The shard's own nightly: explicitly this shard, nothing more to submit or merge.
+        self.args.shard = ShardSpec(index, count)
+        self.args.submit = None
+        self.args.merge_shards = False
+        self.args.out = Path(args.out).absolute()  # a task may start elsewhere (Slurm's working directory)
+
+    @property
+    def shard(self) -> ShardSpec:
+        return self.args.shard
+
+    @property
+    def out(self) -> Path:
+        """Where this task's nightly writes."""
+        return shard_dir(self.args.out, self.shard)
+
+    def __call__(self) -> int:
+        return nightly.main(self.args)
+
+    def checkpoint(self) -> Any:
+        import submitit
+
+        again = ShardTask(self.args, self.shard.index, self.shard.count)
+        again.args.resume = True  # the records written before the requeue are kept
+        return submitit.helpers.DelayedSubmission(again)
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """What one submission runs: a task per shard, in shard order, and submitit's folder."""
+
+    tasks: tuple[ShardTask, ...]
+    folder: Path
+
+
+def plan_array(args: argparse.Namespace, options: SubmitOptions) -> ArrayPlan:
+    """The array of ``args``' night (``args.out``): task K-1 runs shard K/N into ``OUT/shards/K-of-N``,
+    submitit writes under ``options.folder`` or ``OUT/submitit``. Pure: nothing is submitted."""
+    out = Path(args.out).absolute()
+    tasks = tuple(ShardTask(args, k, options.shards) for k in range(options.shards))
+    folder = options.folder if options.folder is not None else out / SUBMIT_DIR
+    return ArrayPlan(tasks, Path(folder).absolute())
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. account=myteam)")
+    return key, value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The nightly's options (``harness.cli.nightly.add_arguments``) and submitting's."""
+    nightly.add_arguments(p)
+    g = p.add_argument_group("submitting the shards as one job array (submitit)")
+    g.add_argument("--submit", choices=("local", "slurm"), default=None,
+                   help="submit the --shards as one job array (Slurm, or submitit's local executor), wait, "
+                        "merge them into OUT and exit with the merge's status")
+    g.add_argument("--shards", type=_positive_int, default=None, metavar="N", help="shards of the night (with --submit)")
+    g.add_argument("--partition", default=None, help="Slurm partition of the tasks")
+    g.add_argument("--time-limit-min", type=_positive_int, default=None, metavar="MIN",
+                   help="minutes per task; a task stopped at its limit is requeued and resumes its shard")
+    g.add_argument("--gpus-per-task", type=_positive_int, default=None, metavar="G", help="GPUs of each task (one node); locally, every task sees the first G GPUs")
+    g.add_argument("--cpus-per-task", type=_positive_int, default=None, metavar="C", help="CPU cores of each task")
+    g.add_argument("--array-parallelism", type=_positive_int, default=None, metavar="P",
+                   help="tasks running at once (default: all)")
+    g.add_argument("--slurm-param", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="a further sbatch option (account=..., qos=..., constraint=...); repeatable")
+    g.add_argument("--submit-folder", type=Path, default=None, metavar="DIR",
+                   help=f"submitit's folder: pickled tasks and the tasks' logs (default: OUT/{SUBMIT_DIR})")
+
+
+#: the options that mean something only with ``--submit``, by argparse dest.
+_SUBMIT_ONLY = {"shards": "--shards", "partition": "--partition", "time_limit_min": "--time-limit-min",
+                "gpus_per_task": "--gpus-per-task", "cpus_per_task": "--cpus-per-task",
+                "array_parallelism": "--array-parallelism", "slurm_param": "--slurm-param",
+                "submit_folder": "--submit-folder"}
+
+
+def submit_options(args: argparse.Namespace) -> SubmitOptions | None:
+    """The submission ``args`` asks for; None without ``--submit``. Raises ``ValueError`` (one line,
+    naming the option) for a combination that cannot work."""
+    if args.submit is None:
+        given = [flag for dest, flag in _SUBMIT_ONLY.items() if getattr(args, dest, None) not in (None, [])]
+        if given:
+            hint = " (one shard of a night: --shard K/N)" if "--shards" in given else ""
+            raise ValueError(f"{', '.join(given)}: only with --submit local|slurm{hint}")
+        return None
+    if args.shards is None:
+        raise ValueError(f"--submit {args.submit}: needs --shards N, the tasks of the array")
+    if args.shard is not None:
+        raise ValueError(f"--submit: gives every task its shard; drop --shard {args.shard}")
+    if args.merge_shards:
+        raise ValueError("--submit: merges once the tasks have ended; drop --merge-shards")
+    return SubmitOptions(cluster=args.submit, shards=args.shards, folder=args.submit_folder,
+                         partition=args.partition, time_min=args.time_limit_min, gpus_per_task=args.gpus_per_task,
+                         cpus_per_task=args.cpus_per_task, parallelism=args.array_parallelism,
+                         slurm_params=dict(args.slurm_param))
+
+
+def _fail(message: str) -> int:
+    print(f"harness nightly: {message}", file=sys.stderr)
+    return 2
+
+
+def main(args: argparse.Namespace) -> int:
+    """The ``nightly`` command: ``--submit`` submits and merges, else ``harness.cli.nightly_merge.main``."""
+    try:
+        options = submit_options(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if options is None:
+        return nightly_merge.main(args)
+    config = nightly.config_from_args(args)  # every nightly option checked here, before anything is submitted
+    if config is None:
+        return 2
+    return submit(args, options, config)
+
+
+def submit(args: argparse.Namespace, options: SubmitOptions, config: Any) -> int:
+    """Submit ``plan_array``'s tasks through submitit, wait for them, merge; returns the exit status."""
+    try:
+        import submitit
+    except ImportError:
+        return _fail(f"--submit {options.cluster}: needs submitit (pip install submitit)")
+    plan = plan_array(args, options)
+    executor = submitit.AutoExecutor(folder=plan.folder / "%j", cluster=options.cluster)
+    executor.update_parameters(**options.executor_parameters())
+    try:
+        # One array (``batch``), a task object per shard rather than ``map_array`` over one function:
+        # submitit asks the submitted callable itself for ``checkpoint`` when it requeues a task.
+        with executor.batch():
+            jobs = [executor.submit(task) for task in plan.tasks]
+    except Exception as exc:  # submitit's errors are its own classes and sbatch's text
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        return _fail(f"--submit {options.cluster}: submitting the array failed: {last}")
+    print(f"harness nightly: {len(jobs)} shard(s) submitted ({options.cluster}, job {jobs[0].job_id.split('_')[0]}); "
+          f"logs in {plan.folder}", file=sys.stderr)
+    troubles = _wait(jobs, plan.tasks)
+    print(f"harness nightly: merging the shards into {args.out}", file=sys.stderr)
+    code = nightly_merge.merge_shards(config)
+    if troubles and code == 0:
+        print(f"harness nightly: exit 1: {'; '.join(troubles)}", file=sys.stderr)
+        return 1
+    return code
+
+
+def _wait(jobs: Sequence[Any], tasks: Sequence[ShardTask]) -> list[str]:
+    """Wait for every task; what went wrong with each (raised, killed, or exit 2), said as it ends."""
+    troubles = []
+    for job, task in zip(jobs, tasks):
+        label = f"shard {task.shard.index + 1}/{task.shard.count} (job {job.job_id})"
+        try:
+            status = job.result()
+        except Exception as exc:  # the task raised or was killed; submitit's error holds its log's tail
+            last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+            troubles.append(f"{label} failed: {last[0]} (log: {job.paths.stderr})")
+        else:
+            print(f"harness nightly: {label} ended with status {status} -> {task.out}", file=sys.stderr)
+            if status not in (0, 1):  # 1 is failing cases, which the merge reports itself
+                troubles.append(f"{label} exited with status {status} (log: {job.paths.stderr})")
+    for trouble in troubles:
+        print(f"harness nightly: {trouble}", file=sys.stderr)
+    return troubles
