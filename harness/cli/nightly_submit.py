@@ -238,7 +238,13 @@ def submit(args: argparse.Namespace, options: SubmitOptions, config: Any) -> int
         return _fail(f"--submit {options.cluster}: submitting the array failed: {last}")
     print(f"harness nightly: {len(jobs)} shard(s) submitted ({options.cluster}, job {jobs[0].job_id.split('_')[0]}); "
           f"logs in {plan.folder}", file=sys.stderr)
-    troubles = _wait(jobs, plan.tasks)
+    try:
+        troubles = _wait(jobs, plan.tasks)
+    except KeyboardInterrupt:
+        # A Slurm array outlives this process; its night is merged later (local tasks may stop with it).
+        print(f"\ninterrupted while waiting for the array; once its tasks have ended: python -m harness nightly "
+              f"--out {args.out} --merge-shards", file=sys.stderr)
+        return 130
     print(f"harness nightly: merging the shards into {args.out}", file=sys.stderr)
     code = nightly_merge.merge_shards(config)
     if troubles and code == 0:
