@@ -22,7 +22,8 @@ One straight line, every product written into the out directory as it is made:
 
 With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.shards``) into
 ``OUT/shards/K-of-N``, the fuzz campaign and the performance section on shard 1 only and no diff;
-``--merge-shards`` (``harness.cli.nightly_merge``) makes the night of the shards in ``OUT``.
+``--merge-shards`` (``harness.cli.nightly_merge``) makes the night of the shards in ``OUT``; ``--submit``
+(``harness.cli.nightly_submit``) runs the shards as one submitit job array, then merges them.
 
 Exit status: 0 when every case passed or is unsupported (a flaky case is bad), the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
