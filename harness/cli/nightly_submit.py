@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.cli import nightly, nightly_merge
+from harness.cli.nightly_config import NightlyConfig
 from harness.cli.sharding import shard_dir
 from harness.shards import ShardSpec
 
@@ -219,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
     return submit(args, options, config)
 
 
-def submit(args: argparse.Namespace, options: SubmitOptions, config: Any) -> int:
+def submit(args: argparse.Namespace, options: SubmitOptions, config: NightlyConfig) -> int:
     """Submit ``plan_array``'s tasks through submitit, wait for them, merge; returns the exit status."""
     try:
         import submitit

@@ -58,6 +58,12 @@ def test_slurm_options_reach_submitit_s_parameters() -> None:
     assert params["slurm_partition"] == "gpu" and params["timeout_min"] == 120 and params["gpus_per_node"] == 8
     assert params["cpus_per_task"] == 32 and params["slurm_array_parallelism"] == 2 and params["nodes"] == 1
     assert params["slurm_additional_parameters"] == {"account": "team", "qos": "low"}
+    # Names submitit takes (it refuses others only once a Slurm executor exists, which needs srun here).
+    submitit = pytest.importorskip("submitit", reason="submitit is a dependency of --submit (pyproject.toml)")
+    from submitit.slurm.slurm import SlurmExecutor
+
+    slurm = {f"slurm_{name}" for name in SlurmExecutor._valid_parameters()}
+    assert set(params) <= submitit.AutoExecutor._valid_parameters() | slurm, set(params) - slurm
     default = submit_options(_args("--out", "night", "--submit", "local", "--shards", "4")).executor_parameters()
     assert default["slurm_array_parallelism"] == 4 and "timeout_min" not in default and "slurm_partition" not in default
 
