@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from engine import collectives
-from engine.dtensors import distribute, full_tensor
+from engine.dtensors import distribute
 from engine.flat_param import FlatParamHandle
 from engine.layout import ParamEntry
 from engine.unit import FsdpUnit
@@ -27,7 +27,6 @@ __all__ = [
     "full_tensors",
     "mesh_for",
     "shard_piece",
-    "to_full",
     "write_param",
 ]
 
@@ -69,12 +68,6 @@ def chunk_dtensor(full: Tensor, mesh: DeviceMesh) -> DTensor:
     # A scalar cannot be split: the first rank holds it, the others an empty piece.
     local = full.clone() if mesh.get_local_rank() == 0 else full.new_empty((0,))
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
-
-
-def to_full(value: Tensor) -> Tensor:
-    """A plain full tensor of a checkpoint value (``DTensor``s are gathered with plain collectives, which
-    run where ranks share a GPU through gloo: ``engine.dtensors``)."""
-    return full_tensor(value)
 
 
 def _storage_order(value: Tensor, entry: ParamEntry) -> Tensor:

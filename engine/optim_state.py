@@ -25,8 +25,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from engine.api import StateDictType
+from engine.dtensors import full_tensor
 from engine.flat_param import FlatParameter
-from engine.flat_state import chunk_dtensor, compose_shard, full_tensors, mesh_for, shard_piece, to_full, write_param
+from engine.flat_state import chunk_dtensor, compose_shard, full_tensors, mesh_for, shard_piece, write_param
 from engine.module_tree import is_fsdp
 from engine.state import ModuleState, fsdp_states
 from engine.state_dict_config import clean_fqn, get_state_dict_type
@@ -186,7 +187,7 @@ def consolidate(
     for key, ref in enumerate(params):
         if ref.state is None:
             if key in osd_state:
-                state[ref.fqns[0]] = {k: (to_full(v).clone() if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in osd_state[key].items()}
+                state[ref.fqns[0]] = {k: (full_tensor(v).clone() if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in osd_state[key].items()}
         else:
             by_unit.setdefault(id(ref.state), []).append((key, ref))
     for unit_state in fsdp_states(model):
@@ -294,7 +295,7 @@ def _flat_state(ref: ParamRef, saved: list[Mapping[str, Any] | None]) -> dict[st
             continue
         new = torch.zeros(flat.numel(), dtype=first.dtype, device=flat.device)
         for i, st in zip(ref.indices, saved):
-            write_param(handle, i, to_full(st[key]), new)
+            write_param(handle, i, full_tensor(st[key]), new)
         out[key] = new
     return out
 
@@ -307,7 +308,7 @@ def _orig_state(ref: ParamRef, saved: Mapping[str, Any]) -> dict[str, Any] | Non
         if not _is_sharded_tensor_state(value):
             out[key] = copy.deepcopy(value)
             continue
-        full = to_full(value)
+        full = full_tensor(value)
         if handle is None:
             out[key] = full.clone()
             continue

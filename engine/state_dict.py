@@ -35,8 +35,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from engine.api import StateDictType
+from engine.dtensors import full_tensor
 from engine.flat_param import FlatParameter, FlatParamHandle
-from engine.flat_state import chunk_dtensor, full_tensors, mesh_for, to_full, write_param
+from engine.flat_state import chunk_dtensor, full_tensors, mesh_for, write_param
 from engine.module_tree import is_fsdp
 from engine.state import ModuleState, fsdp_states
 from engine.state_dict_config import FLAT_PARAM, FSDP_PREFIX, clean_fqn, effective_settings
@@ -327,8 +328,8 @@ def load_model_state_dict(root: nn.Module, state_dict: Mapping[str, Any], strict
                 new_flats[id(t.state)] = (t.state, _local_shard(state_dict[t.key], flat.detach()))
                 continue
             _, new = new_flats.setdefault(id(t.state), (t.state, flat.detach().clone()))
-            write_param(t.state.unit.handle, t.index, to_full(state_dict[t.key]).to(new.dtype), new)
-        tensors = [(t.tensor, to_full(state_dict[t.key])) for t in targets if t.kind == "tensor" and t.key in state_dict]
+            write_param(t.state.unit.handle, t.index, full_tensor(state_dict[t.key]).to(new.dtype), new)
+        tensors = [(t.tensor, full_tensor(state_dict[t.key])) for t in targets if t.kind == "tensor" and t.key in state_dict]
 
         for state, new in new_flats.values():
             unit = state.unit

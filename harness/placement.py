@@ -15,7 +15,7 @@ count to choose a backend (``suites/harness/test_placement_rule.py`` checks that
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,7 +39,7 @@ __all__ = [
     "assign_devices",
     "available_memory",
     "cpu_footprint",
-    "crowding_warning",
+    "cpu_pool_check",
     "default_backend",
     "default_shard_size",
     "hybrid_shard_size",
@@ -132,12 +132,13 @@ class Lane:
             return None
         return max(self.devices.count(d) for d in set(self.devices))
 
-    def describe(self) -> str:
-        """``gloo on CPU``, ``nccl on GPUs [0, 1] (one per rank)``, ``gloo on GPUs [0] (2 ranks per GPU)``."""
+    def describe(self, gpus: Iterable[int] | None = None) -> str:
+        """``gloo on CPU``, ``nccl on GPUs [0, 1] (one per rank)``, ``gloo on GPUs [0] (2 ranks per GPU)``;
+        ``gpus`` names the GPUs of several such pools side by side (default: this pool's)."""
         if self.devices is None:
             return f"{self.backend} on CPU"
         per = "one per rank" if self.ranks_per_gpu == 1 else f"{self.ranks_per_gpu} ranks per GPU"
-        return f"{self.backend} on GPUs {sorted(set(self.devices))} ({per})"
+        return f"{self.backend} on GPUs {sorted(set(self.devices if gpus is None else gpus))} ({per})"
 
 
 
@@ -391,24 +392,20 @@ def _largest_cpu_pools(lanes: Mapping[int, Sequence[Lane]], cores: int, availabl
     return f"--world-size {ws} on CPU{side}", cpu_footprint([ws * cpu[ws]], cores, available_bytes)
 
 
-def crowding_warning(lanes: Mapping[int, Sequence[Lane]], cores: int, available_bytes: int | None) -> str | None:
-    """The warning for CPU pools side by side that will crowd the machine (their ranks are alive at
-    once), or None: the world size whose CPU pools take the most ranks, against the cores and memory."""
+def cpu_pool_check(lanes: Mapping[int, Sequence[Lane]], cores: int, available_bytes: int | None) -> tuple[str | None, str | None]:
+    """``(refusal, warning)`` for the CPU pools of a run: refused when their ranks need more memory than is
+    free (started anyway, the OOM killer ends them mid-case, or swapping stalls them until Ctrl-C), warned
+    when they crowd the cores or the memory; each None where it does not apply."""
     found = _largest_cpu_pools(lanes, cores, available_bytes)
-    if found is None or not found[1].oversubscribed:
-        return None
-    return f"{found[0]} takes {found[1].describe()}; cases will be slow or run out of memory"
-
-
-def memory_refusal(lanes: Mapping[int, Sequence[Lane]], available_bytes: int | None) -> str | None:
-    """Why the CPU pools cannot run at all: their ranks need more memory than is free (started anyway,
-    the OOM killer ends them mid-case, or swapping stalls them until Ctrl-C); None when they fit or
-    the free memory is unknown."""
-    found = _largest_cpu_pools(lanes, 1, available_bytes)
-    if found is None or available_bytes is None or found[1].bytes <= available_bytes:
-        return None
-    return (f"{found[0]} takes {found[1].describe()}: more memory than is free; lower --world-size "
-            "(or --pools-per-gpu), or free memory")
+    if found is None:
+        return None, None
+    where, footprint = found
+    if available_bytes is not None and footprint.bytes > available_bytes:
+        return (f"{where} takes {footprint.describe()}: more memory than is free; lower --world-size "
+                "(or --pools-per-gpu), or free memory"), None
+    if footprint.oversubscribed:
+        return None, f"{where} takes {footprint.describe()}; cases will be slow or run out of memory"
+    return None, None
 
 
 def available_memory() -> int | None:

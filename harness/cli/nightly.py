@@ -7,7 +7,8 @@ One straight line, every product written into the out directory as it is made:
    says), or on gloo ranks on CPU when there are no GPUs: ``results.jsonl``, one durable line per case
    (a killed nightly keeps every case it finished; ``--resume`` goes on). Determinism is checked on a
    sample (``determinism_sample``); ``--repeat``/``--repeat-failures`` rerun cases (``flaky`` verdicts);
-   under ``--time-budget-s`` the cases run interleaved (``harness.runner.interleave``);
+   under ``--time-budget-s`` the cases run in sampled order (``harness.sampling.sample_order``: every value
+   of every axis first, then every pair);
 2. the flat-parameter fuzz campaign (``suites.flat_param.campaign``, profile ``nightly``; under a time
    budget, what is left of it: ``fuzz_budget``): ``fuzz.txt``, its output with examples per second;
    then the performance section (``harness.perf_section``): step time and peak memory of our engine
@@ -53,9 +54,8 @@ from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import (
     PlacementError,
     available_memory,
-    crowding_warning,
+    cpu_pool_check,
     host_facts,
-    memory_refusal,
     n_gpus,
     plan_lanes,
 )
@@ -267,11 +267,10 @@ def _nightly(config: NightlyConfig) -> int:
     except PlacementError as exc:
         print(f"harness nightly: {exc}", file=sys.stderr)
         return 2
-    refused = memory_refusal(lanes, available_memory())
+    refused, crowded = cpu_pool_check(lanes, os.cpu_count() or 1, available_memory())
     if refused:
         print(f"harness nightly: {refused}", file=sys.stderr)
         return 2
-    crowded = crowding_warning(lanes, os.cpu_count() or 1, available_memory())
     if crowded:
         print(f"harness nightly: warning: {crowded}", file=sys.stderr)
     selection = config.selection()
@@ -547,7 +546,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Hypothesis profile of the fuzz campaign; none skips it")
     p.add_argument("--fuzz-max-examples", type=int, default=None, help="examples per fuzz property, overriding the profile")
     p.add_argument("--time-budget-s", type=float, default=None,
-                   help="the whole nightly's seconds: cases run interleaved (every engine, reference and model early) "
+                   help="the whole nightly's seconds: cases run sampled (every value of every axis early, then every pair) "
                         "and none starts after the budget (the rest are listed in not_run.txt); the fuzz campaign "
                         "gets what is left less 30 s for the report")
     add_placement(p)

@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
         return _run_torchrun(args)
     from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
     from harness.placement import (
-        PlacementError, available_memory, crowding_warning, host_facts, memory_refusal, n_gpus, plan_lanes,
+        PlacementError, available_memory, cpu_pool_check, host_facts, n_gpus, plan_lanes,
     )
 
     out = Path(args.out) if args.out else _default_out()
@@ -117,10 +117,9 @@ def main(args: argparse.Namespace) -> int:
                                     host=host_facts(), pools=args.pools_per_gpu)
     except PlacementError as exc:
         return _refuse(str(exc))
-    refused = memory_refusal(lanes, available_memory())
+    refused, crowded = cpu_pool_check(lanes, os.cpu_count() or 1, available_memory())
     if refused:
         return _refuse(refused)
-    crowded = crowding_warning(lanes, os.cpu_count() or 1, available_memory())
     if crowded:
         print(f"harness run: warning: {crowded}", file=sys.stderr)
     for ws, why in skipped.items():
@@ -221,9 +220,7 @@ def lane_text(lanes: dict[int, list[Any]]) -> str:
     """``4 pool(s) of 2 ranks (nccl on GPUs [0, 1] (one per rank))``, per world size."""
     parts = []
     for ws, group in lanes.items():
-        devices = sorted({d for lane in group for d in (lane.devices or ())})
-        where = group[0].describe() if len(group) == 1 or not devices else (
-            f"{group[0].backend} on GPUs {devices} ({'one per rank' if group[0].ranks_per_gpu == 1 else f'{group[0].ranks_per_gpu} ranks per GPU'})")
+        where = group[0].describe({d for lane in group for d in (lane.devices or ())})
         parts.append(f"{len(group)} pool(s) of {ws} ranks ({where})")
     return "; ".join(parts)
 
