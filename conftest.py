@@ -4,36 +4,18 @@
 ``--world-size``, ``--backend``, ``--case-timeout``, ``--results``), the generated parity cases, the
 ``fsdp_api`` parametrization of the seed suites and the shared rank pools; see its docstring.
 
-The Hypothesis profile is chosen with Hypothesis's own ``--hypothesis-profile`` option or, when that is
-not given, the ``FUZZ_PROFILE`` environment variable (default ``ci``).
+``harness.conformance.profiles`` registers the Hypothesis profiles; one is chosen with Hypothesis's own
+``--hypothesis-profile`` option or, when that is not given, the ``FUZZ_PROFILE`` environment variable
+(default ``ci``).
 """
 
 from __future__ import annotations
 
-import os
+import pytest
 
-from hypothesis import HealthCheck, Phase, settings
+# The conformance tests live in the package (so that an installed package runs them) and the suites
+# collect them by import: registered before that import, their asserts report the values they compared.
+pytest.register_assert_rewrite("harness.conformance.flat_param_properties", "harness.conformance.flat_handles")
 
 # pytester: the plugin's own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py).
-pytest_plugins = ["harness.pytest_plugin", "pytester"]
-
-# ci: fast and derandomized, so a pull request sees the same examples every run.
-settings.register_profile(
-    "ci",
-    max_examples=300,
-    derandomize=True,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-# nightly: a real search; failures print the blob that replays them with @reproduce_failure.
-settings.register_profile(
-    "nightly",
-    max_examples=10_000,
-    deadline=None,
-    print_blob=True,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile("dev", max_examples=50, deadline=None, print_blob=True)
-settings.load_profile(os.environ.get("FUZZ_PROFILE", "ci"))
+pytest_plugins = ["harness.pytest_plugin", "harness.conformance.profiles", "pytester"]

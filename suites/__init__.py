@@ -1,1 +1,1 @@
-"""Test suites (a package so that ``python -m suites.flat_param.campaign`` resolves)."""
+"""Test suites (a package: the suites import each other's helpers as ``suites.<suite>.<module>``)."""

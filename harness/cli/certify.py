@@ -20,6 +20,13 @@ The families (``FAMILIES``; adding one is one line there):
 On CPU the ranks run on gloo, on GPUs one per local GPU (``--world-size`` defaults to every local GPU).
 Engines are resolved by ``harness.registry``; a plug-in's spec must be resolvable in a fresh process
 (a spec or an entry point), since the seed families run pytest in one.
+
+Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are library calls and run from
+an installed package. ``seeds``, ``flat-param`` and ``torch-common-fsdp`` still run the repository's test
+tree by path (``Family.suites``): they need a checkout, and certify refuses them (exit 2, naming the
+missing paths and the families that can run) where the package was installed without one. Shipping
+them too means moving their test modules into ``harness.conformance`` and collecting them into the
+suites by import, as the flat-parameter fuzz properties are (see that package's docstring).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from reports.certificate import Certificate, FamilyResult, Failure, markdown, re
 
 __all__ = ["FAMILIES", "Family", "add_arguments", "main"]
 
+#: the checkout this package runs from: the test-tree families run its ``suites/`` (absent from a wheel).
 REPO = Path(__file__).resolve().parents[2]
 #: what ``--quick`` keeps of the seed suites: the core parity checks (CI can afford them twice).
 QUICK_SEEDS = ("suites/seeds/test_fsdp_core.py", "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
@@ -156,6 +164,8 @@ class Family:
     name: str
     description: str
     judge: Callable[[CertifyRun, FamilyResult], None]
+    #: the paths of the repository's test tree it runs (relative to ``REPO``); empty: a library call.
+    suites: tuple[str, ...] = ()
 
 
 def _from_tests(result: FamilyResult, tests: list[tuple[str, str, str]], tail: str) -> None:
@@ -282,14 +292,21 @@ def _torch_testing_missing() -> str | None:
 
 #: Every family, in certificate order.
 FAMILIES: tuple[Family, ...] = (
-    Family("seeds", "seed behaviours: the seed suites (pytest --engine SPEC)", judge_seeds),
+    Family("seeds", "seed behaviours: the seed suites (pytest --engine SPEC)", judge_seeds, FULL_SEEDS),
     Family("parity-ddp", "generated parity against DDP", judge_parity("ddp")),
     Family("parity-local", "generated parity against the unsharded local reference", judge_parity("local")),
     Family("knobs", "knob propagation: every setting shows its effect", judge_knobs),
     Family("checkpoints", "checkpoints: save, load and resume", judge_checkpoints),
-    Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param),
-    Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_torch_common),
+    Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param, FLAT_PARAM_TESTS),
+    Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_torch_common,
+           TORCH_COMMON_TESTS),
 )
+
+
+def missing_suites(names: Sequence[str], repo: Path = REPO) -> dict[str, list[str]]:
+    """Family name -> the test-tree paths it runs that ``repo`` lacks, for the families of ``names``."""
+    missing = {f.name: [path for path in f.suites if not (repo / path).exists()] for f in FAMILIES if f.name in names}
+    return {name: paths for name, paths in missing.items() if paths}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -336,6 +353,14 @@ def main(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in {f.name for f in FAMILIES}]
     if unknown or not names:
         print(f"harness certify: --families {unknown or args.families!r}: choose from {[f.name for f in FAMILIES]}", file=sys.stderr)
+        return 2
+    missing = missing_suites(names)
+    if missing:
+        paths = sorted({path for found in missing.values() for path in found})
+        runnable = [n for n in names if n not in missing] or [f.name for f in FAMILIES if not f.suites]
+        print(f"harness certify: --families {','.join(missing)} run the repository's test suites ({', '.join(paths)}), "
+              f"not found under {REPO} (a package installed without its checkout has no suites/): run certify from a "
+              f"checkout of the repository, or choose --families {','.join(runnable)}", file=sys.stderr)
         return 2
     adapter = resolve(spec)
     n_gpus = visible_gpus()

@@ -1,5 +1,5 @@
-"""The nightly's fuzz phase: the flat-parameter campaign (``suites.flat_param.campaign``) in a child
-process, its share of a time budget, whether it runs alongside the cases, and its totals.
+"""The nightly's fuzz phase: the flat-parameter campaign (``harness.conformance.fuzz_campaign``, shipped
+in the package) in a child process, its share of a time budget, whether it runs alongside the cases, and its totals.
 
 A nightly on GPUs leaves cores idle: the campaign (one CPU process) then runs alongside the cases
 (``fuzz_alongside``); on CPU, where the ranks take every core, it runs after them. Either way a time
@@ -23,9 +23,8 @@ from harness.placement import RESERVED_CORES, Lane
 
 __all__ = ["REPORT_RESERVE_S", "FuzzOutcome", "FuzzRun", "cases_deadline", "fuzz_alongside", "fuzz_budget", "report_reserve", "parse_fuzz_totals", "run_fuzz"]
 
-#: the repository holding this package; the fuzz campaign lives in its ``suites/``.
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
+#: the directory holding the ``harness`` package (a checkout or site-packages), for the child's import path.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 #: seconds of a time budget kept for the report and the diff after the fuzz campaign.
 REPORT_RESERVE_S = 30.0
@@ -100,7 +99,7 @@ class FuzzRun:
     def __init__(self, profile: str, max_examples: int | None, path: Path, budget_s: float | None, progress: bool) -> None:
         self.outcome = FuzzOutcome(profile, max_examples, time_budget_s=budget_s)
         self.path = path
-        self.cmd = [sys.executable, "-m", "suites.flat_param.campaign", "--profile", profile]
+        self.cmd = [sys.executable, "-m", "harness.conformance.fuzz_campaign", "--profile", profile]
         if max_examples is not None:
             self.cmd += ["--max-examples", str(max_examples)]
         if budget_s is not None:
@@ -113,18 +112,14 @@ class FuzzRun:
         self._start = 0.0
 
     def start(self) -> "FuzzRun":
-        campaign = REPO_ROOT / "suites" / "flat_param" / "campaign.py"
-        if not campaign.exists():
-            self.outcome.skipped = f"{campaign} not found: run the nightly from a checkout of the repository"
-            return self
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU-only properties: no CUDA context next to the ranks
         self._file = open(self.path, "w", encoding="utf-8")
         self._file.write(f"$ {' '.join(self.cmd[1:])}\n")
         self._file.flush()
         self._start = time.monotonic()
         stderr = None if self.progress else subprocess.STDOUT  # the bar goes to the terminal
-        self._proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, env=env, stdout=self._file, stderr=stderr)
+        self._proc = subprocess.Popen(self.cmd, env=env, stdout=self._file, stderr=stderr)
         return self
 
     def wait(self) -> FuzzOutcome:

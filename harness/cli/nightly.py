@@ -9,7 +9,7 @@ One straight line, every product written into the out directory as it is made:
    sample (``determinism_sample``); ``--repeat``/``--repeat-failures`` rerun cases (``flaky`` verdicts);
    under ``--time-budget-s`` the cases run in sampled order (``harness.sampling.sample_order``: every value
    of every axis first, then every pair);
-2. the flat-parameter fuzz campaign (``suites.flat_param.campaign``, profile ``nightly``; under a time
+2. the flat-parameter fuzz campaign (``harness.conformance.fuzz_campaign``, profile ``nightly``; under a time
    budget, what is left of it: ``fuzz_budget``): ``fuzz.txt``, its output with examples per second;
    then the performance section (``harness.perf_section``): step time and peak memory of our engine
    and torch FSDP1 on two GPUs, or a smoke check on CPU, kept under ``perf`` in ``nightly.json``;

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from engine.flat_param import FlatParamHandle
-from suites.flat_param.support import handle_kwargs
+from harness.conformance.flat_handles import handle_kwargs
 
 
 def _construct(module: nn.Module, params: list[Any] | None = None, **overrides: Any) -> FlatParamHandle:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from suites.flat_param.strategies import FlatCase, flat_cases
-from suites.flat_param.support import Registrations
-from suites.flat_param.test_fuzz_flat_param import ALL_STRATEGIES, _states, torch_flat_param
+from harness.conformance.flat_cases import FlatCase, flat_cases
+from harness.conformance.flat_handles import Registrations
+from harness.conformance.flat_param_properties import ALL_STRATEGIES, handle_states, torch_flat_param
 from suites.seeds.api import FSDPApi, load_api
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")]
@@ -37,8 +37,8 @@ def handle_api(fsdp_api: str) -> FSDPApi:
 def test_layout_matches_torch_fsdp1(handle_api: FSDPApi, case: FlatCase) -> None:
     module = case.build()
     registrations = Registrations(module)
-    ours = _states(case, handle_api.FlatParamHandle, handle_api.HandleShardingStrategy, module, registrations)
-    theirs = _states(case, torch_flat_param.FlatParamHandle, torch_flat_param.HandleShardingStrategy, module, registrations)
+    ours = handle_states(case, handle_api.FlatParamHandle, handle_api.HandleShardingStrategy, module, registrations)
+    theirs = handle_states(case, torch_flat_param.FlatParamHandle, torch_flat_param.HandleShardingStrategy, module, registrations)
     for phase, mine, ref in zip(("constructed", "sharded"), ours, theirs):
         assert mine.keys() == ref.keys()
         for key in mine:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from engine import flat_param as engine_flat_param
 from engine.flat_param import FlatParamHandle, FlatParamShardMetadata
-from suites.flat_param.support import handle_kwargs
+from harness.conformance.flat_handles import handle_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from engine.flat_param import FlatParamHandle
-from suites.flat_param.support import handle_kwargs
+from harness.conformance.flat_handles import handle_kwargs
 
 
 class FlatSizedOps(TorchDispatchMode):

@@ -20,7 +20,7 @@ from harness.cli.nightly import (
 from harness.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
 from harness.records import CaseRecord
 from harness.runner import Selection, SelectionError, select_cases
-from suites.flat_param.campaign import PropertyRun, report
+from harness.conformance.fuzz_campaign import PropertyRun, report
 
 
 def test_cpu_runs_one_gloo_pool_of_two_ranks_and_says_what_it_leaves_out() -> None:

@@ -1,4 +1,5 @@
-"""Test-side helpers for the flat-parameter suites.
+"""Flat-parameter handles built in one process for any rank: what the flat-parameter properties
+(``harness.conformance.flat_param_properties``) and the flat-parameter suites build handles with.
 
 Everything here lets one process look at any rank of any world size: a process-group double with
 only ``rank()`` and ``size()`` (all a handle's constructor asks of a group, ours and torch FSDP1's),
@@ -8,7 +9,6 @@ a handle has rewired them, so that one module serves a handle per rank.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,14 +17,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from engine.flat_param import HandleShardingStrategy
-from suites.flat_param.strategies import BITS_DTYPE, FlatCase
-
-#: examples run per fuzz property (property name -> count); the campaign reads it.
-EXAMPLES: Counter[str] = Counter()
-
-
-def count_example(prop: str) -> None:
-    EXAMPLES[prop] += 1
+from harness.conformance.flat_cases import BITS_DTYPE, FlatCase
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Run the flat-parameter fuzz properties alone and report examples per second.
 
-    python -m suites.flat_param.campaign [--profile nightly] [--max-examples N] [--time-budget-s S] [pytest args ...]
+    python -m harness.conformance.fuzz_campaign [--profile nightly] [--max-examples N] [--time-budget-s S] [pytest args ...]
 
-Runs ``test_fuzz_flat_param.py`` through ``pytest.main`` under a Hypothesis profile registered by
-the root conftest.py (``nightly`` by default: at least 10,000 examples per property), then prints,
+Runs ``flat_param_properties.py`` (beside this module, so an installed package runs it: no test tree
+needed) through ``pytest.main`` under a Hypothesis profile of ``harness.conformance.profiles``
+(``nightly`` by default: at least 10,000 examples per property), then prints,
 per property, the examples run (counted by the property bodies themselves, so shrinking and
 replays count too), the seconds spent and examples per second. Unknown arguments go to pytest
 (``-k ownership``, ``-x``, ``--hypothesis-seed 1``). The exit status is pytest's.
@@ -26,10 +27,12 @@ from pathlib import Path
 import pytest
 from tabulate import tabulate
 
-# Hypothesis and the suite are imported inside the hooks, once pytest runs: imported earlier,
-# pytest could not assertion-rewrite them (and warns).
+from harness.conformance import profiles
 
-FUZZ_MODULE = Path(__file__).with_name("test_fuzz_flat_param.py")
+# The properties are imported inside the hooks, once pytest runs: imported earlier, pytest could not
+# assertion-rewrite them (and warns).
+
+FUZZ_MODULE = Path(__file__).with_name("flat_param_properties.py")
 #: examples per second assumed before the first property measured it (measured ~100 on one CPU core) ...
 RATE_GUESS = 100.0
 #: ... and the most examples a property gets on that guess alone (a loaded host runs far fewer per second).
@@ -118,7 +121,7 @@ class CampaignPlugin:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
-        from suites.flat_param.support import EXAMPLES
+        from harness.conformance.flat_param_properties import EXAMPLES
 
         before = sum(EXAMPLES.values())
         start = time.perf_counter()
@@ -143,10 +146,8 @@ def report(runs: list[PropertyRun], profile: str, capped: dict[str, int] | None 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m suites.flat_param.campaign", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--profile", default="nightly", help="Hypothesis profile from the root conftest.py (ci, nightly, dev)"
-    )
+    parser = argparse.ArgumentParser(prog="python -m harness.conformance.fuzz_campaign", description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="nightly", choices=profiles.PROFILES, help="Hypothesis profile (harness.conformance.profiles)")
     parser.add_argument("--max-examples", type=int, default=None, help="examples per property, overriding the profile")
     parser.add_argument("--time-budget-s", type=float, default=None, help="cap the examples so the campaign ends in about this time")
     parser.add_argument("--progress", action="store_true", help="a progress bar over the properties on stderr")
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     plugin = CampaignPlugin(args.profile, args.max_examples, deadline=deadline, progress=args.progress)
     status = pytest.main(
         [str(FUZZ_MODULE), "-q", "-p", "no:cacheprovider", f"--hypothesis-profile={args.profile}", *pytest_args],
-        plugins=[plugin],
+        plugins=[profiles, plugin],
     )
     profile = args.profile if args.max_examples is None else f"{args.profile}, max_examples={args.max_examples}"
     print(report(plugin.runs, profile, plugin.capped, plugin.skipped))
