@@ -3,10 +3,14 @@
 Every ``no_shard & offload & orig`` case gets ``perturb_grad_rank1`` (0.01 added to one gradient
 element on rank 1 after every backward: a stand-in for an engine bug), and one case gets
 ``skip_collective_on_rank1`` (a hang, recorded as a timeout after 20 s). The report shows what the
-attribution, the grid and the case pages make of them. Run from the repository root:
+attribution, the grid and the case pages make of them (``reports/examples/planted-fault-cpu/``, the
+report this writes: a generator sits here, its output under ``reports/``). Run from the repository root:
 
-    PYTHONPATH=. python3 reports/examples/planted-fault-cpu/make.py results.jsonl
+    PYTHONPATH=. python3 examples/planted-fault-cpu/make.py results.jsonl
     PYTHONPATH=. python3 -m reports build results.jsonl --out reports/examples/planted-fault-cpu
+
+The cases run through ``harness.runner.CaseRunner``, the loop of ``harness run``: the command line has
+no option to plant a fault in some cases only, so the case list is built here.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from pathlib import Path
 
 from harness.case import CaseConfig
 from harness.collector import ResultWriter, run_info
-from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import PoolConfig, RankPool
+from harness.placement import Lane
+from harness.runner import CaseRunner, Progress
 
 HANG = ("builtin", "full_shard", "pre", False, False)
 
@@ -39,12 +43,15 @@ def cases() -> list[CaseConfig]:
 
 
 def main(path: str) -> None:
-    with ResultWriter(Path(path), run_info("gloo")) as writer, \
-            RankPool(PoolConfig(world_size=2, backend="gloo", case_timeout_s=20.0)) as pool:
-        for case in cases():
-            record = record_from_outcome(case, pool.run(run_case_on_rank, case))
-            writer.append(record)
-            print(record.verdict, case.full_id, record.reason[:100], flush=True)
+    lane = Lane(2, "gloo", None)
+    todo = cases()
+    with ResultWriter(Path(path), run_info([lane])) as writer:
+        progress = Progress(len(todo), enabled=True)
+        runner = CaseRunner(writer, progress, deadline=None, case_timeout_s=20.0)
+        left = runner.run([lane], todo)
+        progress.close()
+    if left or runner.lane_errors:
+        sys.exit(f"{len(left)} cases not run: {'; '.join(runner.lane_errors)}")
 
 
 if __name__ == "__main__":
