@@ -141,7 +141,6 @@ class Lane:
         return f"{self.backend} on GPUs {sorted(set(self.devices if gpus is None else gpus))} ({per})"
 
 
-
 #: what ``--backend`` and ``--device`` mean to ``place``, in every front end's help.
 OPTION_HELP = {
     "backend": "auto: NCCL with one GPU per rank where there are enough GPUs, gloo with ranks sharing the GPUs "

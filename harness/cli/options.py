@@ -127,7 +127,6 @@ def add_execution(p: argparse.ArgumentParser) -> None:
                    help="run a case that did not pass N more times (fail in every run stays fail, else flaky)")
 
 
-
 def add_placement(p: argparse.ArgumentParser) -> None:
     """``--backend`` and ``--device``: where the ranks run, as ``harness.placement.place`` decides."""
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help=OPTION_HELP["backend"])

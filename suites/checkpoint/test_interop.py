@@ -35,7 +35,6 @@ from suites.checkpoint.training import CkptNet, Setup, full_state, make_optimize
 from suites.engine.ranks import session_tests
 
 
-
 def _torch_fsdp1(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
