@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import pytest
 
+from harness.conformance import ASSERT_REWRITE
+
 # The conformance tests live in the package (so that an installed package runs them) and the suites
 # collect them by import: registered before that import, their asserts report the values they compared.
-pytest.register_assert_rewrite("harness.conformance.flat_param_properties", "harness.conformance.flat_handles")
+pytest.register_assert_rewrite(*ASSERT_REWRITE)
 
 # pytester: the plugin's own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py).
 pytest_plugins = ["harness.pytest_plugin", "harness.conformance.profiles", "pytester"]

@@ -21,12 +21,14 @@ On CPU the ranks run on gloo, on GPUs one per local GPU (``--world-size`` defaul
 Engines are resolved by ``harness.registry``; a plug-in's spec must be resolvable in a fresh process
 (a spec or an entry point), since the seed families run pytest in one.
 
-Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are library calls and run from
-an installed package. ``seeds``, ``flat-param`` and ``torch-common-fsdp`` still run the repository's test
-tree by path (``Family.suites``): they need a checkout, and certify refuses them (exit 2, naming the
-missing paths and the families that can run) where the package was installed without one. Shipping
-them too means moving their test modules into ``harness.conformance`` and collecting them into the
-suites by import, as the flat-parameter fuzz properties are (see that package's docstring).
+Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are library calls, and
+``flat-param`` runs a test module shipped in the package (``pytest --pyargs
+harness.conformance.engine_layout``); all four run from an installed package. ``seeds`` and
+``torch-common-fsdp`` still run the repository's test tree by path (``Family.suites``): they need a
+checkout, and certify refuses them (exit 2, naming the missing paths and the families that can run)
+where the package was installed without one. Shipping them too means moving their test modules into
+``harness.conformance`` and collecting them into the suites by import, as the flat-parameter checks
+are (see that package's docstring).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ REPO = Path(__file__).resolve().parents[2]
 #: what ``--quick`` keeps of the seed suites: the core parity checks (CI can afford them twice).
 QUICK_SEEDS = ("suites/seeds/test_fsdp_core.py", "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
 FULL_SEEDS = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
-FLAT_PARAM_TESTS = ("suites/flat_param/test_engine_layout.py",)
+#: shipped in the package (``harness.conformance``): runs from an installed package too.
+FLAT_PARAM_TESTS = ("--pyargs", "harness.conformance.engine_layout")
 TORCH_COMMON_TESTS = ("suites/seeds/test_torch_common_fsdp.py",)
 ERRORED = ("error", "timeout", "crash")
 #: the report of the certification's cases, beside the certificate: its case pages are linked from it.
@@ -125,12 +128,16 @@ class CertifyRun:
         env = dict(os.environ)
         # The child resolves the spec again: it needs this process's import path (a plug-in's included).
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in sys.path if p]])
-        cmd = [sys.executable, "-m", "pytest", *args, "--engine", self.spec, "-p", "no:cacheprovider", "-q",
-               f"--junitxml={xml}", "-o", "junit_family=xunit2"]
+        # The plug-in brings ``--engine`` where no conftest of a checkout does (an installed package).
+        cmd = [sys.executable, "-m", "pytest", *args, "-p", "harness.pytest_plugin", "--engine", self.spec,
+               "-p", "no:cacheprovider", "-q", f"--junitxml={xml}", "-o", "junit_family=xunit2"]
         # The suites place their pools by the same rule; the certificate's placement is passed down.
         cmd += ["--backend", self.lane.backend, "--device", self.lane.device]
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+            # From a checkout's root, as its suites' paths are written; else from the certificate's directory
+            # (never site-packages: Hypothesis keeps its example database in the working directory).
+            cwd = REPO if (REPO / "suites").is_dir() else self.out
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
             tail = (proc.stdout + proc.stderr)[-2000:]
         except subprocess.TimeoutExpired as exc:
             tail = f"pytest ran past {timeout_s:.0f} s: {str(exc.stdout or '')[-1000:]}"
@@ -297,7 +304,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("parity-local", "generated parity against the unsharded local reference", judge_parity("local")),
     Family("knobs", "knob propagation: every setting shows its effect", judge_knobs),
     Family("checkpoints", "checkpoints: save, load and resume", judge_checkpoints),
-    Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param, FLAT_PARAM_TESTS),
+    Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param),
     Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_torch_common,
            TORCH_COMMON_TESTS),
 )

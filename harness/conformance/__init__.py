@@ -4,6 +4,8 @@ repository's ``suites/``.
 - ``flat_cases``: Hypothesis strategies drawing module trees and flat-parameter handle arguments;
 - ``flat_handles``: flat-parameter handles of any rank built in one process (a fake process group);
 - ``flat_param_properties``: the flat-parameter fuzz properties (pytest tests);
+- ``engine_layout``: the flat-parameter layout of any FSDP1-API engine against torch FSDP1's (a pytest
+  test per ``--engine``; ``certify``'s ``flat-param`` family);
 - ``profiles``: the Hypothesis profiles (``ci``, ``nightly``, ``dev``);
 - ``fuzz_campaign``: ``python -m harness.conformance.fuzz_campaign``, the nightly's fuzz phase.
 
@@ -11,9 +13,17 @@ Why the tests live here and how the suites run them: each test is written once. 
 installed package must run (the fuzz campaign) sits in this package, and pytest runs it by its path
 inside the package (``pytest.main([file])``, or ``pytest --pyargs harness.conformance.<module>``),
 which works from a wheel as from a checkout. The CI lane collects the same functions by importing
-them into a suite module (``suites/flat_param/test_fuzz_flat_param.py``), so their node ids, markers
-and the lane's counts are the suites' as before; the root ``conftest.py`` registers this package for
-pytest's assertion rewriting, so a failing assert shows its values either way. The alternative, a
+them into a suite module (``suites/flat_param/test_fuzz_flat_param.py``, ``test_engine_layout.py``), so
+their node ids, markers and the lane's counts are the suites' as before; the root ``conftest.py``
+registers ``ASSERT_REWRITE`` for pytest's assertion rewriting, so a failing assert shows its values
+either way. The alternative, a
 second copy under ``suites/`` or a ``testpaths`` entry into the package, would either duplicate the
 tests or move them out of the suite a reader looks in.
 """
+
+#: the modules whose asserts pytest rewrites when a suite imports them (registered before that import).
+ASSERT_REWRITE = (
+    "harness.conformance.engine_layout",
+    "harness.conformance.flat_handles",
+    "harness.conformance.flat_param_properties",
+)

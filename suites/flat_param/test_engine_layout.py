@@ -1,45 +1,16 @@
-"""Flat-parameter metadata of every selected FSDP1-API engine that exposes a ``FlatParamHandle``,
-against torch FSDP1's layout on the same module.
+"""The flat-parameter layout check of every selected FSDP1-API engine against torch FSDP1, collected into
+the CI lane.
 
-``fsdp_api`` (``harness.pytest_plugin``) runs this once per engine ``--engine`` selects; an engine whose
-namespace has no ``FlatParamHandle`` (``suites.seeds.api``) is skipped with that reason, an engine without
-torch FSDP1 to compare with likewise. The comparison is the fuzz suite's differential property
-(metadata, the shard's real elements bitwise, the module's attributes), on fewer examples: it is what
-``python -m harness certify`` reports as the ``flat-param`` family.
+Written once, in ``harness.conformance.engine_layout``, so that ``python -m harness certify`` runs it
+(its ``flat-param`` family) from an installed package; importing the test and its fixture here makes
+pytest collect them with this suite, once per engine ``--engine`` selects.
 """
 
 from __future__ import annotations
 
-import pytest
-from hypothesis import given, settings
+from harness.conformance import engine_layout
+from harness.conformance.engine_layout import handle_api, test_layout_matches_torch_fsdp1
 
-from harness.conformance.flat_cases import FlatCase, flat_cases
-from harness.conformance.flat_handles import Registrations
-from harness.conformance.flat_param_properties import ALL_STRATEGIES, handle_states, torch_flat_param
-from suites.seeds.api import FSDPApi, load_api
+__all__ = ["handle_api", "test_layout_matches_torch_fsdp1"]
 
-pytestmark = [pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")]
-
-
-@pytest.fixture(scope="module")
-def handle_api(fsdp_api: str) -> FSDPApi:
-    if torch_flat_param is None:
-        pytest.skip(reason="torch built without distributed: no FSDP1 layout to compare with")
-    api = load_api(fsdp_api)
-    if api.FlatParamHandle is None or api.HandleShardingStrategy is None:
-        pytest.skip(reason=f"{api.name}: {api.module} exposes no FlatParamHandle/HandleShardingStrategy "
-                           "(package level, .flat_param or ._flat_param)")
-    return api
-
-
-@settings(max_examples=40, deadline=None)
-@given(case=flat_cases(shardings=ALL_STRATEGIES))
-def test_layout_matches_torch_fsdp1(handle_api: FSDPApi, case: FlatCase) -> None:
-    module = case.build()
-    registrations = Registrations(module)
-    ours = handle_states(case, handle_api.FlatParamHandle, handle_api.HandleShardingStrategy, module, registrations)
-    theirs = handle_states(case, torch_flat_param.FlatParamHandle, torch_flat_param.HandleShardingStrategy, module, registrations)
-    for phase, mine, ref in zip(("constructed", "sharded"), ours, theirs):
-        assert mine.keys() == ref.keys()
-        for key in mine:
-            assert mine[key] == ref[key], f"{handle_api.name}, {phase}: {key} differs from torch FSDP1's layout"
+pytestmark = engine_layout.pytestmark

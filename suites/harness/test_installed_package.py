@@ -6,6 +6,7 @@ families that still run the repository's test tree refuse with one line naming w
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -65,9 +66,19 @@ def test_certify_names_the_suites_an_installed_package_lacks(site: Path, tmp_pat
     proc = _run(site, tmp_path, "-m", "harness", "certify", "--engine", "builtin", "--quick", "--out", str(tmp_path / "c"))
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("harness certify:")]
-    assert "--families seeds,flat-param,torch-common-fsdp" in line and "suites/seeds" in line
-    assert "--families parity-ddp,parity-local,knobs,checkpoints" in line
+    assert "--families seeds,torch-common-fsdp" in line and "suites/seeds" in line
+    assert "--families parity-ddp,parity-local,knobs,checkpoints,flat-param" in line
     assert not (tmp_path / "c" / "results.jsonl").exists()
+
+
+def test_certify_runs_the_shipped_flat_param_family_from_the_installed_package(site: Path, tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    proc = _run(site, tmp_path, "-m", "harness", "certify", "--engine", "builtin", "--families", "flat-param",
+                "--out", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    families = {f["name"]: f for f in json.loads((out / "certificate.json").read_text())["families"]}
+    assert families["flat-param"]["status"] == "pass" and families["flat-param"]["passed"] == 1, families["flat-param"]
+    assert not list(site.rglob(".hypothesis")), "Hypothesis wrote its database into the installed package"
 
 
 def test_missing_suites_of_a_checkout_and_of_an_empty_tree(tmp_path: Path) -> None:
