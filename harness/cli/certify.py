@@ -22,13 +22,13 @@ Engines are resolved by ``harness.registry``; a plug-in's spec must be resolvabl
 (a spec or an entry point), since the seed families run pytest in one.
 
 Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are library calls, and
-``flat-param`` runs a test module shipped in the package (``pytest --pyargs
-harness.conformance.engine_layout``); all four run from an installed package. ``seeds`` and
-``torch-common-fsdp`` still run the repository's test tree by path (``Family.suites``): they need a
-checkout, and certify refuses them (exit 2, naming the missing paths and the families that can run)
-where the package was installed without one. Shipping them too means moving their test modules into
-``harness.conformance`` and collecting them into the suites by import, as the flat-parameter checks
-are (see that package's docstring).
+``flat-param`` and ``torch-common-fsdp`` run test modules shipped in the package (``pytest --pyargs
+harness.conformance.engine_layout``, ``...torch_common_fsdp``): these run from an installed package.
+``seeds`` still runs the repository's test tree by path (``Family.suites``): it needs a checkout, and
+certify refuses it (exit 2, naming the missing paths and the families that can run) where the package
+was installed without one. Shipping it too means moving the seed suites' modules into
+``harness.conformance`` and collecting them into the suites by import, as the others are (see that
+package's docstring).
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: what ``--quick`` keeps of the seed suites: the core parity checks (CI can afford them twice).
 QUICK_SEEDS = ("suites/seeds/test_fsdp_core.py", "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
 FULL_SEEDS = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
-#: shipped in the package (``harness.conformance``): runs from an installed package too.
+#: shipped in the package (``harness.conformance``), as the next: they run from an installed package too.
 FLAT_PARAM_TESTS = ("--pyargs", "harness.conformance.engine_layout")
-TORCH_COMMON_TESTS = ("suites/seeds/test_torch_common_fsdp.py",)
+TORCH_COMMON_TESTS = ("--pyargs", "harness.conformance.torch_common_fsdp")
 ERRORED = ("error", "timeout", "crash")
 #: the report of the certification's cases, beside the certificate: its case pages are linked from it.
 REPORT_DIR = "report"
@@ -305,8 +305,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("knobs", "knob propagation: every setting shows its effect", judge_knobs),
     Family("checkpoints", "checkpoints: save, load and resume", judge_checkpoints),
     Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param),
-    Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_torch_common,
-           TORCH_COMMON_TESTS),
+    Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_torch_common),
 )
 
 

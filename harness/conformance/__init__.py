@@ -1,11 +1,17 @@
 """Conformance tests that ship in the package: what an installed ``harness`` runs without the
 repository's ``suites/``.
 
+A front end, beside ``harness.cli`` and ``harness.pytest_plugin``: these are pytest tests and their
+runner, above the library (whose modules never import them); they may use the pytest plugin's
+fixtures and marks.
+
 - ``flat_cases``: Hypothesis strategies drawing module trees and flat-parameter handle arguments;
 - ``flat_handles``: flat-parameter handles of any rank built in one process (a fake process group);
 - ``flat_param_properties``: the flat-parameter fuzz properties (pytest tests);
 - ``engine_layout``: the flat-parameter layout of any FSDP1-API engine against torch FSDP1's (a pytest
   test per ``--engine``; ``certify``'s ``flat-param`` family);
+- ``torch_common_fsdp``: torch's own FSDP parity machinery over the engine (``certify``'s
+  ``torch-common-fsdp`` family; GPU only);
 - ``profiles``: the Hypothesis profiles (``ci``, ``nightly``, ``dev``);
 - ``fuzz_campaign``: ``python -m harness.conformance.fuzz_campaign``, the nightly's fuzz phase.
 
@@ -13,7 +19,8 @@ Why the tests live here and how the suites run them: each test is written once. 
 installed package must run (the fuzz campaign) sits in this package, and pytest runs it by its path
 inside the package (``pytest.main([file])``, or ``pytest --pyargs harness.conformance.<module>``),
 which works from a wheel as from a checkout. The CI lane collects the same functions by importing
-them into a suite module (``suites/flat_param/test_fuzz_flat_param.py``, ``test_engine_layout.py``), so
+them into a suite module (``suites/flat_param/test_fuzz_flat_param.py``, ``test_engine_layout.py``,
+``suites/seeds/test_torch_common_fsdp.py``), so
 their node ids, markers and the lane's counts are the suites' as before; the root ``conftest.py``
 registers ``ASSERT_REWRITE`` for pytest's assertion rewriting, so a failing assert shows its values
 either way. The alternative, a
@@ -26,4 +33,5 @@ ASSERT_REWRITE = (
     "harness.conformance.engine_layout",
     "harness.conformance.flat_handles",
     "harness.conformance.flat_param_properties",
+    "harness.conformance.torch_common_fsdp",
 )

@@ -1,7 +1,8 @@
 """The package installed from its wheel, without the repository: what it runs without ``suites/``.
 
-The nightly's fuzz campaign ships in the package (``harness.conformance``) and runs there; ``certify``'s
-families that still run the repository's test tree refuse with one line naming what is missing.
+The nightly's fuzz campaign and ``certify``'s ``flat-param`` family ship in the package
+(``harness.conformance``) and run there; the family that still runs the repository's test tree
+(``seeds``) is refused with one line naming what is missing.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def test_certify_names_the_suites_an_installed_package_lacks(site: Path, tmp_pat
     proc = _run(site, tmp_path, "-m", "harness", "certify", "--engine", "builtin", "--quick", "--out", str(tmp_path / "c"))
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("harness certify:")]
-    assert "--families seeds,torch-common-fsdp" in line and "suites/seeds" in line
-    assert "--families parity-ddp,parity-local,knobs,checkpoints,flat-param" in line
+    assert "--families seeds run" in line and "suites/seeds" in line
+    assert "--families parity-ddp,parity-local,knobs,checkpoints,flat-param,torch-common-fsdp" in line
     assert not (tmp_path / "c" / "results.jsonl").exists()
 
 

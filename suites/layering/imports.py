@@ -14,13 +14,14 @@ from pathlib import Path
 __all__ = ["LAYERS", "find_cycles", "import_graph", "layer_of", "module_name", "upward_imports"]
 
 #: the layers, lowest first: a module may import its own layer and the layers below it. The
-#: harness library is ``harness`` without its front ends (the command line, the pytest plugin and
-#: ``python -m harness``), which sit above the reports they print.
+#: harness library is ``harness`` without its front ends (the command line, the pytest plugin, the
+#: conformance tests shipped in the package and ``python -m harness``), which sit above the reports
+#: they print.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("engine",)),
     ("harness library", ("harness",)),
     ("reports", ("reports",)),
-    ("front ends", ("harness.cli", "harness.pytest_plugin", "harness.__main__")),
+    ("front ends", ("harness.cli", "harness.pytest_plugin", "harness.conformance", "harness.__main__")),
     ("suites", ("suites",)),
 )
 

@@ -65,6 +65,7 @@ def test_layer_of_knows_front_ends_from_the_library() -> None:
     assert names[layer_of("harness")] == "harness library"
     assert names[layer_of("harness.cli.run")] == "front ends"
     assert names[layer_of("harness.pytest_plugin")] == "front ends"
+    assert names[layer_of("harness.conformance.fuzz_campaign")] == "front ends"
     assert names[layer_of("harness.__main__")] == "front ends"
     assert names[layer_of("reports.diff")] == "reports"
     assert names[layer_of("suites.layering.imports")] == "suites"
