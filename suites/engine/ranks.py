@@ -150,15 +150,11 @@ def session_tests(
     ``device=("cpu", "cuda")`` runs every check on CPU ranks and again on ranks on the GPUs (sharing one
     where there are fewer GPUs than ranks); the CUDA session skips, with the reason, on a host without.
     """
-    devices = device if isinstance(device, tuple) else (device,)
-    # One device keeps the test ids as they were; several add ``on_cpu``/``on_cuda``.
-    params = {"params": devices, "ids": [f"on_{d}" for d in devices]} if len(devices) > 1 else {}
+    devices, params = _device_params(device)
 
     @pytest.fixture(scope="module", **params)
     def session(request: pytest.FixtureRequest) -> RankSession:
-        where: DeviceChoice = getattr(request, "param", devices[0])
-        if where == "cuda" and (reason := gpus_missing(1)):
-            pytest.skip(reason=reason)
+        where = _session_device(request, devices)
         return RankSession(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s))
 
     @_one_xdist_worker(checks)
@@ -169,25 +165,42 @@ def session_tests(
     return session, test_check
 
 
+def _device_params(device: DeviceChoice | tuple[DeviceChoice, ...]) -> tuple[tuple[DeviceChoice, ...], dict[str, Any]]:
+    devices = device if isinstance(device, tuple) else (device,)
+    # One device keeps the test ids as they were; several add ``on_cpu``/``on_cuda``.
+    params = {"params": devices, "ids": [f"on_{d}" for d in devices]} if len(devices) > 1 else {}
+    return devices, params
+
+
+def _session_device(request: pytest.FixtureRequest, devices: tuple[DeviceChoice, ...]) -> DeviceChoice:
+    """The device of this parametrization of the session; skips the CUDA one, saying why, without a GPU."""
+    where: DeviceChoice = getattr(request, "param", devices[0])
+    if where == "cuda" and (reason := gpus_missing(1)):
+        pytest.skip(reason=reason)
+    return where
+
+
 def api_session_tests(
     checks: Sequence[Check],
     load_api: Callable[[str], Any],
     world_size: int = 2,
-    device: DeviceChoice = "cpu",
+    device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
     timeout_s: float = 240.0,
 ):
     """``session_tests`` once per engine of the ``fsdp_api`` parametrization (``harness.pytest_plugin``:
-    the engines with torch FSDP1's API that ``--engine`` names). Each check is called
+    the engines with torch FSDP1's API that ``--engine`` names) and per device. Each check is called
     ``check(api, rank, world_size)`` with ``api = load_api(fsdp_api)``, built in the parent and pickled
-    to the ranks; the ranks are spawned once per engine::
+    to the ranks; the ranks are spawned once per engine and device::
 
-        session, test_check = api_session_tests(CHECKS, load_api)
+        session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"))
     """
+    devices, params = _device_params(device)
 
-    @pytest.fixture(scope="module")
-    def session(fsdp_api: str) -> RankSession:
+    @pytest.fixture(scope="module", **params)
+    def session(request: pytest.FixtureRequest, fsdp_api: str) -> RankSession:
+        where = _session_device(request, devices)
         api = load_api(fsdp_api)
-        return RankSession(run_checks(checks, world_size=world_size, device=device, timeout_s=timeout_s, args=(api,)))
+        return RankSession(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s, args=(api,)))
 
     @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
