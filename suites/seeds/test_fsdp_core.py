@@ -281,4 +281,17 @@ CHECKS = [
     check_transformer_eval_equals_no_grad,
     check_unshard_params_as_tensors,
 ]
-session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=400)
+#: Measured on one H100 (torch 2.11, 2 gloo ranks sharing the GPU, 3 repetitions of the 18 subtests):
+#: torch FSDP1 disagrees with the reference in most offload subtests of the mixture of experts, our
+#: engine in none; without offload, and on the nested and transformer models with offload, both agree.
+#: The experts are units over one-rank groups, which issue no collective; the likely cause (not yet
+#: confirmed) is that nothing then orders the gradient's non-blocking copy to the host before the
+#: optimizer step reads it, the race README's findings name for NO_SHARD with CPU offload on busy GPUs.
+EXPECTED_FAILURES = {
+    ("torch-fsdp", "cuda", "check_parity_mixture_of_experts_offload"): (
+        "torch FSDP1 with CPU offload on the experts' one-rank-group units disagrees with the reference on "
+        "CUDA ranks (measured on an H100, gloo ranks sharing it); our engine agrees"
+    ),
+}
+session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=400,
+                                        expected_failures=EXPECTED_FAILURES)

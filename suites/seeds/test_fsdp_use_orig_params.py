@@ -72,16 +72,35 @@ def _fsdp_transformer(api: FSDPApi, **kwargs: Any) -> nn.Module:
     return api.wrap(SharedTransformer(rank_device()), auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
 
 
-def _check_param_parity(api: FSDPApi, ddp: DDP, fsdp: nn.Module) -> None:
+def _check_param_parity(api: FSDPApi, ddp: DDP, fsdp: nn.Module, adam_steps: int = 0, lr: float = 0.0) -> None:
+    """Full parameters equal DDP's. ``adam_steps``/``lr``: see ``_key_bias_bound``."""
     with api.FSDP.summon_full_params(fsdp):
         pairs = list(zip(ddp.module.named_parameters(), fsdp.named_parameters()))
         assert len(pairs) == len(list(ddp.module.parameters()))
         for (n1, p1), (n2, p2) in pairs:
             assert n1 == _clean(n2), (n1, n2)
+            if adam_steps and n1.endswith("self_attn.in_proj_bias") and p1.device.type == "cuda":
+                p1, p2 = _key_bias_bound(p1, p2, adam_steps * lr, n1)
             assert_close(p1, p2, msg=lambda m: f"{n1}: {m}")
 
 
+def _key_bias_bound(ddp_bias: torch.Tensor, fsdp_bias: torch.Tensor, bound: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the key projection's bias (the middle third of ``in_proj_bias``) within Adam's step bound
+    and return the query and value thirds for the exact comparison.
+
+    Adding a constant to every key shifts each attention row's scores by one constant, which softmax
+    ignores: the key bias's gradient is zero in exact arithmetic, so what trains it is rounding noise,
+    and Adam scales noise to steps of up to ``lr``. On CPU ranks both sides round alike and the check
+    stays exact; on CUDA ranks (measured on an H100) DDP's and both FSDP1 engines' noise differ, every
+    sharding strategy alike, in this third only. It is held to the bound an Adam step allows."""
+    q, k, v = ddp_bias.detach().chunk(3)
+    fq, fk, fv = fsdp_bias.detach().chunk(3)
+    assert_close(fk, k, rtol=0.0, atol=bound, msg=lambda m: f"{name} (key third, within lr x steps = {bound}): {m}")
+    return torch.cat([q, v]), torch.cat([fq, fv])
+
+
 def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, set_to_none: bool, iters: int = 6) -> None:
+    adam = isinstance(ddp_opt, torch.optim.Adam | torch.optim.AdamW)
     rank = dist.get_rank()
     for i in range(iters):
         losses = []
@@ -97,7 +116,8 @@ def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, se
             loss.backward()
             opt.step()
         assert_close(losses[0], losses[1], msg=lambda m: f"iter {i}: {m}")
-    _check_param_parity(api, ddp, fsdp)
+    lr = max(group["lr"] for group in ddp_opt.param_groups)
+    _check_param_parity(api, ddp, fsdp, adam_steps=iters if adam else 0, lr=lr)
 
 
 def _diff_hyperparams(api: FSDPApi, offload: bool) -> None:
