@@ -27,7 +27,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -118,7 +118,7 @@ class TorchrunWatch:
         """Watch case ``name``; ``on_end`` (rank 0's) records it if it ends badly."""
         return _Case(self, name, on_end)
 
-    def world_failed(self, exc: BaseException) -> None:
+    def world_failed(self, exc: BaseException) -> NoReturn:
         """A world collective raised: the group is gone. Never returns: this rank waits for rank 0 to
         record the case (rank 0 waits for the beats to say who was lost), then the process exits."""
         with self._lock:
@@ -164,10 +164,12 @@ class TorchrunWatch:
         lost = self._lost(now)
         if lost and self._first_loss is None:
             self._first_loss = now
-        # The ranks of a lost node stopped beating within a beat of each other: wait for them all.
-        if lost and now - self._first_loss >= 2 * self.beat_s:
-            self._end("crash", lost_text(lost, self.sites, self.loss_s), lost)
-        elif failed and now - failed[0] > self.loss_s + 2 * self.beat_s:
+        if lost:
+            # The ranks of a lost node stopped beating within a beat of each other: wait for them all.
+            if now - self._first_loss >= 2 * self.beat_s:
+                self._end("crash", lost_text(lost, self.sites, self.loss_s), lost)
+        # A rank lost when the group failed shows by now (its last beat came at most a beat after).
+        elif failed and now - failed[0] > self.loss_s + 3 * self.beat_s:
             self._end("crash", f"the world group failed with no rank lost: {failed[1].strip().splitlines()[-1]}", [])
         elif now - started > self.timeout_s:
             self._end("timeout", "", [])
@@ -210,7 +212,7 @@ class TorchrunWatch:
         self._exit(TIMEOUT_EXIT if status == "timeout" else 1, f"harness run: {name} ended as {status}: {reason}")
 
     @staticmethod
-    def _exit(code: int, message: str) -> None:
+    def _exit(code: int, message: str) -> NoReturn:
         if message:
             print(message, file=sys.stderr, flush=True)
         os._exit(code)

@@ -3,7 +3,8 @@ machine (torchrun's static rendezvous: agent 0 hosts the store at ``--master-add
 each agent its ranks). The hybrid strategies' shard group is then a node (``LOCAL_WORLD_SIZE``, by
 ``harness.placement.default_shard_size``) and the replicas are the other node's ranks; the builtin engine
 and torch FSDP1 train against DDP over all four ranks, and rank 0 records. A SIGKILLed agent is a lost
-node: the case in flight is a ``crash`` naming it, and no rank of the run outlives it."""
+node: the case in flight is a ``crash`` naming it, and no rank of the run outlives it; a case past its
+timeout is a ``timeout`` with every rank's stack (``harness.torchrun_watch``)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _agents(run: list[str], out: Path) -> dict[int, subprocess.Popen[str]]:
-    """Node rank -> its torchrun agent running ``harness run`` into ``out`` (node 1 starts first)."""
+def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "CUDA_VISIBLE_DEVICES": ""}
     env.pop("PYTEST_XDIST_WORKER", None)
-    port = _free_port()
+    return env
+
+
+def _agents(run: list[str], out: Path) -> dict[int, subprocess.Popen[str]]:
+    """Node rank -> its torchrun agent running ``harness run`` into ``out`` (node 1 starts first)."""
+    env, port = _env(), _free_port()
     return {
         node: subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
@@ -122,6 +127,20 @@ def test_a_killed_agent_is_a_crash_naming_its_node_and_no_rank_outlives_the_run(
     while _running(str(out)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _running(str(out))
+
+
+def test_a_case_past_its_timeout_under_torchrun_brings_back_every_rank_s_stack(tmp_path: Path) -> None:
+    out = tmp_path / "timeout.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "harness",
+         "run", "--matrix", "smoke", "--engines", "torch-fsdp", "--references", "ddp", "--limit", "2",
+         "--timeout", "0.01", "--out", str(out), "--no-progress"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0, done.stdout + done.stderr
+    records, bad = read_records(out)
+    assert not bad and [r.verdict for r in records] == ["timeout"], done.stderr  # the run ends with the case
+    assert "within 0.01 s" in records[0].reason and records[0].reason.endswith("under torchrun (run ended)")
+    assert sorted(records[0].detail["stacks"]) == ["0", "1"]
 
 
 def test_a_lost_node_is_named_whole_or_by_its_lost_ranks() -> None:
