@@ -136,7 +136,7 @@ class TorchrunWatch:
         while not self._stop.wait(self.beat_s):
             try:
                 self._tick()
-            except Exception as exc:  # the store is gone: so is torchrun's agent 0, and rank 0 with it
+            except RuntimeError as exc:  # torch's store errors: the store is gone, so is torchrun's agent 0
                 self._exit(1, f"harness run: rank {self.rank}: torchrun's store is gone ({exc}); "
                               f"node {self.sites[0].node} (rank 0, which records) is presumably lost; exiting")
 
@@ -162,8 +162,8 @@ class TorchrunWatch:
                                          f"{now - since:.0f} s after this one failed or timed out; exiting")
             return
         lost = self._lost(now)
-        if lost and self._first_loss is None:
-            self._first_loss = now
+        if not lost or self._first_loss is None:
+            self._first_loss = now if lost else None  # a rank that beats again is not lost
         if lost:
             # The ranks of a lost node stopped beating within a beat of each other: wait for them all.
             if now - self._first_loss >= 2 * self.beat_s:
@@ -207,7 +207,10 @@ class TorchrunWatch:
         if waiting:
             reason += f"; no stack from rank(s) {waiting}"
         if on_end is not None:
-            on_end(status, reason + " (run ended)", stacks, {r: -999 for r in lost})
+            try:
+                on_end(status, reason + " (run ended)", stacks, {r: -999 for r in lost})
+            except Exception as exc:  # the results file cannot take it: say so, and still end every rank
+                reason += f"; not recorded: {exc}"
         self.store.set("ended", status)
         self._exit(TIMEOUT_EXIT if status == "timeout" else 1, f"harness run: {name} ended as {status}: {reason}")
 
