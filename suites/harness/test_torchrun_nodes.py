@@ -96,23 +96,43 @@ def test_two_torchrun_agents_run_hybrid_cases_with_a_node_per_shard_group(tmp_pa
         assert record.detail["collectives"].get("all_reduce"), record.detail["collectives"]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a worker dies with its agent through Linux's PR_SET_PDEATHSIG")
-def test_a_killed_agent_is_a_crash_naming_its_node_and_no_rank_outlives_the_run(tmp_path: Path) -> None:
-    out = tmp_path / "lost.jsonl"
-    agents = _agents(["run", "--matrix", "full", "--engines", "builtin", "--references", "ddp", "--world-size", "4",
-                      "--filter", ":hybrid_shard-fp32-bwd_none-", "--limit", "6", "--no-progress"], out)
+#: the selection of the tests that kill an agent: enough cases that one is in flight at the kill.
+KILLED_RUN = ["run", "--matrix", "full", "--engines", "builtin", "--references", "ddp", "--world-size", "4",
+              "--filter", ":hybrid_shard-fp32-bwd_none-", "--limit", "6", "--no-progress"]
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="a worker dies with its agent through Linux's PR_SET_PDEATHSIG")
+
+
+def _kill_mid_run(node: int, out: Path) -> tuple[subprocess.Popen[str], str, float]:
+    """Start both agents, SIGKILL ``node``'s agent once the first case is recorded (the agent alone, as a
+    node's loss takes it: not its workers), and wait for the other: (that agent, its output, seconds
+    from the kill to its end)."""
+    agents = _agents(KILLED_RUN, out)
+    other = agents[1 - node]
     try:
         deadline = time.monotonic() + 120
         while not (out.is_file() and read_records(out)[0]):  # the first case is recorded: the second runs
-            assert agents[0].poll() is None and time.monotonic() < deadline, "no case recorded"
+            assert all(a.poll() is None for a in agents.values()) and time.monotonic() < deadline, "no case recorded"
             time.sleep(0.2)
-        os.kill(agents[1].pid, signal.SIGKILL)  # the agent alone, as a node's loss takes it: not its workers
+        os.kill(agents[node].pid, signal.SIGKILL)
         killed = time.monotonic()
-        output = agents[0].communicate(timeout=60)[0]
-        ended_after = time.monotonic() - killed
+        output = other.communicate(timeout=60)[0]
+        return other, output, time.monotonic() - killed
     finally:
         _stop(agents)
-    assert agents[0].returncode != 0 and ended_after < 40, output
+
+
+def _assert_no_rank_left(out: Path) -> None:
+    deadline = time.monotonic() + 10
+    while _running(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _running(str(out))
+
+
+@linux_only
+def test_a_killed_agent_is_a_crash_naming_its_node_and_no_rank_outlives_the_run(tmp_path: Path) -> None:
+    out = tmp_path / "lost.jsonl"
+    survivor, output, ended_after = _kill_mid_run(1, out)
+    assert survivor.returncode != 0 and ended_after < 40, output
     records, bad = read_records(out)
     assert not bad and len(records) < 6, [r.verdict for r in records]
     *before, lost = records
@@ -123,10 +143,18 @@ def test_a_killed_agent_is_a_crash_naming_its_node_and_no_rank_outlives_the_run(
     # The stacks of the ranks that are left come back; the lost ones' exit codes are unknown.
     assert sorted(lost.detail["stacks"]) == ["0", "1"] and lost.detail["exit_codes"] == {"2": -999, "3": -999}
     # No rank of the run is left: node 1's workers died with their agent, node 0's ended the run.
-    deadline = time.monotonic() + 10
-    while _running(str(out)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _running(str(out))
+    _assert_no_rank_left(out)
+
+
+@linux_only
+def test_a_killed_recording_node_costs_the_case_in_flight_and_no_rank_outlives_it(tmp_path: Path) -> None:
+    out = tmp_path / "lost0.jsonl"
+    survivor, output, ended_after = _kill_mid_run(0, out)  # agent 0: rank 0, which records, and the store
+    assert survivor.returncode != 0 and ended_after < 40, output
+    records, bad = read_records(out)
+    # What was recorded stays; the case in flight has no record (--resume reruns it).
+    assert not bad and 1 <= len(records) < 6 and {r.verdict for r in records} == {"pass"}, [r.reason for r in records]
+    _assert_no_rank_left(out)
 
 
 def test_a_case_past_its_timeout_under_torchrun_brings_back_every_rank_s_stack(tmp_path: Path) -> None:
