@@ -8,7 +8,7 @@ blocked in the store cannot stop the beat), and rank 0 watches the beats and the
 - The case runs past its timeout: rank 0 records ``timeout`` with every live rank's stack, which each
   rank publishes in the store when asked (``harness.stacks.timeout_reason`` names the rank behind).
 - The world group fails under a rank's feet (gloo raises when a peer's sockets close): that rank
-  publishes its traceback and waits; rank 0 waits for the loss to show in the beats and records
+  waits, and publishes its traceback as its stack; rank 0 waits for the loss to show in the beats and records
   ``crash``.
 
 Then rank 0 marks the case ended in the store and every rank exits: the run ends (torchrun has no
@@ -51,12 +51,11 @@ class Site:
     #: torchrun's node rank (``GROUP_RANK``): the order the nodes joined under c10d rendezvous.
     node: int
     host: str
-    pid: int
 
 
 def site_of_this_rank(rank: int) -> Site:
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return Site(rank, int(os.environ.get("GROUP_RANK", rank // max(1, local_ws))), socket.gethostname(), os.getpid())
+    return Site(rank, int(os.environ.get("GROUP_RANK", rank // max(1, local_ws))), socket.gethostname())
 
 
 def lost_text(lost: list[int], sites: list[Site], loss_s: float) -> str:
