@@ -14,8 +14,9 @@ import os
 
 from hypothesis import HealthCheck, Phase, settings
 
-# pytester: the plugin's own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py).
-pytest_plugins = ["harness.pytest_plugin", "pytester"]
+# pytester: the plugins' own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py).
+# split_groups: a pytest-split group that drew no test passes (harness/pytest_plugin/split_groups.py).
+pytest_plugins = ["harness.pytest_plugin", "harness.pytest_plugin.split_groups", "pytester"]
 
 # ci: fast and derandomized, so a pull request sees the same examples every run.
 settings.register_profile(
