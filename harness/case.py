@@ -256,7 +256,10 @@ class CaseConfig:
         """Stable, readable id: ``full_shard-bf16-bwd_pre-fwd_prefetch-offload-orig-transformer``.
 
         Axes at their default value are left out except strategy, precision and model, so ids stay
-        short and do not change when a new axis with a default is added.
+        short and do not change when a new axis with a default is added. Two cases that train
+        differently have different ids, with engine and reference in ``full_id``; the id leaves out what
+        no generator varies (``seed``, ``lr``, ``momentum``), ``check_determinism`` (the same case run
+        twice) and the extras but ``shard_size`` (a planted fault runs the case under its own id).
         """
         parts = [self.sharding_strategy, self.precision, f"bwd_{self.backward_prefetch}"]
         if self.forward_prefetch:
@@ -283,6 +286,8 @@ class CaseConfig:
         if self.stress != "none":
             parts.append(f"stress_{self.stress}")
         parts.extend(loop_segments(self))
+        if "shard_size" in self.extra:  # a hybrid shard group other than ``harness.placement.default_shard_size``
+            parts.append(f"shard{self.extra['shard_size']}")
         return "-".join(parts)
 
     @property

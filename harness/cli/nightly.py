@@ -59,6 +59,7 @@ from harness.placement import (
     n_gpus,
     plan_lanes,
 )
+from harness.records import not_run_text
 from harness.runner import (
     BAD_VERDICTS,
     CaseRunner,
@@ -488,7 +489,7 @@ def _write_not_run(path: Path, not_run: Sequence[tuple[CaseConfig, str]]) -> Non
     if not not_run:
         path.unlink(missing_ok=True)  # a resumed nightly that ran them all
         return
-    path.write_text("".join(f"{case.full_id}\t{why}\n" for case, why in not_run), encoding="utf-8")
+    path.write_text(not_run_text(not_run), encoding="utf-8")
 
 
 def _summary_text(state: Mapping[str, Any]) -> str:
