@@ -22,6 +22,17 @@ InitModeName = Literal["before", "after", "never"]
 #: (``harness.stress``); ``none``: no delays.
 StressName = Literal["none", "delay"]
 
+#: Each strategy's member of FSDP1's ``ShardingStrategy`` (and ``HandleShardingStrategy``), by name.
+FSDP1_STRATEGIES: dict[str, str] = {
+    "full_shard": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "no_shard": "NO_SHARD",
+    "hybrid_shard": "HYBRID_SHARD",
+    "hybrid_shard_zero2": "_HYBRID_SHARD_ZERO2",
+}
+#: Each backward prefetch's member of FSDP1's ``BackwardPrefetch`` by name; None: no prefetch.
+FSDP1_PREFETCHES: dict[str, str | None] = {"none": None, "pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
+
 #: The strategies that shard within a group of ranks and replicate across groups.
 HYBRID_STRATEGIES: tuple[str, ...] = ("hybrid_shard", "hybrid_shard_zero2")
 
@@ -116,6 +127,10 @@ class PrecisionSpec:
     def reduced(self) -> str:
         """The dtype gradients are reduced in (``reduce_dtype_default``)."""
         return reduce_dtype_default(self.full, self.param, self.reduce)
+
+    def mixed_precision_kwargs(self) -> dict[str, str | None]:
+        """FSDP1's ``MixedPrecision`` keywords, as dtype names (None: FSDP1's default)."""
+        return {"param_dtype": self.param, "reduce_dtype": self.reduce, "buffer_dtype": self.buffer}
 
     def casts(self) -> tuple[str, str, str | None]:
         """What the casts do to the numbers: compute, reduce and buffer dtype (None: buffers keep

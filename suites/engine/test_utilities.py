@@ -19,7 +19,7 @@ from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
 
 CPU = torch.device("cpu")
-STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+STRATEGIES = parity.STRATEGIES
 
 
 def _expect(exc: type[BaseException], match: str):
