@@ -125,6 +125,8 @@ def determinism_sample(cases: Sequence[CaseConfig]) -> list[CaseConfig]:
 
 def determinism_summary(records: Sequence[Any]) -> dict[str, Any]:
     """Per engine and strategy (``builtin/full_shard``): cases checked and the nondeterministic ones."""
+    from harness.collector import record_full_id
+
     table: dict[str, dict[str, Any]] = {}
     for record in records:
         if record.deterministic is None:
@@ -133,7 +135,7 @@ def determinism_summary(records: Sequence[Any]) -> dict[str, Any]:
         entry = table.setdefault(key, {"checked": 0, "nondeterministic": []})
         entry["checked"] += 1
         if record.deterministic is False:
-            entry["nondeterministic"].append(f"{record.case['engine']}:{record.case['reference']}:{record.case_id}")
+            entry["nondeterministic"].append(record_full_id(record))
     return {"configurations": dict(sorted(table.items())),
             "nondeterministic": sorted(k for k, v in table.items() if v["nondeterministic"])}
 
