@@ -139,7 +139,7 @@ def _known_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
 
 class NotRun(NamedTuple):
     """A selected case a run did not run (a time budget spent, a pool that did not start): one line of
-    ``not_run.txt``, ``<full id>\t<why>\t<CaseConfig.to_dict() as JSON>``."""
+    ``not_run.txt``, ``<full id>\\t<why>\\t<CaseConfig.to_dict() as JSON>``."""
 
     full_id: str
     why: str
