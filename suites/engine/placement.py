@@ -19,7 +19,7 @@ from harness.rank import new_hybrid_groups
 from suites.engine.models import ENGINE_MODELS
 
 #: the placement checks' models: the engine suites' models without the mixture of experts.
-MODELS = {name: ENGINE_MODELS[name] for name in ("nested", "transformer")}
+MODELS = {name: ENGINE_MODELS[name] for name in ("engine_nested", "engine_transformer")}
 STRATEGY_NAMES = tuple(FSDP1_STRATEGIES.values())
 
 
