@@ -32,7 +32,7 @@ def _parity(api: FSDPApi, impl: str, around: bool) -> None:
                 return checkpoint_wrapper(api.wrap(module, **kwargs), checkpoint_impl=IMPLS[impl])
             return api.wrap(checkpoint_wrapper(module, checkpoint_impl=IMPLS[impl]), **kwargs)
 
-        train_parity(api, "nested", dict(sharding_strategy=strategy, use_orig_params=orig), rank_device(),
+        train_parity(api, "engine_nested", dict(sharding_strategy=strategy, use_orig_params=orig), rank_device(),
                      reference="local", steps=3, wrap=wrap)
 
 

@@ -54,7 +54,7 @@ def _subtests(api: FSDPApi, offload: bool) -> Iterator[dict]:
 def _parity_nested(api: FSDPApi, offload: bool) -> None:
     api.require_offload(offload)
     for kwargs in _subtests(api, offload):
-        train_parity(api, "nested", kwargs, rank_device(), reference="ddp")
+        train_parity(api, "engine_nested", kwargs, rank_device(), reference="ddp")
 
 
 def check_parity_nested_wrapped_model(api: FSDPApi, rank: int, world_size: int) -> None:
@@ -96,24 +96,24 @@ def check_parity_nested_always_wrap_model_offload(api: FSDPApi, rank: int, world
 
 def check_parity_transformer(api: FSDPApi, rank: int, world_size: int) -> None:
     for kwargs in _subtests(api, offload=False):
-        train_parity(api, "transformer", kwargs, rank_device(), reference="ddp")
+        train_parity(api, "engine_transformer", kwargs, rank_device(), reference="ddp")
 
 
 def check_parity_transformer_offload(api: FSDPApi, rank: int, world_size: int) -> None:
     api.require_offload(True)
     for kwargs in _subtests(api, offload=True):
-        train_parity(api, "transformer", kwargs, rank_device(), reference="ddp")
+        train_parity(api, "engine_transformer", kwargs, rank_device(), reference="ddp")
 
 
 def check_parity_mixture_of_experts(api: FSDPApi, rank: int, world_size: int) -> None:
     for kwargs in _subtests(api, offload=False):
-        train_parity(api, "moe", kwargs, rank_device())
+        train_parity(api, "engine_moe", kwargs, rank_device())
 
 
 def check_parity_mixture_of_experts_offload(api: FSDPApi, rank: int, world_size: int) -> None:
     api.require_offload(True)
     for kwargs in _subtests(api, offload=True):
-        train_parity(api, "moe", kwargs, rank_device())
+        train_parity(api, "engine_moe", kwargs, rank_device())
 
 
 def check_param_change_after_init(api: FSDPApi, rank: int, world_size: int) -> None:

@@ -523,7 +523,7 @@ def check_no_sync_correctness(api: FSDPApi, rank: int, world_size: int) -> None:
                 opt.zero_grad()
         _fsdp_params_equal(api, pairs[0][0], pairs[1][0])
         # And both equal the all-data reference.
-        accumulation_parity(api, "transformer", dict(sharding_strategy=strategy, use_orig_params=True), rank_device(),
+        accumulation_parity(api, "engine_transformer", dict(sharding_strategy=strategy, use_orig_params=True), rank_device(),
                             use_no_sync=True)
 
 
