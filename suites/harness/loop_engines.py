@@ -13,8 +13,9 @@
   decay group the no-decay group's zero. One-group optimizers are untouched: fails
   ``optimizer='adamw_groups'`` cases on values.
 
-Importing this module registers the four engines (``harness.registry.register``) in the importing
-process; a pool's ranks import it through ``run_case_with_loop_engines``, the job to send them.
+Importing this module registers the four engines (``harness.registry.register``) and ``decay-dropped``'s
+optimizer step pre-hook (process-wide; it touches only optimizers over that engine's parameters) in the
+importing process; a pool's ranks import it through ``run_case_with_loop_engines``, the job to send them.
 """
 
 from __future__ import annotations
