@@ -19,5 +19,6 @@ from harness.conformance import ASSERT_REWRITE
 # collect them by import: registered before that import, their asserts report the values they compared.
 pytest.register_assert_rewrite(*ASSERT_REWRITE)
 
-# pytester: the plugin's own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py).
-pytest_plugins = ["harness.pytest_plugin", "harness.conformance.profiles", "pytester"]
+# pytester: the plugins' own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py).
+# split_groups: a pytest-split group that drew no test passes (harness/pytest_plugin/split_groups.py).
+pytest_plugins = ["harness.pytest_plugin", "harness.pytest_plugin.split_groups", "harness.conformance.profiles", "pytester"]

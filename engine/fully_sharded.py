@@ -35,6 +35,7 @@ from engine.arguments import normalize_arguments
 from engine.checkpoint_methods import CheckpointMethods
 from engine.config import UnitConfig, choose_compute_device, current_accelerator_device, materialization_device
 from engine.context import RootContext
+from engine.dynamo import eager_frame
 from engine.flat_param import FlatParamHandle
 from engine.grad_norm import clip_grad_norm
 from engine.groups import ProcessGroupArg, resolve_groups
@@ -222,6 +223,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
+    @eager_frame
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._fsdp_state
         if state.lifecycle.state == TrainingState.SUMMON_FULL_PARAMS:

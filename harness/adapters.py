@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from harness.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.capabilities import Rule, first_reason
-from harness.case import CaseConfig, PrecisionSpec, is_hybrid
+from harness.case import FSDP1_PREFETCHES, FSDP1_STRATEGIES, CaseConfig, PrecisionSpec, is_hybrid
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, wrap_bottom_up
 from harness.placement import hybrid_shard_size
@@ -49,6 +49,8 @@ __all__ = [
     "ParamSlice",
     "EngineTrainee",
     "canonical_name",
+    "fsdp1_mixed_precision",
+    "fsdp1_prefetch",
     "has_float_buffers",
     "rank_local_param_names",
 ]
@@ -303,14 +305,16 @@ FSDP1_OFFLOAD_ACCUMULATION_RULE = Rule(
     lambda c: c["grad_accum"] == "sync" and c["cpu_offload"],
 )
 
-_FSDP1_STRATEGY = {
-    "full_shard": "FULL_SHARD",
-    "shard_grad_op": "SHARD_GRAD_OP",
-    "no_shard": "NO_SHARD",
-    "hybrid_shard": "HYBRID_SHARD",
-    "hybrid_shard_zero2": "_HYBRID_SHARD_ZERO2",
-}
-_FSDP1_PREFETCH = {"none": None, "pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
+def fsdp1_prefetch(ns: Any, name: str) -> Any:
+    """The ``BackwardPrefetch`` member of FSDP1's API namespace ``ns`` that prefetch ``name`` means (None: none)."""
+    member = FSDP1_PREFETCHES[name]
+    return None if member is None else getattr(ns.BackwardPrefetch, member)
+
+
+def fsdp1_mixed_precision(ns: Any, spec: PrecisionSpec, **overrides: Any) -> Any:
+    """The ``MixedPrecision`` of FSDP1's API namespace ``ns`` that ``spec`` means; ``overrides`` replace keywords."""
+    fields = {k: dtype_of(v) for k, v in spec.mixed_precision_kwargs().items()}
+    return ns.MixedPrecision(**{**fields, **overrides})
 
 
 class FSDP1Adapter(EngineAdapter):
@@ -359,21 +363,16 @@ class FSDP1Adapter(EngineAdapter):
         ns = self.ns
         spec = case.precision_spec
         kwargs: dict[str, Any] = {
-            "sharding_strategy": getattr(ns.ShardingStrategy, _FSDP1_STRATEGY[case.sharding_strategy]),
-            "backward_prefetch": (
-                None if _FSDP1_PREFETCH[case.backward_prefetch] is None
-                else getattr(ns.BackwardPrefetch, _FSDP1_PREFETCH[case.backward_prefetch])
-            ),
+            "sharding_strategy": getattr(ns.ShardingStrategy, FSDP1_STRATEGIES[case.sharding_strategy]),
+            "backward_prefetch": fsdp1_prefetch(ns, case.backward_prefetch),
             "forward_prefetch": case.forward_prefetch,
             "cpu_offload": ns.CPUOffload(offload_params=case.cpu_offload),
             "use_orig_params": case.use_orig_params,
         }
         ignored = ignored_option(case)
         if spec.is_mixed:
-            fields = {"param_dtype": spec.param, "reduce_dtype": spec.reduce, "buffer_dtype": spec.buffer}
-            kwargs["mixed_precision"] = ns.MixedPrecision(
-                **{k: None if k == ignored else dtype_of(v) for k, v in fields.items()}
-            )
+            dropped = {ignored: None} if ignored in spec.mixed_precision_kwargs() else {}
+            kwargs["mixed_precision"] = fsdp1_mixed_precision(ns, spec, **dropped)
         # FSDP1 refuses CPU modules without a device_id on CPU-only hosts; "never" leaves the move to it.
         if ctx.device_type == "cpu" or case.init_mode == "never":
             kwargs["device_id"] = ctx.device

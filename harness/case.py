@@ -22,6 +22,17 @@ InitModeName = Literal["before", "after", "never"]
 #: (``harness.stress``); ``none``: no delays.
 StressName = Literal["none", "delay"]
 
+#: Each strategy's member of FSDP1's ``ShardingStrategy`` (and ``HandleShardingStrategy``), by name.
+FSDP1_STRATEGIES: dict[str, str] = {
+    "full_shard": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "no_shard": "NO_SHARD",
+    "hybrid_shard": "HYBRID_SHARD",
+    "hybrid_shard_zero2": "_HYBRID_SHARD_ZERO2",
+}
+#: Each backward prefetch's member of FSDP1's ``BackwardPrefetch`` by name; None: no prefetch.
+FSDP1_PREFETCHES: dict[str, str | None] = {"none": None, "pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
+
 #: The strategies that shard within a group of ranks and replicate across groups.
 HYBRID_STRATEGIES: tuple[str, ...] = ("hybrid_shard", "hybrid_shard_zero2")
 
@@ -116,6 +127,10 @@ class PrecisionSpec:
     def reduced(self) -> str:
         """The dtype gradients are reduced in (``reduce_dtype_default``)."""
         return reduce_dtype_default(self.full, self.param, self.reduce)
+
+    def mixed_precision_kwargs(self) -> dict[str, str | None]:
+        """FSDP1's ``MixedPrecision`` keywords, as dtype names (None: FSDP1's default)."""
+        return {"param_dtype": self.param, "reduce_dtype": self.reduce, "buffer_dtype": self.buffer}
 
     def casts(self) -> tuple[str, str, str | None]:
         """What the casts do to the numbers: compute, reduce and buffer dtype (None: buffers keep
@@ -256,7 +271,10 @@ class CaseConfig:
         """Stable, readable id: ``full_shard-bf16-bwd_pre-fwd_prefetch-offload-orig-transformer``.
 
         Axes at their default value are left out except strategy, precision and model, so ids stay
-        short and do not change when a new axis with a default is added.
+        short and do not change when a new axis with a default is added. Two cases that train
+        differently have different ids, with engine and reference in ``full_id``; the id leaves out what
+        no generator varies (``seed``, ``lr``, ``momentum``), ``check_determinism`` (the same case run
+        twice) and the extras but ``shard_size`` (a planted fault runs the case under its own id).
         """
         parts = [self.sharding_strategy, self.precision, f"bwd_{self.backward_prefetch}"]
         if self.forward_prefetch:
@@ -283,6 +301,8 @@ class CaseConfig:
         if self.stress != "none":
             parts.append(f"stress_{self.stress}")
         parts.extend(loop_segments(self))
+        if "shard_size" in self.extra:  # a hybrid shard group other than ``harness.placement.default_shard_size``
+            parts.append(f"shard{self.extra['shard_size']}")
         return "-".join(parts)
 
     @property

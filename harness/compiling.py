@@ -10,6 +10,7 @@ notes, so engines can be compared on them. References run eagerly: compiling doe
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,16 @@ class CompileCounts:
     def note(self, backend: str) -> str:
         why = f" ({'; '.join(self.reasons[:3])})" if self.reasons else ""
         return f"compile ({backend}): {self.graphs} graphs, {self.graph_breaks} graph breaks{why}"
+
+    @classmethod
+    def from_notes(cls, notes: list[str]) -> "CompileCounts | None":
+        """The counts a record's notes hold (``note``'s text; the reasons are not read back), or None
+        where no note is a compile note."""
+        for text in notes:
+            found = re.match(r"compile \([^)]*\): (\d+) graphs, (\d+) graph breaks", text)
+            if found:
+                return cls(int(found.group(1)), int(found.group(2)), ())
+        return None
 
 
 def compiled_counts() -> CompileCounts:

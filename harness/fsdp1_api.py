@@ -12,11 +12,15 @@ engine and hands its spec, which the rank processes resolve again (``load_api``)
 
 Documented differences by design (each check asserts each engine's own behaviour where they differ):
 
-- torch FSDP1 refuses a CPU module without ``device_id`` when the host has no accelerator ("FSDP needs a
+- torch FSDP1 refuses a CPU module without ``device_id`` when the rank sees no accelerator ("FSDP needs a
   non-CPU accelerator device"); our engine (and an engine built on it) computes on CPU by default. ``FSDPApi.wrap`` passes
-  ``device_id=cpu`` to torch on such hosts, as a torch user on CPU must.
+  ``device_id=cpu`` to torch on such ranks, as a torch user on CPU must.
 - torch FSDP1's CPU offload pins host memory, which needs an accelerator: offload checks skip on torch
-  when there is none (``FSDPApi.require_offload``).
+  on CPU ranks (``FSDPApi.require_offload``) and run on ranks on the GPUs.
+
+Each check runs where its rank is (``harness.rank.rank_device()``): the seed suites run their sessions on CPU
+ranks and again on the GPUs (``api_session_tests(device=("cpu", "cuda"))``), sharing one where there are fewer
+GPUs than ranks.
 
 ``suites/seeds/test_fsdp_differences.py`` asserts each engine's own side of both.
 """
@@ -31,6 +35,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+
+from harness.rank import rank_device
 
 __all__ = ["FSDPApi", "load_api"]
 
@@ -86,9 +92,9 @@ class FSDPApi:
         return getattr(self.wrap_module, name)
 
     def device_kwargs(self) -> dict[str, Any]:
-        """What a constructor call needs to run here: ``device_id=cpu`` for torch on a host without an
-        accelerator (see the module docstring), nothing otherwise."""
-        if self.is_torch and not torch.cuda.is_available():
+        """What a constructor call needs to run here: ``device_id=cpu`` for torch on a rank without a
+        GPU (see the module docstring), nothing otherwise (both engines then take the current CUDA device)."""
+        if self.is_torch and rank_device().type == "cpu":
             return {"device_id": torch.device("cpu")}
         return {}
 
@@ -98,16 +104,16 @@ class FSDPApi:
 
     def require_offload(self, offload: bool) -> None:
         """Skip (on every rank alike, before any collective) where the engine cannot offload here."""
-        if offload and self.is_torch and not torch.cuda.is_available():
+        if offload and self.is_torch and rank_device().type == "cpu":
             why = (
-                "torch-fsdp: CPUOffload(offload_params=True) pins the offloaded shards' host memory, and on a host "
+                "torch-fsdp: CPUOffload(offload_params=True) pins the offloaded shards' host memory, and on a rank "
                 "without an accelerator Tensor.pin_memory() raises 'Cannot access accelerator device when none is available'"
             )
             pytest.skip(reason=why)
 
     def offloads(self) -> list[bool]:
         """The CPU-offload values this engine can run here."""
-        return [False] if self.is_torch and not torch.cuda.is_available() else [False, True]
+        return [False] if self.is_torch and rank_device().type == "cpu" else [False, True]
 
 
 def _submodule(package: Any, names: Sequence[str]) -> list[Any]:

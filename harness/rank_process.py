@@ -20,7 +20,7 @@ import torch.distributed as dist
 from harness.placement import xdist_worker
 from harness.rank import RankContext
 
-__all__ = ["Boot", "RankError", "rank_main", "serve"]
+__all__ = ["Boot", "RankError", "die_with_parent", "rank_main", "serve"]
 
 
 @dataclass
@@ -55,22 +55,26 @@ class Boot:
     stacks_path: str
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux): a pool's ranks when the pool's
+    owner dies, a torchrun worker when its agent dies (torchrun leaves the workers of a SIGKILLed agent
+    running)."""
     if not sys.platform.startswith("linux"):
         return
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         return
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect (the orphan has another parent now)
         os._exit(1)
 
 
 def rank_main(boot: Boot, conn: mp_connection.Connection) -> None:
     """Entry point of a rank process: join the group, then run jobs until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     # fd-level redirect so C++ (gloo, NCCL) messages land in the file too.
     err_fd = os.open(boot.stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(err_fd, 2)

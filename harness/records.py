@@ -7,8 +7,13 @@ data so the report builder never needs torch or the harness's runtime.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
+
+if TYPE_CHECKING:
+    from harness.case import CaseConfig
 
 #: ``flaky``: the runs of a repeated case disagreed (``CaseRecord.outcomes`` counts each); never a pass.
 Verdict = Literal["pass", "fail", "unsupported", "error", "timeout", "crash", "flaky"]
@@ -130,3 +135,32 @@ def _known_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
     schema major is ignored, so the record (and a resume over it) stays readable."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in d.items() if k in names}
+
+
+class NotRun(NamedTuple):
+    """A selected case a run did not run (a time budget spent, a pool that did not start): one line of
+    ``not_run.txt``, ``<full id>\\t<why>\\t<CaseConfig.to_dict() as JSON>``."""
+
+    full_id: str
+    why: str
+    #: ``CaseConfig.to_dict()`` of the case, which reports read its axes from; None where the list did
+    #: not record it (lists written before it did, a full id given on the command line).
+    case: dict[str, Any] | None = None
+
+
+def not_run_text(not_run: Iterable[tuple["CaseConfig", str]]) -> str:
+    """``not_run.txt``'s text for ``(case, why)`` pairs (``NotRun``'s line format)."""
+    return "".join(f"{case.full_id}\t{why}\t{json.dumps(case.to_dict())}\n" for case, why in not_run)
+
+
+def parse_not_run(text: str) -> list[NotRun]:
+    """``not_run.txt``'s lines; a line without a reason gets ``not run``, one without a config (written
+    before lines carried it) ``case=None``."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        full_id, _, rest = line.partition("\t")
+        why, _, case = rest.partition("\t")
+        out.append(NotRun(full_id.strip(), why.strip() or "not run", json.loads(case) if case.strip() else None))
+    return out

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from harness.collector import out_path_problem
 from harness.one_line_parser import OneLineParser
+from harness.records import parse_not_run
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
-from reports.scope import parse_not_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--cases", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=[],
                    help="comma list of full ids (engine:reference:case_id) that get a case page even if they pass")
     b.add_argument("--not-run", type=Path, default=None,
-                   help="file of selected cases that were not run (not_run.txt: '<full id>\\t<why>' per line); "
+                   help="file of selected cases that were not run (not_run.txt: '<full id>\\t<why>\\t<case config JSON>' "
+                        "per line, harness.records.NotRun); "
                         "default: not_run.txt/nightly.json next to the results")
     b.add_argument("--selected", type=int, default=None, help="how many cases the run selected (for the banner)")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.collector import BadLine, PathLike, read_records, record_full_id
-from harness.records import CaseRecord
+from harness.records import CaseRecord, NotRun, parse_not_run
 from harness.stored_selection import SELECTION_SUFFIX, read_selection, selection_path
 from reports import render, render_html, render_md
 from reports.attribution import attribute, attributions_dict
@@ -27,7 +27,7 @@ from reports.case_page import CASES_DIR, write_case_pages
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR, DiffResult, diff_frames
 from reports.grid import build_grid
 from reports.matrix import Summary, frame_from_csv, latest, marginals, parity_matrices, records_frame, sort_failing, summarize
-from reports.scope import RunScope, ShardInput, merge_scopes, not_run_frame, parse_not_run, scope_from_nightly, shard_problems
+from reports.scope import RunScope, ShardInput, merge_scopes, not_run_frame, scope_from_nightly, shard_problems
 
 CSV_NAME = "results.csv"
 SUMMARY_NAME = "summary.json"
@@ -115,7 +115,7 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
         stored = None if path.is_dir() else read_selection(path)
         if stored is not None and stored.shard is not None:
             shards.append(ShardInput(str(path), stored.shard, stored.case_ids, frozenset(map(record_full_id, recs)),
-                                     frozenset(i for i, _ in scopes[-1].not_run) if scopes[-1] is not None else frozenset()))
+                                     frozenset(n.full_id for n in scopes[-1].not_run) if scopes[-1] is not None else frozenset()))
     problems = shard_problems(shards)  # refuses shards of different partitions (ValueError)
     frames = [f for f in frames if not f.empty]
     frame = pd.concat(frames, ignore_index=True) if frames else records_frame([])
@@ -132,13 +132,14 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
 
 def build(
     paths: PathLike | Iterable[PathLike], out_dir: PathLike, *, cases: Iterable[str] = (),
-    not_run: Sequence[tuple[str, str]] | None = None, selected: int | None = None, plot_deadline: float | None = None,
+    not_run: Sequence[NotRun | tuple[str, str]] | None = None, selected: int | None = None, plot_deadline: float | None = None,
 ) -> Summary:
     """Write the report of ``paths`` into ``out_dir``: matrix.md, matrix.html, results.csv, one PNG
     heatmap per matrix, one page per case that did not pass (and per full id in ``cases``) under
     ``cases/``, and summary.json. Returns the summary (also in summary.json).
 
-    ``not_run`` (``(full id, why)`` pairs) and ``selected`` describe a partial run; by default they
+    ``not_run`` (``harness.records.NotRun``, or ``(full id, why)`` pairs: those count in the banner but,
+    without their config, mark no grid cell) and ``selected`` describe a partial run; by default they
     come from a ``nightly.json``/``not_run.txt`` next to the inputs. No case page is plotted after
     ``plot_deadline`` (``time.monotonic()``), so a time budget holds the report too.
     """
@@ -148,7 +149,7 @@ def build(
     frame = loaded.frame
     scope = loaded.scope
     if not_run is not None or selected is not None:
-        scope = RunScope(selected, list(not_run or []), [], "arguments", loaded.scope.shards if loaded.scope else [])
+        scope = RunScope(selected, [NotRun(*n) for n in not_run or []], [], "arguments", loaded.scope.shards if loaded.scope else [])
     scope = scope if scope is not None and scope.partial else None
     banner = scope.banner() if scope is not None else ""
     matrices = parity_matrices(frame)
@@ -217,5 +218,5 @@ def diff(
     return diff_frames(
         before.frame, after.frame, ratio_factor=ratio_factor, ratio_floor=ratio_floor,
         bad_lines=before.bad_lines + after.bad_lines,
-        not_run={full_id for full_id, _ in after.scope.not_run} if after.scope is not None else (),
+        not_run={n.full_id for n in after.scope.not_run} if after.scope is not None else (),
     )

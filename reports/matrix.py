@@ -16,7 +16,7 @@ them: the worst error relative to its tolerance, ``<= 1`` being within tolerance
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
@@ -106,21 +106,29 @@ def _worst_error(record: CaseRecord) -> tuple[float, str]:
     return worst.ratio, worst.name
 
 
+def case_axes(case: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``AXIS_COLUMNS`` of a case from its config (``CaseConfig.to_dict()``); axes an older writer did not
+    know read as their defaults."""
+    case = {**_DEFAULTS, **case}
+    return {
+        **{axis: case.get(axis) for axis in AXIS_COLUMNS},
+        # A plugged engine's spec (``mine=fsdp1:pkg``) is shown by its name, as case ids show it.
+        "engine": engine_name(str(case.get("engine"))),
+        # "" when the saving engine resumed (or nothing was saved): a plain value pandas can group.
+        "resume_engine": case.get("resume_engine") or "",
+    }
+
+
 def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None = None) -> pd.DataFrame:
     """One row per record with every column of ``COLUMNS``; ``sources`` says where each came from."""
     rows = []
     for i, record in enumerate(records):
-        case = {**_DEFAULTS, **record.case}
         ratio, quantity = _worst_error(record)
         run = asdict(record.run) if record.run is not None else {}
         rows.append({
             "full_id": record_full_id(record),
             "case_id": record.case_id,
-            **{axis: case.get(axis) for axis in AXIS_COLUMNS},
-            # A plugged engine's spec (``mine=fsdp1:pkg``) is shown by its name, as case ids show it.
-            "engine": engine_name(str(case.get("engine"))),
-            # "" when the saving engine resumed (or nothing was saved): a plain value pandas can group.
-            "resume_engine": case.get("resume_engine") or "",
+            **case_axes(record.case),
             "verdict": record.verdict,
             "worst_ratio": ratio,
             "worst_quantity": quantity,

@@ -2,29 +2,21 @@
 
 A nightly with a time budget, or one whose pools failed, records fewer cases than it selected. Its
 ``nightly.json`` says how many were selected and why the rest were not run, and ``not_run.txt`` lists
-them (``<full id>\\t<why>`` per line). Every report page opens with a banner built from a ``RunScope``
-so a partial run never reads as complete.
+them (``harness.records.NotRun``: full id, why and config per line). Every report page opens with a
+banner built from a ``RunScope`` so a partial run never reads as complete.
 """
 
 from __future__ import annotations
 
 import collections
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any
 
 import pandas as pd
 
-from harness.case import (
-    CHECKPOINT_SEGMENTS,
-    LOOP_SEGMENTS,
-    InitModeName,
-    OptimizerName,
-    PrecisionName,
-    PrefetchName,
-    ShardingName,
-)
+from harness.records import NotRun
+from reports.matrix import AXIS_COLUMNS, case_axes
 
 
 @dataclass
@@ -33,8 +25,8 @@ class RunScope:
 
     #: cases the run selected (None when unknown).
     selected: int | None = None
-    #: ``(full id, why)`` of every selected case that was not run.
-    not_run: list[tuple[str, str]] = field(default_factory=list)
+    #: every selected case that was not run.
+    not_run: list[NotRun] = field(default_factory=list)
     #: why cases were not even selected (``world size 4: 35 cases: needs 4 GPUs``).
     not_selected: list[str] = field(default_factory=list)
     #: where this came from (``nightly.json``, ``not_run.txt``, the command line).
@@ -48,7 +40,7 @@ class RunScope:
 
     def reasons(self) -> dict[str, int]:
         """Cases not run per reason, most first."""
-        return dict(collections.Counter(why for _, why in self.not_run).most_common())
+        return dict(collections.Counter(n.why for n in self.not_run).most_common())
 
     def banner(self) -> str:
         """One sentence for the top of every page; empty when the run was whole."""
@@ -69,18 +61,7 @@ class RunScope:
                 **({"shards": list(self.shards)} if self.shards else {})}
 
 
-def parse_not_run(text: str) -> list[tuple[str, str]]:
-    """``not_run.txt``'s lines as ``(full id, why)``; a line without a reason gets ``not run``."""
-    out = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        full_id, _, why = line.partition("\t")
-        out.append((full_id.strip(), why.strip() or "not run"))
-    return out
-
-
-def scope_from_nightly(state: Mapping[str, Any], not_run: Sequence[tuple[str, str]] = ()) -> RunScope:
+def scope_from_nightly(state: Mapping[str, Any], not_run: Sequence[NotRun] = ()) -> RunScope:
     """The scope ``nightly.json`` describes; ``not_run`` from ``not_run.txt`` when it exists.
 
     Without the list, ``nightly.json``'s counts per reason stand in (the banner needs only counts).
@@ -89,7 +70,7 @@ def scope_from_nightly(state: Mapping[str, Any], not_run: Sequence[tuple[str, st
     listed = list(not_run)
     if not listed and cases.get("not_run"):
         for why, n in (cases.get("not_run_reasons") or {"not run": cases["not_run"]}).items():
-            listed += [("", why)] * int(n)
+            listed += [NotRun("", why)] * int(n)
     skipped = [
         f"world size {ws}: {info.get('cases', '?')} case(s): {info.get('reason', '')}"
         for ws, info in (cases.get("world_sizes_skipped") or {}).items()
@@ -164,50 +145,9 @@ def shard_problems(inputs: Sequence[ShardInput]) -> list[str]:
     return out
 
 
-_PRECISIONS = sorted(get_args(PrecisionName), key=len, reverse=True)
-_STRATEGIES = sorted(get_args(ShardingName), key=len, reverse=True)
-_ID = re.compile(
-    r"^(?P<engine>[^:]+):(?P<reference>[^:]+):(?P<sharding_strategy>" + "|".join(_STRATEGIES) + r")-"
-    r"(?P<precision>" + "|".join(_PRECISIONS) + r")-bwd_(?P<backward_prefetch>" + "|".join(get_args(PrefetchName)) + r")"
-    r"(?P<fwd>-fwd_prefetch)?(?P<offload>-offload)?(?P<orig>-orig)?"
-    r"(?:-init_(?P<init_mode>" + "|".join(get_args(InitModeName)) + r"))?"
-    r"-(?P<model>[A-Za-z0-9_]+)(?:-ws(?P<world_size>\d+))?(?:-steps(?P<steps>\d+))?"
-    r"(?:-(?P<optimizer>" + "|".join(o for o in get_args(OptimizerName) if o != "sgd") + r"))?"
-    r"(?:-(?P<checkpoint>" + "|".join(CHECKPOINT_SEGMENTS.values()) + r")(?:-\d+to\d+)?)?"
-    r"(?:-resume_(?P<resume_engine>.+?))?(?:-stress_(?P<stress>delay))?"
-    + "".join(f"(?:-(?P<{axis}>" + "|".join(names.values()) + "))?" for axis, names in LOOP_SEGMENTS.items())
-    + "$"
-)
-_CHECKPOINTS = {segment: name for name, segment in CHECKPOINT_SEGMENTS.items()}
-#: per training-loop axis: id segment -> value.
-_LOOP_VALUES = {axis: {segment: value for value, segment in names.items()} for axis, names in LOOP_SEGMENTS.items()}
-
-
-def case_from_full_id(full_id: str) -> dict[str, Any] | None:
-    """The axes of a case from its full id (``harness.case.CaseConfig.full_id``); None if it is not one."""
-    m = _ID.match(full_id)
-    if m is None:
-        return None
-    return {
-        "full_id": full_id, "engine": m["engine"], "reference": m["reference"], "model": m["model"],
-        "sharding_strategy": m["sharding_strategy"], "precision": m["precision"],
-        "backward_prefetch": m["backward_prefetch"], "forward_prefetch": bool(m["fwd"]),
-        "cpu_offload": bool(m["offload"]), "use_orig_params": bool(m["orig"]),
-        "init_mode": m["init_mode"] or "before", "world_size": int(m["world_size"] or 2),
-        "steps": int(m["steps"] or 5), "optimizer": m["optimizer"] or "sgd",
-        "checkpoint": _CHECKPOINTS.get(m["checkpoint"] or "", "none"), "resume_engine": m["resume_engine"] or "",
-        **{axis: values.get(m[axis] or "", "none") for axis, values in _LOOP_VALUES.items()},
-    }
-
-
 def not_run_frame(scope: RunScope | None) -> pd.DataFrame:
-    """The not-run cases whose ids parse, one row each with their axes and ``why``."""
-    rows = []
-    for full_id, why in scope.not_run if scope is not None else []:
-        case = case_from_full_id(full_id)
-        if case is not None:
-            rows.append({**case, "why": why})
-    columns = ["full_id", "engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch",
-               "forward_prefetch", "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps",
-               "optimizer", "checkpoint", "resume_engine", *LOOP_SEGMENTS, "why"]
-    return pd.DataFrame(rows, columns=columns)
+    """The not-run cases whose config the list recorded, one row each with their axes (read from the config,
+    as ``reports.matrix.records_frame`` reads a record's) and ``why``."""
+    rows = [{"full_id": n.full_id, **case_axes(n.case), "why": n.why}
+            for n in (scope.not_run if scope is not None else []) if n.case is not None]
+    return pd.DataFrame(rows, columns=["full_id", *AXIS_COLUMNS, "why"])

@@ -59,6 +59,7 @@ from harness.placement import (
     n_gpus,
     plan_lanes,
 )
+from harness.records import not_run_text
 from harness.runner import (
     BAD_VERDICTS,
     CaseRunner,
@@ -124,6 +125,8 @@ def determinism_sample(cases: Sequence[CaseConfig]) -> list[CaseConfig]:
 
 def determinism_summary(records: Sequence[Any]) -> dict[str, Any]:
     """Per engine and strategy (``builtin/full_shard``): cases checked and the nondeterministic ones."""
+    from harness.collector import record_full_id
+
     table: dict[str, dict[str, Any]] = {}
     for record in records:
         if record.deterministic is None:
@@ -132,7 +135,7 @@ def determinism_summary(records: Sequence[Any]) -> dict[str, Any]:
         entry = table.setdefault(key, {"checked": 0, "nondeterministic": []})
         entry["checked"] += 1
         if record.deterministic is False:
-            entry["nondeterministic"].append(f"{record.case['engine']}:{record.case['reference']}:{record.case_id}")
+            entry["nondeterministic"].append(record_full_id(record))
     return {"configurations": dict(sorted(table.items())),
             "nondeterministic": sorted(k for k, v in table.items() if v["nondeterministic"])}
 
@@ -488,7 +491,7 @@ def _write_not_run(path: Path, not_run: Sequence[tuple[CaseConfig, str]]) -> Non
     if not not_run:
         path.unlink(missing_ok=True)  # a resumed nightly that ran them all
         return
-    path.write_text("".join(f"{case.full_id}\t{why}\n" for case, why in not_run), encoding="utf-8")
+    path.write_text(not_run_text(not_run), encoding="utf-8")
 
 
 def _summary_text(state: Mapping[str, Any]) -> str:

@@ -4,7 +4,8 @@
 (several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
 ``harness.runner.CaseRunner``) and appends one record per case to a JSON Lines file through the
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
-ranks are torchrun's own: every rank walks the same case list and rank 0 records. ``--shard K/N`` runs
+ranks are torchrun's own: every rank walks the same case list, rank 0 records, and the watchdog is
+``harness.torchrun_watch`` (a lost node is a crash naming it; the run then ends). ``--shard K/N`` runs
 (or lists) the K-th of N disjoint parts of the selection (``harness.cli.sharding``).
 
 Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
@@ -16,13 +17,10 @@ is unsupported, 1 when some failed, errored, timed out or crashed, 2 when an opt
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
 import shlex
 import sys
-import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -229,38 +227,6 @@ def lane_text(lanes: dict[int, list[Any]]) -> str:
 # run under torchrun
 
 
-class _TorchrunWatchdog:
-    """The per-case time limit under torchrun: no parent can kill a hung rank, so on expiry every rank
-    dumps its stacks to stderr, rank 0 records the case as ``timeout`` with its own stack, and the
-    process exits (torchrun then stops the others; ``--resume`` continues after the case)."""
-
-    def __init__(self, rank: int, timeout_s: float, on_timeout: Any) -> None:
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.on_timeout = on_timeout
-        self._timer: threading.Timer | None = None
-        self._main = threading.main_thread().ident
-
-    def __enter__(self) -> "_TorchrunWatchdog":
-        self._timer = threading.Timer(self.timeout_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-
-    def _fire(self) -> None:
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        frame = sys._current_frames().get(self._main)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        try:
-            self.on_timeout(stack)
-        finally:
-            os._exit(124)
-
-
 def _run_torchrun(args: argparse.Namespace) -> int:
     import datetime
 
@@ -271,7 +237,10 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     from harness.parity import record_from_outcome, run_case_on_rank
     from harness.pool import PoolOutcome, RankError
     from harness.rank import RankContext
+    from harness.rank_process import die_with_parent
+    from harness.torchrun_watch import TorchrunWatch, site_of_this_rank
 
+    die_with_parent()  # torchrun leaves the workers of a SIGKILLed agent running: not ours
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
@@ -314,25 +283,32 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     done = set(shared[0])
     todo = [c for c in cases if c.full_id not in done]
     progress = Progress(len(todo), enabled=rank == 0 and not args.no_progress)
+    # Where every rank lives, so a lost node is named (torchrun's GROUP_RANK, the host).
+    sites: list[Any] = [None] * ws
+    dist.all_gather_object(sites, site_of_this_rank(rank))
+    watch = TorchrunWatch(rank, sites, args.timeout)
     start = time.monotonic()
     try:
         for case in todo:
-            def record_timeout(stack: str, case: CaseConfig = case) -> None:
+            def record_ended(status: str, reason: str, stacks: dict[int, str], exit_codes: dict[int, int],
+                             case: CaseConfig = case, t0: float = time.monotonic()) -> None:
                 if writer is not None:
-                    outcome = PoolOutcome(
-                        "timeout", [None] * ws, f"no answer within {args.timeout:g} s under torchrun (run ended)",
-                        stacks={0: stack}, wall_s=args.timeout,
-                    )
+                    outcome = PoolOutcome(status, [None] * ws, reason, stacks=stacks, exit_codes=exit_codes,
+                                          wall_s=time.monotonic() - t0)
                     writer.append(record_from_outcome(case, outcome))
+                    writer.close()
 
             t0 = time.monotonic()
-            with _TorchrunWatchdog(rank, args.timeout, record_timeout):
+            with watch.case(case.full_id, record_ended if rank == 0 else None):
                 try:
                     answer: tuple[str, Any] = ("ok", run_case_on_rank(ctx, case))
                 except Exception as exc:  # every failure of a case is a result
                     answer = ("raised", RankError.from_exception(rank, exc))
                 gathered: list[Any] = [None] * ws if rank == 0 else []
-                dist.gather_object(answer, gathered if rank == 0 else None, dst=0)
+                try:
+                    dist.gather_object(answer, gathered if rank == 0 else None, dst=0)
+                except Exception as exc:  # the world group is gone: the watch records the case and ends the run
+                    watch.world_failed(exc)
             if writer is not None:
                 errors = {r: v for r, (kind, v) in enumerate(gathered) if kind == "raised"}
                 values = [v if kind == "ok" else None for kind, v in gathered]
@@ -347,6 +323,7 @@ def _run_torchrun(args: argparse.Namespace) -> int:
         if writer is not None:
             writer.close()
     dist.barrier()
+    watch.close()
     dist.destroy_process_group()
     if rank == 0:
         print(summary(progress.counts, out, time.monotonic() - start))

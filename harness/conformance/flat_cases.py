@@ -17,11 +17,12 @@ import torch.nn as nn
 from hypothesis import assume, note
 from hypothesis import strategies as st
 
+from harness.case import ShardingName
+
 LeafKind = Literal[
     "linear", "conv1d", "conv2d", "embedding", "layer_norm", "batch_norm", "group_norm", "rms_norm", "relu"
 ]
 ContainerKind = Literal["sequential", "module_list", "module_dict", "custom"]
-ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: integer dtype of the same width, to compare and fill floating tensors bit by bit.
@@ -276,7 +277,7 @@ def flat_cases(
     *,
     max_world_size: int = 64,
     aligned: bool | None = None,
-    shardings: tuple[ShardingName, ...] = ("FULL_SHARD",),
+    shardings: tuple[ShardingName, ...] = ("full_shard",),
 ) -> FlatCase:
     """A module tree with dtypes, alignment mode, world size, rank and sharding strategy.
 

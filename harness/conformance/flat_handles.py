@@ -1,15 +1,15 @@
 """Flat-parameter handles built in one process for any rank: what the flat-parameter properties
 (``harness.conformance.flat_param_properties``) and the flat-parameter suites build handles with.
 
-Everything here lets one process look at any rank of any world size: a process-group double with
-only ``rank()`` and ``size()`` (all a handle's constructor asks of a group, ours and torch FSDP1's),
-handle construction with FSDP1's argument names, and putting a module tree's parameters back after
-a handle has rewired them, so that one module serves a handle per rank.
+Everything here lets one process look at any rank of any world size: the project's one process-group
+double (:class:`DummyProcessGroup`: ``rank()`` and ``size()`` are all a handle's constructor asks of a
+group, ours and torch FSDP1's; the suites import it from ``suites.wrap.wrap_models``), handle construction
+with FSDP1's argument names over it, and putting a module tree's parameters back after a handle has
+rewired them, so that one module serves a handle per rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -17,15 +17,15 @@ import torch.nn as nn
 from torch import Tensor
 
 from engine.flat_param import HandleShardingStrategy
+from harness.case import FSDP1_STRATEGIES, ShardingName
 from harness.conformance.flat_cases import BITS_DTYPE, FlatCase
 
 
-@dataclass(frozen=True)
-class FakeGroup:
-    """A process group as far as flat-parameter construction is concerned: rank and size only."""
+class DummyProcessGroup:
+    """A process-group test double: only ``rank()`` and ``size()``, no communication."""
 
-    _rank: int
-    _size: int
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
 
     def rank(self) -> int:
         return self._rank
@@ -34,12 +34,26 @@ class FakeGroup:
         return self._size
 
 
+def flatten_params_transformer(seed: int = 0, *, shared: bool = False) -> nn.Transformer:
+    """The transformer of torch's test_fsdp_flatten_params.py (narrower: ``d_model=16``, two heads) with a
+    buffer; ``shared`` ties the feed-forward weights of encoder layer i and decoder layer i, so a handle
+    sees parameters registered twice."""
+    torch.manual_seed(seed)
+    module = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, dropout=0.1)
+    module.register_buffer("dummy_buffer", torch.tensor(1.0))
+    if shared:
+        for enc_layer, dec_layer in zip(module.encoder.layers, module.decoder.layers):
+            dec_layer.linear1.weight = enc_layer.linear1.weight
+            dec_layer.linear2.weight = enc_layer.linear2.weight
+    return module
+
+
 def handle_kwargs(
     *,
     rank: int,
     world_size: int,
     use_orig_params: bool,
-    sharding: str = "FULL_SHARD",
+    sharding: ShardingName = "full_shard",
     mp_param_dtype: torch.dtype | None = None,
     mp_reduce_dtype: torch.dtype | None = None,
     strategy_enum: Any = HandleShardingStrategy,
@@ -51,12 +65,12 @@ def handle_kwargs(
     """
     return {
         "device": torch.device("cpu"),
-        "sharding_strategy": strategy_enum[sharding],
+        "sharding_strategy": strategy_enum[FSDP1_STRATEGIES[sharding]],
         "offload_params": False,
         "mp_param_dtype": mp_param_dtype,
         "mp_reduce_dtype": mp_reduce_dtype,
         "keep_low_precision_grads": False,
-        "process_group": FakeGroup(rank, world_size),
+        "process_group": DummyProcessGroup(rank, world_size),
         "use_orig_params": use_orig_params,
         "fsdp_extension": None,
     }

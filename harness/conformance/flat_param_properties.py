@@ -58,8 +58,8 @@ def count_example(prop: str) -> None:
 
 #: the alignment flat parameters keep, in bytes (TorchInductor's assumption about parameter addresses).
 ALIGN_BYTES = 16
-SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
-ALL_STRATEGIES = (*SHARDED, "NO_SHARD")
+SHARDED = ("full_shard", "shard_grad_op", "hybrid_shard")
+ALL_STRATEGIES = (*SHARDED, "no_shard")
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -196,7 +196,7 @@ def test_numels_and_bytes_preserved(case: FlatCase) -> None:
     shard = handle.flat_param
     held = sum(i.numel_in_shard for i in shard._shard_param_infos if i.in_shard)
     assert held + shard._shard_numel_padded <= shard.numel()
-    if case.sharding == "NO_SHARD":
+    if case.sharding == "no_shard":
         assert (shard.numel(), held, shard._shard_numel_padded) == (unsharded_numel, real_numel, 0)
     else:
         assert shard.numel() * case.world_size >= unsharded_numel

@@ -3,7 +3,9 @@
 Loaded by the root ``conftest.py``. What it adds:
 
 - options ``--engine``, ``--reference``, ``--matrix`` (smoke | pairwise | full), ``--world-size``,
-  ``--backend``, ``--case-timeout``, ``--results`` (see ``pytest --help``, group "parity");
+  ``--backend``, ``--case-timeout``, ``--results``, ``--loop-axes`` (see ``pytest --help``, group
+  "parity"); ``--loop-axes`` deselects the generated cases of every suite that varies no training-loop
+  axis (``SuiteMatrix.varies_loop_axes``), as ``harness run --loop-axes`` selects that slice;
 - ``@pytest.mark.parity_matrix(SuiteMatrix(...))`` on a test that takes ``parity_case``: the test is
   parametrized with the suite's cases for the chosen lane (``harness.pytest_plugin.cases``), each with its
   ``CaseConfig.full_id`` as test id (``-k 'full_shard-bf16'`` selects), marked ``slow`` outside the
@@ -85,6 +87,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--results", default=None, metavar="FILE",
                     help="append every generated case's record to this JSON Lines file (default: none); "
                          "xdist workers write FILE's per-worker siblings, merged into FILE at the end")
+    group.addoption("--loop-axes", action="store_true",
+                    help="run only the generated suites that vary the training-loop axes (harness.matrix.LOOP_SLICE: "
+                         "optimizers, clip_grad, grad_accum, activation_checkpointing, compile); the other "
+                         "generated cases are deselected")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -98,6 +104,7 @@ def pytest_configure(config: pytest.Config) -> None:
             case_timeout=config.getoption("case_timeout"),
             results=config.getoption("results"),
             device=config.getoption("device"),
+            loop_axes=config.getoption("loop_axes"),
         )
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -128,6 +135,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
                 where += (f", {n_workers} xdist workers share them (timings are noisy)"
                           if gpus_shared(ws, gpus, n_workers) else f", a disjoint block per xdist worker ({n_workers})")
         lines.append(f"parity: --matrix {options.matrix}, world size {ws}: {where}")
+    if options.loop_axes:
+        lines.append("parity: --loop-axes: only the generated suites that vary a training-loop axis")
     return lines
 
 
@@ -162,6 +171,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )]
         # Module scope: a seed module spawns its ranks once per engine, not once per check.
         metafunc.parametrize("fsdp_api", engines, scope="module")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--loop-axes``: deselect the generated cases of suites that vary no training-loop axis."""
+    if not config.stash[OPTIONS_KEY].loop_axes:
+        return
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("parity_matrix")
+        generated = marker is not None and "parity_case" in getattr(item, "fixturenames", ())
+        (dropped if generated and not marker.args[0].varies_loop_axes else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from harness.case import CaseConfig, ReferenceName
-from harness.matrix import AXES, SMOKE_VARIANTS, GeneratorName, generate
+from harness.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
 from harness.placement import DeviceChoice, Lane, PlacementError, place
 from harness.records import CaseRecord
 from harness.registry import DEFAULT_ENGINES, check_engines, fsdp1_engines
@@ -91,6 +91,8 @@ class ParityOptions:
     case_timeout_s: float = 300.0
     #: results file every generated case appends its record to; None records nothing (``--results``).
     results: str | None = None
+    #: run only the generated suites that vary the training-loop axes (``--loop-axes``).
+    loop_axes: bool = False
 
     @classmethod
     def parse(
@@ -103,6 +105,7 @@ class ParityOptions:
         case_timeout: float,
         results: str | None,
         device: str = "auto",
+        loop_axes: bool = False,
     ) -> "ParityOptions":
         """From the option strings; ValueError names the bad option."""
         if matrix not in get_args(GeneratorName):
@@ -125,6 +128,7 @@ class ParityOptions:
             device=device,  # type: ignore[arg-type]
             case_timeout_s=float(case_timeout),
             results=results,
+            loop_axes=bool(loop_axes),
         )
 
     @property
@@ -185,6 +189,12 @@ class SuiteMatrix:
         stray = [a for a in self.smoke_each if a not in self.axes]
         if stray:
             raise ValueError(f"SuiteMatrix {self.name!r}: smoke_each {stray} must be axes the suite varies")
+
+    @property
+    def varies_loop_axes(self) -> bool:
+        """Whether the suite varies a training-loop axis (``harness.matrix.LOOP_AXES``): the suites
+        ``--loop-axes`` keeps."""
+        return any(a in self.axes for a in LOOP_AXES)
 
     def _pins(self, engine: str) -> dict[str, Any]:
         base = engine_baseline(engine)

@@ -6,7 +6,7 @@ units from ``wrap_units()`` (``harness.model_protocol.wrap_bottom_up`` wraps the
 Unlike the harness's own models, each seeds the global RNG itself when built (the seeds' tests build
 them directly, on any device), so every rank builds the same parameters, except the experts of
 :class:`MixtureOfExperts`, which differ per rank by design and are never averaged. ``ENGINE_MODELS``
-names them for the suites' parametrizations.
+maps their zoo names to their classes.
 """
 
 from __future__ import annotations
@@ -149,11 +149,11 @@ class MixtureOfExperts(ZooModel):
                 dist.all_reduce(p.grad, group=group)
 
 
-#: the suites' names for these models (their parametrizations' ids).
+#: these models by their names in the zoo (registered below), which the suites' parity helpers take.
 ENGINE_MODELS: dict[str, type[ZooModel]] = {
-    "nested": NestedWrapped,
-    "transformer": SharedTransformer,
-    "moe": MixtureOfExperts,
+    "engine_nested": NestedWrapped,
+    "engine_transformer": SharedTransformer,
+    "engine_moe": MixtureOfExperts,
 }
 
 register_model("engine_nested", "the engine suites' nested linears (units inside units)", NestedWrapped)

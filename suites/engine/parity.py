@@ -15,12 +15,14 @@ Optimizer: SGD with momentum (Adam's normalization would hide a gradient scaled 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.nn as nn
 
-from engine import BackwardPrefetch, CPUOffload, ShardingStrategy
+from engine import CPUOffload, ShardingStrategy
+from harness.adapters import fsdp1_prefetch
+from harness.case import FSDP1_STRATEGIES, PrefetchName
 from suites.seeds import api as _api
 
 #: the builtin engine's FSDP1 API; the helpers live once, engine-neutral, in ``suites.seeds.api``.
@@ -55,15 +57,16 @@ def accumulation_parity(
     _api.accumulation_parity(BUILTIN, model_name, fsdp_kwargs, device, use_no_sync, micro_steps)
 
 
-STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
-PREFETCH = [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]
+#: the strategies one rank session runs (hybrid ones need their own groups: test_hybrid.py).
+STRATEGIES = [ShardingStrategy[FSDP1_STRATEGIES[s]] for s in ("full_shard", "shard_grad_op", "no_shard")]
 
 
 def sweep(model: str, device: torch.device) -> None:
     """Every strategy x use_orig_params x backward prefetch x forward prefetch x offload on ``model``,
     in one rank session; reports every diverging configuration at once."""
     failures = []
-    combos = itertools.product(STRATEGIES, [False, True], PREFETCH, [False, True], [False, True])
+    prefetches = [fsdp1_prefetch(BUILTIN, name) for name in get_args(PrefetchName)]
+    combos = itertools.product(STRATEGIES, [False, True], prefetches, [False, True], [False, True])
     for i, (strategy, orig, bwd, fwd, offload) in enumerate(combos):
         kwargs = dict(
             sharding_strategy=strategy,

@@ -12,14 +12,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.case import FSDP1_STRATEGIES
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.param_devices import PlacementLog, original_names, record_training_step
 from harness.rank import new_hybrid_groups
 from suites.engine.models import ENGINE_MODELS
 
 #: the placement checks' models: the engine suites' models without the mixture of experts.
-MODELS = {name: ENGINE_MODELS[name] for name in ("nested", "transformer")}
-STRATEGY_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+MODELS = {name: ENGINE_MODELS[name] for name in ("engine_nested", "engine_transformer")}
+STRATEGY_NAMES = tuple(FSDP1_STRATEGIES.values())
 
 
 def configurations(strategies: tuple[str, ...] = STRATEGY_NAMES) -> list[tuple[str, str, bool]]:

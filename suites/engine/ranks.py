@@ -114,8 +114,11 @@ def run_checks(
 class RankSession:
     """The outcomes of one spawned session, looked up by check (for a module-scoped fixture)."""
 
-    def __init__(self, outcomes: dict[str, CheckOutcome]) -> None:
+    def __init__(self, outcomes: dict[str, CheckOutcome], engine: str = "", device: DeviceChoice = "cpu") -> None:
         self.outcomes = outcomes
+        #: the engine spec and the device the checks ran with (for expected failures).
+        self.engine = engine
+        self.device = device
 
     def assert_passed(self, check: Check | str) -> None:
         """Fails the test with every rank's report, skips it when every rank skipped, else passes."""
@@ -150,15 +153,11 @@ def session_tests(
     ``device=("cpu", "cuda")`` runs every check on CPU ranks and again on ranks on the GPUs (sharing one
     where there are fewer GPUs than ranks); the CUDA session skips, with the reason, on a host without.
     """
-    devices = device if isinstance(device, tuple) else (device,)
-    # One device keeps the test ids as they were; several add ``on_cpu``/``on_cuda``.
-    params = {"params": devices, "ids": [f"on_{d}" for d in devices]} if len(devices) > 1 else {}
+    devices, params = _device_params(device)
 
     @pytest.fixture(scope="module", **params)
     def session(request: pytest.FixtureRequest) -> RankSession:
-        where: DeviceChoice = getattr(request, "param", devices[0])
-        if where == "cuda" and (reason := gpus_missing(1)):
-            pytest.skip(reason=reason)
+        where = _session_device(request, devices)
         return RankSession(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s))
 
     @_one_xdist_worker(checks)
@@ -169,29 +168,59 @@ def session_tests(
     return session, test_check
 
 
+def _device_params(device: DeviceChoice | tuple[DeviceChoice, ...]) -> tuple[tuple[DeviceChoice, ...], dict[str, Any]]:
+    devices = device if isinstance(device, tuple) else (device,)
+    # One device keeps the test ids as they were; several add ``on_cpu``/``on_cuda``.
+    params = {"params": devices, "ids": [f"on_{d}" for d in devices]} if len(devices) > 1 else {}
+    return devices, params
+
+
+def _session_device(request: pytest.FixtureRequest, devices: tuple[DeviceChoice, ...]) -> DeviceChoice:
+    """The device of this parametrization of the session; skips the CUDA one, saying why, without a GPU."""
+    where: DeviceChoice = getattr(request, "param", devices[0])
+    if where == "cuda" and (reason := gpus_missing(1)):
+        pytest.skip(reason=reason)
+    return where
+
+
+#: ``(engine spec, device, check name) -> reason``: what an engine is known to get wrong there.
+ExpectedFailures = dict[tuple[str, DeviceChoice, str], str]
+
+
 def api_session_tests(
     checks: Sequence[Check],
     load_api: Callable[[str], Any],
     world_size: int = 2,
-    device: DeviceChoice = "cpu",
+    device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
     timeout_s: float = 240.0,
+    expected_failures: ExpectedFailures | None = None,
 ):
     """``session_tests`` once per engine of the ``fsdp_api`` parametrization (``harness.pytest_plugin``:
-    the engines with torch FSDP1's API that ``--engine`` names). Each check is called
+    the engines with torch FSDP1's API that ``--engine`` names) and per device. Each check is called
     ``check(api, rank, world_size)`` with ``api = load_api(fsdp_api)``, built in the parent and pickled
-    to the ranks; the ranks are spawned once per engine::
+    to the ranks; the ranks are spawned once per engine and device::
 
-        session, test_check = api_session_tests(CHECKS, load_api)
+        session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"))
+
+    ``expected_failures`` names what an engine gets wrong on a device, with the reason: those tests are
+    strict xfails there (a pass fails the test, so a fixed engine is noticed).
     """
+    devices, params = _device_params(device)
+    known = expected_failures or {}
 
-    @pytest.fixture(scope="module")
-    def session(fsdp_api: str) -> RankSession:
+    @pytest.fixture(scope="module", **params)
+    def session(request: pytest.FixtureRequest, fsdp_api: str) -> RankSession:
+        where = _session_device(request, devices)
         api = load_api(fsdp_api)
-        return RankSession(run_checks(checks, world_size=world_size, device=device, timeout_s=timeout_s, args=(api,)))
+        outcomes = run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s, args=(api,))
+        return RankSession(outcomes, engine=fsdp_api, device=where)
 
     @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
-    def test_check(session: RankSession, check: Check) -> None:
+    def test_check(request: pytest.FixtureRequest, session: RankSession, check: Check) -> None:
+        # Applied during the call: the engine and device are the session's, known only once it ran.
+        if (reason := known.get((session.engine, session.device, check.__name__))) is not None:
+            request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
         session.assert_passed(check)
 
     return session, test_check

@@ -31,15 +31,15 @@ STRATEGIES = parity.STRATEGIES
 
 
 def check_nested_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("nested", _device())
+    parity.sweep("engine_nested", _device())
 
 
 def check_transformer_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("transformer", _device())
+    parity.sweep("engine_transformer", _device())
 
 
 def check_moe_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("moe", _device())
+    parity.sweep("engine_moe", _device())
 
 
 def check_delays_expose_missing_synchronization(rank: int, world_size: int) -> None:

@@ -33,15 +33,15 @@ def check_hybrid_parity_group_pair(rank: int, world_size: int) -> None:
     combos = itertools.product(HYBRID, [False, True], [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST])
     for i, (strategy, orig, prefetch) in enumerate(combos):
         kwargs = dict(sharding_strategy=strategy, use_orig_params=orig, backward_prefetch=prefetch, process_group=groups)
-        parity.train_parity("nested", kwargs, CPU, reference="ddp" if i % 2 else "local")
-        parity.train_parity("transformer", kwargs, CPU, reference="local" if i % 2 else "ddp")
+        parity.train_parity("engine_nested", kwargs, CPU, reference="ddp" if i % 2 else "local")
+        parity.train_parity("engine_transformer", kwargs, CPU, reference="local" if i % 2 else "ddp")
 
 
 def check_hybrid_parity_device_mesh(rank: int, world_size: int) -> None:
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     for strategy, orig in itertools.product(HYBRID, [False, True]):
         kwargs = dict(sharding_strategy=strategy, use_orig_params=orig, device_mesh=mesh, forward_prefetch=True)
-        parity.train_parity("nested", kwargs, CPU)
+        parity.train_parity("engine_nested", kwargs, CPU)
 
 
 def check_hybrid_shards_within_group(rank: int, world_size: int) -> None:
@@ -54,7 +54,7 @@ def check_hybrid_shards_within_group(rank: int, world_size: int) -> None:
 def check_hybrid_no_sync_and_clip(rank: int, world_size: int) -> None:
     groups = _pair_groups()
     for strategy in HYBRID:
-        parity.accumulation_parity("nested", dict(sharding_strategy=strategy, process_group=groups), CPU, use_no_sync=True)
+        parity.accumulation_parity("engine_nested", dict(sharding_strategy=strategy, process_group=groups), CPU, use_no_sync=True)
         ref = NestedWrapped()
         model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, process_group=groups)
         inputs = NestedWrapped.get_input(step=0, rank=rank)

@@ -14,19 +14,19 @@ from suites.engine.ranks import session_tests
 
 
 def check_nested_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("nested", torch.device("cpu"))
+    parity.sweep("engine_nested", torch.device("cpu"))
 
 
 def check_transformer_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("transformer", torch.device("cpu"))
+    parity.sweep("engine_transformer", torch.device("cpu"))
 
 
 def check_moe_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("moe", torch.device("cpu"))
+    parity.sweep("engine_moe", torch.device("cpu"))
 
 
 def check_both_references_default_kwargs(rank: int, world_size: int) -> None:
-    for model in ("nested", "transformer"):
+    for model in ("engine_nested", "engine_transformer"):
         for reference in ("local", "ddp"):
             parity.train_parity(model, {}, torch.device("cpu"), reference=reference)
 

@@ -88,7 +88,7 @@ def check_offloaded_step_placement(rank: int, world_size: int) -> None:
         if strategy == "NO_SHARD":
             wanted -= {"in_summon_offload_to_cpu", "after_summon_offload_to_cpu"}
         assert set(log) == wanted, (where, sorted(set(log) ^ wanted))
-        names = set(original_names(NestedWrapped() if model_name == "nested" else _transformer()))
+        names = set(original_names(NestedWrapped() if model_name == "engine_nested" else _transformer()))
         for point in COMPUTE_POINTS:
             assert set(log[point]) == names, (where, point, sorted(names ^ set(log[point])))
         violations: list[Violation] = offload_violations(log, "cpu")

@@ -19,7 +19,7 @@ from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
 
 CPU = torch.device("cpu")
-STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+STRATEGIES = parity.STRATEGIES
 
 
 def _expect(exc: type[BaseException], match: str):
@@ -29,14 +29,14 @@ def _expect(exc: type[BaseException], match: str):
 def check_no_sync_parity(rank: int, world_size: int) -> None:
     for strategy, orig in itertools.product(STRATEGIES, [False, True]):
         kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
-        parity.accumulation_parity("nested", kwargs, CPU, use_no_sync=True)
-        parity.accumulation_parity("transformer", kwargs, CPU, use_no_sync=True, micro_steps=3)
+        parity.accumulation_parity("engine_nested", kwargs, CPU, use_no_sync=True)
+        parity.accumulation_parity("engine_transformer", kwargs, CPU, use_no_sync=True, micro_steps=3)
 
 
 def check_accumulation_without_zero_grad(rank: int, world_size: int) -> None:
     for strategy, orig in itertools.product(STRATEGIES, [False, True]):
         kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
-        parity.accumulation_parity("nested", kwargs, CPU, use_no_sync=False)
+        parity.accumulation_parity("engine_nested", kwargs, CPU, use_no_sync=False)
 
 
 def _trained_pair(kwargs: dict, norm_type: float, max_norm: float):

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from engine import flat_param as engine_flat_param
 from engine.flat_param import FlatParamHandle, FlatParamShardMetadata
-from harness.conformance.flat_handles import handle_kwargs
+from harness.conformance.flat_handles import flatten_params_transformer, handle_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 
@@ -44,22 +44,6 @@ def impl(request: pytest.FixtureRequest) -> Implementation:
         "torch.distributed.fsdp._flat_param", reason="torch built without distributed: no FSDP1 reference"
     )
     return Implementation("torch_fsdp1", torch_flat.FlatParamHandle, torch_flat.HandleShardingStrategy)
-
-
-def _transformer(seed: int = 0) -> nn.Transformer:
-    torch.manual_seed(seed)
-    module = nn.Transformer(d_model=32, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=128, dropout=0.1)
-    module.register_buffer("dummy_buffer", torch.tensor(1.0))
-    return module
-
-
-def _shared_params_transformer(seed: int = 0) -> nn.Transformer:
-    module = _transformer(seed)
-    # Tie the feed-forward weights of encoder layer i and decoder layer i.
-    for enc_layer, dec_layer in zip(module.encoder.layers, module.decoder.layers):
-        dec_layer.linear1.weight = enc_layer.linear1.weight
-        dec_layer.linear2.weight = enc_layer.linear2.weight
-    return module
 
 
 def _probe(handle: Any, start: int, end: int) -> Any:
@@ -124,7 +108,7 @@ def test_flat_param_shard_metadata_aligned_mixed_precision(impl: Implementation)
 
 @pytest.mark.parametrize("half", [False, True])
 def test_flatten_nothing(impl: Implementation, half: bool) -> None:
-    module = _transformer()
+    module = flatten_params_transformer()
     if half:
         module = module.half()
     with pytest.raises(ValueError, match="Cannot construct a FlatParamHandle with an empty parameter list"):
@@ -133,7 +117,7 @@ def test_flatten_nothing(impl: Implementation, half: bool) -> None:
 
 @pytest.mark.parametrize("half", [False, True])
 def test_numel_without_shared_params(impl: Implementation, half: bool) -> None:
-    module = _transformer()
+    module = flatten_params_transformer()
     if half:
         module = module.half()
     ref_numel = sum(p.numel() for p in module.parameters())
@@ -144,7 +128,7 @@ def test_numel_without_shared_params(impl: Implementation, half: bool) -> None:
 
 @pytest.mark.parametrize("half", [False, True])
 def test_numel_with_shared_params(impl: Implementation, half: bool) -> None:
-    module = _shared_params_transformer()
+    module = flatten_params_transformer(shared=True)
     if half:
         module = module.half()
     # parameters() counts each shared parameter once; so must the flat parameter.

@@ -36,7 +36,7 @@ class FlatSizedOps(TorchDispatchMode):
 def _unit_backward(model: nn.Module, use_orig_params: bool) -> tuple[list[str], FlatParamHandle, list[torch.Tensor]]:
     params = [p.detach().clone() for p in model.parameters()]
     handle = FlatParamHandle(
-        list(model.parameters()), model, **handle_kwargs(rank=0, world_size=1, use_orig_params=use_orig_params, sharding="NO_SHARD")
+        list(model.parameters()), model, **handle_kwargs(rank=0, world_size=1, use_orig_params=use_orig_params, sharding="no_shard")
     )
     handle.shard()
     leaf = handle.init_unsharded_flat_param(alias_flat_param=True)

@@ -10,6 +10,7 @@ import pytest
 from harness.case import CaseConfig, loop_segments
 from harness.cli.options import add_selection
 from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS, generate, invalid_reason, pairs_uncovered
+from harness.records import not_run_text, parse_not_run
 from harness.runner import Selection, select_cases
 
 
@@ -113,13 +114,12 @@ def test_options_widen_the_axes_and_filter_knows_the_segments() -> None:
      "compile": "compiled", "use_orig_params": True},
     {"optimizer": "two_optimizers", "grad_accum": "sync", "activation_checkpointing": "non_reentrant", "stress": "delay"},
 ])
-def test_reports_read_the_segments_back(changes: dict) -> None:
+def test_reports_read_the_loop_axes_from_the_config(changes: dict) -> None:
     from reports.resume_matrix import resume_suffix
-    from reports.scope import case_from_full_id
+    from reports.scope import RunScope, not_run_frame
 
     case = CaseConfig(engine="builtin", **changes)
-    parsed = case_from_full_id(case.full_id)
-    assert parsed is not None
-    assert {a: parsed[a] for a in LOOP_SLICE} == {a: getattr(case, a) for a in LOOP_SLICE}
+    (read,) = not_run_frame(RunScope(1, parse_not_run(not_run_text([(case, "budget")])))).to_dict("records")
+    assert {a: read[a] for a in LOOP_SLICE} == {a: getattr(case, a) for a in LOOP_SLICE}
     suffix = resume_suffix({a: getattr(case, a) for a in (*LOOP_SLICE, "checkpoint")})
     assert all(segment in suffix for segment in loop_segments(case)), suffix

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from tabulate import tabulate
 
-from harness.case import PRECISIONS, CaseConfig
+from harness.case import PRECISIONS, CaseConfig, PrecisionSpec, PrefetchName
 from harness.records import CaseRecord
 from suites.mixed_precision.models import PARITY_NET
 
 #: the prefetch subtests of the seed's e2e test: forward prefetch x backward prefetch.
-ALL_PREFETCH = [(fwd, bwd) for fwd in (False, True) for bwd in ("none", "pre", "post")]
+ALL_PREFETCH = [(fwd, bwd) for fwd in (False, True) for bwd in get_args(PrefetchName)]
 #: configurations of the e2e product per mp config and CPU offload value: fp32/fp64 x grad scaler x prefetch.
 E2E_RUNS = 2 * 2 * len(ALL_PREFETCH)
 
 #: the seed's embedding-table mixed-precision configs.
-EMBEDDING_CONFIGS = {
-    "reduce": {"reduce_dtype": "float16"},
-    "only_params_and_bufs": {"param_dtype": "float16", "buffer_dtype": "float16"},
-    "default": {"param_dtype": "float16", "buffer_dtype": "float16", "reduce_dtype": "float16"},
-    "params_and_reduce_diff": {"param_dtype": "float16", "buffer_dtype": "float16", "reduce_dtype": "float32"},
+EMBEDDING_CONFIGS: dict[str, PrecisionSpec] = {
+    "reduce": PRECISIONS["reduce_only"],
+    "only_params_and_bufs": PRECISIONS["param_buffer"],
+    "default": PRECISIONS["fp16"],
+    # Not a precision of the matrix: float16 buffers beside the float32 reduce (the matrix's own has bfloat16).
+    "params_and_reduce_diff": PrecisionSpec(full="float32", param="float16", reduce="float32", buffer="float16"),
 }
 
 #: ShardedGradScaler scenarios: parameter dtype, low-precision gradients, CPU offload.

@@ -13,19 +13,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.dtypes import dtype_of
+from harness.adapters import fsdp1_prefetch
 from harness.case import reduce_dtype_default
+from harness.dtypes import dtype_of
 from harness.rank import RankContext
 from harness.trace import CommEvent
 from suites.mixed_precision.models import BUFFER_ORIG_DTYPE, Expectation, PrecisionProbe
+from suites.mixed_precision.cases import ALL_PREFETCH
 from suites.mixed_precision.rank_api import (
-    PREFETCH,
     check_buffers,
     device_kwargs,
     engine_api,
     grad_scaler_class,
     make_mp,
-    prefetch,
     recorded,
     reduced_dtypes,
     strategy,
@@ -197,11 +197,11 @@ def e2e_matrix(ctx: RankContext, payload: dict[str, Any]) -> int:
     combos = itertools.product(
         payload.get("full", ["float32", "float64"]),
         payload.get("scaler", [False, True]),
-        payload.get("prefetch", [(fwd, bwd) for fwd in (False, True) for bwd in PREFETCH]),
+        payload.get("prefetch", ALL_PREFETCH),
     )
     count = 0
     for full, scaler, (fwd, bwd) in combos:
         sharding = strategy(api, payload["strategy"])
-        _run_e2e(api, ctx, mp, sharding, offload, dtype_of(full), scaler, prefetch(api, bwd), fwd, group)
+        _run_e2e(api, ctx, mp, sharding, offload, dtype_of(full), scaler, fsdp1_prefetch(api, bwd), fwd, group)
         count += 1
     return count

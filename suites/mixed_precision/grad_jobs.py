@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from harness.adapters import fsdp1_mixed_precision
 from harness.case import reduce_dtype_default
 from harness.dtypes import dtype_of
 from harness.models import TransformerModel, to_device
@@ -121,8 +122,7 @@ def embedding_table(ctx: RankContext, payload: dict[str, Any]) -> None:
     and gradients are reduced in the reduce dtype."""
     api = engine_api(payload)
     for name in payload["mps"]:
-        fields = {k: dtype_of(v) for k, v in payload["mps"][name].items()}
-        mp = api.MixedPrecision(**fields)
+        mp = fsdp1_mixed_precision(api, payload["mps"][name])
         param_dtype = mp.param_dtype or torch.float32
         expect_reduce = reduce_dtype_default(torch.float32, mp.param_dtype, mp.reduce_dtype)
         torch.manual_seed(0)

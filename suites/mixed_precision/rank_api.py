@@ -27,21 +27,22 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from harness.adapters import fsdp1_mixed_precision
+from harness.case import PRECISIONS, PrecisionName
 from harness.dtypes import dtype_of
 from harness.pool import PoolOutcome
 from harness.rank import RankContext
 from harness.trace import CommEvent, CommTrace, OpKind, dtypes, ops
 from suites.seeds.api import FSDPApi, load_api
 
-MP_CONFIGS: dict[str, dict[str, str]] = {
-    "mp_fp16": {"param_dtype": "float16", "reduce_dtype": "float16", "buffer_dtype": "float16"},
-    "mp_only_reduce": {"reduce_dtype": "float16"},
-    "mp_only_param_and_buf": {"param_dtype": "float16", "buffer_dtype": "float16"},
-    "mp_no_mp": {},
-    "mp_diff_buffer_reduce": {"param_dtype": "float16", "buffer_dtype": "bfloat16", "reduce_dtype": "float32"},
+#: The seed's mixed-precision configs by the names its test ids use, as the harness's precision names.
+MP_CONFIGS: dict[str, PrecisionName] = {
+    "mp_fp16": "fp16",
+    "mp_only_reduce": "reduce_only",
+    "mp_only_param_and_buf": "param_buffer",
+    "mp_no_mp": "fp32",
+    "mp_diff_buffer_reduce": "fp16_bf16buf_fp32reduce",
 }
-#: backward prefetch by test-id name -> ``BackwardPrefetch`` member name (None: no prefetch).
-PREFETCH: dict[str, str | None] = {"none": None, "pre": "BACKWARD_PRE", "post": "BACKWARD_POST"}
 #: FSDP1's environment variable for full precision in eval, read when a unit is constructed (torch
 #: FSDP1 reads ``torch.distributed.fsdp._flat_param._FSDP_USE_FULL_PREC_IN_EVAL``; our engine
 #: ``engine.precision.FULL_PREC_IN_EVAL_ENV``; test_mixed_precision.py checks both names agree).
@@ -69,14 +70,9 @@ def strategy(api: FSDPApi, name: str) -> Any:
     return getattr(api.ShardingStrategy, name)
 
 
-def prefetch(api: FSDPApi, name: str) -> Any:
-    member = PREFETCH[name]
-    return None if member is None else getattr(api.BackwardPrefetch, member)
-
-
-def make_mp(api: FSDPApi, name: str, **overrides: Any) -> Any:
-    fields = {k: dtype_of(v) for k, v in MP_CONFIGS[name].items()}
-    return api.MixedPrecision(**fields, **overrides)
+def make_mp(api: FSDPApi, name: str) -> Any:
+    """The ``MixedPrecision`` of the seed's config ``name`` (``MP_CONFIGS``)."""
+    return fsdp1_mixed_precision(api, PRECISIONS[MP_CONFIGS[name]])
 
 
 def device_kwargs(ctx: RankContext) -> dict[str, Any]:

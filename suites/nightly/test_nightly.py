@@ -18,7 +18,7 @@ import torch
 from harness.case import CaseConfig
 from harness.runner import Selection, select_cases
 from harness.collector import ResultWriter, read_records
-from harness.records import CaseRecord, RunInfo
+from harness.records import CaseRecord, RunInfo, parse_not_run
 from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
 from harness.stored_selection import StoredSelection, selection_options
@@ -142,9 +142,9 @@ def test_a_spent_time_budget_lists_every_case_not_run(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr  # nothing ran: never a green nightly
     assert "no case was run" in done.stdout and "nightly ok" not in done.stdout
     assert json.loads((out / "nightly.json").read_text())["cases"]["order"] == "sampled"
-    listed = (out / "not_run.txt").read_text().splitlines()
-    assert sorted(line.split("\t")[0] for line in listed) == sorted(c.full_id for c in cases)
-    assert all("time budget" in line for line in listed)
+    listed = parse_not_run((out / "not_run.txt").read_text())
+    assert sorted(n.full_id for n in listed) == sorted(c.full_id for c in cases)
+    assert all("time budget" in n.why and CaseConfig.from_dict(n.case).full_id == n.full_id for n in listed)
     state = json.loads((out / "nightly.json").read_text())
     assert state["cases"]["not_run"] == len(cases) and state["cases"]["recorded"] == 0
     # The budget covers the fuzz campaign too: none of it is left.

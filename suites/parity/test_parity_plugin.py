@@ -120,6 +120,26 @@ def test_larger_lanes_are_marked_slow(pytester: pytest.Pytester) -> None:
     assert "test_ok[" not in done.stdout.str(), "cases of the pairwise and full lanes are marked slow"
 
 
+def test_loop_axes_deselects_the_generated_suites_without_a_training_loop_axis(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_generated=SUITE + textwrap.dedent('''
+        LOOP = SuiteMatrix("loop", axes={"clip_grad": ["none", "norm"]}, fixed={"steps": 2})
+
+
+        @pytest.mark.parity_matrix(LOOP)
+        def test_loop(parity_case, parity_runner):
+            parity_runner.run(parity_case)
+    '''))
+    done = pytester.runpytest_inprocess("--collect-only", "-q", "-p", "no:cacheprovider", "--engine", "torch-fsdp",
+                                        "--loop-axes")
+    assert done.ret == 0, done.stdout.str()
+    ids = [line.split("::")[-1] for line in done.stdout.lines if "::" in line]
+    generated = [i for i in ids if i.startswith(("test_ok[", "test_perturbed[", "test_hang[", "test_loop["))]
+    assert generated and all(i.startswith("test_loop[") for i in generated), ids
+    assert "test_seed_engines[torch-fsdp]" in ids, "tests that are not generated cases stay"
+    assert re.search(r"\d+ deselected", done.stdout.str()), done.stdout.str()
+
+
 def test_bad_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
     done = collect(pytester, "--engine=fsdp3")
     assert done.ret == pytest.ExitCode.USAGE_ERROR

@@ -20,7 +20,7 @@ from harness.pytest_plugin.cases import (
     plan_pool,
 )
 from harness.records import CaseRecord, QuantityError
-from suites.parity.slices import CORE, MIXED_PRECISION, ORIG_PARAMS, SUITES, WRAP
+from suites.parity.slices import CORE, MIXED_PRECISION, ORIG_PARAMS, SUITES, TRAINING_LOOP, WRAP
 
 ENGINES = ("builtin", "torch-fsdp", "torch-fsdp2")
 
@@ -42,6 +42,13 @@ def test_default_options_are_every_engine_both_references_smoke_on_two_ranks() -
     assert options.engines == ENGINES and options.references == ("ddp", "local")
     assert options.world_sizes == (2,) and options.matrix == "smoke"
     assert options.fsdp1_engines == ("builtin", "torch-fsdp")
+
+
+def test_loop_axes_keeps_only_the_suites_that_vary_a_training_loop_axis() -> None:
+    assert parse(loop_axes=True).loop_axes and not parse().loop_axes
+    assert [s.name for s in SUITES if s.varies_loop_axes] == [TRAINING_LOOP.name]
+    assert SuiteMatrix("accum", axes={"grad_accum": ["no_sync"]}).varies_loop_axes
+    assert SuiteMatrix("groups", axes={"optimizer": ["adamw_groups"]}).varies_loop_axes
 
 
 def test_options_parse_lists() -> None:

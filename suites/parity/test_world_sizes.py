@@ -68,11 +68,6 @@ def _case(engine: str, **fields: object) -> CaseConfig:
     return CaseConfig(engine=engine, **{"steps": STEPS, **fields})  # type: ignore[arg-type]
 
 
-def _case_id(case: CaseConfig) -> str:
-    shard = case.extra.get("shard_size")
-    return case.full_id + (f"-shard{shard}" if shard else "")
-
-
 def _pool(world_size: int) -> Iterator[RankPool]:
     # gloo on CPU even on a GPU host: these cases stand in for GPUs that are not there.
     with RankPool(PoolConfig(world_size=world_size, backend="gloo", case_timeout_s=180.0)) as pool:
@@ -101,7 +96,7 @@ def _passes(pool: RankPool, case: CaseConfig) -> CaseRecord:
     if outcome.action == "skip":
         pytest.skip(reason=outcome.message)
     if outcome.action == "fail":
-        pytest.fail(f"{_case_id(case)}: {outcome.message}", pytrace=False)
+        pytest.fail(f"{case.full_id}: {outcome.message}", pytrace=False)
     knobs = {k["knob"]: k["status"] for k in record.detail["knobs"]}
     assert knobs["sharding_strategy"] == "ok", record.detail["knobs"]
     assert any(e.name.startswith("grad:") for e in record.errors), "no gradient was compared"
@@ -125,7 +120,7 @@ WS4_HYBRID = [
 ]
 
 
-@pytest.mark.parametrize("case", WS4_HYBRID, ids=_case_id)
+@pytest.mark.parametrize("case", WS4_HYBRID, ids=lambda c: c.full_id)
 def test_hybrid_2x2_at_world_size_4(pool4: RankPool, case: CaseConfig) -> None:
     record = _passes(pool4, case)
     assert record.detail["collectives"]["all_reduce"] > 0, "hybrid gradients must be all-reduced across the 2 replicas"
@@ -144,7 +139,7 @@ WS8_HYBRID = [
 ]
 
 
-@pytest.mark.parametrize("case", WS8_HYBRID, ids=_case_id)
+@pytest.mark.parametrize("case", WS8_HYBRID, ids=lambda c: c.full_id)
 def test_hybrid_2x4_and_4x2_at_world_size_8(pool8: RankPool, case: CaseConfig) -> None:
     record = _passes(pool8, case)
     assert record.detail["collectives"]["all_reduce"] > 0
@@ -171,7 +166,7 @@ WS2_HYBRID_ONE_RANK_SHARDS = [
 ]
 
 
-@pytest.mark.parametrize("case", WS2_HYBRID_ONE_RANK_SHARDS, ids=_case_id)
+@pytest.mark.parametrize("case", WS2_HYBRID_ONE_RANK_SHARDS, ids=lambda c: c.full_id)
 def test_hybrid_with_one_rank_shard_groups_averages_across_replicas(pool2: RankPool, case: CaseConfig) -> None:
     record = _passes(pool2, case)
     assert record.detail["collectives"]["all_reduce"] > 0, "the 2 replicas must all-reduce their gradients"
@@ -205,12 +200,12 @@ def _expected_holdings(case: CaseConfig) -> list[dict[str, int]]:
     return [per_rank[r % group] for r in range(case.world_size)]
 
 
-@pytest.mark.parametrize("case", UNEVEN_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", UNEVEN_CASES, ids=lambda c: c.full_id)
 def test_uneven_shards_with_padding_only_ranks_at_world_size_8(pool8: RankPool, case: CaseConfig) -> None:
     _passes(pool8, case)
     expected = _expected_holdings(case)
     padding_only = [r for r, held in enumerate(expected) if not any(held.values())]
-    assert padding_only, f"{_case_id(case)}: the layout predicts no padding-only rank; the case tests nothing"
+    assert padding_only, f"{case.full_id}: the layout predicts no padding-only rank; the case tests nothing"
 
     outcome = pool8.run(gain_holding_job, case)
     assert outcome.status == "ok", outcome.reason
@@ -233,7 +228,7 @@ MANY_UNITS = [
 ]
 
 
-@pytest.mark.parametrize("case", MANY_UNITS, ids=_case_id)
+@pytest.mark.parametrize("case", MANY_UNITS, ids=lambda c: c.full_id)
 def test_many_units_prefetched_at_world_size_8(pool8: RankPool, case: CaseConfig) -> None:
     record = _passes(pool8, case)
     knobs = {k["knob"]: k["status"] for k in record.detail["knobs"]}
@@ -255,7 +250,7 @@ def test_budgets_are_the_worst_over_ranks() -> None:
 BF16_WS8 = [_case(engine, model="transformer", precision="bf16", reference="ddp", world_size=8, steps=5) for engine in FSDP1]
 
 
-@pytest.mark.parametrize("case", BF16_WS8, ids=_case_id)
+@pytest.mark.parametrize("case", BF16_WS8, ids=lambda c: c.full_id)
 def test_bf16_transformer_at_world_size_8(pool8: RankPool, case: CaseConfig) -> None:
     record = _passes(pool8, case)
     assert record.detail["budget_source"] == "emulation"

@@ -16,6 +16,7 @@ from synthetic_records import RUN, record
 from harness.case import CaseConfig
 from harness.collector import ResultWriter
 from harness.matrix import generate
+from harness.records import not_run_text
 from harness.stored_selection import StoredSelection, write_selection
 
 NIGHTS = ("2026-11-20", "2026-11-21", "2026-11-22")
@@ -71,6 +72,6 @@ def write_nights(root: Path) -> list[Path]:
         }
         (d / "nightly.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
         if not_run:
-            (d / "not_run.txt").write_text("".join(f"{c.full_id}\ttime budget of 240 s spent\n" for c in not_run))
+            (d / "not_run.txt").write_text(not_run_text((c, "time budget of 240 s spent") for c in not_run))
         dirs.append(d)
     return dirs

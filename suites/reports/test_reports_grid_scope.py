@@ -14,32 +14,34 @@ import reports
 from harness.case import CaseConfig
 from harness.collector import record_full_id
 from harness.matrix import generate
+from harness.records import NotRun, not_run_text, parse_not_run
 from harness.stored_selection import StoredSelection, selection_path, write_selection
 from reports.api import load
 from reports.case_page import case_href
 from reports.grid import build_grid
 from reports.matrix import records_frame
-from reports.scope import RunScope, case_from_full_id, not_run_frame, parse_not_run, scope_from_nightly
+from reports.scope import RunScope, not_run_frame, scope_from_nightly
 
 _AXES = ("engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch", "forward_prefetch",
          "cpu_offload", "use_orig_params", "init_mode", "world_size", "steps")
 
 
 @pytest.mark.parametrize("generator", ["pairwise", "smoke"])
-def test_full_ids_parse_back_to_their_axes(generator: str) -> None:
+def test_not_run_cases_are_read_from_their_config(generator: str) -> None:
     cases = generate(generator) + [CaseConfig(model="moe_sleep_free", steps=3, world_size=8, init_mode="after")]
-    for case in cases:
-        parsed = case_from_full_id(case.full_id)
-        assert parsed is not None, case.full_id
-        assert {k: parsed[k] for k in _AXES} == {k: getattr(case, k) for k in _AXES}
-    assert case_from_full_id("not a case id") is None
+    listed = parse_not_run(not_run_text((case, "budget") for case in cases))
+    assert [n.full_id for n in listed] == [c.full_id for c in cases]
+    frame = not_run_frame(RunScope(len(cases), listed))
+    assert [{k: row[k] for k in _AXES} for row in frame.to_dict("records")] == [
+        {k: getattr(case, k) for k in _AXES} for case in cases]
 
 
 def test_grid_puts_every_engine_under_the_same_columns_with_distinct_empty_states() -> None:
     fsdp1 = CaseConfig(engine="torch-fsdp", precision="bf16")
     records = [record(fsdp1), record(CaseConfig(engine="builtin", precision="fp16"), "fail", 9.0),
                record(CaseConfig(engine="torch-fsdp2", use_orig_params=True, backward_prefetch="pre"), "unsupported", None)]
-    not_run = RunScope(3, [(CaseConfig(engine="torch-fsdp2", precision="fp16", backward_prefetch="pre").full_id, "budget")])
+    left = CaseConfig(engine="torch-fsdp2", precision="fp16", backward_prefetch="pre")
+    not_run = RunScope(3, [NotRun(left.full_id, "budget", left.to_dict())])
     grid = build_grid(records_frame(records), not_run_frame(not_run))
     assert grid.engines == ["builtin", "torch-fsdp", "torch-fsdp2"]
     assert grid.columns == [("fp32", "none"), ("fp32", "pre"), ("bf16", "none"), ("bf16", "pre"), ("fp16", "none"), ("fp16", "pre")]
@@ -54,9 +56,14 @@ def test_grid_puts_every_engine_under_the_same_columns_with_distinct_empty_state
 
 
 def test_not_run_list_and_nightly_state_parse() -> None:
-    text = "torch-fsdp:ddp:full_shard-fp32-bwd_none-nested\ttime budget of 240 s spent\n\nx:y:z\n"
-    assert parse_not_run(text) == [("torch-fsdp:ddp:full_shard-fp32-bwd_none-nested", "time budget of 240 s spent"),
-                                   ("x:y:z", "not run")]
+    case = CaseConfig()
+    text = f"{case.full_id}\ttime budget of 240 s spent\t{json.dumps(case.to_dict())}\n\nx:y:z\n"
+    assert parse_not_run(text) == [NotRun(case.full_id, "time budget of 240 s spent", case.to_dict()),
+                                   NotRun("x:y:z", "not run")]
+    # A list written before lines carried the config: its cases count, though no grid cell can show them.
+    old = parse_not_run(f"{case.full_id}\ttime budget of 240 s spent\n")
+    assert old == [NotRun(case.full_id, "time budget of 240 s spent")]
+    assert RunScope(1, old).partial and not_run_frame(RunScope(1, old)).empty
     scope = scope_from_nightly({"cases": {"selected": 10920, "not_run": 10331,
                                           "not_run_reasons": {"time budget of 240 s spent": 10331}}})
     assert len(scope.not_run) == 10331 and scope.partial
@@ -73,7 +80,7 @@ def _partial_nightly(tmp_path: Path) -> tuple[Path, list[CaseConfig]]:
     write_results(d / "results.jsonl", records)
     stored = StoredSelection({"matrix": "pairwise"}, tuple(sorted({*(record_full_id(r) for r in records), *(c.full_id for c in left)})))
     write_selection(d / "results.jsonl", stored)
-    (d / "not_run.txt").write_text("".join(f"{c.full_id}\ttime budget of 240 s spent\n" for c in left))
+    (d / "not_run.txt").write_text(not_run_text((c, "time budget of 240 s spent") for c in left))
     (d / "nightly.json").write_text(json.dumps({"selection": {"id": stored.id}, "cases": {
         "selected": len(records) + len(left), "not_run": len(left),
         "not_run_reasons": {"time budget of 240 s spent": len(left)}}}))

@@ -73,7 +73,7 @@ def train_parity(
     rank, world = dist.get_rank(), dist.get_world_size()
     cls = MODELS[model_name]
     context = f"{api.name} {model_name} {reference} {fsdp_kwargs}"
-    if model_name == "moe":
+    if model_name == "engine_moe":
         ref = cls(rank, device)
         model = wrap_bottom_up(cls(rank, device), api.wrap, functools.partial(api.wrap, process_group=singleton_groups()),
                                **fsdp_kwargs)
@@ -100,7 +100,7 @@ def train_parity(
         else:
             ref_loss = cls.get_loss(inputs, ref_model(*inputs))
             ref_loss.backward()
-            if model_name == "moe":
+            if model_name == "engine_moe":
                 ref.reduce_reference_grads()
             assert_close(loss.detach(), ref_loss.detach(), msg=lambda m, s=step: f"{context}: step {s} loss: {m}")
         ref_opt.step()

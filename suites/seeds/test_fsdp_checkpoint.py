@@ -1,5 +1,5 @@
 """Seed behaviours of torch's test_fsdp_checkpoint.py, as conformance checks against every engine with
-torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 CPU ranks (gloo): activation
+torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 ranks on the CPU and on the GPUs: activation
 checkpointing (``checkpoint_wrapper``, reentrant and non-reentrant) inside the units
 (``FSDP(checkpoint_wrapper(block))``) and around them (``checkpoint_wrapper(FSDP(block))``), so the
 recomputed forward runs the units' forward hooks again inside backward. Each trains against the unsharded
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import itertools
 
-import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from harness.rank import rank_device
 from suites.engine.ranks import api_session_tests
 from suites.seeds.api import FSDPApi, load_api, train_parity
 
-CPU = torch.device("cpu")
 IMPLS = {"reentrant": CheckpointImpl.REENTRANT, "non_reentrant": CheckpointImpl.NO_REENTRANT}
 
 
@@ -33,7 +32,7 @@ def _parity(api: FSDPApi, impl: str, around: bool) -> None:
                 return checkpoint_wrapper(api.wrap(module, **kwargs), checkpoint_impl=IMPLS[impl])
             return api.wrap(checkpoint_wrapper(module, checkpoint_impl=IMPLS[impl]), **kwargs)
 
-        train_parity(api, "nested", dict(sharding_strategy=strategy, use_orig_params=orig), CPU,
+        train_parity(api, "engine_nested", dict(sharding_strategy=strategy, use_orig_params=orig), rank_device(),
                      reference="local", steps=3, wrap=wrap)
 
 
@@ -61,4 +60,4 @@ CHECKS = [
     check_units_inside_checkpoint_reentrant,
     check_units_inside_checkpoint_non_reentrant,
 ]
-session, test_check = api_session_tests(CHECKS, load_api)
+session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"))

@@ -1,5 +1,6 @@
 """Seed behaviours of torch's test_fsdp_core.py, as conformance checks run against every engine with
-torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 CPU ranks (gloo): parity with DDP
+torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 ranks on the CPU and again on the GPUs
+(gloo ranks sharing one where there are fewer GPUs than ranks): parity with DDP
 (nested, always-wrap nested, tied transformer, mixture of experts) over strategy x prefetch x
 use_orig_params, with and without CPU offload, parameter change after init, pre-backward hook
 registration (also after a state-dict round trip), eval output equals no_grad output, unsharded
@@ -22,13 +23,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
-from harness.model_protocol import wrap_bottom_up
+from harness.model_protocol import to_device, wrap_bottom_up
+from harness.rank import rank_device
 from suites.engine.models import NestedWrapped, SharedTransformer
 from suites.engine.ranks import api_session_tests
 from suites.seeds.api import FSDPApi, assert_params_match, load_api, optim, train_parity
-
-CPU = torch.device("cpu")
-
 
 def _strategies(api: FSDPApi) -> list:
     return [api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.NO_SHARD]
@@ -55,7 +54,7 @@ def _subtests(api: FSDPApi, offload: bool) -> Iterator[dict]:
 def _parity_nested(api: FSDPApi, offload: bool) -> None:
     api.require_offload(offload)
     for kwargs in _subtests(api, offload):
-        train_parity(api, "nested", kwargs, CPU, reference="ddp")
+        train_parity(api, "engine_nested", kwargs, rank_device(), reference="ddp")
 
 
 def check_parity_nested_wrapped_model(api: FSDPApi, rank: int, world_size: int) -> None:
@@ -68,14 +67,14 @@ def check_parity_nested_wrapped_model_offload(api: FSDPApi, rank: int, world_siz
 
 def _parity_always_wrap(api: FSDPApi, offload: bool) -> None:
     api.require_offload(offload)
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), rank_device()
     for kwargs in _subtests(api, offload):
-        ref = DDP(NestedWrapped())
-        model = api.wrap(NestedWrapped(), auto_wrap_policy=api.policy("always_wrap_policy"), **kwargs)
+        ref = DDP(NestedWrapped(device))
+        model = api.wrap(NestedWrapped(device), auto_wrap_policy=api.policy("always_wrap_policy"), **kwargs)
         assert len(api.FSDP.fsdp_modules(model)) == 7
         opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
         for step in range(4):
-            x = NestedWrapped.get_input(step=step, rank=rank)
+            x = to_device(NestedWrapped.get_input(step=step, rank=rank), device)
             losses = []
             for m, o in ((model, opt), (ref, ref_opt)):
                 loss = NestedWrapped.get_loss(x, m(*x))
@@ -97,31 +96,32 @@ def check_parity_nested_always_wrap_model_offload(api: FSDPApi, rank: int, world
 
 def check_parity_transformer(api: FSDPApi, rank: int, world_size: int) -> None:
     for kwargs in _subtests(api, offload=False):
-        train_parity(api, "transformer", kwargs, CPU, reference="ddp")
+        train_parity(api, "engine_transformer", kwargs, rank_device(), reference="ddp")
 
 
 def check_parity_transformer_offload(api: FSDPApi, rank: int, world_size: int) -> None:
     api.require_offload(True)
     for kwargs in _subtests(api, offload=True):
-        train_parity(api, "transformer", kwargs, CPU, reference="ddp")
+        train_parity(api, "engine_transformer", kwargs, rank_device(), reference="ddp")
 
 
 def check_parity_mixture_of_experts(api: FSDPApi, rank: int, world_size: int) -> None:
     for kwargs in _subtests(api, offload=False):
-        train_parity(api, "moe", kwargs, CPU)
+        train_parity(api, "engine_moe", kwargs, rank_device())
 
 
 def check_parity_mixture_of_experts_offload(api: FSDPApi, rank: int, world_size: int) -> None:
     api.require_offload(True)
     for kwargs in _subtests(api, offload=True):
-        train_parity(api, "moe", kwargs, CPU)
+        train_parity(api, "engine_moe", kwargs, rank_device())
 
 
 def check_param_change_after_init(api: FSDPApi, rank: int, world_size: int) -> None:
+    device = rank_device()
     for mp in (None, api.MixedPrecision()):
-        x = SharedTransformer.get_input(step=0, rank=rank)
-        ref_out = wrap_bottom_up(SharedTransformer(), api.wrap, mixed_precision=mp)(*x)
-        model = wrap_bottom_up(SharedTransformer(), api.wrap, mixed_precision=mp)
+        x = to_device(SharedTransformer.get_input(step=0, rank=rank), device)
+        ref_out = wrap_bottom_up(SharedTransformer(device), api.wrap, mixed_precision=mp)(*x)
+        model = wrap_bottom_up(SharedTransformer(device), api.wrap, mixed_precision=mp)
         nn.init.normal_(next(model.parameters()).data)
         assert not torch.allclose(model(*x), ref_out), "new output did not reflect the change after init"
 
@@ -129,7 +129,7 @@ def check_param_change_after_init(api: FSDPApi, rank: int, world_size: int) -> N
 def _check_pre_backward_hook_registration(model: nn.Module) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     opt.zero_grad()
-    inputs = SharedTransformer.get_input(step=0, rank=dist.get_rank())
+    inputs = to_device(SharedTransformer.get_input(step=0, rank=dist.get_rank()), rank_device())
     out = model(*inputs)
     assert len(out._backward_hooks) == 1
     SharedTransformer.get_loss(inputs, out).backward()
@@ -139,14 +139,14 @@ def _check_pre_backward_hook_registration(model: nn.Module) -> None:
 
 
 def check_pre_backward_hook_registration(api: FSDPApi, rank: int, world_size: int) -> None:
-    _check_pre_backward_hook_registration(wrap_bottom_up(SharedTransformer(), api.wrap))
+    _check_pre_backward_hook_registration(wrap_bottom_up(SharedTransformer(rank_device()), api.wrap))
 
 
 def check_pre_backward_hook_registration_after_state_dict(api: FSDPApi, rank: int, world_size: int) -> None:
-    model = wrap_bottom_up(SharedTransformer(), api.wrap)
+    model = wrap_bottom_up(SharedTransformer(rank_device()), api.wrap)
     opt = optim(model.parameters())
     for step in range(2):
-        inputs = SharedTransformer.get_input(step=step, rank=rank)
+        inputs = to_device(SharedTransformer.get_input(step=step, rank=rank), rank_device())
         SharedTransformer.get_loss(inputs, model(*inputs)).backward()
         opt.step()
         opt.zero_grad()
@@ -159,7 +159,7 @@ def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
     keeps each unit's post-backward hook handle on the unit."""
     from engine.state import ModuleState
 
-    model = wrap_bottom_up(SharedTransformer(), api.wrap)
+    model = wrap_bottom_up(SharedTransformer(rank_device()), api.wrap)
     calls = {"pre_backward_registered": 0}
     orig_post_forward = ModuleState.post_forward
 
@@ -171,7 +171,7 @@ def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
         return out
 
     with mock.patch.object(ModuleState, "post_forward", counting_post_forward):
-        model(*SharedTransformer.get_input(step=0, rank=rank))
+        model(*to_device(SharedTransformer.get_input(step=0, rank=rank), rank_device()))
     assert calls["pre_backward_registered"] > 0
     units = [m._unit for m in api.FSDP.fsdp_modules(model) if m._unit is not None]
     assert units and all(u._post_backward_hook is not None for u in units), "post-backward hooks registered"
@@ -181,13 +181,13 @@ def _hooks_registered_torch(api: FSDPApi, rank: int) -> None:
     """torch FSDP1 registers them in ``_runtime_utils`` (as the seed checks, by patching)."""
     import torch.distributed.fsdp._runtime_utils as runtime_utils
 
-    model = wrap_bottom_up(SharedTransformer(), api.wrap)
+    model = wrap_bottom_up(SharedTransformer(rank_device()), api.wrap)
     with mock.patch.object(
         runtime_utils, "_register_pre_backward_hooks", wraps=runtime_utils._register_pre_backward_hooks
     ) as pre, mock.patch.object(
         runtime_utils, "_register_post_backward_hook", wraps=runtime_utils._register_post_backward_hook
     ) as post:
-        model(*SharedTransformer.get_input(step=0, rank=rank))
+        model(*to_device(SharedTransformer.get_input(step=0, rank=rank), rank_device()))
     assert pre.call_count > 0, "pre-backward hooks registered"
     assert post.call_count > 0, "post-backward hooks registered"
 
@@ -200,13 +200,14 @@ def check_register_functions_called(api: FSDPApi, rank: int, world_size: int) ->
 def check_transformer_eval_equals_no_grad(api: FSDPApi, rank: int, world_size: int) -> None:
     # bfloat16 stands in for the seed's float16 (CPU kernels).
     bf16 = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    device = rank_device()
     for mp in (None, bf16):
-        model = wrap_bottom_up(SharedTransformer(), api.wrap, mixed_precision=mp)
+        model = wrap_bottom_up(SharedTransformer(device), api.wrap, mixed_precision=mp)
         opt = optim(model.parameters())
-        inputs = SharedTransformer.get_input(step=0, rank=rank)
+        inputs = to_device(SharedTransformer.get_input(step=0, rank=rank), device)
         SharedTransformer.get_loss(inputs, model(*inputs)).backward()
         opt.step()
-        x = SharedTransformer.get_input(step=1, rank=rank)
+        x = to_device(SharedTransformer.get_input(step=1, rank=rank), device)
         model.eval()
         # Under no_grad, eval-mode encoder layers take torch's fused "fast path", whose
         # bfloat16 rounding differs from the composite path: compare the same kernels.
@@ -240,7 +241,7 @@ def check_unshard_params_as_tensors(api: FSDPApi, rank: int, world_size: int) ->
     )
     for strategy, orig, fwd, bwd in combos:
         model = api.wrap(
-            nn.Sequential(*[nn.Linear(3, 3) for _ in range(5)]),
+            nn.Sequential(*[nn.Linear(3, 3, device=rank_device()) for _ in range(5)]),
             sharding_strategy=strategy,
             use_orig_params=orig,
             forward_prefetch=fwd,
@@ -258,7 +259,7 @@ def check_unshard_params_as_tensors(api: FSDPApi, rank: int, world_size: int) ->
         ]
         for _ in range(3):
             with _assert_tensor_views(api):
-                model(torch.randn(2, 3)).sum().backward()
+                model(torch.randn(2, 3, device=rank_device())).sum().backward()
         for h in handles:
             h.remove()
         assert seen and all(t is torch.Tensor for t in seen), f"{strategy} orig={orig}: {set(seen)}"
@@ -280,4 +281,17 @@ CHECKS = [
     check_transformer_eval_equals_no_grad,
     check_unshard_params_as_tensors,
 ]
-session, test_check = api_session_tests(CHECKS, load_api, timeout_s=400)
+#: Measured on one H100 (torch 2.11, 2 gloo ranks sharing the GPU, 3 repetitions of the 18 subtests):
+#: torch FSDP1 disagrees with the reference in most offload subtests of the mixture of experts, our
+#: engine in none; without offload, and on the nested and transformer models with offload, both agree.
+#: The experts are units over one-rank groups, which issue no collective; the likely cause (not yet
+#: confirmed) is that nothing then orders the gradient's non-blocking copy to the host before the
+#: optimizer step reads it, the race README's findings name for NO_SHARD with CPU offload on busy GPUs.
+EXPECTED_FAILURES = {
+    ("torch-fsdp", "cuda", "check_parity_mixture_of_experts_offload"): (
+        "torch FSDP1 with CPU offload on the experts' one-rank-group units disagrees with the reference on "
+        "CUDA ranks (measured on an H100, gloo ranks sharing it); our engine agrees"
+    ),
+}
+session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=400,
+                                        expected_failures=EXPECTED_FAILURES)

@@ -11,25 +11,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.testing import assert_close
 
+from harness.conformance.flat_handles import flatten_params_transformer
 from suites.engine.ranks import api_session_tests
 from suites.seeds.api import FSDPApi, load_api
 
 CPU = torch.device("cpu")
-
-
-def _transformer(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    module = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, dropout=0.1)
-    module.register_buffer("dummy_buffer", torch.tensor(1.0))
-    return module
-
-
-def _shared_transformer(seed: int = 0) -> nn.Module:
-    module = _transformer(seed)
-    for enc, dec in zip(module.encoder.layers, module.decoder.layers):
-        dec.linear1.weight = enc.linear1.weight
-        dec.linear2.weight = enc.linear2.weight
-    return module
 
 
 def _input(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +45,7 @@ def _handle_kwargs(api: FSDPApi) -> dict:
 
 def check_partial_flattening(api: FSDPApi, rank: int, world_size: int) -> None:
     for half in (False, True):
-        module = _transformer()
+        module = flatten_params_transformer()
         if half:
             module = module.half()
         numel = sum(p.numel() for p in module.parameters())
@@ -84,7 +70,7 @@ def check_partial_flattening(api: FSDPApi, rank: int, world_size: int) -> None:
 
 def check_flatten_nothing(api: FSDPApi, rank: int, world_size: int) -> None:
     for half in (False, True):
-        module = _transformer().half() if half else _transformer()
+        module = flatten_params_transformer().to(torch.float16 if half else torch.float32)
         try:
             api.FlatParamHandle([], module, **_handle_kwargs(api))
         except ValueError as e:
@@ -106,21 +92,21 @@ def check_empty_module(api: FSDPApi, rank: int, world_size: int) -> None:
 
 
 def check_numel(api: FSDPApi, rank: int, world_size: int) -> None:
-    for build in (_transformer, _shared_transformer):
+    for shared in (False, True):
         for half in (False, True):
-            module = build().half() if half else build()
+            module = flatten_params_transformer(shared=shared).to(torch.float16 if half else torch.float32)
             ref_numel = sum(p.numel() for p in module.parameters())
             handle = api.FlatParamHandle(list(module.parameters()), module, **_handle_kwargs(api))
-            assert handle.flat_param.numel() == ref_numel, (build.__name__, half)
+            assert handle.flat_param.numel() == ref_numel, (shared, half)
 
 
 def check_output(api: FSDPApi, rank: int, world_size: int) -> None:
-    for build in (_transformer, _shared_transformer):
+    for shared in (False, True):
         for half in (False, True):
-            module = build().half() if half else build()
+            module = flatten_params_transformer(shared=shared).to(torch.float16 if half else torch.float32)
             ref = _output(module)
             out = _output(api.wrap(module))
-            assert_close(out, ref, msg=lambda m: f"{build.__name__} half={half}: {m}")
+            assert_close(out, ref, msg=lambda m: f"shared={shared} half={half}: {m}")
 
 
 def _pnorm_after_step(module: nn.Module) -> torch.Tensor:
@@ -132,9 +118,9 @@ def _pnorm_after_step(module: nn.Module) -> torch.Tensor:
 
 def check_pnorm_after_step_with_shared_params(api: FSDPApi, rank: int, world_size: int) -> None:
     for half in (False, True):
-        ref_module = _shared_transformer().half() if half else _shared_transformer()
+        ref_module = flatten_params_transformer(shared=True).to(torch.float16 if half else torch.float32)
         ref = _pnorm_after_step(ref_module)
-        module = _shared_transformer().half() if half else _shared_transformer()
+        module = flatten_params_transformer(shared=True).to(torch.float16 if half else torch.float32)
         got = _pnorm_after_step(api.wrap(module))
         assert_close(got, ref, msg=lambda m: f"half={half}: {m}")
 

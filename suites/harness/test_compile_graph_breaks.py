@@ -1,0 +1,29 @@
+"""A compiled case breaks the graph no more often on our engine than on torch FSDP1: both keep their
+hooks out of Dynamo (ours by ``engine.dynamo``), so Dynamo compiles the wrapped modules between the
+units' eager forwards. Counted by ``harness.compiling`` on the harness suites' parity pool, on the
+models the training-loop slice compiles (``aot_eager`` on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.case import CaseConfig
+from harness.compiling import CompileCounts
+from harness.parity import record_from_outcome, run_case_on_rank
+from harness.pool import RankPool
+
+
+def _counts(pool: RankPool, case: CaseConfig) -> CompileCounts:
+    record = record_from_outcome(case, pool.run(run_case_on_rank, case))
+    assert record.verdict == "pass", (case.engine, record.verdict, record.reason)
+    counts = CompileCounts.from_notes(record.detail.get("notes", []))
+    assert counts is not None and counts.graphs > 0, (case.engine, record.detail.get("notes"))
+    return counts
+
+
+@pytest.mark.parametrize("model", ["nested", "transformer"])
+def test_ours_breaks_the_graph_no_more_than_torch_fsdp1(parity_pool: RankPool, model: str) -> None:
+    case = CaseConfig(engine="builtin", reference="local", model=model, steps=2, use_orig_params=True, compile="compiled")
+    ours = _counts(parity_pool, case)
+    torch_fsdp1 = _counts(parity_pool, case.replace(engine="torch-fsdp"))
+    assert ours.graph_breaks <= torch_fsdp1.graph_breaks, (ours, torch_fsdp1)
