@@ -79,6 +79,9 @@ def _check_param_parity(api: FSDPApi, ddp: DDP, fsdp: nn.Module, adam_steps: int
         assert len(pairs) == len(list(ddp.module.parameters()))
         for (n1, p1), (n2, p2) in pairs:
             assert n1 == _clean(n2), (n1, n2)
+            # Where summoned parameters live is the engine's: torch FSDP1 leaves NO_SHARD's offloaded
+            # parameters on the CPU (nothing to unshard), so values are compared on DDP's device.
+            p2 = p2.to(p1.device)
             if adam_steps and n1.endswith("self_attn.in_proj_bias") and p1.device.type == "cuda":
                 p1, p2 = _key_bias_bound(p1, p2, adam_steps * lr, n1)
             assert_close(p1, p2, msg=lambda m: f"{n1}: {m}")
