@@ -122,18 +122,24 @@ def _note_layout(handle: FlatParamHandle) -> None:
     note(f"numels_with_padding={handle.flat_param._numels_with_padding} fqns={handle.flat_param._fqns}")
 
 
+def _sharded_with_oracle(case: FlatCase) -> tuple[list[tuple[str, Tensor]], list[FlatParamHandle], list[int], Ownership]:
+    """The case's module flattened on every rank, with its original parameters, their numels and the
+    ownership oracle over them."""
+    module = case.build()
+    originals = _originals(module)
+    handles = shard_per_rank(module, case, FlatParamHandle, range(case.world_size))
+    _note_layout(handles[0])
+    numels = [t.numel() for _, t in originals]
+    return originals, handles, numels, ownership_oracle(numels, world_size=case.world_size, align_numel=_align_numel(case))
+
+
 # ---------------------------------------------------------------------------------------- (a)
 @given(case=flat_cases(shardings=SHARDED))
 def test_every_element_owned_once_at_oracle_offset(case: FlatCase) -> None:
     """Over all ranks' real shards, every element of every original parameter is held exactly
     once, at the (rank, offset) the oracle computes, with its own bits; shard metadata agrees."""
     count_example("a_ownership")
-    module = case.build()
-    originals = _originals(module)
-    handles = shard_per_rank(module, case, FlatParamHandle, range(case.world_size))
-    _note_layout(handles[0])
-    numels = [t.numel() for _, t in originals]
-    oracle = ownership_oracle(numels, world_size=case.world_size, align_numel=_align_numel(case))
+    originals, handles, numels, oracle = _sharded_with_oracle(case)
     expected_bits = [bits(storage_order(t)).tolist() for _, t in originals]
 
     held: list[list[list[tuple[int, int]]]] = [[[] for _ in range(n)] for n in numels]
@@ -242,12 +248,7 @@ def test_shards_equal_size_and_padding_bounded(case: FlatCase) -> None:
     """Every rank's shard has the same size; right padding is where the oracle says and the
     total padding is at most what alignment and the world size force."""
     count_example("d_equal_shards")
-    module = case.build()
-    originals = _originals(module)
-    handles = shard_per_rank(module, case, FlatParamHandle, range(case.world_size))
-    _note_layout(handles[0])
-    numels = [t.numel() for _, t in originals]
-    oracle = ownership_oracle(numels, world_size=case.world_size, align_numel=_align_numel(case))
+    originals, handles, numels, oracle = _sharded_with_oracle(case)
 
     assert {h.flat_param.numel() for h in handles} == {oracle.shard_numel}
     assert [h.flat_param._shard_numel_padded for h in handles] == [
