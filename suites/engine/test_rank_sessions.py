@@ -1,14 +1,22 @@
 """The rank sessions the engine and seed suites run their checks in (``suites.engine.ranks``, on
 ``harness.pool.RankPool``): a failure names the rank and keeps its traceback, a skip needs every rank,
-and the checks after a failure still run."""
+and the checks after a failure still run; ``--device`` narrows a session run on both devices, and an
+expected failure is a strict xfail."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from suites.engine.ranks import run_checks
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def check_all_reduce(rank: int, world_size: int) -> None:
@@ -31,3 +39,56 @@ def test_failures_skips_and_later_checks() -> None:
     assert not failed.passed and failed.errors[0] is None and "planted failure on rank 1" in (failed.errors[1] or "")
     assert outcomes["check_skips"].passed and outcomes["check_skips"].skip_reason == "feature missing here"
     assert outcomes["check_all_reduce"].passed, outcomes["check_all_reduce"].report()
+
+
+#: A scratch suite: a session on both devices, and one per engine whose expected failures are planted.
+_SCRATCH_DEVICES = '''
+from suites.engine.ranks import session_tests
+
+
+def check_ok(rank, world_size):
+    pass
+
+
+session, test_check = session_tests([check_ok], device=("cpu", "cuda"))
+'''
+_SCRATCH_KNOWN = '''
+from suites.engine.ranks import api_session_tests
+
+
+def check_fails(api, rank, world_size):
+    assert False, "planted failure"
+
+
+def check_passes(api, rank, world_size):
+    pass
+
+
+KNOWN = {
+    ("builtin", "cpu", "check_fails"): "planted: the engine gets this wrong",
+    ("builtin", "cpu", "check_passes"): "planted: said to fail, but passes",
+}
+session, test_check = api_session_tests([check_fails, check_passes], lambda spec: spec, expected_failures=KNOWN)
+'''
+
+
+def _scratch_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["harness.pytest_plugin"]\n')
+    (tmp_path / "test_devices.py").write_text(_SCRATCH_DEVICES)
+    (tmp_path / "test_known.py").write_text(_SCRATCH_KNOWN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-rA", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_device_option_narrows_sessions_and_expected_failures_are_strict(tmp_path: Path) -> None:
+    done = _scratch_run(tmp_path, "--engine", "builtin", "--device", "cpu")
+    out = done.stdout
+    assert "PASSED test_devices.py::test_check[on_cpu-check_ok]" in out, out[-3000:]
+    assert "--device cpu: the cuda session is not selected" in out, out[-3000:]
+    # A known failure is an xfail with its reason; one that passes fails the run (strict).
+    assert "XFAIL test_known.py::test_check[builtin-check_fails]" in out and "the engine gets this wrong" in out, out[-3000:]
+    assert "FAILED test_known.py::test_check[builtin-check_passes]" in out and "XPASS(strict)" in out, out[-3000:]
+    assert done.returncode == 1, out[-3000:]
