@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
 from harness.model_protocol import to_device, wrap_bottom_up
+from harness.optim import sgd
 from harness.rank import rank_device
 from suites.engine.models import SharedTransformer
 from suites.engine.ranks import api_session_tests
@@ -375,8 +376,8 @@ def check_grad_writeback(api: FSDPApi, rank: int, world_size: int) -> None:
 
         ddp = DDP(_Lin2())
         fsdp = api.wrap(_Lin2(), use_orig_params=True)
-        ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-        fsdp_opt = torch.optim.SGD(fsdp.parameters(), lr=1e-2, momentum=0.9)
+        ddp_opt = sgd(ddp.parameters(), lr=1e-2, momentum=0.9)
+        fsdp_opt = sgd(fsdp.parameters(), lr=1e-2, momentum=0.9)
         for step in range(2):
             torch.manual_seed(step + 10 * rank)
             x = fsdp.get_input()
@@ -504,7 +505,7 @@ def check_named_parameters_in_forward(api: FSDPApi, rank: int, world_size: int) 
 
 def _no_sync_models(api: FSDPApi, strategy: Any):
     return [
-        (m, torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9))
+        (m, sgd(m.parameters(), lr=1e-2, momentum=0.9))
         for m in (wrap_bottom_up(SharedTransformer(rank_device()), api.wrap, sharding_strategy=strategy, use_orig_params=o) for o in (False, True))
     ]
 
