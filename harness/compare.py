@@ -114,13 +114,12 @@ def error_text(error: QuantityError) -> str:
 
 def assert_tensors_match(name: str, actual: torch.Tensor, expected: torch.Tensor, policy: TolerancePolicy, context: str = "") -> None:
     """Raise ``AssertionError`` (``context``: what was compared) unless ``actual`` matches ``expected``
-    under ``policy``: the checks that compare tensors directly decide as the generated cases do. Shape
-    and dtype must agree exactly, as ``torch.testing.assert_close`` requires by default."""
+    under ``policy``: the checks that compare tensors directly decide as the generated cases do. Shape,
+    dtype and device must agree exactly, as ``torch.testing.assert_close`` requires by default."""
     prefix = f"{context}: " if context else ""
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        raise AssertionError(
-            f"{prefix}{name}: got {tuple(actual.shape)} {actual.dtype}, expected {tuple(expected.shape)} {expected.dtype}"
-        )
+    got, want = (actual.shape, actual.dtype, actual.device), (expected.shape, expected.dtype, expected.device)
+    if got != want:
+        raise AssertionError(f"{prefix}{name}: got {tuple(got[0])} {got[1]} on {got[2]}, expected {tuple(want[0])} {want[1]} on {want[2]}")
     error = compare_tensors(name, actual, expected, *policy.tolerance(name))
     if not error.passed:
         raise AssertionError(prefix + error_text(error))

@@ -224,12 +224,14 @@ def test_a_direct_check_agrees_with_torchs_defaults(dtype: torch.dtype, scale: f
     assert passed == torch_passed
 
 
-def test_a_direct_check_refuses_another_shape_or_dtype() -> None:
+def test_a_direct_check_refuses_another_shape_dtype_or_device() -> None:
     policy = TolerancePolicy.for_dtype(torch.float32)
     with pytest.raises(AssertionError, match="expected \\(2, 3\\)"):
         assert_tensors_match("param:w", torch.zeros(3, 2), torch.zeros(2, 3), policy)
     with pytest.raises(AssertionError, match="torch.float64"):
         assert_tensors_match("param:w", torch.zeros(2), torch.zeros(2, dtype=torch.float64), policy)
+    with pytest.raises(AssertionError, match="on meta"):
+        assert_tensors_match("param:w", torch.zeros(2), torch.zeros(2, device="meta"), policy)
 
 
 def test_a_dtype_without_defaults_is_refused() -> None:
