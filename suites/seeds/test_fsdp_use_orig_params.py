@@ -27,7 +27,7 @@ from harness.optim import sgd
 from harness.rank import rank_device
 from suites.engine.models import SharedTransformer
 from suites.engine.ranks import api_session_tests
-from suites.seeds.api import FSDPApi, accumulation_parity, clean as _clean, load_api
+from suites.seeds.api import FSDPApi, accumulation_parity, assert_match, clean as _clean, load_api
 
 
 
@@ -82,7 +82,7 @@ def _check_param_parity(api: FSDPApi, ddp: DDP, fsdp: nn.Module, adam_steps: int
             assert n1 == _clean(n2), (n1, n2)
             if adam_steps and n1.endswith("self_attn.in_proj_bias") and p1.device.type == "cuda":
                 p1, p2 = _key_bias_bound(p1, p2, adam_steps * lr, n1)
-            assert_close(p1, p2, msg=lambda m: f"{n1}: {m}")
+            assert_match(f"param:{n1}", p1, p2, "against DDP")
 
 
 def _key_bias_bound(ddp_bias: torch.Tensor, fsdp_bias: torch.Tensor, bound: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +116,7 @@ def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, se
                 opt.zero_grad(set_to_none=set_to_none)
             loss.backward()
             opt.step()
-        assert_close(losses[0], losses[1], msg=lambda m: f"iter {i}: {m}")
+        assert_match(f"loss@{i}", losses[0].detach(), losses[1].detach(), "against DDP")
     lr = max(group["lr"] for group in ddp_opt.param_groups)
     _check_param_parity(api, ddp, fsdp, adam_steps=iters if adam else 0, lr=lr)
 
@@ -204,7 +204,7 @@ def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
             # A sharded parameter's gradient outside its rank's shard may be None where DDP has zeros;
             # neither may keep the previous step's gradient.
             assert "stale" not in seen[0] + seen[1], f"{strategy} step {i}: .grad between forward and backward {seen}"
-            assert_close(losses[0], losses[1], msg=lambda m: f"{strategy} step {i}: {m}")
+            assert_match(f"loss@{i}", losses[0].detach(), losses[1].detach(), str(strategy))
         _check_param_parity(api, ddp, fsdp)
 
 
@@ -237,7 +237,7 @@ def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
             loss.backward()
             o.step()
             losses.append(loss.detach())
-        assert_close(losses[1], losses[0], msg=lambda m, i=i: f"step {i}: {m}")
+        assert_match(f"loss@{i}", losses[1], losses[0], "compiled against eager")
     check_compiled(compiled_counts())
 
 
