@@ -55,8 +55,9 @@ def accumulation_parity(
     _api.accumulation_parity(BUILTIN, model_name, fsdp_kwargs, device, use_no_sync, micro_steps)
 
 
-#: the strategies one rank session runs (hybrid ones need their own groups: test_hybrid.py).
-STRATEGIES = [ShardingStrategy[FSDP1_STRATEGIES[s]] for s in ("full_shard", "shard_grad_op", "no_shard")]
+#: the matrix's strategies one rank session runs (hybrid ones need their own groups: test_hybrid.py).
+STRATEGY_NAMES = [s for s in AXES["sharding_strategy"] if not is_hybrid(s)]
+STRATEGIES = [ShardingStrategy[FSDP1_STRATEGIES[s]] for s in STRATEGY_NAMES]
 
 #: The matrix's engine axes (``harness.matrix.AXES``) the sweep crosses, hybrid strategies left out.
 SWEEP_AXES = ("sharding_strategy", "use_orig_params", "backward_prefetch", "forward_prefetch", "cpu_offload")
@@ -70,7 +71,7 @@ def sweep_plan() -> list[tuple[CaseConfig, str]]:
     each with its reference from ``REFERENCE_CYCLE``. Only the ``SWEEP_AXES`` fields of a case are read:
     the sweep trains the engine suite's own models."""
     axes = {axis: list(AXES[axis]) for axis in SWEEP_AXES}
-    axes["sharding_strategy"] = [s for s in axes["sharding_strategy"] if not is_hybrid(s)]
+    axes["sharding_strategy"] = STRATEGY_NAMES
     cases = generate(
         "full", axes=axes, engine="builtin", reference="local", model=AXES["model"][0], precision="fp32",
         init_mode=AXES["init_mode"][0], world_size=2,
