@@ -50,6 +50,7 @@ __all__ = [
     "EngineTrainee",
     "canonical_name",
     "fsdp1_mixed_precision",
+    "fsdp1_options",
     "fsdp1_prefetch",
     "has_float_buffers",
     "rank_local_param_names",
@@ -311,6 +312,18 @@ def fsdp1_prefetch(ns: Any, name: str) -> Any:
     return None if member is None else getattr(ns.BackwardPrefetch, member)
 
 
+def fsdp1_options(ns: Any, case: CaseConfig) -> dict[str, Any]:
+    """The keywords of FSDP1's API namespace ``ns`` for the case's strategy, prefetches, CPU offload and
+    ``use_orig_params`` (what ``FSDP1Adapter.options`` adds to them depends on the rank and precision)."""
+    return {
+        "sharding_strategy": getattr(ns.ShardingStrategy, FSDP1_STRATEGIES[case.sharding_strategy]),
+        "backward_prefetch": fsdp1_prefetch(ns, case.backward_prefetch),
+        "forward_prefetch": case.forward_prefetch,
+        "cpu_offload": ns.CPUOffload(offload_params=case.cpu_offload),
+        "use_orig_params": case.use_orig_params,
+    }
+
+
 def fsdp1_mixed_precision(ns: Any, spec: PrecisionSpec, **overrides: Any) -> Any:
     """The ``MixedPrecision`` of FSDP1's API namespace ``ns`` that ``spec`` means; ``overrides`` replace keywords."""
     fields = {k: dtype_of(v) for k, v in spec.mixed_precision_kwargs().items()}
@@ -362,13 +375,7 @@ class FSDP1Adapter(EngineAdapter):
         """The constructor keywords every unit shares (the process group is chosen per unit)."""
         ns = self.ns
         spec = case.precision_spec
-        kwargs: dict[str, Any] = {
-            "sharding_strategy": getattr(ns.ShardingStrategy, FSDP1_STRATEGIES[case.sharding_strategy]),
-            "backward_prefetch": fsdp1_prefetch(ns, case.backward_prefetch),
-            "forward_prefetch": case.forward_prefetch,
-            "cpu_offload": ns.CPUOffload(offload_params=case.cpu_offload),
-            "use_orig_params": case.use_orig_params,
-        }
+        kwargs = fsdp1_options(ns, case)
         ignored = ignored_option(case)
         if spec.is_mixed:
             dropped = {ignored: None} if ignored in spec.mixed_precision_kwargs() else {}

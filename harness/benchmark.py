@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from harness.models import CPU_GPT, BenchmarkGPT, GPTConfig, ZooModel, to_device, wrap_bottom_up
+from harness.optim import adamw, sgd
 from harness.rank import RankContext
 
 PerfPrecision = Literal["bf16", "fp32"]
@@ -264,7 +265,7 @@ def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
         model = BenchmarkGPT(job.model)
     batches = _batches(model, job.seed, job.warmup + job.steps, ctx)
     module, forward_context = _wrap(model, job, ctx)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=job.lr)
+    optimizer = adamw(module.parameters(), lr=job.lr)
 
     def step(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         with forward_context():
@@ -350,7 +351,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
     _sync(ctx)
     build_s = time.perf_counter() - t_build
     zoo = trainee.zoo
-    optimizer = torch.optim.SGD(trainee.trainable_parameters(), lr=case.lr, momentum=case.momentum)
+    optimizer = sgd(trainee.trainable_parameters(), case.lr, case.momentum)
     batches = [to_device(zoo.get_input(seed=case.seed, step=s, rank=ctx.rank), ctx.device, full)
                for s in range(job.warmup + job.steps)]
 

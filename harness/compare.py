@@ -28,10 +28,12 @@ __all__ = [
     "Drift",
     "Finding",
     "Observation",
+    "assert_tensors_match",
     "combine",
     "compare_observations",
     "compare_tensors",
     "derive_budgets",
+    "error_text",
     "magnitudes",
     "measure_drift",
     "merge_drifts",
@@ -98,6 +100,29 @@ def compare_tensors(name: str, actual: torch.Tensor, expected: torch.Tensor, ato
     ratio = torch.where(diff > 0, diff / allowed, torch.zeros_like(diff))
     worst = float(ratio.max())
     return QuantityError(name, float(diff.max()), float(rel.max()), atol, rtol, worst <= 1.0, worst)
+
+
+def error_text(error: QuantityError) -> str:
+    """One failing quantity in words: how far past its tolerance it is, or that it is missing."""
+    if math.isinf(error.max_abs) and math.isinf(error.ratio):
+        return f"{error.name}: missing or uncovered in the engine's result"
+    return (
+        f"{error.name}: max_abs {error.max_abs:.3g} exceeds atol {error.atol:.3g} + rtol {error.rtol:.3g}*|ref| "
+        f"(ratio {error.ratio:.3g})"
+    )
+
+
+def assert_tensors_match(name: str, actual: torch.Tensor, expected: torch.Tensor, policy: TolerancePolicy, context: str = "") -> None:
+    """Raise ``AssertionError`` (``context``: what was compared) unless ``actual`` matches ``expected``
+    under ``policy``: the checks that compare tensors directly decide as the generated cases do. Shape,
+    dtype and device must agree exactly, as ``torch.testing.assert_close`` requires by default."""
+    prefix = f"{context}: " if context else ""
+    got, want = (actual.shape, actual.dtype, actual.device), (expected.shape, expected.dtype, expected.device)
+    if got != want:
+        raise AssertionError(f"{prefix}{name}: got {tuple(got[0])} {got[1]} on {got[2]}, expected {tuple(want[0])} {want[1]} on {want[2]}")
+    error = compare_tensors(name, actual, expected, *policy.tolerance(name))
+    if not error.passed:
+        raise AssertionError(prefix + error_text(error))
 
 
 def combine(a: QuantityError, b: QuantityError) -> tuple[QuantityError, bool]:

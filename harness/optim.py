@@ -23,11 +23,13 @@ __all__ = [
     "ADAMW_EPS",
     "ADAMW_WEIGHT_DECAY",
     "NAMED_OPTIMIZERS",
+    "adamw",
     "build_optimizer",
     "build_optimizers",
     "freeze",
     "frozen_names",
     "init_optimizer_state",
+    "sgd",
     "zero_grads",
 ]
 
@@ -66,8 +68,15 @@ def freeze(case: CaseConfig, model: nn.Module, rank_local: Iterable[str] = ()) -
             p.requires_grad_(False)
 
 
-def _adamw(params: list[nn.Parameter] | list[dict], lr: float) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=ADAMW_WEIGHT_DECAY)
+def sgd(params: Iterable[nn.Parameter], lr: float, momentum: float) -> torch.optim.SGD:
+    """SGD with momentum, the parity optimizer (Adam's normalization would hide a gradient scaled by a
+    constant): every side that trains with SGD builds it here."""
+    return torch.optim.SGD(list(params), lr=lr, momentum=momentum)
+
+
+def adamw(params: Iterable[nn.Parameter] | list[dict], lr: float) -> torch.optim.AdamW:
+    """AdamW at ``lr`` with the harness's betas, eps and (non-zero) weight decay."""
+    return torch.optim.AdamW(list(params), lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=ADAMW_WEIGHT_DECAY)
 
 
 def build_optimizers(
@@ -90,7 +99,7 @@ def build_optimizers(
         decayed = {name for name, p in pairs if (dims[name] if dims is not None else p.dim()) >= 2}
         decay = [p for name, p in pairs if name in decayed]
         no_decay = [p for name, p in pairs if name not in decayed]
-        return [_adamw([
+        return [adamw([
             {"params": decay},
             {"params": no_decay, "lr": case.lr * NO_DECAY_LR_FACTOR, "weight_decay": 0.0},
         ], case.lr)]
@@ -100,7 +109,7 @@ def build_optimizers(
         adam_lr, adamw_lr = TWO_OPTIMIZER_LRS
         return [
             torch.optim.Adam([p for n, p in pairs if n in first], lr=adam_lr, betas=ADAMW_BETAS, eps=ADAMW_EPS),
-            _adamw([p for n, p in pairs if n not in first], adamw_lr),
+            adamw([p for n, p in pairs if n not in first], adamw_lr),
         ]
     raise ValueError(f"CaseConfig.optimizer={case.optimizer!r} is not one of sgd, adamw, adamw_groups, two_optimizers")
 
@@ -117,9 +126,9 @@ def build_optimizer(case: CaseConfig, params: Iterable[torch.nn.Parameter]) -> t
     (the optimizers that split parameters by name are ``build_optimizers``')."""
     params = list(params)
     if case.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=case.lr, momentum=case.momentum)
+        return sgd(params, case.lr, case.momentum)
     if case.optimizer == "adamw":
-        return _adamw(params, case.lr)
+        return adamw(params, case.lr)
     raise ValueError(
         f"CaseConfig.optimizer={case.optimizer!r}: build_optimizer builds 'sgd' or 'adamw'; the optimizers that "
         "split parameters by name need their names (build_optimizers)"

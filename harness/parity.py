@@ -39,6 +39,7 @@ from harness.compare import (
     Observation,
     compare_observations,
     derive_budgets,
+    error_text,
     measure_drift,
     merge_drifts,
     merge_quantities,
@@ -422,11 +423,8 @@ def _failure_line(error: QuantityError, where: dict[str, Any]) -> str:
         at.append(f"step {where['step']}")
     at.append(f"rank {where.get('rank', '?')}")
     if math.isinf(error.max_abs) and math.isinf(error.ratio):
-        return f"{error.name}: missing or uncovered in the engine's result ({', '.join(at)})"
-    return (
-        f"{error.name}: max_abs {error.max_abs:.3g} exceeds atol {error.atol:.3g} + rtol {error.rtol:.3g}*|ref| "
-        f"(ratio {error.ratio:.3g}) at {' on '.join(at)}"
-    )
+        return f"{error_text(error)} ({', '.join(at)})"
+    return f"{error_text(error)} at {' on '.join(at)}"
 
 
 def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:

@@ -34,10 +34,10 @@ from harness.adapters import EngineFacts, EngineTrainee, ParamSlice, canonical_n
 from harness.case import CLIP_MAX_NORM, CaseConfig, PrecisionSpec
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, build_model, to_device
-from harness.optim import build_optimizers, freeze
+from harness.optim import build_optimizers, freeze, sgd
 from harness.rank import RankContext
 
-__all__ = ["LocalReference", "ReferenceRun", "TrainingLoop", "TRUTH_SPEC", "build_ddp", "cast_ablations", "gradient_divide_factors"]
+__all__ = ["LocalReference", "ReferenceRun", "TrainingLoop", "TRUTH_SPEC", "all_rank_batch", "build_ddp", "cast_ablations", "gradient_divide_factors"]
 
 
 def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
@@ -115,6 +115,13 @@ InputFn = Callable[[int, int], Sequence[torch.Tensor]]
 LossFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
 
 
+
+def all_rank_batch(inputs: InputFn, step: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Every rank's batch at ``step`` concatenated along the batch dimension, on ``device``: what one
+    unsharded model sees to stand for ``world_size`` ranks when its loss is a mean over the batch."""
+    every = [to_device(tuple(inputs(step, r)), device) for r in range(world_size)]
+    return tuple(torch.cat(parts) for parts in zip(*every))
+
 class LocalReference:
     """One process, no collectives: every rank's batch on an unsharded model ([Note: local reference]).
 
@@ -167,7 +174,7 @@ class LocalReference:
         if make_optimizers is not None:
             self.optimizers = make_optimizers(named)
         else:
-            self.optimizers = [make_optimizer(masters) if make_optimizer else torch.optim.SGD(masters, lr=lr, momentum=momentum)]
+            self.optimizers = [make_optimizer(masters) if make_optimizer else sgd(masters, lr, momentum)]
         self.masters = masters
         self.loop = loop or TrainingLoop()
         if self.loop.clip_max_norm is not None and self.local_names:

@@ -137,6 +137,14 @@ class TolerancePolicy:
     budgets: dict[str, float] = field(default_factory=dict)
 
     @classmethod
+    def for_dtype(cls, dtype: torch.dtype) -> "TolerancePolicy":
+        """torch's defaults for ``dtype`` and no budget: the policy of a full-precision case at up to
+        ``ORDER_FREE_WORLD_SIZE`` ranks, for checks that compare tensors of that dtype directly."""
+        if dtype not in DEFAULT_TOLERANCES:
+            raise ValueError(f"TolerancePolicy.for_dtype: dtype={dtype} has no default tolerance; pass one of {sorted(map(str, DEFAULT_TOLERANCES))}")
+        return cls(*DEFAULT_TOLERANCES[dtype])
+
+    @classmethod
     def for_precision(
         cls, spec: PrecisionSpec, budgets: dict[str, float] | None = None, source: BudgetSource = "none"
     ) -> "TolerancePolicy":

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from harness.models import ZooModel, register_model, to_device, wrap_bottom_up
+from harness.optim import adamw, sgd
 from harness.rank import new_hybrid_groups, rank_device
 
 from engine import (
@@ -125,9 +126,10 @@ class Setup:
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return sgd(params, lr=0.05, momentum=0.9)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+        # torch's betas and eps with weight decay 0.01: the harness's AdamW.
+        return adamw(params, lr=0.01)
     raise ValueError(f"optimizer {name!r}: use 'sgd' or 'adamw'")
 
 

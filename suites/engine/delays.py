@@ -19,6 +19,7 @@ from engine.flat_param import FlatParamHandle
 from harness.model_protocol import to_device, wrap_bottom_up
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
+from suites.seeds.api import all_data, optim
 
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
 #: reader runs before the writer finishes.
@@ -68,13 +69,13 @@ def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, be
     device, rank, world = cuda_device(), torch.distributed.get_rank(), torch.distributed.get_world_size()
     ref = NestedWrapped(device)
     model = wrap_bottom_up(NestedWrapped(device), FSDP, **kwargs)
-    opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
+    opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
     steps = range(4)
     # Every batch is on the GPU before the first step: a host-to-device copy from pageable memory
     # inside the loop would block the host until the compute stream (and its sleep) is done,
     # which hides a missing wait between the optimizer step and the next all-gather.
     batches = [to_device(NestedWrapped.get_input(step=step, rank=rank), device) for step in steps]
-    all_batches = [parity._all_data(NestedWrapped, step, world, device) for step in steps]
+    all_batches = [all_data(NestedWrapped, step, world, device) for step in steps]
     for inputs, all_inputs in zip(batches, all_batches):
         with delays(before_reduce, before_free):
             loss = NestedWrapped.get_loss(inputs, model(*inputs))

@@ -15,21 +15,19 @@ Optimizer: SGD with momentum (Adam's normalization would hide a gradient scaled 
 from __future__ import annotations
 
 import itertools
-from typing import Any, get_args
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from engine import CPUOffload, ShardingStrategy
-from harness.adapters import fsdp1_prefetch
-from harness.case import FSDP1_STRATEGIES, PrefetchName
+from engine import ShardingStrategy
+from harness.adapters import fsdp1_options
+from harness.case import FSDP1_STRATEGIES, CaseConfig, is_hybrid
+from harness.matrix import AXES, generate
 from suites.seeds import api as _api
 
 #: the builtin engine's FSDP1 API; the helpers live once, engine-neutral, in ``suites.seeds.api``.
 BUILTIN = _api.load_api("builtin")
-MODELS = _api.MODELS
-_optim = _api.optim
-_all_data = _api._all_data
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -57,26 +55,36 @@ def accumulation_parity(
     _api.accumulation_parity(BUILTIN, model_name, fsdp_kwargs, device, use_no_sync, micro_steps)
 
 
-#: the strategies one rank session runs (hybrid ones need their own groups: test_hybrid.py).
-STRATEGIES = [ShardingStrategy[FSDP1_STRATEGIES[s]] for s in ("full_shard", "shard_grad_op", "no_shard")]
+#: the matrix's strategies one rank session runs (hybrid ones need their own groups: test_hybrid.py).
+STRATEGY_NAMES = [s for s in AXES["sharding_strategy"] if not is_hybrid(s)]
+STRATEGIES = [ShardingStrategy[FSDP1_STRATEGIES[s]] for s in STRATEGY_NAMES]
+
+#: The matrix's engine axes (``harness.matrix.AXES``) the sweep crosses, hybrid strategies left out.
+SWEEP_AXES = ("sharding_strategy", "use_orig_params", "backward_prefetch", "forward_prefetch", "cpu_offload")
+#: The references, in an order that repeats every four configurations: the fastest axis of the product
+#: has two values, so plain alternation would give each of its values one reference only.
+REFERENCE_CYCLE = ("local", "ddp", "ddp", "local")
+
+
+def sweep_plan() -> list[tuple[CaseConfig, str]]:
+    """The full product of ``SWEEP_AXES`` on the builtin engine at 2 ranks (``harness.matrix.generate``),
+    each with its reference from ``REFERENCE_CYCLE``. Only the ``SWEEP_AXES`` fields of a case are read:
+    the sweep trains the engine suite's own models."""
+    axes = {axis: list(AXES[axis]) for axis in SWEEP_AXES}
+    axes["sharding_strategy"] = STRATEGY_NAMES
+    cases = generate(
+        "full", axes=axes, engine="builtin", reference="local", model=AXES["model"][0], precision="fp32",
+        init_mode=AXES["init_mode"][0], world_size=2,
+    )
+    return list(zip(cases, itertools.cycle(REFERENCE_CYCLE)))
 
 
 def sweep(model: str, device: torch.device) -> None:
-    """Every strategy x use_orig_params x backward prefetch x forward prefetch x offload on ``model``,
-    in one rank session; reports every diverging configuration at once."""
+    """Every configuration of ``sweep_plan`` on ``model``, in one rank session; reports every diverging
+    configuration at once."""
     failures = []
-    prefetches = [fsdp1_prefetch(BUILTIN, name) for name in get_args(PrefetchName)]
-    combos = itertools.product(STRATEGIES, [False, True], prefetches, [False, True], [False, True])
-    for i, (strategy, orig, bwd, fwd, offload) in enumerate(combos):
-        kwargs = dict(
-            sharding_strategy=strategy,
-            use_orig_params=orig,
-            backward_prefetch=bwd,
-            forward_prefetch=fwd,
-            cpu_offload=CPUOffload(offload_params=offload),
-        )
-        # Alternate the two references so each sees every axis value.
-        reference = "ddp" if i % 2 else "local"
+    for case, reference in sweep_plan():
+        kwargs = fsdp1_options(BUILTIN, case)
         try:
             train_parity(model, kwargs, device, reference=reference)
         except AssertionError as e:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from harness.case import FSDP1_STRATEGIES
 from harness.model_protocol import to_device, wrap_bottom_up
+from harness.optim import sgd
 from harness.param_devices import PlacementLog, original_names, record_training_step
 from harness.rank import new_hybrid_groups
 from suites.engine.models import ENGINE_MODELS
@@ -55,7 +56,7 @@ def offload_step(api: Any, model_name: str, strategy: str, use_orig_params: bool
     return record_training_step(
         wrapped,
         names,
-        make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        make_optimizer=lambda params: sgd(params, lr=0.1, momentum=0.0),
         batch=batch,
         loss_fn=functools.partial(cls.get_loss, batch),
         summon=functools.partial(api.FSDP.summon_full_params, wrapped),

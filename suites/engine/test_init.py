@@ -15,6 +15,7 @@ from harness.model_protocol import wrap_bottom_up
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
+from suites.seeds.api import all_data, optim
 
 CPU = torch.device("cpu")
 
@@ -24,12 +25,12 @@ def _units(model: nn.Module) -> list[str]:
 
 
 def _parity_with_plain(model: nn.Module, ref: nn.Module, rank: int, world_size: int, steps: int = 3) -> None:
-    opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
+    opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
     for step in range(steps):
         x = NestedWrapped.get_input(step=step, rank=rank)
         loss = NestedWrapped.get_loss(x, model(*x))
         loss.backward()
-        all_inputs = parity._all_data(NestedWrapped, step, world_size, CPU)
+        all_inputs = all_data(NestedWrapped, step, world_size, CPU)
         NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         for o in (opt, ref_opt):
             o.step()

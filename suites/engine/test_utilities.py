@@ -17,6 +17,7 @@ from harness.model_protocol import wrap_bottom_up
 from suites.engine import parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
+from suites.seeds.api import all_data, assert_match, optim
 
 CPU = torch.device("cpu")
 STRATEGIES = parity.STRATEGIES
@@ -42,7 +43,7 @@ def check_accumulation_without_zero_grad(rank: int, world_size: int) -> None:
 def _trained_pair(kwargs: dict, norm_type: float, max_norm: float):
     ref = NestedWrapped()
     model = wrap_bottom_up(NestedWrapped(), FSDP, **kwargs)
-    data = parity._all_data(NestedWrapped, 0, dist.get_world_size(), CPU)
+    data = all_data(NestedWrapped, 0, dist.get_world_size(), CPU)
     inputs = NestedWrapped.get_input(step=0, rank=dist.get_rank())
     NestedWrapped.get_loss(inputs, model(*inputs)).backward()
     NestedWrapped.get_loss(data, ref(*data)).backward()
@@ -55,10 +56,10 @@ def check_clip_grad_norm(rank: int, world_size: int) -> None:
     for strategy, orig, norm_type in itertools.product(STRATEGIES, [False, True], [2.0, 1.0, math.inf]):
         kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
         model, ref, total, ref_total = _trained_pair(kwargs, norm_type, max_norm=0.05)
-        assert_close(total, ref_total, msg=lambda m: f"{kwargs} norm {norm_type}: {m}")
+        assert_match("clip_norm@0", total, ref_total, f"{kwargs} norm {norm_type}")
         assert ref_total > 0.05, "the test must actually clip"
         # Clipped gradients give the same step.
-        opt, ref_opt = parity._optim(model.parameters()), parity._optim(ref.parameters())
+        opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
         opt.step()
         ref_opt.step()
         parity.assert_params_match(model, ref, f"clip {kwargs} {norm_type}")
@@ -66,11 +67,11 @@ def check_clip_grad_norm(rank: int, world_size: int) -> None:
 
 def check_clip_grad_norm_no_clip_when_small(rank: int, world_size: int) -> None:
     model, ref, total, ref_total = _trained_pair({}, 2.0, max_norm=1e6)
-    assert_close(total, ref_total)
+    assert_match("clip_norm@0", total, ref_total, "no clip")
     with FSDP.summon_full_params(model, with_grads=True):
         grads = {n: p.grad for n, p in model.named_parameters()}
     for n, p in ref.named_parameters():
-        assert_close(grads[n], p.grad, msg=lambda m: f"{n}: {m}")
+        assert_match(f"grad:{n}", grads[n], p.grad, "no clip")
 
 
 def check_summon_writeback(rank: int, world_size: int) -> None:
@@ -160,12 +161,12 @@ def check_summon_between_forward_and_backward(rank: int, world_size: int) -> Non
         with FSDP.summon_full_params(model, writeback=False):
             pass
         loss.backward()
-        all_inputs = parity._all_data(NestedWrapped, 0, world_size, CPU)
+        all_inputs = all_data(NestedWrapped, 0, world_size, CPU)
         NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         with FSDP.summon_full_params(model, with_grads=True):
             for (n, p), (rn, rp) in zip(model.named_parameters(), ref.named_parameters()):
                 assert n == rn
-                assert_close(p.grad, rp.grad, msg=lambda m: f"{kwargs} {n}: {m}")
+                assert_match(f"grad:{n}", p.grad, rp.grad, str(kwargs))
 
 
 def check_summon_inside_forward_raises(rank: int, world_size: int) -> None:
@@ -332,7 +333,7 @@ def check_device_mesh(rank: int, world_size: int) -> None:
 def check_eval_forward_after_training(rank: int, world_size: int) -> None:
     for strategy in STRATEGIES:
         model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
-        opt = parity._optim(model.parameters())
+        opt = optim(model.parameters())
         x = NestedWrapped.get_input(step=0, rank=rank)
         NestedWrapped.get_loss(x, model(*x)).backward()
         opt.step()

@@ -13,6 +13,7 @@ from engine.flat_param import FlatParamHandle, HandleShardingStrategy
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
 from harness.case import PRECISIONS, PrecisionSpec
 from harness.compare import Observation, measure_drift
+from harness.optim import sgd
 from harness.references import TRUTH_SPEC, LocalReference, cast_ablations
 from harness.tolerance import mixed_precision_budgets
 from suites.mixed_precision.models import ParityNet
@@ -124,7 +125,7 @@ def test_full_precision_emulation_is_plain_data_parallel_training() -> None:
     model = ParityNet()
     twin = copy.deepcopy(model)
     emulated = _reference(PRECISIONS["fp32"], model=twin).run(0).params
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = sgd(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
         losses = [model.get_loss((), model(*model.get_input(seed=0, step=step, rank=r))) for r in range(2)]
         (sum(losses) / 2).backward()

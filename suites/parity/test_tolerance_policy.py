@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from harness.adapters import ParamSlice
 from harness.case import PRECISIONS
-from harness.compare import Observation, compare_observations, derive_budgets, worst_budgets
+from harness.compare import Observation, assert_tensors_match, compare_observations, derive_budgets, worst_budgets
 from harness.tolerance import (
     BUDGET_FACTOR,
     DEFAULT_TOLERANCES,
@@ -196,3 +196,44 @@ def test_mixed_precision_keeps_the_full_dtypes_rtol_up_to_two_ranks() -> None:
         assert TolerancePolicy.for_precision(spec, source="ablation").rtol == DEFAULT_TOLERANCES[torch.float32][0]
         lowest = max(DEFAULT_TOLERANCES[getattr(torch, d)][0] for d in (spec.full, spec.param, spec.reduce) if d)
         assert TolerancePolicy.for_precision(spec, source="emulation").rtol == lowest
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks that compare tensors directly (the seed suites) decide as a full-precision case at two ranks
+
+
+@pytest.mark.parametrize("dtype", sorted(DEFAULT_TOLERANCES, key=str))
+# Off by a multiple of what torch allows, on either side of 1 but not at it: there the two compute the
+# boundary in different precisions (torch in the tensors' own dtype, the harness in float64).
+@given(scale=st.one_of(st.floats(min_value=0.0, max_value=0.9), st.floats(min_value=1.1, max_value=4.0)))
+def test_a_direct_check_agrees_with_torchs_defaults(dtype: torch.dtype, scale: float) -> None:
+    expected = torch.linspace(-2.0, 3.0, 7, dtype=torch.float64).to(dtype)
+    rtol, atol = DEFAULT_TOLERANCES[dtype]
+    actual = (expected.double() + scale * (atol + rtol * expected.double().abs())).to(dtype)
+    try:
+        torch.testing.assert_close(actual, expected)
+        torch_passed = True
+    except AssertionError:
+        torch_passed = False
+    try:
+        assert_tensors_match("param:w", actual, expected, TolerancePolicy.for_dtype(dtype), "check")
+        passed = True
+    except AssertionError as e:
+        assert str(e).startswith("check: param:w: max_abs "), e
+        passed = False
+    assert passed == torch_passed
+
+
+def test_a_direct_check_refuses_another_shape_dtype_or_device() -> None:
+    policy = TolerancePolicy.for_dtype(torch.float32)
+    with pytest.raises(AssertionError, match="expected \\(2, 3\\)"):
+        assert_tensors_match("param:w", torch.zeros(3, 2), torch.zeros(2, 3), policy)
+    with pytest.raises(AssertionError, match="torch.float64"):
+        assert_tensors_match("param:w", torch.zeros(2), torch.zeros(2, dtype=torch.float64), policy)
+    with pytest.raises(AssertionError, match="on meta"):
+        assert_tensors_match("param:w", torch.zeros(2), torch.zeros(2, device="meta"), policy)
+
+
+def test_a_dtype_without_defaults_is_refused() -> None:
+    with pytest.raises(ValueError, match="dtype=torch.int64"):
+        TolerancePolicy.for_dtype(torch.int64)

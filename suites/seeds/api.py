@@ -14,10 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.testing import assert_close
 
+from harness.compare import assert_tensors_match
 from harness.fsdp1_api import FSDPApi, load_api
 from harness.model_protocol import to_device, wrap_bottom_up
+from harness.optim import sgd
+from harness.references import all_rank_batch
+from harness.tolerance import TolerancePolicy
 from suites.engine.models import ENGINE_MODELS, singleton_groups
 
 #: the seed checks take both from here, with the helpers below.
@@ -26,14 +29,13 @@ __all__ = ["FSDPApi", "load_api"]
 # ---------------------------------------------------------------------------------------------------
 # Parity helpers, engine-neutral (suites/engine/parity.py binds them to the builtin engine)
 
-MODELS = ENGINE_MODELS
 LR = 0.05
 MOMENTUM = 0.9
 
 
 def optim(params: Any) -> torch.optim.Optimizer:
-    """SGD with momentum: Adam's normalization would hide a gradient scaled by a constant."""
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+    """The harness's parity optimizer (``harness.optim.sgd``) at the seed checks' ``LR`` and ``MOMENTUM``."""
+    return sgd(params, LR, MOMENTUM)
 
 
 def clean(name: str) -> str:
@@ -46,17 +48,23 @@ def full_params(api: FSDPApi, model: nn.Module) -> dict[str, torch.Tensor]:
         return {clean(n): p.detach().clone() for n, p in model.named_parameters()}
 
 
+def assert_match(name: str, actual: torch.Tensor, expected: torch.Tensor, context: str) -> None:
+    """``actual`` against ``expected`` under the harness's tolerance for their dtype (torch's defaults:
+    what a full-precision generated case at two ranks is held to), failing with the harness's message."""
+    assert_tensors_match(name, actual, expected, TolerancePolicy.for_dtype(expected.dtype), context)
+
+
 def assert_params_match(api: FSDPApi, model: nn.Module, ref: nn.Module, context: str) -> None:
     got = full_params(api, model)
     want = {n: p.detach() for n, p in ref.named_parameters()}
     assert sorted(got) == sorted(want), f"{context}: parameter names differ: {sorted(got)} vs {sorted(want)}"
     for name in want:
-        assert_close(got[name].to(want[name].device), want[name], msg=lambda m, n=name: f"{context}: {n}: {m}")
+        assert_match(f"param:{name}", got[name].to(want[name].device), want[name], context)
 
 
-def _all_data(cls: Any, step: int, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    every = [to_device(cls.get_input(step=step, rank=r), device) for r in range(world)]
-    return tuple(torch.cat(parts) for parts in zip(*every))
+def all_data(cls: Any, step: int, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Every rank's batch of engine model ``cls`` at ``step``, for the local reference (``harness.references``)."""
+    return all_rank_batch(lambda s, r: cls.get_input(step=s, rank=r), step, world, device)
 
 
 def train_parity(
@@ -71,7 +79,7 @@ def train_parity(
     (e.g. to put checkpoint wrappers inside or around units).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    cls = MODELS[model_name]
+    cls = ENGINE_MODELS[model_name]
     context = f"{api.name} {model_name} {reference} {fsdp_kwargs}"
     if model_name == "engine_moe":
         ref = cls(rank, device)
@@ -90,19 +98,19 @@ def train_parity(
         opt.step()
         opt.zero_grad()
         if reference == "local":
-            all_inputs = _all_data(cls, step, world, device)
+            all_inputs = all_data(cls, step, world, device)
             ref_loss = cls.get_loss(all_inputs, ref_model(*all_inputs))
             ref_loss.backward()
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
             mean_loss /= world
-            assert_close(mean_loss, ref_loss.detach(), msg=lambda m, s=step: f"{context}: step {s} loss: {m}")
+            assert_match(f"loss@{step}", mean_loss, ref_loss.detach(), context)
         else:
             ref_loss = cls.get_loss(inputs, ref_model(*inputs))
             ref_loss.backward()
             if model_name == "engine_moe":
                 ref.reduce_reference_grads()
-            assert_close(loss.detach(), ref_loss.detach(), msg=lambda m, s=step: f"{context}: step {s} loss: {m}")
+            assert_match(f"loss@{step}", loss.detach(), ref_loss.detach(), context)
         ref_opt.step()
         ref_opt.zero_grad()
     assert_params_match(api, model, ref, context)
@@ -114,7 +122,7 @@ def accumulation_parity(
     """Accumulate ``micro_steps`` backwards per optimizer step, the first ones inside ``no_sync()``;
     compare with the local reference accumulating the same micro-batches."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cls = MODELS[model_name]
+    cls = ENGINE_MODELS[model_name]
     ref = cls(device)
     model = wrap_bottom_up(cls(device), api.wrap, **fsdp_kwargs)
     opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
@@ -127,7 +135,7 @@ def accumulation_parity(
                     cls.get_loss(inputs, model(*inputs)).backward()
             else:
                 cls.get_loss(inputs, model(*inputs)).backward()
-            all_inputs = _all_data(cls, 10 * step + micro, world, device)
+            all_inputs = all_data(cls, 10 * step + micro, world, device)
             cls.get_loss(all_inputs, ref(*all_inputs)).backward()
         opt.step()
         ref_opt.step()

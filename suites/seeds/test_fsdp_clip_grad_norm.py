@@ -13,13 +13,12 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.testing import assert_close
 
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.rank import rank_device
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import api_session_tests
-from suites.seeds.api import FSDPApi, _all_data, full_params, load_api
+from suites.seeds.api import FSDPApi, all_data, assert_match, assert_params_match, load_api
 
 
 
@@ -31,22 +30,20 @@ def check_norm_over_shards_and_clipped_gradients(api: FSDPApi, rank: int, world_
         model = wrap_bottom_up(NestedWrapped(device), api.wrap, sharding_strategy=strategy, use_orig_params=orig)
         inputs = to_device(NestedWrapped.get_input(step=0, rank=rank), device)
         NestedWrapped.get_loss(inputs, model(*inputs)).backward()
-        data = _all_data(NestedWrapped, 0, world_size, device)
+        data = all_data(NestedWrapped, 0, world_size, device)
         NestedWrapped.get_loss(data, ref(*data)).backward()
         total = model.clip_grad_norm_(0.01, norm_type)
         ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type)
         context = f"{strategy} orig={orig} norm_type={norm_type}"
         assert total.dtype == torch.float32, context
-        assert_close(total, ref_total, msg=lambda m: f"{context}: {m}")
+        assert_match("clip_norm@0", total, ref_total, context)
         # The clipped gradients, through an SGD step without momentum: parameter - grad.
         for p in model.parameters():
             if p.grad is not None:
                 p.data -= p.grad
         for p in ref.parameters():
             p.data -= p.grad
-        want = {n: p.detach() for n, p in ref.named_parameters()}
-        for name, got in full_params(api, model).items():
-            assert_close(got, want[name], msg=lambda m, n=name: f"{context}: {n}: {m}")
+        assert_params_match(api, model, ref, context)
 
 
 def check_norm_dtype_follows_the_gradients(api: FSDPApi, rank: int, world_size: int) -> None:

@@ -24,10 +24,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
 from harness.model_protocol import to_device, wrap_bottom_up
+from harness.optim import sgd
 from harness.rank import rank_device
 from suites.engine.models import NestedWrapped, SharedTransformer
 from suites.engine.ranks import api_session_tests
-from suites.seeds.api import FSDPApi, assert_params_match, load_api, optim, train_parity
+from suites.seeds.api import FSDPApi, assert_match, assert_params_match, load_api, optim, train_parity
 
 def _strategies(api: FSDPApi) -> list:
     return [api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.NO_SHARD]
@@ -82,7 +83,7 @@ def _parity_always_wrap(api: FSDPApi, offload: bool) -> None:
                 o.step()
                 o.zero_grad()
                 losses.append(loss)
-            assert_close(losses[0], losses[1], msg=lambda msg: f"{kwargs} step {step}: {msg}")
+            assert_match(f"loss@{step}", losses[0].detach(), losses[1].detach(), f"always-wrap {kwargs}")
         assert_params_match(api, model, ref.module, f"always-wrap {kwargs}")
 
 
@@ -127,7 +128,7 @@ def check_param_change_after_init(api: FSDPApi, rank: int, world_size: int) -> N
 
 
 def _check_pre_backward_hook_registration(model: nn.Module) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = sgd(model.parameters(), lr=0.01, momentum=0.9)
     opt.zero_grad()
     inputs = to_device(SharedTransformer.get_input(step=0, rank=dist.get_rank()), rank_device())
     out = model(*inputs)

@@ -23,10 +23,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
 from harness.model_protocol import to_device, wrap_bottom_up
+from harness.optim import sgd
 from harness.rank import rank_device
 from suites.engine.models import SharedTransformer
 from suites.engine.ranks import api_session_tests
-from suites.seeds.api import FSDPApi, accumulation_parity, clean as _clean, load_api
+from suites.seeds.api import FSDPApi, accumulation_parity, assert_match, clean as _clean, load_api
 
 
 
@@ -84,7 +85,7 @@ def _check_param_parity(api: FSDPApi, ddp: DDP, fsdp: nn.Module, adam_steps: int
             p2 = p2.to(p1.device)
             if adam_steps and n1.endswith("self_attn.in_proj_bias") and p1.device.type == "cuda":
                 p1, p2 = _key_bias_bound(p1, p2, adam_steps * lr, n1)
-            assert_close(p1, p2, msg=lambda m: f"{n1}: {m}")
+            assert_match(f"param:{n1}", p1, p2, "against DDP")
 
 
 def _key_bias_bound(ddp_bias: torch.Tensor, fsdp_bias: torch.Tensor, bound: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +119,7 @@ def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, se
                 opt.zero_grad(set_to_none=set_to_none)
             loss.backward()
             opt.step()
-        assert_close(losses[0], losses[1], msg=lambda m: f"iter {i}: {m}")
+        assert_match(f"loss@{i}", losses[0].detach(), losses[1].detach(), "against DDP")
     lr = max(group["lr"] for group in ddp_opt.param_groups)
     _check_param_parity(api, ddp, fsdp, adam_steps=iters if adam else 0, lr=lr)
 
@@ -206,7 +207,7 @@ def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
             # A sharded parameter's gradient outside its rank's shard may be None where DDP has zeros;
             # neither may keep the previous step's gradient.
             assert "stale" not in seen[0] + seen[1], f"{strategy} step {i}: .grad between forward and backward {seen}"
-            assert_close(losses[0], losses[1], msg=lambda m: f"{strategy} step {i}: {m}")
+            assert_match(f"loss@{i}", losses[0].detach(), losses[1].detach(), str(strategy))
         _check_param_parity(api, ddp, fsdp)
 
 
@@ -239,7 +240,7 @@ def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
             loss.backward()
             o.step()
             losses.append(loss.detach())
-        assert_close(losses[1], losses[0], msg=lambda m, i=i: f"step {i}: {m}")
+        assert_match(f"loss@{i}", losses[1], losses[0], "compiled against eager")
     check_compiled(compiled_counts())
 
 
@@ -378,8 +379,8 @@ def check_grad_writeback(api: FSDPApi, rank: int, world_size: int) -> None:
 
         ddp = DDP(_Lin2())
         fsdp = api.wrap(_Lin2(), use_orig_params=True)
-        ddp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-2, momentum=0.9)
-        fsdp_opt = torch.optim.SGD(fsdp.parameters(), lr=1e-2, momentum=0.9)
+        ddp_opt = sgd(ddp.parameters(), lr=1e-2, momentum=0.9)
+        fsdp_opt = sgd(fsdp.parameters(), lr=1e-2, momentum=0.9)
         for step in range(2):
             torch.manual_seed(step + 10 * rank)
             x = fsdp.get_input()
@@ -507,7 +508,7 @@ def check_named_parameters_in_forward(api: FSDPApi, rank: int, world_size: int) 
 
 def _no_sync_models(api: FSDPApi, strategy: Any):
     return [
-        (m, torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9))
+        (m, sgd(m.parameters(), lr=1e-2, momentum=0.9))
         for m in (wrap_bottom_up(SharedTransformer(rank_device()), api.wrap, sharding_strategy=strategy, use_orig_params=o) for o in (False, True))
     ]
 

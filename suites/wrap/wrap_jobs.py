@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from wrap_models import FourLinears, nested_sequential
 
+from harness.optim import sgd
 from harness.rank import RankContext
 from suites.seeds.api import FSDPApi, load_api
 
@@ -92,8 +93,8 @@ def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, list[float
     if problems:
         raise AssertionError(f"{api.name}: " + "; ".join(problems))
 
-    optim = torch.optim.SGD(wrapped.parameters(), lr=1e-2, momentum=0.9)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=1e-2, momentum=0.9)
+    optim = sgd(wrapped.parameters(), lr=1e-2, momentum=0.9)
+    ref_optim = sgd(reference.parameters(), lr=1e-2, momentum=0.9)
     inp = torch.ones(1, device=ctx.device)
     losses, ref_losses = [], []
     for _ in range(6):

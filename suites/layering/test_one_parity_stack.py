@@ -1,0 +1,105 @@
+"""The parity optimizer and the local reference's all-rank batch are the harness library's
+(``harness.optim``, ``harness.references``): no suite, report, example, engine module or front end builds
+its own.
+
+Found by syntax, not by name:
+
+- the parity optimizer by hand: ``SGD`` with momentum, or ``AdamW``, given no keyword but the
+  hyperparameters ``harness.optim.sgd`` and ``harness.optim.adamw`` take (an optimizer with other
+  keywords, such as ``foreach``, or plain SGD without momentum is a check's own and is left alone);
+- a local reference's batch by hand: a loop or comprehension that calls ``get_input(rank=r)`` for each
+  ``r`` it iterates (``harness.references.all_rank_batch`` concatenates every rank's batch).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: every directory above the harness library that holds Python source.
+SCANNED = ("engine", "suites", "reports", "examples", "harness/cli", "harness/pytest_plugin")
+#: the hyperparameters the harness's factories take, per optimizer class.
+FACTORY_KEYWORDS = {"SGD": {"lr", "momentum"}, "AdamW": {"lr", "betas", "eps", "weight_decay"}}
+#: ``path: why it builds its own`` (each entry must still be needed).
+ALLOWED = {
+    "suites/mixed_precision/test_precision_logic.py": "plain data-parallel training by hand is the oracle "
+    "the local reference is tested against",
+}
+
+
+def _is_parity_optimizer(call: ast.Call) -> bool:
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if name not in FACTORY_KEYWORDS:
+        return False
+    keywords = {k.arg for k in call.keywords}
+    if None in keywords or not keywords <= FACTORY_KEYWORDS[name]:
+        return False
+    return name != "SGD" or "momentum" in keywords
+
+
+def _reads_every_rank(node: ast.AST, variable: str) -> bool:
+    """``node`` calls ``get_input`` with ``rank=variable``."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get_input":
+            if any(k.arg == "rank" and isinstance(k.value, ast.Name) and k.value.id == variable for k in n.keywords):
+                return True
+    return False
+
+
+def _all_rank_batches(tree: ast.AST) -> list[int]:
+    lines = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)):
+            if any(isinstance(g.target, ast.Name) and _reads_every_rank(n, g.target.id) for g in n.generators):
+                lines.append(n.lineno)
+        elif isinstance(n, ast.For) and isinstance(n.target, ast.Name):
+            if any(_reads_every_rank(statement, n.target.id) for statement in n.body):
+                lines.append(n.lineno)
+    return lines
+
+
+def own_parity_pieces(root: Path, directories: tuple[str, ...]) -> dict[str, list[str]]:
+    """``{path relative to root: ["line N: what"]}`` of every module under ``directories`` that builds the
+    parity optimizer or an all-rank batch itself."""
+    found: dict[str, list[str]] = {}
+    for directory in directories:
+        for path in sorted((root / directory).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            what = [f"line {n.lineno}: the parity optimizer (harness.optim)" for n in ast.walk(tree)
+                    if isinstance(n, ast.Call) and _is_parity_optimizer(n)]
+            what += [f"line {line}: every rank's batch (harness.references.all_rank_batch)" for line in _all_rank_batches(tree)]
+            if what:
+                found[path.relative_to(root).as_posix()] = sorted(what, key=lambda entry: int(entry.split()[1].rstrip(":")))
+    return found
+
+
+def test_planted_pieces_are_found(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "planted.py").write_text(
+        "import torch\n"
+        "opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)\n"
+        "batch = [m.get_input(step=0, rank=r) for r in range(2)]\n"
+        "for r in range(2):\n"
+        "    x = m.get_input(step=0, rank=r)\n"
+        "adamw = torch.optim.AdamW(params, lr=1e-2)\n"
+    )
+    (tmp_path / "pkg" / "own.py").write_text(
+        "import torch\n"
+        "plain = torch.optim.SGD(params, lr=0.1)\n"
+        "seed = torch.optim.SGD(params, lr=5e-3, momentum=0.9, foreach=True)\n"
+        "adam = torch.optim.Adam(params, lr=1e-2)\n"
+        "mine = m.get_input(step=0, rank=rank)\n"
+    )
+    found = own_parity_pieces(tmp_path, ("pkg",))
+    assert list(found) == ["pkg/planted.py"], found
+    assert [entry.split(":")[0] for entry in found["pkg/planted.py"]] == ["line 2", "line 3", "line 4", "line 6"]
+
+
+def test_no_parity_piece_outside_the_harness_library() -> None:
+    found = own_parity_pieces(ROOT, SCANNED)
+    unexplained = {path: what for path, what in found.items() if path not in ALLOWED}
+    assert not unexplained, f"build these with the harness library instead: {unexplained}"
+    stale = sorted(set(ALLOWED) - set(found))
+    assert not stale, f"ALLOWED names modules that no longer build their own (remove them): {stale}"
