@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
 __all__ = ["CompileCounts", "backend_for", "check_compiled", "compile_module", "compiled_counts"]

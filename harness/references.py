@@ -280,10 +280,10 @@ def cast_ablations(spec: PrecisionSpec, has_float_buffers: bool) -> dict[str, Pr
     the numbers: dropping ``reduce`` where it equals ``param`` (FSDP1 reduces in ``param`` then) or a
     buffer cast on a model without floating buffers changes nothing, and costs a run for nothing."""
     out: dict[str, PrecisionSpec] = {}
-    for field in ("param", "reduce", "buffer"):
-        if getattr(spec, field) is None or (field == "buffer" and not has_float_buffers):
+    for name in ("param", "reduce", "buffer"):
+        if getattr(spec, name) is None or (name == "buffer" and not has_float_buffers):
             continue
-        ablated = replace(spec, **{field: None})
+        ablated = replace(spec, **{name: None})
         if ablated.casts() != spec.casts():
-            out[f"no_{field}"] = ablated
+            out[f"no_{name}"] = ablated
     return out

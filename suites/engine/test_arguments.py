@@ -7,8 +7,6 @@ In one process, on a one-rank process-group double (no communication).
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
