@@ -161,8 +161,9 @@ def test_a_case_past_its_timeout_under_torchrun_brings_back_every_rank_s_stack(t
     out = tmp_path / "timeout.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "harness",
-         "run", "--matrix", "smoke", "--engines", "torch-fsdp", "--references", "ddp", "--limit", "2",
-         "--timeout", "0.01", "--out", str(out), "--no-progress"],
+         "run", "--matrix", "smoke", "--engines", "torch-fsdp", "--references", "ddp", "--limit", "1",
+         # Rank 0 looks at the clock once a beat (a second): the case must outlast one, idle host or not.
+         "--steps", "1000", "--timeout", "0.01", "--out", str(out), "--no-progress"],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
     assert done.returncode != 0, done.stdout + done.stderr
     records, bad = read_records(out)
