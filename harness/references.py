@@ -115,12 +115,12 @@ InputFn = Callable[[int, int], Sequence[torch.Tensor]]
 LossFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
 
 
-
 def all_rank_batch(inputs: InputFn, step: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Every rank's batch at ``step`` concatenated along the batch dimension, on ``device``: what one
     unsharded model sees to stand for ``world_size`` ranks when its loss is a mean over the batch."""
     every = [to_device(tuple(inputs(step, r)), device) for r in range(world_size)]
     return tuple(torch.cat(parts) for parts in zip(*every))
+
 
 class LocalReference:
     """One process, no collectives: every rank's batch on an unsharded model ([Note: local reference]).

@@ -15,9 +15,10 @@ The families (``FAMILIES``; adding one is one line there):
 - ``checkpoints``: the cases of the matrix's ``checkpoint`` axis, once the matrix has one;
 - ``flat-param``: the engine's ``FlatParamHandle`` metadata against torch FSDP1's layout, where it has one;
 - ``torch-common-fsdp``: torch's own FSDP parity machinery (``torch.testing._internal.common_fsdp``) over
-  the engine, on 2+ GPUs where torch's testing extras import.
+  the engine, on CUDA ranks (one GPU shared by them will do) where torch's testing extras import.
 
-On CPU the ranks run on gloo, on GPUs one per local GPU (``--world-size`` defaults to every local GPU).
+On CPU the ranks run on gloo, on GPUs as ``harness.placement.place`` puts them (``--world-size`` defaults to
+every local GPU where there are 2 or more, else 2).
 Engines are resolved by ``harness.registry``; a plug-in's spec must be resolvable in a fresh process
 (a spec or an entry point), since the seed families run pytest in one.
 
@@ -340,7 +341,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--families", default=",".join(f.name for f in FAMILIES),
                    help=f"comma list of families (default all: {','.join(f.name for f in FAMILIES)})")
     p.add_argument("--out", default=None, help="directory for the certificate (default certificates/NAME-TIME)")
-    p.add_argument("--world-size", type=int, default=None, help="ranks per case (default: every local GPU, 2 on CPU)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks per case (default: every local GPU where there are 2 or more, else 2)")
     add_placement(p)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
