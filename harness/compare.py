@@ -159,11 +159,31 @@ def _compare_slices(
         atol, rtol = policy.tolerance(name)
         ref = expected.get(piece.name)
         if ref is None or piece.start + piece.numel > ref.numel():
-            error = QuantityError(name, math.inf, math.inf, atol, rtol, False, math.inf)
-        else:
-            error = compare_tensors(name, piece.value, ref[piece.start : piece.start + piece.numel], atol, rtol)
-        found[name] = _worse(found.get(name), Finding(error, step))
+            found[name] = _worse(found.get(name), Finding(QuantityError(name, math.inf, math.inf, atol, rtol, False, math.inf), step))
+            continue
+        held = policy.null_gradients.get(piece.name) if prefix == "param" else None
+        for quantity, value, want, tol in _split_held(name, piece, ref.reshape(-1), held, (atol, rtol)):
+            found[quantity] = _worse(found.get(quantity), Finding(compare_tensors(quantity, value, want, *tol), step))
     return found
+
+
+def _split_held(
+    name: str, piece: ParamSlice, ref: torch.Tensor, held: tuple[int, int, float] | None, tol: tuple[float, float]
+) -> list[tuple[str, torch.Tensor, torch.Tensor, tuple[float, float]]]:
+    """``piece`` against its part of ``ref``: whole, or, where the policy holds elements ``[a, b)`` of
+    the parameter to a bound of their own, as the rest (under ``tol``) and those elements (under the
+    bound, as ``name[a:b]``)."""
+    lo, hi = piece.start, piece.start + piece.numel
+    value = piece.value.reshape(-1)
+    if held is None or held[1] <= lo or held[0] >= hi:
+        return [(name, value, ref[lo:hi], tol)]
+    a, b = max(held[0], lo), min(held[1], hi)
+    inside = torch.arange(lo, hi, device=value.device)
+    mask = (inside >= a) & (inside < b)
+    parts = [(f"{name}[{held[0]}:{held[1]}]", value[mask], ref[lo:hi][mask.to(ref.device)], (held[2], 0.0))]
+    if not bool(mask.all()):
+        parts.append((name, value[~mask], ref[lo:hi][(~mask).to(ref.device)], tol))
+    return parts
 
 
 def compare_observations(engine: Observation, reference: Observation, policy: TolerancePolicy) -> list[Finding]:

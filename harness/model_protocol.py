@@ -104,6 +104,20 @@ class ZooModel(nn.Module):
 
         return policy
 
+    def null_gradient_ranges(self) -> dict[str, tuple[int, int]]:
+        """Elements ``[start, stop)`` of a parameter (by name) whose gradient is zero in exact arithmetic.
+
+        Every ``nn.MultiheadAttention``'s key bias (the middle third of ``in_proj_bias``): adding one
+        constant to every key shifts each attention row's scores by one constant, which softmax ignores.
+        What trains it is rounding noise, which Adam scales to steps of up to its learning rate.
+        """
+        ranges = {}
+        for name, module in self.named_modules():
+            if isinstance(module, nn.MultiheadAttention) and module.in_proj_bias is not None:
+                width = module.in_proj_bias.numel() // 3
+                ranges[f"{name}.in_proj_bias"] = (width, 2 * width)
+        return ranges
+
     def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 

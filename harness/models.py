@@ -79,7 +79,13 @@ class SequentialModel(ZooModel):
     module: nn.Sequential
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
+        # The layers are called from this frame, as real models walk their blocks, not through
+        # ``nn.Sequential.forward``: Dynamo before torch 2.13 cannot resume after a graph break (a
+        # unit's eager hooks) inside an inlined frame, and skips torch.nn's own frames, so a model of
+        # nested Sequentials whose children are units compiled no graph at all on torch 2.11.
+        for layer in self.module:
+            x = layer(x)
+        return x
 
     def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
         return (torch.rand(4, self.d_input, generator=batch_generator(seed, step, rank)),)

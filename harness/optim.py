@@ -114,6 +114,15 @@ def build_optimizers(
     raise ValueError(f"CaseConfig.optimizer={case.optimizer!r} is not one of sgd, adamw, adamw_groups, two_optimizers")
 
 
+def adam_lr(case: CaseConfig) -> float | None:
+    """The largest learning rate an Adam-family optimizer of the case trains at; None under SGD."""
+    if case.optimizer in ("adamw", "adamw_groups"):
+        return case.lr
+    if case.optimizer == "two_optimizers":
+        return max(TWO_OPTIMIZER_LRS)
+    return None
+
+
 def zero_grads(case: CaseConfig, optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Clear the gradients after a step: ``two_optimizers``' second keeps zero-filled gradients
     (``set_to_none=False``), which Adam-family optimizers step unlike missing ones."""

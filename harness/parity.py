@@ -66,7 +66,8 @@ from harness.records import CaseRecord, QuantityError
 from harness.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
 from harness.stress import Stress
 from harness.stress import unsupported_reason as stress_unsupported_reason
-from harness.tolerance import BudgetSource, TolerancePolicy, budget_source, mixed_precision_budgets
+from harness.optim import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, adam_lr
+from harness.tolerance import BudgetSource, TolerancePolicy, adam_drift_bound, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
 from harness.resume import run_resumed
 from harness.stacks import portable_paths
@@ -333,6 +334,19 @@ def _resume_unsupported(adapter: EngineAdapter, case: CaseConfig, model: ZooMode
     return unsupported_checkpoint(adapter, loader, case.checkpoint, case.use_orig_params)
 
 
+def _null_gradient_policy(policy: TolerancePolicy, case: CaseConfig, model: ZooModel, reference: Observation,
+                          ctx: RankContext) -> TolerancePolicy:
+    """``policy`` holding the model's null-gradient elements to Adam's drift bound on CUDA ranks
+    (``harness.tolerance``: where rounding differs between the sides, Adam steps them on noise)."""
+    lr = adam_lr(case)
+    ranges = model.null_gradient_ranges()
+    if lr is None or ctx.device_type != "cuda" or not ranges:
+        return policy
+    values = {piece.name: piece.value.reshape(-1) for piece in reference.params}
+    magnitude = max((float(values[n][a:b].abs().max()) for n, (a, b) in ranges.items() if n in values and b > a), default=0.0)
+    return policy.with_null_gradients(ranges, adam_drift_bound(lr, case.steps, ADAMW_BETAS, ADAMW_WEIGHT_DECAY, magnitude))
+
+
 def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     """The pool's job: the whole case as this rank sees it (see ``record_from_outcome``)."""
     if case.world_size != ctx.world_size:
@@ -370,7 +384,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     engine_s = time.perf_counter() - t0
     peak = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device_type == "cuda" else 0
 
-    policy = TolerancePolicy.for_precision(spec, budgets, source)
+    policy = _null_gradient_policy(TolerancePolicy.for_precision(spec, budgets, source), case, model, reference, ctx)
     findings = compare_observations(engine, reference, policy)
     checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
 

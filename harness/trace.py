@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from engine.dynamo import outside_dynamo
+
 __all__ = ["CommEvent", "CommTrace", "OpKind", "TRACED", "TensorSeen", "dtypes", "movable_gathers", "ops", "signature", "total_bytes"]
 
 OpKind = Literal["all_gather", "reduce_scatter", "all_reduce", "broadcast", "compute"]
@@ -225,6 +227,10 @@ class CommTrace:
         kind = TRACED[name]
         sig = inspect.signature(original)
 
+        # Outside Dynamo: an engine's eager hook calls the collective through this frame, which Dynamo
+        # would otherwise compile as a frame of its own, turning the collective into a functional one
+        # (recorded only once, at tracing, and crashing on gloo ranks with CUDA tensors).
+        @outside_dynamo
         @functools.wraps(original)
         def traced(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._depth, "value", 0)
