@@ -79,13 +79,7 @@ class SequentialModel(ZooModel):
     module: nn.Sequential
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The layers are called from this frame, as real models walk their blocks, not through
-        # ``nn.Sequential.forward``: Dynamo before torch 2.13 cannot resume after a graph break (a
-        # unit's eager hooks) inside an inlined frame, and skips torch.nn's own frames, so a model of
-        # nested Sequentials whose children are units compiled no graph at all on torch 2.11.
-        for layer in self.module:
-            x = layer(x)
-        return x
+        return self.module(x)
 
     def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
         return (torch.rand(4, self.d_input, generator=batch_generator(seed, step, rank)),)
@@ -112,6 +106,13 @@ class NestedModel(SequentialModel):
 
     def wrap_units(self) -> list[nn.Module]:
         return [self.module[1], self.module[1][0], self.module[2]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Straight-line calls rather than ``nn.Sequential``'s loop: Dynamo before torch 2.13 cannot
+        # resume after a graph break (a unit's eager hooks) inside a loop over modules, and gives up
+        # the whole frame, so under torch.compile on torch 2.11 this model compiled no graph at all.
+        m = self.module
+        return m[3](m[2](m[1](m[0](x))))
 
 
 class AlwaysWrapModel(NestedModel):

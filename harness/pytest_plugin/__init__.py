@@ -156,13 +156,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         suite: SuiteMatrix = marker.args[0]
         marks = [pytest.mark.slow] if options.matrix != "smoke" else []
         gpu = {ws: _plan(ws, options).devices is not None for ws in options.world_sizes}
-        metafunc.parametrize(
-            "parity_case",
-            [
-                pytest.param(case, id=case.full_id, marks=[*marks, *([pytest.mark.gpu] if gpu[case.world_size] else [])])
-                for case in suite.cases(options)
-            ],
-        )
+
+        def case_marks(case: CaseConfig) -> list[pytest.MarkDecorator]:
+            device = "cuda" if gpu[case.world_size] else "cpu"
+            expected = suite.expected_failure(case, device)
+            xfail = [pytest.mark.xfail(strict=True, reason=expected.reason)] if expected else []
+            return [*marks, *([pytest.mark.gpu] if device == "cuda" else []), *xfail]
+
+        metafunc.parametrize("parity_case", [pytest.param(c, id=c.full_id, marks=case_marks(c)) for c in suite.cases(options)])
     if "fsdp_api" in metafunc.fixturenames:
         engines: list[Any] = [pytest.param(spec, id=engine_name(spec)) for spec in options.fsdp1_engines] or [pytest.param(
             None, id="no-fsdp1-engine",

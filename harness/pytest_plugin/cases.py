@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -156,6 +156,16 @@ def _engine_baseline(engine: str) -> tuple[tuple[str, Any], ...]:
 
 
 @dataclass(frozen=True)
+class ExpectedFailure:
+    """What an engine gets wrong in a suite's slice: its cases are strict expected failures (an
+    unexpected pass fails the run, so a fixed engine is noticed), with the reason."""
+
+    reason: str
+    #: ``(case, device type of its ranks) -> bool``: the cases it covers.
+    applies: Callable[[CaseConfig, str], bool]
+
+
+@dataclass(frozen=True)
 class SuiteMatrix:
     """The slice of the case matrix one generated parity suite runs (see [Note: suite slices and lanes])."""
 
@@ -173,6 +183,12 @@ class SuiteMatrix:
     #: the widest generator the suite walks: ``pairwise`` for a slice whose full product would not fit the
     #: full lane (the full lane then walks it pairwise).
     widest: str = "full"
+    #: what engines are known to get wrong in this slice.
+    expected_failures: tuple[ExpectedFailure, ...] = ()
+
+    def expected_failure(self, case: CaseConfig, device_type: str) -> ExpectedFailure | None:
+        """The first expected failure covering ``case`` on ranks of ``device_type``, if any."""
+        return next((x for x in self.expected_failures if x.applies(case, device_type)), None)
 
     def __post_init__(self) -> None:
         owned = [a for a in [*self.axes, *self.fixed] if a in _OPTION_AXES]

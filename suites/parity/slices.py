@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import get_args
 
+import torch
+
 from harness.case import PrecisionName, ShardingName
 from harness.matrix import LOOP_SLICE, LOOP_SMOKE_VARIANTS
-from harness.pytest_plugin.cases import SuiteMatrix
+from harness.pytest_plugin.cases import ExpectedFailure, SuiteMatrix
 
 STRATEGIES = list(get_args(ShardingName))
 
@@ -74,6 +76,19 @@ ORIG_PARAMS = SuiteMatrix(
 #: on the nested units and the tied transformer, with flat and original parameters, across strategies,
 #: bf16 and CPU offload. The smoke lane runs
 #: the smoke variants that set these axes: every value once.
+#: Measured with torch 2.11 on CUDA ranks (one H100, gloo ranks sharing it): torch FSDP1 under
+#: torch.compile with CPU offload fails inside Dynamo's tracing of its offloaded flat parameters, with
+#: FULL_SHARD ("attempting to assign a gradient with device type 'cuda' to a tensor with device type
+#: 'cpu'") and NO_SHARD ("RuntimeError when making fake tensor call"); SHARD_GRAD_OP passed. Our engine
+#: and FSDP2 pass the same cases. CPU ranks cannot run torch FSDP1's offload at all (pinned memory).
+TORCH_FSDP1_COMPILED_OFFLOAD = ExpectedFailure(
+    "torch FSDP1 (torch 2.11) under torch.compile with CPU offload: Dynamo's tracing fails on the offloaded "
+    "flat parameters (FULL_SHARD: a CUDA gradient assigned to a CPU tensor; NO_SHARD: a fake-tensor call)",
+    lambda case, device: (case.engine == "torch-fsdp" and device == "cuda" and case.compile == "compiled"
+                          and case.cpu_offload and case.sharding_strategy in ("full_shard", "no_shard")
+                          and torch.__version__.startswith("2.11.")),
+)
+
 TRAINING_LOOP = SuiteMatrix(
     "training_loop",
     axes={
@@ -88,6 +103,7 @@ TRAINING_LOOP = SuiteMatrix(
     smoke_variants=LOOP_SMOKE_VARIANTS,
     # The product of the loop axes alone is 144 cases per engine and reference: walked pairwise.
     widest="pairwise",
+    expected_failures=(TORCH_FSDP1_COMPILED_OFFLOAD,),
 )
 
 #: The seed's test_nested_wrapped_model_single_iteration_mixed_precision: one fp16 step (parameters,

@@ -64,11 +64,11 @@ def test_gpu_only():
 '''
 
 
-def pytest_in(tmp_path: Path, *args: str, timeout: float = 900.0) -> subprocess.CompletedProcess[str]:
+def pytest_in(tmp_path: Path, *args: str, timeout: float = 900.0, suite: str = SUITE) -> subprocess.CompletedProcess[str]:
     # ``timeout`` only guards against a run that never ends: two xdist workers and their ranks each
     # import torch, which on a loaded two-core machine alone takes minutes.
     (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST))
-    (tmp_path / "test_generated.py").write_text(textwrap.dedent(SUITE))
+    (tmp_path / "test_generated.py").write_text(textwrap.dedent(suite))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_XDIST_WORKER_COUNT", None)
@@ -188,3 +188,31 @@ def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_pat
     assert again.ret == pytest.ExitCode.USAGE_ERROR and "already hold results" in again.stderr.str(), (
         "an old results file is never mixed with a new run"
     )
+
+
+EXPECTED_FAILURES = '''
+from harness.pytest_plugin.cases import ExpectedFailure, SuiteMatrix
+
+PERTURB = (("fault", "perturb_grad_rank1"),)
+SLICE = SuiteMatrix(
+    "xf", axes={"use_orig_params": [False, True]}, fixed={"steps": 2},
+    smoke_variants=({}, {"use_orig_params": True}),
+    expected_failures=(ExpectedFailure("known wrong", lambda case, device: device == "cpu"),),
+)
+
+
+@pytest.mark.parity_matrix(SLICE)
+def test_xf(parity_case, parity_runner):
+    # The original-parameters case is perturbed (a failure, expected); the other passes, unexpectedly.
+    parity_runner.run(parity_case.replace(extras=PERTURB) if parity_case.use_orig_params else parity_case)
+'''
+
+
+def test_expected_failures_are_strict_xfails_with_their_reason(tmp_path: Path) -> None:
+    done = pytest_in(tmp_path, "-v", "-k", "test_xf", "--engine", "torch-fsdp", "--reference", "ddp", "--case-timeout", "180",
+                     suite="import pytest\n" + EXPECTED_FAILURES)
+    text = done.stdout
+    base = "torch-fsdp:ddp:full_shard-fp32-bwd_none-nested-steps2"
+    assert re.search(rf"XFAIL .*test_xf\[{re.escape(base.replace('-nested', '-orig-nested'))}\]", text), text[-3000:]
+    assert re.search(rf"FAILED .*test_xf\[{re.escape(base)}\]", text) and "[XPASS(strict)] known wrong" in text, text[-3000:]
+

@@ -15,10 +15,23 @@ from typing import get_args
 
 import pytest
 
-from harness.case import CaseConfig, ShardingName
+from harness.case import CaseConfig, ShardingName, is_hybrid
 from harness.matrix import WIDE_AXES
+from harness.placement import hybrid_shard_size
 from harness.pytest_plugin import ParityRunner
-from harness.pytest_plugin.cases import SuiteMatrix
+from harness.pytest_plugin.cases import ExpectedFailure, SuiteMatrix
+
+#: torch FSDP1's local state dict under hybrid sharding wraps each flat parameter in a ShardedTensor over
+#: the shard group, placed by the rank within that group, which ShardedTensor reads as a global rank: on
+#: every shard group but the first the save fails ("Global rank 0 does not exist in input process group:
+#: [2, 3]"). Seen with torch 2.11 (CUDA ranks) and 2.13 (CPU ranks) at 4 ranks; our engine saves and loads
+#: the same cases.
+TORCH_FSDP1_HYBRID_LOCAL = ExpectedFailure(
+    "torch FSDP1's LOCAL_STATE_DICT under hybrid sharding places each ShardedTensor by the rank within its "
+    "shard group, read as a global rank: saving fails on every shard group but the first",
+    lambda case, device: (case.engine == "torch-fsdp" and case.checkpoint == "local" and is_hybrid(case.sharding_strategy)
+                          and hybrid_shard_size(case.extra, case.world_size) < case.world_size),
+)
 
 CHECKPOINT = SuiteMatrix(
     "checkpoint",
@@ -33,6 +46,7 @@ CHECKPOINT = SuiteMatrix(
         {"checkpoint": "sharded", "optimizer": "adamw", "use_orig_params": True},
         {"checkpoint": "local", "optimizer": "adamw", "sharding_strategy": "shard_grad_op"},
     ),
+    expected_failures=(TORCH_FSDP1_HYBRID_LOCAL,),
 )
 
 
