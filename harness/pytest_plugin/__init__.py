@@ -433,6 +433,11 @@ class ParityRunner:
         self.session = session
         self.node = node
 
+    def device_type(self, world_size: int) -> str:
+        """``cuda`` where this process's pool of ``world_size`` ranks runs on GPUs, else ``cpu`` (what an
+        expected failure measured on one kind of device is conditioned on)."""
+        return "cpu" if _plan(world_size, self.pools.options).devices is None else "cuda"
+
     def run(self, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         """The case's record when it passed; otherwise skips (unsupported) or fails the test.
         ``timeout_s`` overrides ``--case-timeout`` for this case (a test of a hang need not wait long)."""

@@ -1,6 +1,11 @@
 """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 4 CPU ranks (2 replicas x 2 shards), against the
 all-data local reference and DDP, with groups passed as a pair, built from a 2-D mesh, and the
-default groups (a node of the launcher's ``LOCAL_WORLD_SIZE`` ranks)."""
+default groups (a node of the launcher's ``LOCAL_WORLD_SIZE`` ranks).
+
+The parity checks are harness cases on the plugin's 4-rank pool (``CASES``); the checks of one rank
+session below look at what parity does not: where the shards live, the clip norm, module-state sync and
+the default groups.
+"""
 
 from __future__ import annotations
 
@@ -8,41 +13,57 @@ import itertools
 import os
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from engine import FSDP, BackwardPrefetch, ShardingStrategy
+from engine import FSDP, ShardingStrategy
+from harness.case import HYBRID_STRATEGIES, CaseConfig
 from harness.model_protocol import wrap_bottom_up
+from harness.pytest_plugin import ParityRunner
 from harness.rank import new_hybrid_groups
-from suites.engine import parity
+from harness.references import all_rank_batch
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
-from suites.seeds.api import all_data, assert_match
+from suites.seeds.api import assert_match
 
 CPU = torch.device("cpu")
 HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
+HYBRID_CASE = CaseConfig(engine="builtin", world_size=4)
+
+
+def _cases() -> list[CaseConfig]:
+    """Groups as a pair (shard groups {0,1} {2,3}, replicate groups {0,2} {1,3}): strategy x
+    use_orig_params x backward prefetch on the nested and transformer models, each combination against
+    one reference and the other model against the other; groups from a 2-D ``(replicate, shard)`` mesh
+    with forward prefetch; accumulation inside no_sync."""
+    cases = []
+    combos = itertools.product(HYBRID_STRATEGIES, [False, True], ["none", "pre", "post"])
+    for i, (strategy, orig, prefetch) in enumerate(combos):
+        pair = HYBRID_CASE.replace(sharding_strategy=strategy, use_orig_params=orig, backward_prefetch=prefetch)
+        cases.append(pair.replace(model="engine_nested", reference="ddp" if i % 2 else "local"))
+        cases.append(pair.replace(model="engine_transformer", reference="local" if i % 2 else "ddp"))
+    for strategy, orig in itertools.product(HYBRID_STRATEGIES, [False, True]):
+        cases.append(HYBRID_CASE.replace(sharding_strategy=strategy, use_orig_params=orig, forward_prefetch=True,
+                                         model="engine_nested", reference="local", extras=(("hybrid_groups", "mesh"),)))
+    for strategy in HYBRID_STRATEGIES:
+        cases.append(HYBRID_CASE.replace(sharding_strategy=strategy, model="engine_nested", reference="local",
+                                         grad_accum="no_sync"))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.full_id)
+def test_hybrid_parity(case: CaseConfig, parity_runner: ParityRunner) -> None:
+    parity_runner.run(case)
 
 
 def _pair_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Shard groups {0,1} {2,3}, replicate groups {0,2} {1,3} (every rank creates all)."""
     return new_hybrid_groups(dist.get_rank(), 4, 2)
-
-
-def check_hybrid_parity_group_pair(rank: int, world_size: int) -> None:
-    groups = _pair_groups()
-    combos = itertools.product(HYBRID, [False, True], [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST])
-    for i, (strategy, orig, prefetch) in enumerate(combos):
-        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig, backward_prefetch=prefetch, process_group=groups)
-        parity.train_parity("engine_nested", kwargs, CPU, reference="ddp" if i % 2 else "local")
-        parity.train_parity("engine_transformer", kwargs, CPU, reference="local" if i % 2 else "ddp")
-
-
-def check_hybrid_parity_device_mesh(rank: int, world_size: int) -> None:
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    for strategy, orig in itertools.product(HYBRID, [False, True]):
-        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig, device_mesh=mesh, forward_prefetch=True)
-        parity.train_parity("engine_nested", kwargs, CPU)
 
 
 def check_hybrid_shards_within_group(rank: int, world_size: int) -> None:
@@ -52,15 +73,16 @@ def check_hybrid_shards_within_group(rank: int, world_size: int) -> None:
     assert flat.numel() == -(-total // 2), f"sharded over the 2-rank shard group, got {flat.numel()} of {total}"
 
 
-def check_hybrid_no_sync_and_clip(rank: int, world_size: int) -> None:
+def check_hybrid_clip_norm(rank: int, world_size: int) -> None:
+    """The total norm clip_grad_norm_ returns over the shard and replicate groups, against the unwrapped
+    model's over every rank's batch."""
     groups = _pair_groups()
     for strategy in HYBRID:
-        parity.accumulation_parity("engine_nested", dict(sharding_strategy=strategy, process_group=groups), CPU, use_no_sync=True)
         ref = NestedWrapped()
         model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, process_group=groups)
         inputs = NestedWrapped.get_input(step=0, rank=rank)
         NestedWrapped.get_loss(inputs, model(*inputs)).backward()
-        all_inputs = all_data(NestedWrapped, 0, world_size, CPU)
+        all_inputs = all_rank_batch(lambda s, r: NestedWrapped.get_input(step=s, rank=r), 0, world_size, CPU)
         NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         assert_match("clip_norm@0", model.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01), str(strategy))
 
@@ -88,10 +110,8 @@ def check_hybrid_default_groups_from_local_world_size(rank: int, world_size: int
 
 
 CHECKS = [
-    check_hybrid_parity_group_pair,
-    check_hybrid_parity_device_mesh,
     check_hybrid_shards_within_group,
-    check_hybrid_no_sync_and_clip,
+    check_hybrid_clip_norm,
     check_hybrid_sync_module_states,
     check_hybrid_default_groups_from_local_world_size,
 ]

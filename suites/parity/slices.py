@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import get_args
 
-from harness.case import PrecisionName, ShardingName
-from harness.matrix import LOOP_SLICE, LOOP_SMOKE_VARIANTS
+from harness.case import PrecisionName, ShardingName, is_hybrid
+from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
 from harness.pytest_plugin.cases import SuiteMatrix
 
 STRATEGIES = list(get_args(ShardingName))
+#: the strategies one group of ranks runs (the hybrid ones need 4 ranks and groups of their own).
+FLAT_STRATEGIES = [s for s in STRATEGIES if not is_hybrid(s)]
 
 #: Strategy x backward prefetch x CPU offload x use_orig_params on the seed's core models: the nested
 #: units (a unit inside a unit inside the root) and the transformer whose output projection is tied
@@ -104,6 +106,22 @@ FP16_SINGLE_ITERATION = SuiteMatrix(
     fixed={"model": "nested", "precision": "fp16", "steps": 1},
     smoke_each=("sharding_strategy", "cpu_offload"),
     smoke_variants=({},),
+)
+
+#: The engine suites' parity sweep (``suites/engine/test_parity.py``): every strategy x use_orig_params x
+#: backward prefetch x forward prefetch x CPU offload on the engine suites' nested, tied-transformer and
+#: mixture-of-experts models, on the builtin engine only whatever ``--engine`` says (so it is not among
+#: ``SUITES``, whose sizes are per requested engine). The smoke lane shows every model with every value of
+#: every axis against both references; the full lane is the whole product.
+ENGINE_SWEEP = SuiteMatrix(
+    "engine_sweep",
+    axes={
+        "model": ["engine_nested", "engine_transformer", "engine_moe"],
+        "sharding_strategy": FLAT_STRATEGIES,
+        **{axis: list(AXES[axis]) for axis in ("use_orig_params", "backward_prefetch", "forward_prefetch", "cpu_offload")},
+    },
+    smoke_each=("model",),
+    engines=("builtin",),
 )
 
 SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS, TRAINING_LOOP, FP16_SINGLE_ITERATION)
