@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -294,14 +294,11 @@ class ParitySession:
 
     # -- records --------------------------------------------------------------------------------------
 
-    def record(self, record: CaseRecord, node: pytest.Item) -> None:
-        """Append the record to this process's results file and leave its verdict on the test report."""
-        node.user_properties.append((VERDICT_PROPERTY, record.verdict))
-        node.user_properties.append((WALL_PROPERTY, record.wall_s))
-        case = record.case
-        name = getattr(node, "originalname", node.name)
-        node.user_properties.append((ENGINE_PROPERTY, engine_name(case["engine"])))
-        node.user_properties.append((KEY_PROPERTY, f"{name}[{case['reference']}:{record.case_id}]"))
+    def record(self, record: CaseRecord, node: pytest.Item, one_case_test: bool = True) -> None:
+        """Append the record to this process's results file and, for a test that is one case, leave its
+        verdict on the test report (a test of several cases is summarized by its own outcome)."""
+        if one_case_test:
+            self._annotate(record, node)
         if self.results is None:
             return
         if self._writer is None:
@@ -310,6 +307,15 @@ class ParitySession:
             lanes = [plan.lane for plan in (_plan(ws, self.options) for ws in self.options.world_sizes) if plan.lane]
             self._writer = ResultWriter(worker_results_path(self.results), run_info(lanes or "none", self.run_id))
         self._writer.append(record)
+
+    @staticmethod
+    def _annotate(record: CaseRecord, node: pytest.Item) -> None:
+        node.user_properties.append((VERDICT_PROPERTY, record.verdict))
+        node.user_properties.append((WALL_PROPERTY, record.wall_s))
+        case = record.case
+        name = getattr(node, "originalname", node.name)
+        node.user_properties.append((ENGINE_PROPERTY, engine_name(case["engine"])))
+        node.user_properties.append((KEY_PROPERTY, f"{name}[{case['reference']}:{record.case_id}]"))
 
     # -- hooks ----------------------------------------------------------------------------------------
 
@@ -452,6 +458,24 @@ class ParityRunner:
         if outcome.action == "fail":
             pytest.fail(outcome.message, pytrace=False)
         return record
+
+    def run_all(self, cases: Sequence[CaseConfig]) -> list[CaseRecord]:
+        """Every case of a test that checks several (a seed check and its subtests, one verdict as the
+        seed has it), each recorded; fails the test naming every failing case, skips it when no case
+        could run (the first reason), else returns the records."""
+        from harness.runner import run_case
+
+        records = []
+        for case in cases:
+            records.append(run_case(self.pools.pool_for(case.world_size), case))
+            self.session.record(records[-1], self.node, one_case_test=False)
+        outcomes = [(record, outcome_of(record)) for record in records]
+        failed = [f"{CaseConfig.from_dict(r.case).full_id}: {o.message}" for r, o in outcomes if o.action == "fail"]
+        if failed:
+            pytest.fail(f"{len(failed)} of {len(records)} cases failed:\n" + "\n".join(failed), pytrace=False)
+        if all(o.action == "skip" for _, o in outcomes):
+            skip_here(outcomes[0][1].message if outcomes else "no case to run")
+        return records
 
 
 @pytest.fixture(scope="session")

@@ -60,6 +60,14 @@ class NestedWrapped(ZooModel):
         return (output**2).mean()
 
 
+class NestedAlwaysWrapped(NestedWrapped):
+    """The nested model with every submodule its own unit (what ``always_wrap_policy`` wraps: seven units
+    with the root, the parameterless ReLU among them)."""
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [m for m in self.modules() if m is not self]
+
+
 class SharedTransformer(ZooModel):
     """Embedding -> 2 encoder layers -> output projection tied to the embedding.
 
@@ -152,11 +160,13 @@ class MixtureOfExperts(ZooModel):
 #: these models by their names in the zoo (registered below), which the suites' parity helpers take.
 ENGINE_MODELS: dict[str, type[ZooModel]] = {
     "engine_nested": NestedWrapped,
+    "engine_always_wrap": NestedAlwaysWrapped,
     "engine_transformer": SharedTransformer,
     "engine_moe": MixtureOfExperts,
 }
 
 register_model("engine_nested", "the engine suites' nested linears (units inside units)", NestedWrapped)
+register_model("engine_always_wrap", "the engine suites' nested linears, every submodule a unit", NestedAlwaysWrapped)
 register_model("engine_transformer", "the engine suites' encoder, projection tied to the embedding", SharedTransformer)
 register_model("engine_moe", "the engine suites' mixture of experts (rank-local expert)",
                lambda seed, rank, world_size: MixtureOfExperts(rank))

@@ -23,10 +23,9 @@ from harness.case import HYBRID_STRATEGIES, CaseConfig
 from harness.model_protocol import wrap_bottom_up
 from harness.pytest_plugin import ParityRunner
 from harness.rank import new_hybrid_groups
-from harness.references import all_rank_batch
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
-from suites.seeds.api import assert_match
+from suites.seeds.api import all_data, assert_match
 
 CPU = torch.device("cpu")
 HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
@@ -82,7 +81,7 @@ def check_hybrid_clip_norm(rank: int, world_size: int) -> None:
         model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, process_group=groups)
         inputs = NestedWrapped.get_input(step=0, rank=rank)
         NestedWrapped.get_loss(inputs, model(*inputs)).backward()
-        all_inputs = all_rank_batch(lambda s, r: NestedWrapped.get_input(step=s, rank=r), 0, world_size, CPU)
+        all_inputs = all_data(NestedWrapped, 0, world_size, CPU)
         NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
         assert_match("clip_norm@0", model.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01), str(strategy))
 
