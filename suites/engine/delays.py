@@ -16,20 +16,18 @@ import torch
 
 from engine import FSDP
 from engine.flat_param import FlatParamHandle
-from harness.adapters import canonical_name
 from harness.case import CaseConfig
-from harness.compare import assert_tensors_match
 from harness.models import build_model
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
-from harness.references import LocalReference
-from harness.tolerance import TolerancePolicy
-from suites.engine.models import NestedWrapped
+from suites.engine import models  # noqa: F401 - registers DELAYED_CASE's model in the zoo
+from suites.seeds.api import assert_matches_local_reference, load_api
 
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
 #: reader runs before the writer finishes.
 SLEEP_CYCLES = 50_000_000
 
+BUILTIN = load_api("builtin")
 #: What the delayed runs train, as the harness's case (its model, steps and optimizer) for the reference.
 DELAYED_CASE = CaseConfig(engine="builtin", reference="local", model="engine_nested", steps=4)
 
@@ -72,16 +70,15 @@ def delays(before_reduce: bool, before_free: bool) -> Iterator[None]:
 
 
 def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, before_step: bool) -> None:
-    """``DELAYED_CASE``'s steps of the nested model wrapped with ``kwargs`` under the given sleeps; its
-    parameters must match what the harness's local reference (``harness.references.LocalReference``)
-    computes for the case. The engine's loop is this module's own: the sleeps patch the builtin engine's
-    internals (``FlatParamHandle.free_unsharded_flat_param``), which the harness never does (its stress
-    mode, ``harness.stress``, delays every engine alike from outside)."""
+    """``DELAYED_CASE``'s steps of its model wrapped with ``kwargs`` under the given sleeps; its parameters
+    must match what the harness's local reference computes for the case. The training loop is this
+    module's own: the sleeps patch the builtin engine's internals (``FlatParamHandle.free_unsharded_flat_param``),
+    which the harness never does (its stress mode, ``harness.stress``, delays every engine alike from outside)."""
     case = DELAYED_CASE
-    device, rank, world = cuda_device(), torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = wrap_bottom_up(build_model(case.model).to(device), FSDP, **kwargs)
+    device, rank = cuda_device(), torch.distributed.get_rank()
+    zoo = build_model(case.model)
+    model = wrap_bottom_up(zoo.to(device), FSDP, **kwargs)
     opt = sgd(model.parameters(), case.lr, case.momentum)
-    zoo = NestedWrapped
     # Every batch is on the GPU before the first step: a host-to-device copy from pageable memory
     # inside the loop would block the host until the compute stream (and its sleep) is done,
     # which hides a missing wait between the optimizer step and the next all-gather.
@@ -93,10 +90,4 @@ def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, be
             torch.cuda._sleep(SLEEP_CYCLES)
         opt.step()
         opt.zero_grad()
-    expected = LocalReference.for_case(case, case.precision_spec, device, world).run(rank).params
-    context = f"delays reduce={before_reduce} free={before_free} step={before_step} {kwargs}"
-    with FSDP.summon_full_params(model):
-        got = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
-    assert sorted(got) == sorted(expected), f"{context}: parameter names differ: {sorted(got)} vs {sorted(expected)}"
-    for name, want in expected.items():
-        assert_tensors_match(f"param:{name}", got[name], want.to(device), TolerancePolicy.for_dtype(want.dtype), context)
+    assert_matches_local_reference(BUILTIN, model, case, f"delays reduce={before_reduce} free={before_free} step={before_step} {kwargs}")
