@@ -16,7 +16,7 @@ Loaded by the root ``conftest.py``. What it adds:
 - fixtures ``parity_options``, ``parity_pools`` (one rank pool per world size, started once per pytest
   process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
   verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
-  with the details);
+  with the details; ``run_all`` runs the cases of one check, a seed check's subtests, under one verdict);
 - a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
 
 Under pytest-xdist every worker's pools take a disjoint block of the GPUs where there are enough, and
