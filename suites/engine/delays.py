@@ -17,10 +17,9 @@ import torch
 from engine import FSDP
 from engine.flat_param import FlatParamHandle
 from harness.case import CaseConfig
-from harness.models import build_model
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
-from suites.engine import models  # noqa: F401 - registers DELAYED_CASE's model in the zoo
+from suites.engine.models import ENGINE_MODELS
 from suites.seeds.api import assert_matches_local_reference, load_api
 
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
@@ -76,8 +75,8 @@ def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, be
     which the harness never does (its stress mode, ``harness.stress``, delays every engine alike from outside)."""
     case = DELAYED_CASE
     device, rank = cuda_device(), torch.distributed.get_rank()
-    zoo = build_model(case.model)
-    model = wrap_bottom_up(zoo.to(device), FSDP, **kwargs)
+    zoo = ENGINE_MODELS[case.model](device)
+    model = wrap_bottom_up(zoo, FSDP, **kwargs)
     opt = sgd(model.parameters(), case.lr, case.momentum)
     # Every batch is on the GPU before the first step: a host-to-device copy from pageable memory
     # inside the loop would block the host until the compute stream (and its sleep) is done,
