@@ -2,7 +2,7 @@
 all-data local reference and DDP, with groups passed as a pair, built from a 2-D mesh, and the
 default groups (a node of the launcher's ``LOCAL_WORLD_SIZE`` ranks).
 
-The parity checks are harness cases on the plugin's 4-rank pool (``CASES``); the checks of one rank
+The parity checks are harness cases on the plugin's 4-rank pool (``test_hybrid_parity``); the checks of one rank
 session below look at what parity does not: where the shards live, the clip norm, module-state sync and
 the default groups.
 """
@@ -32,14 +32,17 @@ HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
 HYBRID_CASE = CaseConfig(engine="builtin", world_size=4)
 
 
-def _cases() -> list[CaseConfig]:
+def _cases(smoke: bool = False) -> list[CaseConfig]:
     """Groups as a pair (shard groups {0,1} {2,3}, replicate groups {0,2} {1,3}): strategy x
     use_orig_params x backward prefetch on the nested and transformer models, each combination against
-    one reference and the other model against the other; groups from a 2-D ``(replicate, shard)`` mesh
-    with forward prefetch; accumulation inside no_sync."""
+    one reference and the other model against the other (``smoke``, the CI lane: 4 combinations that show
+    every value with both references); groups from a 2-D ``(replicate, shard)`` mesh with forward
+    prefetch; accumulation inside no_sync."""
     cases = []
-    combos = itertools.product(HYBRID_STRATEGIES, [False, True], ["none", "pre", "post"])
-    for i, (strategy, orig, prefetch) in enumerate(combos):
+    combos = itertools.product(enumerate(HYBRID_STRATEGIES), [False, True], enumerate(["none", "pre", "post"]))
+    for i, ((s, strategy), orig, (p, prefetch)) in enumerate(combos):
+        if smoke and p != (2 * s + orig) % 3:
+            continue
         pair = HYBRID_CASE.replace(sharding_strategy=strategy, use_orig_params=orig, backward_prefetch=prefetch)
         cases.append(pair.replace(model="engine_nested", reference="ddp" if i % 2 else "local"))
         cases.append(pair.replace(model="engine_transformer", reference="local" if i % 2 else "ddp"))
@@ -52,12 +55,24 @@ def _cases() -> list[CaseConfig]:
     return cases
 
 
-CASES = _cases()
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``case``: the lane's hybrid cases (``--matrix``: smoke in CI, every combination in the others)."""
+    if "case" in metafunc.fixturenames:
+        cases = _cases(smoke=metafunc.config.getoption("matrix") == "smoke")
+        metafunc.parametrize("case", cases, ids=[c.full_id for c in cases])
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.full_id)
 def test_hybrid_parity(case: CaseConfig, parity_runner: ParityRunner) -> None:
     parity_runner.run(case)
+
+
+def test_the_smoke_cases_show_every_value_with_both_references() -> None:
+    smoke, every = _cases(smoke=True), _cases()
+    assert len(smoke) == 14 and len(every) == 30 and set(smoke) <= set(every)
+    pair = [c for c in smoke if not c.extras and c.grad_accum == "none"]
+    for axis in ("sharding_strategy", "use_orig_params", "backward_prefetch"):
+        assert {getattr(c, axis) for c in pair} == {getattr(c, axis) for c in every}, axis
+    assert {(c.model, c.reference) for c in pair} == {(m, r) for m in ("engine_nested", "engine_transformer") for r in ("ddp", "local")}
 
 
 def _pair_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
