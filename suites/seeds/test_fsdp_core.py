@@ -5,8 +5,7 @@ torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 ranks on the CPU
 use_orig_params, with and without CPU offload, parameter change after init, pre-backward hook
 registration (also after a state-dict round trip), eval output equals no_grad output, unsharded
 parameters are Tensor views during compute even with prefetching. The parity checks are harness cases
-(``test_seed_parity``: each seed check's subtests on the plugin's pool, where ``--device`` places it);
-the others run in one rank session per engine.
+(``suites/seeds/test_seed_parity.py``); the others run here in one rank session per engine and device.
 
 The seed's delayed variants (GPU sleeps) are in suites/engine/test_gpu.py; its CUDA init modes
 have no CPU meaning (the full product is in suites/engine/test_parity.py and suites/parity/).
@@ -19,81 +18,17 @@ import itertools
 from typing import Iterator
 from unittest import mock
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.testing import assert_close
 
-from harness.case import CaseConfig, engine_name
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
-from harness.pytest_plugin import ParityRunner
-from harness.pytest_plugin.cases import ParityOptions
 from harness.rank import rank_device
 from suites.engine.models import NestedWrapped, SharedTransformer
 from suites.engine.ranks import api_session_tests
-from suites.parity.slices import FLAT_STRATEGIES
 from suites.seeds.api import FSDPApi, load_api, optim
-
-
-def _subtests(model: str, offload: bool, smoke: bool = False) -> list[CaseConfig]:
-    """Every strategy, each with every backward prefetch x use_orig_params value and forward prefetch
-    alternating (a Latin square instead of the full product), against DDP. ``smoke`` (the CI lane) keeps
-    one backward prefetch per strategy, each with both use_orig_params and forward prefetch values: every
-    value of every axis, 6 subtests of 18."""
-    return [
-        CaseConfig(reference="ddp", model=model, sharding_strategy=strategy, cpu_offload=offload, backward_prefetch=bwd,
-                   forward_prefetch=bool((i + j + offload) % 2), use_orig_params=orig)
-        for i, strategy in enumerate(FLAT_STRATEGIES)
-        for j, (bwd, orig) in enumerate(itertools.product(["none", "pre", "post"], [False, True]))
-        if not smoke or j // 2 == i
-    ]
-
-
-#: The seed's parity checks, each a set of harness cases (the engine suites' zoo models; the mixture of
-#: experts against DDP, which leaves its rank-local experts out: its declared reduction).
-PARITY_CHECKS = {
-    f"check_parity_{name}{'_offload' if offload else ''}": (model, offload)
-    for name, model in (("nested_wrapped_model", "engine_nested"), ("nested_always_wrap_model", "engine_always_wrap"),
-                        ("transformer", "engine_transformer"), ("mixture_of_experts", "engine_moe"))
-    for offload in (False, True)
-}
-#: Measured on one H100 (torch 2.11, 2 gloo ranks sharing the GPU, 3 repetitions of the 18 subtests):
-#: torch FSDP1 disagrees with the reference in most offload subtests of the mixture of experts, our
-#: engine in none; without offload, and on the nested and transformer models with offload, both agree.
-#: The experts are units over one-rank groups, which issue no collective; the likely cause (not yet
-#: confirmed) is that nothing then orders the gradient's non-blocking copy to the host before the
-#: optimizer step reads it, the race README's findings name for NO_SHARD with CPU offload on busy GPUs.
-EXPECTED_FAILURES = {
-    ("torch-fsdp", "cuda", "check_parity_mixture_of_experts_offload"): (
-        "torch FSDP1 with CPU offload on the experts' one-rank-group units disagrees with the reference on "
-        "CUDA ranks (measured on an H100, gloo ranks sharing it); our engine agrees"
-    ),
-}
-
-
-@pytest.mark.parametrize("check", PARITY_CHECKS)
-def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, parity_options: ParityOptions,
-                     request: pytest.FixtureRequest) -> None:
-    """One seed check: its subtests as harness cases on the plugin's pool (the smoke lane's selection
-    there, every subtest in the others), failing if any fails."""
-    model, offload = PARITY_CHECKS[check]
-    cases = [case.replace(engine=fsdp_api) for case in _subtests(model, offload, smoke=parity_options.matrix == "smoke")]
-    reason = EXPECTED_FAILURES.get((engine_name(fsdp_api), parity_runner.device_type(cases[0].world_size), check))
-    if reason is not None:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
-    parity_runner.run_all(cases)
-
-
-def test_the_smoke_subtests_show_every_value_of_every_axis() -> None:
-    smoke, every = _subtests("engine_nested", False, smoke=True), _subtests("engine_nested", False)
-    assert len(smoke) == 6 and len(every) == 18 and set(smoke) <= set(every)
-    for axis in ("sharding_strategy", "backward_prefetch", "use_orig_params", "forward_prefetch"):
-        assert {getattr(c, axis) for c in smoke} == {getattr(c, axis) for c in every}, axis
-    for strategy in FLAT_STRATEGIES:
-        mine = [c for c in smoke if c.sharding_strategy == strategy]
-        assert {c.use_orig_params for c in mine} == {c.forward_prefetch for c in mine} == {False, True}, strategy
 
 
 def _prefetches(api: FSDPApi) -> list:

@@ -7,7 +7,7 @@ and gradient writeback (and shape mismatch), no-reshard changes between forward 
 FQNs in forward, no_sync correctness and mixed-precision dtypes, non-uniform requires_grad.
 
 DDP is the reference where the seed uses it; the seed's CUDA-only parts (compile) are left out; no_sync
-against the all-data reference is harness cases. ``_train_parity`` stays (SGD and Adam family with and
+against the all-data reference is harness cases (``test_seed_parity.py``). ``_train_parity`` stays (SGD and Adam family with and
 without ``foreach``, per-group hyperparameters, ``set_to_none=False``, frozen parameters): the optimizer
 axis (``adamw_groups``, ``two_optimizers``) does not express those.
 """
@@ -25,14 +25,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
-from harness.case import CaseConfig
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
-from harness.pytest_plugin import ParityRunner
 from harness.rank import rank_device
 from suites.engine.models import SharedTransformer
 from suites.engine.ranks import api_session_tests
-from suites.parity.slices import FLAT_STRATEGIES
 from suites.seeds.api import FSDPApi, assert_match, clean as _clean, load_api
 
 
@@ -531,16 +528,6 @@ def check_no_sync_correctness(api: FSDPApi, rank: int, world_size: int) -> None:
                 opt.step()
                 opt.zero_grad()
         _fsdp_params_equal(api, pairs[0][0], pairs[1][0])
-
-
-#: And both equal the all-data reference: original parameters accumulating inside no_sync, per strategy.
-NO_SYNC_CASES = [CaseConfig(reference="local", model="engine_transformer", sharding_strategy=strategy, use_orig_params=True,
-                            grad_accum="no_sync") for strategy in FLAT_STRATEGIES]
-
-
-@pytest.mark.parametrize("case", NO_SYNC_CASES, ids=lambda c: c.case_id)
-def test_no_sync_parity(fsdp_api: str, case: CaseConfig, parity_runner: ParityRunner) -> None:
-    parity_runner.run(case.replace(engine=fsdp_api))
 
 
 def check_no_sync_mixed_precision(api: FSDPApi, rank: int, world_size: int) -> None:
