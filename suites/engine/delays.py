@@ -19,7 +19,7 @@ from engine.flat_param import FlatParamHandle
 from harness.case import CaseConfig
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
-from suites.engine.models import ENGINE_MODELS
+from suites.engine.models import ENGINE_MODELS, NESTED
 from suites.seeds.api import assert_matches_local_reference, load_api
 
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
@@ -28,7 +28,7 @@ SLEEP_CYCLES = 50_000_000
 
 BUILTIN = load_api("builtin")
 #: What the delayed runs train, as the harness's case (its model, steps and optimizer) for the reference.
-DELAYED_CASE = CaseConfig(engine="builtin", reference="local", model="engine_nested", steps=4)
+DELAYED_CASE = CaseConfig(engine="builtin", reference="local", model=NESTED, steps=4)
 
 #: (before_reduce, before_free, before_step): one sleep at a time.
 DELAYS = [(True, False, False), (False, True, False), (False, False, True)]

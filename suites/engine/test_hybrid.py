@@ -23,7 +23,7 @@ from harness.case import HYBRID_STRATEGIES, CaseConfig
 from harness.model_protocol import wrap_bottom_up
 from harness.pytest_plugin import ParityRunner
 from harness.rank import new_hybrid_groups
-from suites.engine.models import NestedWrapped
+from suites.engine.models import NESTED, TRANSFORMER, NestedWrapped
 from suites.engine.ranks import session_tests
 from suites.seeds.api import all_data, assert_match
 
@@ -44,13 +44,13 @@ def _cases(smoke: bool = False) -> list[CaseConfig]:
         if smoke and p != (2 * s + orig) % 3:
             continue
         pair = HYBRID_CASE.replace(sharding_strategy=strategy, use_orig_params=orig, backward_prefetch=prefetch)
-        cases.append(pair.replace(model="engine_nested", reference="ddp" if i % 2 else "local"))
-        cases.append(pair.replace(model="engine_transformer", reference="local" if i % 2 else "ddp"))
+        cases.append(pair.replace(model=NESTED, reference="ddp" if i % 2 else "local"))
+        cases.append(pair.replace(model=TRANSFORMER, reference="local" if i % 2 else "ddp"))
     for strategy, orig in itertools.product(HYBRID_STRATEGIES, [False, True]):
         cases.append(HYBRID_CASE.replace(sharding_strategy=strategy, use_orig_params=orig, forward_prefetch=True,
-                                         model="engine_nested", reference="local", extras=(("hybrid_groups", "mesh"),)))
+                                         model=NESTED, reference="local", extras=(("hybrid_groups", "mesh"),)))
     for strategy in HYBRID_STRATEGIES:
-        cases.append(HYBRID_CASE.replace(sharding_strategy=strategy, model="engine_nested", reference="local",
+        cases.append(HYBRID_CASE.replace(sharding_strategy=strategy, model=NESTED, reference="local",
                                          grad_accum="no_sync"))
     return cases
 
@@ -72,7 +72,7 @@ def test_the_smoke_cases_show_every_value_with_both_references() -> None:
     pair = [c for c in smoke if not c.extras and c.grad_accum == "none"]
     for axis in ("sharding_strategy", "use_orig_params", "backward_prefetch"):
         assert {getattr(c, axis) for c in pair} == {getattr(c, axis) for c in every}, axis
-    assert {(c.model, c.reference) for c in pair} == {(m, r) for m in ("engine_nested", "engine_transformer") for r in ("ddp", "local")}
+    assert {(c.model, c.reference) for c in pair} == {(m, r) for m in (NESTED, TRANSFORMER) for r in ("ddp", "local")}
 
 
 def _pair_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -14,7 +14,7 @@ from engine.wrap import ModuleWrapPolicy, always_wrap_policy
 from harness.case import CaseConfig
 from harness.model_protocol import wrap_bottom_up
 from harness.optim import sgd
-from suites.engine.models import NestedWrapped
+from suites.engine.models import NESTED, NestedWrapped
 from suites.engine.ranks import session_tests
 from suites.seeds.api import assert_matches_local_reference, load_api
 
@@ -27,7 +27,7 @@ def _units(model: nn.Module) -> list[str]:
 
 #: How the auto-wrapped models train: as the harness's case of the same model (its optimizer and steps), so
 #: the harness's local reference says what their parameters must be.
-AUTO_WRAPPED_CASE = CaseConfig(engine="builtin", reference="local", model="engine_nested", steps=3)
+AUTO_WRAPPED_CASE = CaseConfig(engine="builtin", reference="local", model=NESTED, steps=3)
 
 
 def _parity_with_plain(model: nn.Module, rank: int) -> None:

@@ -17,7 +17,7 @@ from engine import FSDP, BackwardPrefetch, ShardingStrategy
 from harness.case import FSDP1_STRATEGIES, CaseConfig
 from harness.model_protocol import wrap_bottom_up
 from harness.pytest_plugin import ParityRunner
-from suites.engine.models import NestedWrapped
+from suites.engine.models import NESTED, TRANSFORMER, NestedWrapped
 from suites.engine.ranks import session_tests
 from suites.parity.slices import FLAT_STRATEGIES
 from suites.seeds.api import all_data, assert_match, assert_params_match, full_params, load_api, optim
@@ -33,9 +33,9 @@ ACCUMULATION_CASES = [
     CaseConfig(engine="builtin", reference="local", sharding_strategy=strategy, use_orig_params=orig, **kwargs)
     for strategy, orig in itertools.product(FLAT_STRATEGIES, [False, True])
     for kwargs in (
-        dict(model="engine_nested", grad_accum="no_sync"),
-        dict(model="engine_transformer", grad_accum="no_sync", extras=(("micro_batches", 3),)),
-        dict(model="engine_nested", grad_accum="sync"),
+        dict(model=NESTED, grad_accum="no_sync"),
+        dict(model=TRANSFORMER, grad_accum="no_sync", extras=(("micro_batches", 3),)),
+        dict(model=NESTED, grad_accum="sync"),
     )
 ]
 

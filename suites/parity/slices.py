@@ -13,6 +13,7 @@ from typing import get_args
 from harness.case import PrecisionName, ShardingName, is_hybrid
 from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
 from harness.pytest_plugin.cases import SuiteMatrix
+from suites.engine.models import MOE, NESTED, TRANSFORMER
 
 STRATEGIES = list(get_args(ShardingName))
 #: the strategies one group of ranks runs (the hybrid ones need 4 ranks and groups of their own).
@@ -116,7 +117,7 @@ FP16_SINGLE_ITERATION = SuiteMatrix(
 ENGINE_SWEEP = SuiteMatrix(
     "engine_sweep",
     axes={
-        "model": ["engine_nested", "engine_transformer", "engine_moe"],
+        "model": [NESTED, TRANSFORMER, MOE],
         "sharding_strategy": FLAT_STRATEGIES,
         **{axis: list(AXES[axis]) for axis in ("use_orig_params", "backward_prefetch", "forward_prefetch", "cpu_offload")},
     },

@@ -19,6 +19,7 @@ import pytest
 
 from harness.case import CaseConfig, engine_name
 from harness.pytest_plugin import ParityRunner
+from suites.engine.models import NESTED
 
 #: check name -> the checkpoint implementation and where its wrapper goes.
 CHECKS = {
@@ -30,7 +31,7 @@ CHECKS = {
 CASES = [
     pytest.param(
         check,
-        CaseConfig(reference="local", model="engine_nested", sharding_strategy=strategy, use_orig_params=orig,
+        CaseConfig(reference="local", model=NESTED, sharding_strategy=strategy, use_orig_params=orig,
                    activation_checkpointing=impl, extras=(("checkpoint_wrapper", where),) if where != "inside" else ()),
         id=f"{check}-{strategy}{'-orig' if orig else ''}",
     )

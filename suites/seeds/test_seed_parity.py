@@ -22,6 +22,7 @@ import pytest
 from harness.case import CaseConfig, engine_name
 from harness.pytest_plugin import ParityRunner
 from harness.pytest_plugin.cases import ParityOptions
+from suites.engine.models import ALWAYS_WRAP, MOE, NESTED, TRANSFORMER
 from suites.parity.slices import FLAT_STRATEGIES
 
 
@@ -43,8 +44,8 @@ def _subtests(model: str, offload: bool, smoke: bool = False) -> list[CaseConfig
 #: experts against DDP, which leaves its rank-local experts out: its declared reduction).
 PARITY_CHECKS = {
     f"check_parity_{name}{'_offload' if offload else ''}": (model, offload)
-    for name, model in (("nested_wrapped_model", "engine_nested"), ("nested_always_wrap_model", "engine_always_wrap"),
-                        ("transformer", "engine_transformer"), ("mixture_of_experts", "engine_moe"))
+    for name, model in (("nested_wrapped_model", NESTED), ("nested_always_wrap_model", ALWAYS_WRAP),
+                        ("transformer", TRANSFORMER), ("mixture_of_experts", MOE))
     for offload in (False, True)
 }
 #: Measured on one H100 (torch 2.11, 2 gloo ranks sharing the GPU, 3 repetitions of the 18 subtests):
@@ -75,7 +76,7 @@ def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, par
 
 
 def test_the_smoke_subtests_show_every_value_of_every_axis() -> None:
-    smoke, every = _subtests("engine_nested", False, smoke=True), _subtests("engine_nested", False)
+    smoke, every = _subtests(NESTED, False, smoke=True), _subtests(NESTED, False)
     assert len(smoke) == 6 and len(every) == 18 and set(smoke) <= set(every)
     for axis in ("sharding_strategy", "backward_prefetch", "use_orig_params", "forward_prefetch"):
         assert {getattr(c, axis) for c in smoke} == {getattr(c, axis) for c in every}, axis
@@ -84,7 +85,7 @@ def test_the_smoke_subtests_show_every_value_of_every_axis() -> None:
         assert {c.use_orig_params for c in mine} == {c.forward_prefetch for c in mine} == {False, True}, strategy
 
 
-NO_SYNC_CASES = [CaseConfig(reference="local", model="engine_transformer", sharding_strategy=strategy, use_orig_params=True,
+NO_SYNC_CASES = [CaseConfig(reference="local", model=TRANSFORMER, sharding_strategy=strategy, use_orig_params=True,
                             grad_accum="no_sync") for strategy in FLAT_STRATEGIES]
 
 
