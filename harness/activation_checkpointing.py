@@ -6,8 +6,8 @@ forward runs again inside backward, pre-forward and pre-backward hooks and all-g
 
 Where the wrapper goes depends on the engine, as each engine's recipes have it: inside an FSDP1 unit
 (``FSDP(CheckpointWrapper(layer))``, applied after wrapping), around the module before ``fully_shard``
-(FSDP2, as torch's own FSDP2 tests). Units inside a wrapper (``checkpoint_wrapper(FSDP(layer))``) are
-seed checks of their own (``suites/seeds/test_fsdp_checkpoint.py``). Recomputing a forward gives the
+(FSDP2, as torch's own FSDP2 tests); an FSDP1 case can put the units inside the wrapper instead
+(``checkpoint_wrapper(FSDP(layer))``: the ``checkpoint_wrapper`` extra, ``harness.case.FSDP1_EXTRAS``). Recomputing a forward gives the
 same numbers, so the references are free to differ: DDP checkpoints non-reentrantly in either mode
 (``harness.references.build_ddp`` says why) and the local reference not at all.
 """

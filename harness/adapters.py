@@ -391,18 +391,28 @@ class FSDP1Adapter(EngineAdapter):
         ns = self.ns
         fsdp = ns.FullyShardedDataParallel
         kwargs = self.options(case, ctx)
+        groups: dict[str, Any] = {"process_group": ctx.world_group()}
         if is_hybrid(case.sharding_strategy):
-            group: Any = ctx.hybrid_groups(hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size))
-        else:
-            group = ctx.world_group()
+            shard = hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
+            groups = ({"device_mesh": ctx.mesh((ctx.world_size // shard, shard), ("replicate", "shard"))}
+                      if case.extra.get("hybrid_groups") == "mesh" else {"process_group": ctx.hybrid_groups(shard)})
         if case.init_mode == "before":
             model.to(ctx.device)
         # A rank-local unit: a one-rank group, nothing to shard or reduce.
         local_kwargs = {**kwargs, "sharding_strategy": ns.ShardingStrategy.NO_SHARD}
         checkpointed = checkpointed_units(model)
-        root = wrap_bottom_up(model, lambda unit: fsdp(unit, process_group=group, **kwargs),
-                              lambda unit: fsdp(unit, process_group=ctx.singleton_group(), **local_kwargs))
-        # FSDP1 checkpoints inside its units: FSDP(CheckpointWrapper(layer)), applied after wrapping.
+        wrapped: dict[int, nn.Module] = {}
+
+        def wrap(unit: nn.Module, **unit_kwargs: Any) -> nn.Module:
+            wrapped[id(unit)] = fsdp(unit, **unit_kwargs)
+            return wrapped[id(unit)]
+
+        root = wrap_bottom_up(model, lambda unit: wrap(unit, **groups, **kwargs),
+                              lambda unit: wrap(unit, process_group=ctx.singleton_group(), **local_kwargs))
+        # FSDP1 checkpoints inside its units, FSDP(CheckpointWrapper(layer)), applied after wrapping; or
+        # around them, CheckpointWrapper(FSDP(layer)), where the case asks (``harness.case.FSDP1_EXTRAS``).
+        if case.extra.get("checkpoint_wrapper") == "around":
+            checkpointed = [wrapped[id(unit)] for unit in checkpointed]
         apply_activation_checkpointing(root, checkpointed, case.activation_checkpointing)
         if case.init_mode == "after":
             root.to(ctx.device)

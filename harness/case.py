@@ -98,7 +98,20 @@ LOOP_SEGMENTS: dict[str, dict[str, str]] = {
 
 def loop_segments(case: "CaseConfig") -> list[str]:
     """The id segments of the training-loop axes a case sets (none at their defaults)."""
-    return [names[value] for axis, names in LOOP_SEGMENTS.items() if (value := getattr(case, axis)) in names]
+    segments = [names[value] for axis, names in LOOP_SEGMENTS.items() if (value := getattr(case, axis)) in names]
+    # Another micro-batch count than ACCUM_MICRO_BATCHES (the ``micro_batches`` extra) names its own.
+    return [s.replace(f"accum{ACCUM_MICRO_BATCHES}_", f"accum{case.accum_micro_batches}_", 1) for s in segments]
+
+
+#: Extras the FSDP1 adapter reads (``harness.adapters.FSDP1Adapter``), each with its values, the first the
+#: default: how a hybrid case hands its groups to FSDP1 (a ``(shard, replicate)`` pair of process groups, or
+#: a 2-D ``(replicate, shard)`` device mesh), and where a checkpointed case's wrapper goes (inside each
+#: innermost unit, ``FSDP(checkpoint_wrapper(layer))``, or around it, ``checkpoint_wrapper(FSDP(layer))``,
+#: so the recomputed forward runs the unit's hooks again inside backward).
+FSDP1_EXTRAS: dict[str, tuple[str, ...]] = {
+    "hybrid_groups": ("pair", "mesh"),
+    "checkpoint_wrapper": ("inside", "around"),
+}
 
 
 @dataclass(frozen=True)
@@ -237,6 +250,18 @@ class CaseConfig:
                 f"CaseConfig.reshard={self.reshard} goes with checkpoint='dcp-reshard' only, and that one needs it "
                 f"(e.g. reshard=(2, 4))"
             )
+        extra = self.extra
+        for name, values in FSDP1_EXTRAS.items():
+            if extra.get(name, values[0]) not in values:
+                raise ValueError(f"CaseConfig.extras {name}={extra[name]!r} is not one of {list(values)}")
+        if "hybrid_groups" in extra and not is_hybrid(self.sharding_strategy):
+            raise ValueError(f"CaseConfig.extras hybrid_groups goes with a hybrid sharding_strategy, not {self.sharding_strategy!r}")
+        if "checkpoint_wrapper" in extra and self.activation_checkpointing == "none":
+            raise ValueError("CaseConfig.extras checkpoint_wrapper needs activation_checkpointing other than 'none'")
+        if "micro_batches" in extra and (self.grad_accum == "none" or not isinstance(extra["micro_batches"], int)
+                                         or extra["micro_batches"] < 2):
+            raise ValueError(f"CaseConfig.extras micro_batches={extra['micro_batches']!r} must be an int of at least 2, "
+                             f"with grad_accum 'no_sync' or 'sync' (not {self.grad_accum!r})")
         if self.reshard and (
             len(self.reshard) != 2 or min(self.reshard) < 1 or self.reshard[0] == self.reshard[1]
             or max(self.reshard) != self.world_size
@@ -251,12 +276,18 @@ class CaseConfig:
         """Steps trained before the checkpoint is saved: the first half, rounded down (at least one)."""
         return max(1, self.steps // 2)
 
+    @property
+    def accum_micro_batches(self) -> int:
+        """Micro-batches per step with ``grad_accum``: the ``micro_batches`` extra, else ``ACCUM_MICRO_BATCHES``."""
+        return int(self.extra.get("micro_batches", ACCUM_MICRO_BATCHES))
+
     def micro_batches(self, step: int) -> list[int]:
         """The batch numbers (``ZooModel.get_input``'s ``step``) of step ``step``'s micro-batches: the step
-        itself without accumulation, else ``ACCUM_MICRO_BATCHES`` batches of their own."""
+        itself without accumulation, else ``accum_micro_batches`` batches of their own."""
         if self.grad_accum == "none":
             return [step]
-        return [step * ACCUM_MICRO_BATCHES + i for i in range(ACCUM_MICRO_BATCHES)]
+        n = self.accum_micro_batches
+        return [step * n + i for i in range(n)]
 
     @property
     def precision_spec(self) -> PrecisionSpec:
@@ -274,7 +305,8 @@ class CaseConfig:
         short and do not change when a new axis with a default is added. Two cases that train
         differently have different ids, with engine and reference in ``full_id``; the id leaves out what
         no generator varies (``seed``, ``lr``, ``momentum``), ``check_determinism`` (the same case run
-        twice) and the extras but ``shard_size`` (a planted fault runs the case under its own id).
+        twice) and the extras but ``shard_size``, ``micro_batches`` and ``FSDP1_EXTRAS`` (a planted fault runs
+        the case under its own id).
         """
         parts = [self.sharding_strategy, self.precision, f"bwd_{self.backward_prefetch}"]
         if self.forward_prefetch:
@@ -303,6 +335,10 @@ class CaseConfig:
         parts.extend(loop_segments(self))
         if "shard_size" in self.extra:  # a hybrid shard group other than ``harness.placement.default_shard_size``
             parts.append(f"shard{self.extra['shard_size']}")
+        if self.extra.get("hybrid_groups", "pair") != "pair":
+            parts.append(f"groups_{self.extra['hybrid_groups']}")
+        if self.extra.get("checkpoint_wrapper", "inside") != "inside":
+            parts.append(f"ac_{self.extra['checkpoint_wrapper']}_units")
         return "-".join(parts)
 
     @property

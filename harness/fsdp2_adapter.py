@@ -32,7 +32,7 @@ from harness.adapters import (
 )
 from harness.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.capabilities import Rule
-from harness.case import CaseConfig, PrecisionSpec, is_hybrid
+from harness.case import FSDP1_EXTRAS, CaseConfig, PrecisionSpec, is_hybrid
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, wrap_bottom_up
 from harness.placement import hybrid_shard_size
@@ -110,6 +110,9 @@ class FSDP2Adapter(EngineAdapter):
             return f"{name}: MixedPrecisionPolicy has no buffer dtype; this model has floating buffers (buffer={spec.buffer})"
         if model.rank_local_modules() and is_hybrid(case.sharding_strategy):
             return f"{name}: rank-local modules on a one-rank mesh inside a 2-D hybrid mesh are not supported"
+        fsdp1_only = sorted(k for k in FSDP1_EXTRAS if k in case.extra)
+        if fsdp1_only:
+            return f"{name}: extras {fsdp1_only} are FSDP1 constructor forms (harness.case.FSDP1_EXTRAS)"
         return None
 
     def effective_precision(self, case: CaseConfig, model: ZooModel) -> PrecisionSpec:

@@ -61,6 +61,7 @@ __all__ = [
     "gpu_sleep",
     "mix_seed",
     "register_model",
+    "registering_modules",
     "to_device",
     "wrap_bottom_up",
     "zoo_names",
@@ -522,6 +523,12 @@ def register_model(name: str, description: str, factory: Factory | None = None) 
         return target
 
     return add if factory is None else add(factory)
+
+
+def registering_modules() -> tuple[str, ...]:
+    """The modules that registered models with ``register_model``, importable by name: a spawned rank
+    process imports them (``harness.rank_process``) to build those models by name as this process does."""
+    return tuple(sorted({module for module, _ in _origins.values() if module and module != "__main__"}))
 
 
 def build_model(name: str, *, seed: int = 0, rank: int = 0, world_size: int = 1) -> ZooModel:

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from harness.models import registering_modules
 from harness.placement import Backend, BackendChoice, DeviceChoice, Lane, n_gpus, place, xdist_worker
 from harness.rank import RankContext
 from harness.rank_process import Boot, RankError, rank_main
@@ -273,7 +274,8 @@ class RankPool:
         context = mp.get_context("spawn")
         for rank in range(cfg.world_size):
             stderr_path, stacks_path = self._paths(rank)
-            boot = Boot(rank, cfg, "127.0.0.1", self._store.port, prefix, str(stderr_path), str(stacks_path))
+            boot = Boot(rank, cfg, "127.0.0.1", self._store.port, prefix, str(stderr_path), str(stacks_path),
+                        registering_modules())
             parent_conn, child_conn = context.Pipe()
             proc = context.Process(target=rank_main, args=(boot, child_conn), daemon=True, name=f"harness-rank{rank}")
             with gpus_hidden(cfg.devices is None):

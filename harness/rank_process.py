@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import importlib
 import multiprocessing.connection as mp_connection
 import os
 import signal
@@ -53,6 +54,9 @@ class Boot:
     store_prefix: str
     stderr_path: str
     stacks_path: str
+    #: modules the parent imported that register zoo models (``harness.models.registering_modules``):
+    #: a spawned rank imports them again, so a case can name those models.
+    model_modules: tuple[str, ...] = ()
 
 
 def die_with_parent() -> None:
@@ -103,6 +107,11 @@ def rank_main(boot: Boot, conn: mp_connection.Connection) -> None:
         timeout=timedelta(seconds=cfg.pg_timeout_s),
         **init_kwargs,
     )
+    for module in boot.model_modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - a case naming its models then fails with build_model's message
+            print(f"rank {boot.rank}: could not import {module} (it registers zoo models): {exc!r}", file=sys.stderr, flush=True)
     ctx = RankContext(boot.rank, cfg.world_size, boot.rank, cfg.world_size, cfg.backend, device)
     conn.send(("ready", boot.rank, os.getpid()))
     serve(ctx, conn)

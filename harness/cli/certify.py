@@ -57,7 +57,7 @@ __all__ = ["FAMILIES", "Family", "add_arguments", "main"]
 #: the checkout this package runs from: the test-tree families run its ``suites/`` (absent from a wheel).
 REPO = Path(__file__).resolve().parents[2]
 #: what ``--quick`` keeps of the seed suites: the core parity checks (CI can afford them twice).
-QUICK_SEEDS = ("suites/seeds/test_fsdp_core.py", "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
+QUICK_SEEDS = ("suites/seeds/test_seed_parity.py", "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
 FULL_SEEDS = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
 #: shipped in the package (``harness.conformance``), as the next: they run from an installed package too.
 FLAT_PARAM_TESTS = ("--pyargs", "harness.conformance.engine_layout")

@@ -16,7 +16,7 @@ Loaded by the root ``conftest.py``. What it adds:
 - fixtures ``parity_options``, ``parity_pools`` (one rank pool per world size, started once per pytest
   process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
   verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
-  with the details);
+  with the details; ``run_all`` runs the cases of one check, a seed check's subtests, under one verdict);
 - a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
 
 Under pytest-xdist every worker's pools take a disjoint block of the GPUs where there are enough, and
@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -295,14 +295,11 @@ class ParitySession:
 
     # -- records --------------------------------------------------------------------------------------
 
-    def record(self, record: CaseRecord, node: pytest.Item) -> None:
-        """Append the record to this process's results file and leave its verdict on the test report."""
-        node.user_properties.append((VERDICT_PROPERTY, record.verdict))
-        node.user_properties.append((WALL_PROPERTY, record.wall_s))
-        case = record.case
-        name = getattr(node, "originalname", node.name)
-        node.user_properties.append((ENGINE_PROPERTY, engine_name(case["engine"])))
-        node.user_properties.append((KEY_PROPERTY, f"{name}[{case['reference']}:{record.case_id}]"))
+    def record(self, record: CaseRecord, node: pytest.Item, one_case_test: bool = True) -> None:
+        """Append the record to this process's results file and, for a test that is one case, leave its
+        verdict on the test report (a test of several cases is summarized by its own outcome)."""
+        if one_case_test:
+            self._annotate(record, node)
         if self.results is None:
             return
         if self._writer is None:
@@ -311,6 +308,15 @@ class ParitySession:
             lanes = [plan.lane for plan in (_plan(ws, self.options) for ws in self.options.world_sizes) if plan.lane]
             self._writer = ResultWriter(worker_results_path(self.results), run_info(lanes or "none", self.run_id))
         self._writer.append(record)
+
+    @staticmethod
+    def _annotate(record: CaseRecord, node: pytest.Item) -> None:
+        node.user_properties.append((VERDICT_PROPERTY, record.verdict))
+        node.user_properties.append((WALL_PROPERTY, record.wall_s))
+        case = record.case
+        name = getattr(node, "originalname", node.name)
+        node.user_properties.append((ENGINE_PROPERTY, engine_name(case["engine"])))
+        node.user_properties.append((KEY_PROPERTY, f"{name}[{case['reference']}:{record.case_id}]"))
 
     # -- hooks ----------------------------------------------------------------------------------------
 
@@ -434,6 +440,11 @@ class ParityRunner:
         self.session = session
         self.node = node
 
+    def device_type(self, world_size: int) -> str:
+        """``cuda`` where this process's pool of ``world_size`` ranks runs on GPUs, else ``cpu`` (what an
+        expected failure measured on one kind of device is conditioned on)."""
+        return "cpu" if _plan(world_size, self.pools.options).devices is None else "cuda"
+
     def run(self, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         """The case's record when it passed; otherwise skips (unsupported) or fails the test.
         ``timeout_s`` overrides ``--case-timeout`` for this case (a test of a hang need not wait long)."""
@@ -448,6 +459,24 @@ class ParityRunner:
         if outcome.action == "fail":
             pytest.fail(outcome.message, pytrace=False)
         return record
+
+    def run_all(self, cases: Sequence[CaseConfig]) -> list[CaseRecord]:
+        """Every case of a test that checks several (a seed check and its subtests, one verdict as the
+        seed has it), each recorded; fails the test naming every failing case, skips it when no case
+        could run (the first reason), else returns the records."""
+        from harness.runner import run_case
+
+        records = []
+        for case in cases:
+            records.append(run_case(self.pools.pool_for(case.world_size), case))
+            self.session.record(records[-1], self.node, one_case_test=False)
+        outcomes = [(record, outcome_of(record)) for record in records]
+        failed = [f"{CaseConfig.from_dict(r.case).full_id}: {o.message}" for r, o in outcomes if o.action == "fail"]
+        if failed:
+            pytest.fail(f"{len(failed)} of {len(records)} cases failed:\n" + "\n".join(failed), pytrace=False)
+        if all(o.action == "skip" for _, o in outcomes):
+            skip_here(outcomes[0][1].message if outcomes else "no case to run")
+        return records
 
 
 @pytest.fixture(scope="session")

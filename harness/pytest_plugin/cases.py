@@ -183,6 +183,9 @@ class SuiteMatrix:
     #: the widest generator the suite walks: ``pairwise`` for a slice whose full product would not fit the
     #: full lane (the full lane then walks it pairwise).
     widest: str = "full"
+    #: the engines the suite runs whatever ``--engine`` names (the engine suites test the builtin engine
+    #: only); empty: the ``--engine`` ones.
+    engines: tuple[str, ...] = ()
     #: what engines are known to get wrong in this slice.
     expected_failures: tuple[ExpectedFailure, ...] = ()
 
@@ -223,7 +226,7 @@ class SuiteMatrix:
         from harness.runner import generate_cases
 
         found: dict[str, CaseConfig] = {}
-        for engine in options.engines:
+        for engine in self.engines or options.engines:
             pins = self._pins(engine)
             if options.matrix == "smoke":
                 cases = self._smoke(engine, pins, options)

@@ -1,6 +1,6 @@
 """GPU sleeps where a missing stream synchronization shows: before the gradient reduction, before
 the unsharded parameters are freed, before the optimizer step; and a few training steps under them
-compared with an unwrapped model trained on every rank's data.
+compared with the harness's local reference (an unwrapped model trained on every rank's data).
 
 A sleep on the compute stream makes an unsynchronized reader on another stream run before the
 writer finishes, so a missing wait turns into wrong values instead of a rare race.
@@ -16,14 +16,19 @@ import torch
 
 from engine import FSDP
 from engine.flat_param import FlatParamHandle
+from harness.case import CaseConfig
 from harness.model_protocol import to_device, wrap_bottom_up
-from suites.engine import parity
-from suites.engine.models import NestedWrapped
-from suites.seeds.api import all_data, optim
+from harness.optim import sgd
+from suites.engine.models import ENGINE_MODELS, NESTED
+from suites.seeds.api import assert_matches_local_reference, load_api
 
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
 #: reader runs before the writer finishes.
 SLEEP_CYCLES = 50_000_000
+
+BUILTIN = load_api("builtin")
+#: What the delayed runs train, as the harness's case (its model, steps and optimizer) for the reference.
+DELAYED_CASE = CaseConfig(engine="builtin", reference="local", model=NESTED, steps=4)
 
 #: (before_reduce, before_free, before_step): one sleep at a time.
 DELAYS = [(True, False, False), (False, True, False), (False, False, True)]
@@ -64,27 +69,24 @@ def delays(before_reduce: bool, before_free: bool) -> Iterator[None]:
 
 
 def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, before_step: bool) -> None:
-    """Four steps of the nested model wrapped with ``kwargs`` under the given sleeps; its parameters
-    must match the unwrapped model trained on every rank's batches."""
-    device, rank, world = cuda_device(), torch.distributed.get_rank(), torch.distributed.get_world_size()
-    ref = NestedWrapped(device)
-    model = wrap_bottom_up(NestedWrapped(device), FSDP, **kwargs)
-    opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
-    steps = range(4)
+    """``DELAYED_CASE``'s steps of its model wrapped with ``kwargs`` under the given sleeps; its parameters
+    must match what the harness's local reference computes for the case. The training loop is this
+    module's own: the sleeps patch the builtin engine's internals (``FlatParamHandle.free_unsharded_flat_param``),
+    which the harness never does (its stress mode, ``harness.stress``, delays every engine alike from outside)."""
+    case = DELAYED_CASE
+    device, rank = cuda_device(), torch.distributed.get_rank()
+    zoo = ENGINE_MODELS[case.model](device)
+    model = wrap_bottom_up(zoo, FSDP, **kwargs)
+    opt = sgd(model.parameters(), case.lr, case.momentum)
     # Every batch is on the GPU before the first step: a host-to-device copy from pageable memory
     # inside the loop would block the host until the compute stream (and its sleep) is done,
     # which hides a missing wait between the optimizer step and the next all-gather.
-    batches = [to_device(NestedWrapped.get_input(step=step, rank=rank), device) for step in steps]
-    all_batches = [all_data(NestedWrapped, step, world, device) for step in steps]
-    for inputs, all_inputs in zip(batches, all_batches):
+    batches = [to_device(zoo.get_input(seed=case.seed, step=step, rank=rank), device) for step in range(case.steps)]
+    for inputs in batches:
         with delays(before_reduce, before_free):
-            loss = NestedWrapped.get_loss(inputs, model(*inputs))
-            loss.backward()
+            zoo.get_loss(inputs, model(*inputs)).backward()
         if before_step:
             torch.cuda._sleep(SLEEP_CYCLES)
         opt.step()
         opt.zero_grad()
-        NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    parity.assert_params_match(model, ref, f"delays reduce={before_reduce} free={before_free} step={before_step} {kwargs}")
+    assert_matches_local_reference(BUILTIN, model, case, f"delays reduce={before_reduce} free={before_free} step={before_step} {kwargs}")

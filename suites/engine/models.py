@@ -60,6 +60,14 @@ class NestedWrapped(ZooModel):
         return (output**2).mean()
 
 
+class NestedAlwaysWrapped(NestedWrapped):
+    """The nested model with every submodule its own unit (what ``always_wrap_policy`` wraps: seven units
+    with the root, the parameterless ReLU among them)."""
+
+    def wrap_units(self) -> list[nn.Module]:
+        return [m for m in self.modules() if m is not self]
+
+
 class SharedTransformer(ZooModel):
     """Embedding -> 2 encoder layers -> output projection tied to the embedding.
 
@@ -149,17 +157,22 @@ class MixtureOfExperts(ZooModel):
                 dist.all_reduce(p.grad, group=group)
 
 
-#: these models by their names in the zoo (registered below), which the suites' parity helpers take.
+#: Their names in the zoo (registered below), for the cases that train them: a module that names one
+#: imports it from here, which registers the models before a rank pool starts (the ranks import what
+#: registered models: ``harness.models.registering_modules``).
+NESTED, ALWAYS_WRAP, TRANSFORMER, MOE = "engine_nested", "engine_always_wrap", "engine_transformer", "engine_moe"
+#: these models by their names in the zoo.
 ENGINE_MODELS: dict[str, type[ZooModel]] = {
-    "engine_nested": NestedWrapped,
-    "engine_transformer": SharedTransformer,
-    "engine_moe": MixtureOfExperts,
+    NESTED: NestedWrapped,
+    ALWAYS_WRAP: NestedAlwaysWrapped,
+    TRANSFORMER: SharedTransformer,
+    MOE: MixtureOfExperts,
 }
 
-register_model("engine_nested", "the engine suites' nested linears (units inside units)", NestedWrapped)
-register_model("engine_transformer", "the engine suites' encoder, projection tied to the embedding", SharedTransformer)
-register_model("engine_moe", "the engine suites' mixture of experts (rank-local expert)",
-               lambda seed, rank, world_size: MixtureOfExperts(rank))
+register_model(NESTED, "the engine suites' nested linears (units inside units)", NestedWrapped)
+register_model(ALWAYS_WRAP, "the engine suites' nested linears, every submodule a unit", NestedAlwaysWrapped)
+register_model(TRANSFORMER, "the engine suites' encoder, projection tied to the embedding", SharedTransformer)
+register_model(MOE, "the engine suites' mixture of experts (rank-local expert)", lambda seed, rank, world_size: MixtureOfExperts(rank))
 
 
 def singleton_groups() -> dist.ProcessGroup:

@@ -1,10 +1,12 @@
-"""The parity cross product on 2 GPUs with NCCL, plus models that sleep on the GPU before the
-gradient reduction, before the optimizer step and before freeing unsharded parameters (each
-exposes a missing stream synchronization), and CPU offload placement.
+"""Models that sleep on the GPU before the gradient reduction, before the optimizer step and before
+freeing unsharded parameters (each exposes a missing stream synchronization), CPU offload placement
+and no_sync's gradient dtypes, on 2 GPU ranks. The parity cross product runs on the GPUs as harness
+cases (``suites/engine/test_parity.py``: the plugin places its ranks there; ``--matrix full`` for the
+whole product).
 
-Run on a machine with 2 GPUs::
+Run on a machine with a GPU::
 
-    python -m pytest suites/engine/test_gpu.py -m gpu -q
+    python -m pytest suites/engine/test_gpu.py suites/engine/test_parity.py -m gpu -q
 """
 
 from __future__ import annotations
@@ -15,31 +17,20 @@ import pytest
 import torch
 from harness.pytest_plugin import needs_gpus
 
-from engine import FSDP, CPUOffload, MixedPrecision
+from engine import FSDP, CPUOffload, MixedPrecision, ShardingStrategy
+from harness.case import FSDP1_STRATEGIES
 from harness.model_protocol import to_device, wrap_bottom_up
-from suites.engine import parity
 from suites.engine.delays import DELAYS, cuda_device as _device, delayed_step_parity
 from suites.engine.models import NestedWrapped
 from suites.engine.ranks import session_tests
+from suites.parity.slices import FLAT_STRATEGIES
 
 pytestmark = [
     pytest.mark.gpu,
     needs_gpus(1),
 ]
 
-STRATEGIES = parity.STRATEGIES
-
-
-def check_nested_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("engine_nested", _device())
-
-
-def check_transformer_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("engine_transformer", _device())
-
-
-def check_moe_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("engine_moe", _device())
+STRATEGIES = [ShardingStrategy[FSDP1_STRATEGIES[s]] for s in FLAT_STRATEGIES]
 
 
 def check_delays_expose_missing_synchronization(rank: int, world_size: int) -> None:
@@ -83,9 +74,6 @@ def check_no_sync_mixed_precision_dtypes(rank: int, world_size: int) -> None:
 
 
 CHECKS = [
-    check_nested_sweep,
-    check_transformer_sweep,
-    check_moe_sweep,
     check_delays_expose_missing_synchronization,
     check_cpu_offload_placement,
     check_no_sync_mixed_precision_dtypes,

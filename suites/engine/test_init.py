@@ -11,11 +11,12 @@ from torch.testing import assert_close
 
 from engine import FSDP, FlatParameter, ShardingStrategy
 from engine.wrap import ModuleWrapPolicy, always_wrap_policy
+from harness.case import CaseConfig
 from harness.model_protocol import wrap_bottom_up
-from suites.engine import parity
-from suites.engine.models import NestedWrapped
+from harness.optim import sgd
+from suites.engine.models import NESTED, NestedWrapped
 from suites.engine.ranks import session_tests
-from suites.seeds.api import all_data, optim
+from suites.seeds.api import assert_matches_local_reference, load_api
 
 CPU = torch.device("cpu")
 
@@ -24,25 +25,29 @@ def _units(model: nn.Module) -> list[str]:
     return [type(m.module).__name__ for m in FSDP.fsdp_modules(model)]
 
 
-def _parity_with_plain(model: nn.Module, ref: nn.Module, rank: int, world_size: int, steps: int = 3) -> None:
-    opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
-    for step in range(steps):
-        x = NestedWrapped.get_input(step=step, rank=rank)
-        loss = NestedWrapped.get_loss(x, model(*x))
-        loss.backward()
-        all_inputs = all_data(NestedWrapped, step, world_size, CPU)
-        NestedWrapped.get_loss(all_inputs, ref(*all_inputs)).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    parity.assert_params_match(model, ref, "auto-wrapped")
+#: How the auto-wrapped models train: as the harness's case of the same model (its optimizer and steps), so
+#: the harness's local reference says what their parameters must be.
+AUTO_WRAPPED_CASE = CaseConfig(engine="builtin", reference="local", model=NESTED, steps=3)
+
+
+def _parity_with_plain(model: nn.Module, rank: int) -> None:
+    """Train the auto-wrapped model (units the harness cannot build: it wraps declared units) the case's
+    way and compare with the harness's local reference."""
+    case = AUTO_WRAPPED_CASE
+    opt = sgd(model.parameters(), case.lr, case.momentum)
+    for step in range(case.steps):
+        x = NestedWrapped.get_input(seed=case.seed, step=step, rank=rank)
+        NestedWrapped.get_loss(x, model(*x)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_matches_local_reference(load_api("builtin"), model, case, "auto-wrapped")
 
 
 def check_module_wrap_policy(rank: int, world_size: int) -> None:
     for orig in (False, True):
         model = FSDP(NestedWrapped(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=orig)
         assert _units(model) == ["NestedWrapped", "Linear", "Linear", "Linear", "Linear"], _units(model)
-        _parity_with_plain(model, NestedWrapped(), rank, world_size)
+        _parity_with_plain(model, rank)
 
 
 def check_callable_policies(rank: int, world_size: int) -> None:
@@ -52,10 +57,10 @@ def check_callable_policies(rank: int, world_size: int) -> None:
     model = FSDP(NestedWrapped(), auto_wrap_policy=big_linears, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
     # inp 8x12+12=108 and out 12x5+5=65 stay in the root; block's two linears (208, 204) are units.
     assert _units(model) == ["NestedWrapped", "Linear", "Linear"], _units(model)
-    _parity_with_plain(model, NestedWrapped(), rank, world_size)
+    _parity_with_plain(model, rank)
     model = FSDP(NestedWrapped(), auto_wrap_policy=always_wrap_policy)
     assert len(FSDP.fsdp_modules(model)) == 7, _units(model)
-    _parity_with_plain(model, NestedWrapped(), rank, world_size)
+    _parity_with_plain(model, rank)
 
 
 def check_flat_param_is_only_parameter(rank: int, world_size: int) -> None:

@@ -1,46 +1,45 @@
-"""Training parity on 2 CPU ranks (gloo): every strategy x use_orig_params x backward prefetch x
-forward prefetch x CPU offload (the matrix's axes: ``parity.sweep_plan``), on the nested,
-tied-transformer and mixture-of-experts models, against the all-data local reference and against DDP
-(each axis value sees both), 5 SGD-momentum steps each.
+"""Training parity of the builtin engine, as harness cases (``harness.parity`` on the plugin's rank pools):
+``suites.parity.slices.ENGINE_SWEEP``, every strategy x use_orig_params x backward prefetch x forward
+prefetch x CPU offload (hybrid strategies aside: ``test_hybrid.py``) on the engine suites' nested,
+tied-transformer and mixture-of-experts models (``suites.engine.models``), against DDP and the all-data
+local reference.
 
-The whole cross product runs in one spawned session (about 30 s on 2 cores).
+The smoke lane (CI) shows every model with every value of every axis against both references; the
+full lane (``--matrix full``) runs the whole product, on the GPUs where the host has them. The mixture
+of experts is compared with its declared reduction: its experts are units over one-rank groups, which
+DDP leaves out of its all-reduce and the local reference keeps per rank.
 """
 
 from __future__ import annotations
 
-import torch
+import pytest
 
-from suites.engine import parity
-from suites.engine.ranks import session_tests
+from harness.case import CaseConfig
+from harness.pytest_plugin import ParityRunner
+from harness.pytest_plugin.cases import ParityOptions
+from suites.parity.slices import ENGINE_SWEEP
 
-
-def check_nested_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("engine_nested", torch.device("cpu"))
-
-
-def check_transformer_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("engine_transformer", torch.device("cpu"))
+SWEEP_AXES = ("sharding_strategy", "use_orig_params", "backward_prefetch", "forward_prefetch", "cpu_offload")
 
 
-def check_moe_sweep(rank: int, world_size: int) -> None:
-    parity.sweep("engine_moe", torch.device("cpu"))
+@pytest.mark.parity_matrix(ENGINE_SWEEP)
+def test_engine_parity(parity_case: CaseConfig, parity_runner: ParityRunner) -> None:
+    parity_runner.run(parity_case)
 
 
-def check_both_references_default_kwargs(rank: int, world_size: int) -> None:
-    for model in ("engine_nested", "engine_transformer"):
-        for reference in ("local", "ddp"):
-            parity.train_parity(model, {}, torch.device("cpu"), reference=reference)
+def test_smoke_shows_every_model_and_axis_value_against_both_references() -> None:
+    cases = ENGINE_SWEEP.cases(ParityOptions(engines=("torch-fsdp",)))
+    assert {c.engine for c in cases} == {"builtin"}, "the engine suites test the builtin engine whatever --engine says"
+    seen = {(axis, getattr(c, axis), c.model, c.reference) for c in cases for axis in SWEEP_AXES}
+    for model in ENGINE_SWEEP.axes["model"]:
+        for axis in SWEEP_AXES:
+            for value in ENGINE_SWEEP.axes[axis]:
+                for reference in ("ddp", "local"):
+                    assert (axis, value, model, reference) in seen, f"{model} {axis}={value} misses {reference}"
+    assert len(cases) <= 30, f"the smoke lane stays small: {len(cases)} cases"
 
 
-def test_the_sweep_crosses_every_value_of_its_axes_with_both_references() -> None:
-    plan = parity.sweep_plan()
-    sizes = [len({getattr(case, axis) for case, _ in plan}) for axis in parity.SWEEP_AXES]
-    assert sizes == [3, 2, 3, 2, 2] and len(plan) == 72, sizes
-    seen = {(axis, getattr(case, axis), reference) for case, reference in plan for axis in parity.SWEEP_AXES}
-    for axis in parity.SWEEP_AXES:
-        for value in {getattr(case, axis) for case, _ in plan}:
-            assert {(axis, value, r) for r in ("local", "ddp")} <= seen, f"{axis}={value} misses a reference"
-
-
-CHECKS = [check_nested_sweep, check_transformer_sweep, check_moe_sweep, check_both_references_default_kwargs]
-session, test_check = session_tests(CHECKS)
+def test_the_full_lane_is_the_whole_product() -> None:
+    cases = ENGINE_SWEEP.cases(ParityOptions(matrix="full", references=("ddp",)))
+    assert sorted(ENGINE_SWEEP.axes) == sorted(("model", *SWEEP_AXES))
+    assert len(cases) == 3 * 2 * 3 * 2 * 2 * len(ENGINE_SWEEP.axes["model"]), len(cases)

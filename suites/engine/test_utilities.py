@@ -1,5 +1,6 @@
 """no_sync, gradient accumulation, summon_full_params, clip_grad_norm_, attribute forwarding,
-fsdp_modules and misuse errors, on 2 CPU ranks (one spawned session)."""
+fsdp_modules and misuse errors, on 2 CPU ranks (one spawned session); accumulation parity with and
+without no_sync as harness cases (``ACCUMULATION_CASES``, on the plugin's pool)."""
 
 from __future__ import annotations
 
@@ -13,31 +14,39 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from engine import FSDP, BackwardPrefetch, ShardingStrategy
+from harness.case import FSDP1_STRATEGIES, CaseConfig
 from harness.model_protocol import wrap_bottom_up
-from suites.engine import parity
-from suites.engine.models import NestedWrapped
+from harness.pytest_plugin import ParityRunner
+from suites.engine.models import NESTED, TRANSFORMER, NestedWrapped
 from suites.engine.ranks import session_tests
-from suites.seeds.api import all_data, assert_match, optim
+from suites.parity.slices import FLAT_STRATEGIES
+from suites.seeds.api import all_data, assert_match, assert_params_match, full_params, load_api, optim
 
 CPU = torch.device("cpu")
-STRATEGIES = parity.STRATEGIES
+STRATEGIES = [ShardingStrategy[FSDP1_STRATEGIES[s]] for s in FLAT_STRATEGIES]
+BUILTIN = load_api("builtin")
+
+#: Every strategy x use_orig_params: the nested model accumulating two micro-batches inside no_sync and
+#: outside it (without zeroing gradients in between), the transformer three inside no_sync, against the
+#: local reference accumulating the same micro-batches.
+ACCUMULATION_CASES = [
+    CaseConfig(engine="builtin", reference="local", sharding_strategy=strategy, use_orig_params=orig, **kwargs)
+    for strategy, orig in itertools.product(FLAT_STRATEGIES, [False, True])
+    for kwargs in (
+        dict(model=NESTED, grad_accum="no_sync"),
+        dict(model=TRANSFORMER, grad_accum="no_sync", extras=(("micro_batches", 3),)),
+        dict(model=NESTED, grad_accum="sync"),
+    )
+]
+
+
+@pytest.mark.parametrize("case", ACCUMULATION_CASES, ids=lambda c: c.full_id)
+def test_accumulation_parity(case: CaseConfig, parity_runner: ParityRunner) -> None:
+    parity_runner.run(case)
 
 
 def _expect(exc: type[BaseException], match: str):
     return pytest.raises(exc, match=match)
-
-
-def check_no_sync_parity(rank: int, world_size: int) -> None:
-    for strategy, orig in itertools.product(STRATEGIES, [False, True]):
-        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
-        parity.accumulation_parity("engine_nested", kwargs, CPU, use_no_sync=True)
-        parity.accumulation_parity("engine_transformer", kwargs, CPU, use_no_sync=True, micro_steps=3)
-
-
-def check_accumulation_without_zero_grad(rank: int, world_size: int) -> None:
-    for strategy, orig in itertools.product(STRATEGIES, [False, True]):
-        kwargs = dict(sharding_strategy=strategy, use_orig_params=orig)
-        parity.accumulation_parity("engine_nested", kwargs, CPU, use_no_sync=False)
 
 
 def _trained_pair(kwargs: dict, norm_type: float, max_norm: float):
@@ -62,7 +71,7 @@ def check_clip_grad_norm(rank: int, world_size: int) -> None:
         opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
         opt.step()
         ref_opt.step()
-        parity.assert_params_match(model, ref, f"clip {kwargs} {norm_type}")
+        assert_params_match(BUILTIN, model, ref, f"clip {kwargs} {norm_type}")
 
 
 def check_clip_grad_norm_no_clip_when_small(rank: int, world_size: int) -> None:
@@ -347,15 +356,13 @@ def check_eval_forward_after_training(rank: int, world_size: int) -> None:
         with torch.no_grad():
             after = model(*x)
         plain = NestedWrapped()
-        plain.load_state_dict(parity.full_params(model))
+        plain.load_state_dict(full_params(BUILTIN, model))
         with torch.no_grad():
             expected = plain(*x)
         assert_close(after, expected, msg=lambda m: f"{strategy}: stale unsharded parameters: {m}")
 
 
 CHECKS = [
-    check_no_sync_parity,
-    check_accumulation_without_zero_grad,
     check_clip_grad_norm,
     check_clip_grad_norm_no_clip_when_small,
     check_summon_writeback,

@@ -181,6 +181,8 @@ def test_registered_models_build_by_name_but_are_not_enumerated_with_the_zoos(mo
         return model
 
     assert build_model("suite_rank", rank=1, world_size=2).rank == 1
+    # A spawned rank imports the modules that registered models, to build them by name too.
+    assert models.registering_modules() == (__name__,)
 
 
 def test_wrap_bottom_up_wraps_inner_units_first_in_their_slots() -> None:

@@ -1,6 +1,7 @@
-"""The parity optimizer and the local reference's all-rank batch are the harness library's
-(``harness.optim``, ``harness.references``): no suite, report, example, engine module or front end builds
-its own.
+"""Training parity is the harness library's: the parity optimizer, the local reference's all-rank batch,
+the DDP reference and the loop that trains an engine beside a reference (``harness.optim``,
+``harness.references``, ``harness.parity``; a suite runs cases through the plugin's ``parity_runner``).
+No suite, report, example, engine module or front end builds its own.
 
 Found by syntax, not by name:
 
@@ -8,7 +9,12 @@ Found by syntax, not by name:
   hyperparameters ``harness.optim.sgd`` and ``harness.optim.adamw`` take (an optimizer with other
   keywords, such as ``foreach``, or plain SGD without momentum is a check's own and is left alone);
 - a local reference's batch by hand: a loop or comprehension that calls ``get_input(rank=r)`` for each
-  ``r`` it iterates (``harness.references.all_rank_batch`` concatenates every rank's batch).
+  ``r`` it iterates (``harness.references.all_rank_batch`` concatenates every rank's batch);
+- a parity loop: a loop that steps an optimizer and runs backward for two models, by two ``.backward()``
+  calls in its body or one inside a loop over a literal tuple or list of tuples (``(model, optimizer)``
+  pairs);
+- a DDP reference by hand: a module that constructs ``DistributedDataParallel`` (or ``DDP``) and steps an
+  optimizer (``harness.references.build_ddp`` is the DDP reference).
 """
 
 from __future__ import annotations
@@ -25,6 +31,13 @@ FACTORY_KEYWORDS = {"SGD": {"lr", "momentum"}, "AdamW": {"lr", "betas", "eps", "
 ALLOWED = {
     "suites/mixed_precision/test_precision_logic.py": "plain data-parallel training by hand is the oracle "
     "the local reference is tested against",
+    "suites/seeds/test_fsdp_use_orig_params.py": "the seed's checks against DDP cross optimizers the case's "
+    "optimizer axis does not express (SGD and the Adam family with and without foreach, per-group "
+    "hyperparameters, set_to_none=False, frozen parameters), parameter and gradient writeback, and engine "
+    "twins compared with each other",
+    "suites/wrap/wrap_jobs.py": "the seed's main wrap API (test_fsdp_wrap) trains units that "
+    "size_based_auto_wrap_policy builds, under the seed's init modes (cuda_after), which a case cannot build; "
+    "not yet moved onto the harness's local reference as suites/engine/test_init.py's auto-wrap checks are",
 }
 
 
@@ -60,6 +73,32 @@ def _all_rank_batches(tree: ast.AST) -> list[int]:
     return lines
 
 
+def _calls(node: ast.AST, attr: str) -> list[ast.Call]:
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr]
+
+
+def _parity_loops(tree: ast.AST) -> list[int]:
+    """Loops that step an optimizer and run backward for two models (the outermost such loop only)."""
+    lines: list[int] = []
+    inner: set[int] = set()
+    for n in ast.walk(tree):
+        if not isinstance(n, (ast.For, ast.While)) or id(n) in inner or not _calls(n, "step"):
+            continue
+        pairs = [m for m in ast.walk(n) if isinstance(m, ast.For) and isinstance(m.iter, (ast.Tuple, ast.List))
+                 and len(m.iter.elts) >= 2 and all(isinstance(e, ast.Tuple) for e in m.iter.elts) and _calls(m, "backward")]
+        if len(_calls(n, "backward")) >= 2 or pairs:
+            lines.append(n.lineno)
+            inner.update(id(m) for m in ast.walk(n) if m is not n)
+    return lines
+
+
+def _ddp_by_hand(tree: ast.AST) -> list[int]:
+    """Constructions of ``DistributedDataParallel``, where the module also steps an optimizer."""
+    built = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and (n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")) in ("DDP", "DistributedDataParallel")]
+    return built if built and _calls(tree, "step") else []
+
+
 def own_parity_pieces(root: Path, directories: tuple[str, ...]) -> dict[str, list[str]]:
     """``{path relative to root: ["line N: what"]}`` of every module under ``directories`` that builds the
     parity optimizer or an all-rank batch itself."""
@@ -70,6 +109,8 @@ def own_parity_pieces(root: Path, directories: tuple[str, ...]) -> dict[str, lis
             what = [f"line {n.lineno}: the parity optimizer (harness.optim)" for n in ast.walk(tree)
                     if isinstance(n, ast.Call) and _is_parity_optimizer(n)]
             what += [f"line {line}: every rank's batch (harness.references.all_rank_batch)" for line in _all_rank_batches(tree)]
+            what += [f"line {line}: a parity loop (a harness case: parity_runner)" for line in _parity_loops(tree)]
+            what += [f"line {line}: a DDP reference (harness.references.build_ddp)" for line in _ddp_by_hand(tree)]
             if what:
                 found[path.relative_to(root).as_posix()] = sorted(what, key=lambda entry: int(entry.split()[1].rstrip(":")))
     return found
@@ -95,6 +136,51 @@ def test_planted_pieces_are_found(tmp_path: Path) -> None:
     found = own_parity_pieces(tmp_path, ("pkg",))
     assert list(found) == ["pkg/planted.py"], found
     assert [entry.split(":")[0] for entry in found["pkg/planted.py"]] == ["line 2", "line 3", "line 4", "line 6"]
+
+
+def test_planted_parity_loops_and_ddp_references_are_found(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "loops.py").write_text(
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "def side_by_side(model, ref, opt, ref_opt, x):\n"
+        "    for step in range(3):\n"
+        "        loss(model(x)).backward()\n"
+        "        loss(ref(x)).backward()\n"
+        "        opt.step()\n"
+        "        ref_opt.step()\n"
+        "def in_turn(model, opt, x):\n"
+        "    ref = DDP(copy(model))\n"
+        "    for step in range(3):\n"
+        "        for m, o in ((model, opt), (ref, sgd(ref))):\n"
+        "            loss(m(x)).backward()\n"
+        "            o.step()\n"
+    )
+    # One model trained, two compared without an optimizer step, DDP's gradients without a step: none is parity.
+    (tmp_path / "pkg" / "alone.py").write_text(
+        "def train(model, opt, x):\n"
+        "    for step in range(3):\n"
+        "        loss(model(x)).backward()\n"
+        "        opt.step()\n"
+        "def twins(a, b, x):\n"
+        "    for m in (a, b):\n"
+        "        loss(m(x)).backward()\n"
+        "def settings(make, opt, x):\n"
+        "    for orig in (False, True):\n"
+        "        loss(make(orig)(x)).backward()\n"
+        "        opt.step()\n"
+    )
+    (tmp_path / "pkg" / "ddp_grads.py").write_text(
+        "from torch.nn.parallel import DistributedDataParallel\n"
+        "def grads_only(model, x):\n"
+        "    return DistributedDataParallel(model)(x).sum().backward()\n"
+    )
+    found = own_parity_pieces(tmp_path, ("pkg",))
+    assert list(found) == ["pkg/loops.py"], found
+    assert found["pkg/loops.py"] == [
+        "line 3: a parity loop (a harness case: parity_runner)",
+        "line 9: a DDP reference (harness.references.build_ddp)",
+        "line 10: a parity loop (a harness case: parity_runner)",
+    ]
 
 
 def test_no_parity_piece_outside_the_harness_library() -> None:

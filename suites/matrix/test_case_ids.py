@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +33,31 @@ def test_hybrid_shard_sizes_are_cases_of_their_own_and_the_default_keeps_its_id(
     assert sizes[2].case_id == "hybrid_shard-fp32-bwd_none-nested-ws8-shard2"
     # A planted fault is the same case on a broken engine: it keeps the case's id.
     assert default.replace(extras=(("fault", "perturb_grad_rank1"),)).case_id == default.case_id
+
+
+def test_fsdp1_forms_and_micro_batch_counts_are_cases_of_their_own() -> None:
+    hybrid = CaseConfig(sharding_strategy="hybrid_shard", world_size=4, grad_accum="no_sync")
+    mesh = hybrid.replace(extras=(("hybrid_groups", "mesh"),))
+    three = hybrid.replace(extras=(("micro_batches", 3),))
+    around = CaseConfig(activation_checkpointing="reentrant", extras=(("checkpoint_wrapper", "around"),))
+    assert mesh.case_id == "hybrid_shard-fp32-bwd_none-nested-ws4-accum2_nosync-groups_mesh"
+    assert three.case_id == "hybrid_shard-fp32-bwd_none-nested-ws4-accum3_nosync"
+    assert three.micro_batches(1) == [3, 4, 5] and hybrid.micro_batches(1) == [2, 3]
+    assert around.case_id == "full_shard-fp32-bwd_none-nested-ac_reentrant-ac_around_units"
+    # The defaults spelled out are the same cases.
+    assert hybrid.replace(extras=(("hybrid_groups", "pair"),)).case_id == hybrid.case_id
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(extras=(("hybrid_groups", "mesh"),)), "hybrid_groups goes with a hybrid sharding_strategy"),
+    (dict(sharding_strategy="hybrid_shard", extras=(("hybrid_groups", "grid"),)), r"hybrid_groups='grid' is not one of"),
+    (dict(extras=(("checkpoint_wrapper", "around"),)), "checkpoint_wrapper needs activation_checkpointing"),
+    (dict(extras=(("micro_batches", 3),)), "micro_batches=3 must be an int of at least 2, with grad_accum"),
+    (dict(grad_accum="sync", extras=(("micro_batches", 1),)), "micro_batches=1 must be an int of at least 2"),
+])
+def test_bad_extras_name_the_extra(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CaseConfig(**fields)
 
 
 _HINTS = get_type_hints(CaseConfig)

@@ -12,11 +12,14 @@ from typing import get_args
 
 import torch
 
-from harness.case import PrecisionName, ShardingName
-from harness.matrix import LOOP_SLICE, LOOP_SMOKE_VARIANTS
+from harness.case import PrecisionName, ShardingName, is_hybrid
+from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
 from harness.pytest_plugin.cases import ExpectedFailure, SuiteMatrix
+from suites.engine.models import MOE, NESTED, TRANSFORMER
 
 STRATEGIES = list(get_args(ShardingName))
+#: the strategies one group of ranks runs (the hybrid ones need 4 ranks and groups of their own).
+FLAT_STRATEGIES = [s for s in STRATEGIES if not is_hybrid(s)]
 
 #: Strategy x backward prefetch x CPU offload x use_orig_params on the seed's core models: the nested
 #: units (a unit inside a unit inside the root) and the transformer whose output projection is tied
@@ -76,17 +79,18 @@ ORIG_PARAMS = SuiteMatrix(
 #: on the nested units and the tied transformer, with flat and original parameters, across strategies,
 #: bf16 and CPU offload. The smoke lane runs
 #: the smoke variants that set these axes: every value once.
-#: Measured with torch 2.11 on CUDA ranks (one H100, gloo ranks sharing it): torch FSDP1 under
-#: torch.compile with CPU offload fails inside Dynamo's tracing of its offloaded flat parameters, with
-#: FULL_SHARD ("attempting to assign a gradient with device type 'cuda' to a tensor with device type
-#: 'cpu'") and NO_SHARD ("RuntimeError when making fake tensor call"); SHARD_GRAD_OP passed. Our engine
-#: and FSDP2 pass the same cases. CPU ranks cannot run torch FSDP1's offload at all (pinned memory).
-TORCH_FSDP1_COMPILED_OFFLOAD = ExpectedFailure(
-    "torch FSDP1 (torch 2.11) under torch.compile with CPU offload: Dynamo's tracing fails on the offloaded "
-    "flat parameters (FULL_SHARD: a CUDA gradient assigned to a CPU tensor; NO_SHARD: a fake-tensor call)",
+#: Measured with torch 2.11 on CUDA ranks (one H100, gloo ranks sharing it): under torch.compile Dynamo
+#: fails inside torch FSDP1's gradient handling of its flat-parameter views (InternalTorchDynamoError:
+#: "attempting to assign a gradient" of another size, dtype or device) on the nested model (every
+#: strategy, precision and loop combination of the pairwise lane) and, on the transformer, with CPU
+#: offload under FULL_SHARD and NO_SHARD (SHARD_GRAD_OP with offload passed). Our engine and FSDP2 pass
+#: the same cases; on CPU ranks (torch 2.13, 2.11) torch FSDP1 compiles them too.
+TORCH_FSDP1_COMPILED_ON_CUDA = ExpectedFailure(
+    "torch FSDP1 under torch.compile on CUDA ranks (torch 2.11): Dynamo fails assigning gradients to its "
+    "flat-parameter views (another size, dtype or device)",
     lambda case, device: (case.engine == "torch-fsdp" and device == "cuda" and case.compile == "compiled"
-                          and case.cpu_offload and case.sharding_strategy in ("full_shard", "no_shard")
-                          and torch.__version__.startswith("2.11.")),
+                          and torch.__version__.startswith("2.11.")
+                          and (case.model == "nested" or (case.cpu_offload and case.sharding_strategy in ("full_shard", "no_shard")))),
 )
 
 TRAINING_LOOP = SuiteMatrix(
@@ -103,7 +107,7 @@ TRAINING_LOOP = SuiteMatrix(
     smoke_variants=LOOP_SMOKE_VARIANTS,
     # The product of the loop axes alone is 144 cases per engine and reference: walked pairwise.
     widest="pairwise",
-    expected_failures=(TORCH_FSDP1_COMPILED_OFFLOAD,),
+    expected_failures=(TORCH_FSDP1_COMPILED_ON_CUDA,),
 )
 
 #: The seed's test_nested_wrapped_model_single_iteration_mixed_precision: one fp16 step (parameters,
@@ -120,6 +124,22 @@ FP16_SINGLE_ITERATION = SuiteMatrix(
     fixed={"model": "nested", "precision": "fp16", "steps": 1},
     smoke_each=("sharding_strategy", "cpu_offload"),
     smoke_variants=({},),
+)
+
+#: The engine suites' parity sweep (``suites/engine/test_parity.py``): every strategy x use_orig_params x
+#: backward prefetch x forward prefetch x CPU offload on the engine suites' nested, tied-transformer and
+#: mixture-of-experts models, on the builtin engine only whatever ``--engine`` says (so it is not among
+#: ``SUITES``, whose sizes are per requested engine). The smoke lane shows every model with every value of
+#: every axis against both references; the full lane is the whole product.
+ENGINE_SWEEP = SuiteMatrix(
+    "engine_sweep",
+    axes={
+        "model": [NESTED, TRANSFORMER, MOE],
+        "sharding_strategy": FLAT_STRATEGIES,
+        **{axis: list(AXES[axis]) for axis in ("use_orig_params", "backward_prefetch", "forward_prefetch", "cpu_offload")},
+    },
+    smoke_each=("model",),
+    engines=("builtin",),
 )
 
 SUITES = (CORE, MIXED_PRECISION, WRAP, ORIG_PARAMS, TRAINING_LOOP, FP16_SINGLE_ITERATION)
