@@ -18,8 +18,9 @@ from engine import FSDP
 from engine.flat_param import FlatParamHandle
 from harness.case import CaseConfig
 from harness.model_protocol import to_device, wrap_bottom_up
+from harness.models import build_model
 from harness.optim import sgd
-from suites.engine.models import ENGINE_MODELS, NESTED
+from suites.engine.models import NESTED
 from suites.seeds.api import assert_matches_local_reference, load_api
 
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
@@ -73,9 +74,12 @@ def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, be
     must match what the harness's local reference computes for the case. The training loop is this
     module's own: the sleeps patch the builtin engine's internals (``FlatParamHandle.free_unsharded_flat_param``),
     which the harness never does (its stress mode, ``harness.stress``, delays every engine alike from outside)."""
-    case = DELAYED_CASE
+    world = torch.distributed.get_world_size()
+    case = DELAYED_CASE.replace(world_size=world)
     device, rank = cuda_device(), torch.distributed.get_rank()
-    zoo = ENGINE_MODELS[case.model](device)
+    # Built as the harness builds it (on the CPU, then moved): a model built on the GPU draws its
+    # initial parameters from the GPU's generator, so it would not start where the reference does.
+    zoo = build_model(case.model, seed=case.seed, rank=rank, world_size=world).to(device)
     model = wrap_bottom_up(zoo, FSDP, **kwargs)
     opt = sgd(model.parameters(), case.lr, case.momentum)
     # Every batch is on the GPU before the first step: a host-to-device copy from pageable memory

@@ -78,7 +78,19 @@ def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, par
         # gets every subtest, RACE_REPEATS times, to show it.
         cases = [case.replace(engine=fsdp_api) for case in _subtests(model, offload)] * RACE_REPEATS
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    else:
+        device = parity_runner.device_type(cases[0].world_size)
+        cases = [case for case in cases if not _no_shard_offload_race(case, device)]
     parity_runner.run_all(cases)
+
+
+def _no_shard_offload_race(case: CaseConfig, device: str) -> bool:
+    """torch FSDP1's NO_SHARD + CPU offload + use_orig_params race on CUDA ranks (README's GPU findings):
+    whether a run shows it depends on the GPU's load (seen in one of 18 subtests of the nested model, and
+    a loss 1.1 tolerances off on the always-wrap model, in two runs on one H100), so no expectation of it
+    would be stable here; ``suites/harness/test_stress.py`` shows it in every stressed run."""
+    return (engine_name(case.engine) == "torch-fsdp" and device == "cuda" and case.cpu_offload
+            and case.sharding_strategy == "no_shard" and case.use_orig_params)
 
 
 def test_the_smoke_subtests_show_every_value_of_every_axis() -> None:
