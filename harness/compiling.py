@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from harness.trace import wrapper_code
+
 __all__ = ["CompileCounts", "backend_for", "check_compiled", "compile_module", "compiled_counts"]
 
 
@@ -30,6 +32,7 @@ def compile_module(module: nn.Module, device_type: str) -> nn.Module:
 
     torch._dynamo.reset()
     counters.clear()
+    torch._dynamo.eval_frame.skip_code(wrapper_code())
     return torch.compile(module, backend=backend_for(device_type))
 
 

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,8 +37,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-from engine.dynamo import outside_dynamo
 
 __all__ = ["CommEvent", "CommTrace", "OpKind", "TRACED", "TensorSeen", "dtypes", "movable_gathers", "ops", "signature", "total_bytes"]
 
@@ -227,10 +226,6 @@ class CommTrace:
         kind = TRACED[name]
         sig = inspect.signature(original)
 
-        # Outside Dynamo: an engine's eager hook calls the collective through this frame, which Dynamo
-        # would otherwise compile as a frame of its own, turning the collective into a functional one
-        # (recorded only once, at tracing, and crashing on gloo ranks with CUDA tensors).
-        @outside_dynamo
         @functools.wraps(original)
         def traced(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._depth, "value", 0)
@@ -262,6 +257,19 @@ class CommTrace:
             return result
 
         return traced
+
+
+def wrapper_code() -> types.CodeType:
+    """The code every collective wrapper of ``CommTrace`` runs (one function body, a closure per collective).
+
+    ``harness.compiling`` marks it for Dynamo's frame evaluation to skip, so that the wrapper changes
+    nothing under ``torch.compile``: called from an engine's eager hook (torch FSDP1's and FSDP2's run
+    eagerly), the original collective is a frame of torch's, which Dynamo never compiles, and the wrapper
+    must not be one Dynamo compiles on its own (it would turn the collective into a functional one,
+    recorded once at tracing and crashing on gloo ranks with CUDA tensors); called from hooks Dynamo
+    traces, it is inlined as the original call would be.
+    """
+    return next(c for c in CommTrace._wrap.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "traced")
 
 
 # ---------------------------------------------------------------------------------------------------
