@@ -254,11 +254,11 @@ class ModuleState:
         if unit is not None:
             ctx = self.ctx
             ctx.exec_order.record_post_forward(unit)
-            # Without grad no backward follows: keep nothing unsharded. The root keeps its
-            # parameters for backward, which needs them first.
-            free = unit.handle.uses_sharded_strategy and (
-                not grad_enabled or (unit.reshard_after_forward and not self.is_root)
-            )
+            # As FSDP1's: units that reshard after forward free here, the root excepted (backward
+            # needs its parameters first). Without grad too: a reentrant checkpoint's first forward
+            # runs without grad and its recomputation in backward finds SHARD_GRAD_OP's parameters
+            # still unsharded, as torch FSDP1's (freeing them would gather them again).
+            free = unit.handle.uses_sharded_strategy and unit.reshard_after_forward and not self.is_root
             if free:
                 unit.reshard(ctx)
             elif unit.use_orig_params and not (grad_enabled and unit.config.sharded and not unit.reshard_after_forward):

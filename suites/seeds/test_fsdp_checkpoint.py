@@ -17,7 +17,7 @@ import itertools
 
 import pytest
 
-from harness.case import CaseConfig, engine_name
+from harness.case import CaseConfig
 from harness.pytest_plugin import ParityRunner
 from suites.engine.models import NESTED
 
@@ -40,21 +40,6 @@ CASES = [
 ]
 
 
-#: Found when these checks became harness cases (whose knob checks read the communication trace): the
-#: values agree, but our engine all-gathers SHARD_GRAD_OP's parameters again in backward when its units
-#: sit inside a reentrant checkpoint (the recomputed forward), where torch FSDP1 keeps them unsharded.
-EXPECTED_FAILURES = {
-    ("builtin", "check_units_inside_checkpoint_reentrant", "shard_grad_op"): (
-        "builtin re-gathers SHARD_GRAD_OP parameters in backward under a reentrant checkpoint around its units "
-        "(knob sharding_strategy; torch FSDP1 does not); the values agree"
-    ),
-}
-
-
 @pytest.mark.parametrize(("check", "case"), CASES)
-def test_checkpoint_parity(fsdp_api: str, check: str, case: CaseConfig, parity_runner: ParityRunner,
-                           request: pytest.FixtureRequest) -> None:
-    reason = EXPECTED_FAILURES.get((engine_name(fsdp_api), check, case.sharding_strategy))
-    if reason is not None:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+def test_checkpoint_parity(fsdp_api: str, check: str, case: CaseConfig, parity_runner: ParityRunner) -> None:
     parity_runner.run(case.replace(engine=fsdp_api))
