@@ -63,6 +63,7 @@ from harness.knobs import (
     check_use_orig_params,
 )
 from harness.records import CaseRecord, QuantityError
+from harness.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
 from harness.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
 from harness.stress import Stress
 from harness.stress import unsupported_reason as stress_unsupported_reason
@@ -347,6 +348,28 @@ def _null_gradient_policy(policy: TolerancePolicy, case: CaseConfig, model: ZooM
     return policy.with_null_gradients(ranges, adam_drift_bound(lr, case.steps, ADAMW_BETAS, ADAMW_WEIGHT_DECAY, magnitude))
 
 
+#: this rank process's references (``harness.reference_cache``).
+REFERENCES = ReferenceCache()
+
+
+def _reference_with_budgets(case: CaseConfig, spec: PrecisionSpec, source: BudgetSource, ctx: RankContext) -> CachedReference:
+    """The case's reference and budgets: from this rank's cache when every rank has them, else computed
+    (and kept). Collective: every rank calls it alike."""
+    key = reference_key(case, spec, source, ctx.device) if cacheable(case) else None
+    if key is not None and consensus(REFERENCES.get(key) is not None, ctx.device):
+        REFERENCES.hits += 1
+        return REFERENCES.get(key)
+    notes: list[str] = []
+    reference = _run_reference(case, spec, ctx)
+    # Past 2 ranks the budget is the emulation's drift from float64, whichever reference is compared.
+    measured = reference if source != "emulation" or case.reference == "local" else _run_reference(case.replace(reference="local"), spec, ctx)
+    budgets, resolvable = _budgets(case, spec, ctx, source, measured, notes)
+    known = CachedReference(reference, budgets, resolvable, tuple(notes))
+    if key is not None:
+        REFERENCES.put(key, known)
+    return known
+
+
 def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     """The pool's job: the whole case as this rank sees it (see ``record_from_outcome``)."""
     if case.world_size != ctx.world_size:
@@ -367,13 +390,9 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
         return _unsupported(f"mixed precision ({case.precision}) against {case.reference}: {case.reference} computes in "
                             "full precision, so only the local reference (which emulates the casts) can judge it: "
                             "see this case against local")
-    notes: list[str] = []
-
     t0 = time.perf_counter()
-    reference = _run_reference(case, spec, ctx)
-    # Past 2 ranks the budget is the emulation's drift from float64, whichever reference is compared.
-    measured = reference if source != "emulation" or case.reference == "local" else _run_reference(case.replace(reference="local"), spec, ctx)
-    budgets, resolvable = _budgets(case, spec, ctx, source, measured, notes)
+    known = _reference_with_budgets(case, spec, source, ctx)
+    reference, budgets, resolvable, notes = known.reference, known.budgets, known.resolvable, list(known.notes)
     reference_s = time.perf_counter() - t0
 
     if ctx.device_type == "cuda":

@@ -1,0 +1,75 @@
+"""The ranks' reference cache (``harness.reference_cache``): what keys it, and that a case whose reference
+and budgets come from it gets bitwise the record it gets when they are computed again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from harness import parity
+from harness.case import CaseConfig
+from harness.parity import record_from_outcome, run_case_on_rank
+from harness.pool import RankPool
+from harness.reference_cache import CachedReference, ReferenceCache, cacheable, reference_key
+from harness.rank import RankContext
+
+CPU = torch.device("cpu")
+BASE = CaseConfig(engine="builtin", reference="local", model="nested", steps=2)
+
+
+def _key(case: CaseConfig) -> tuple[Any, ...]:
+    return reference_key(case, case.precision_spec, "none", CPU)
+
+
+def test_the_key_ignores_how_the_engine_shards_and_nothing_else() -> None:
+    same = [BASE.replace(engine="torch-fsdp"), BASE.replace(sharding_strategy="no_shard"), BASE.replace(cpu_offload=True),
+            BASE.replace(use_orig_params=True, backward_prefetch="pre", forward_prefetch=True, init_mode="never"),
+            BASE.replace(compile="compiled", check_determinism=True)]
+    assert {_key(c) for c in same} == {_key(BASE)}
+    other = [BASE.replace(reference="ddp"), BASE.replace(model="transformer"), BASE.replace(precision="bf16"),
+             BASE.replace(steps=3), BASE.replace(seed=1), BASE.replace(optimizer="adamw"), BASE.replace(world_size=4),
+             BASE.replace(clip_grad="norm"), BASE.replace(grad_accum="no_sync"),
+             BASE.replace(grad_accum="no_sync", extras=(("micro_batches", 3),))]
+    assert len({_key(c) for c in other} | {_key(BASE)}) == len(other) + 1
+    assert reference_key(BASE, BASE.precision_spec, "ablation", CPU) != _key(BASE), "budgets derived otherwise"
+    assert not cacheable(BASE.replace(stress="delay")) and not cacheable(BASE.replace(extras=(("fault", "perturb_grad_rank1"),)))
+
+
+def test_the_least_recently_used_entry_goes_first() -> None:
+    cache, entry = ReferenceCache(max_entries=2), CachedReference(parity.Observation(), {}, {}, ())
+    cache.put(("a",), entry)
+    cache.put(("b",), entry)
+    assert cache.get(("a",)) is entry
+    cache.put(("c",), entry)
+    assert cache.get(("b",)) is None and cache.get(("a",)) is entry and len(cache) == 2
+
+
+def clear_references(ctx: RankContext, payload: Any) -> int:
+    parity.REFERENCES._entries.clear()
+    return parity.REFERENCES.hits
+
+
+def reference_hits(ctx: RankContext, payload: Any) -> int:
+    return parity.REFERENCES.hits
+
+
+def _quantities(pool: RankPool, case: CaseConfig) -> dict[str, Any]:
+    record = record_from_outcome(case, pool.run(run_case_on_rank, case))
+    assert record.errors, f"{case.full_id}: {record.verdict} {record.reason}: nothing compared"
+    return {"verdict": record.verdict, "errors": [(e.name, e.max_abs, e.max_rel, e.atol, e.ratio) for e in record.errors],
+            "detail": {k: v for k, v in record.detail.items() if k not in ("engine_s", "reference_s", "runs")}}
+
+
+@pytest.mark.parametrize("first", [BASE.replace(reference="ddp"), BASE.replace(precision="bf16")], ids=lambda c: c.case_id)
+def test_a_cached_reference_gives_bitwise_the_record_of_a_computed_one(parity_pool: RankPool, first: CaseConfig) -> None:
+    # Another engine and another sharding of the same training: the second case reuses the first's.
+    second = first.replace(engine="torch-fsdp", sharding_strategy="shard_grad_op", use_orig_params=True)
+    parity_pool.run(clear_references, None)
+    _quantities(parity_pool, first)
+    before = parity_pool.run(reference_hits, None).values
+    cached = _quantities(parity_pool, second)
+    assert [h - b for h, b in zip(parity_pool.run(reference_hits, None).values, before)] == [1, 1], "every rank hit"
+    parity_pool.run(clear_references, None)
+    assert _quantities(parity_pool, second) == cached
