@@ -74,16 +74,11 @@ ORIG_PARAMS = SuiteMatrix(
     },
 )
 
-#: What real training loops add around the engine (``harness.matrix.LOOP_SLICE``): parameter groups and
-#: two optimizers, clipping, accumulation with and without no_sync, activation checkpointing and compile,
-#: on the nested units and the tied transformer, with flat and original parameters, across strategies,
-#: bf16 and CPU offload. The smoke lane runs
-#: the smoke variants that set these axes: every value once.
 #: Measured with torch 2.11 on CUDA ranks (one H100, gloo ranks sharing it): under torch.compile Dynamo
 #: fails inside torch FSDP1's gradient handling of its flat-parameter views (InternalTorchDynamoError:
 #: "attempting to assign a gradient" of another size, dtype or device) in every configuration of the
 #: training-loop slice and of ``harness run --loop-axes`` but the transformer computing in a low-precision
-#: parameter dtype (3 configurations passed, 14 failed, CPU offload or not, every strategy). Our engine and
+#: parameter dtype (3 cases passed, 13 failed, CPU offload or not, every strategy). Our engine and
 #: FSDP2 pass the same cases; on CPU ranks (torch 2.11 and 2.13) torch FSDP1 compiles them too.
 TORCH_FSDP1_COMPILED_ON_CUDA = ExpectedFailure(
     "torch FSDP1 under torch.compile on CUDA ranks (torch 2.11): Dynamo fails assigning gradients to its "
@@ -93,6 +88,11 @@ TORCH_FSDP1_COMPILED_ON_CUDA = ExpectedFailure(
                           and not (case.model == "transformer" and case.precision_spec.param in ("bfloat16", "float16"))),
 )
 
+#: What real training loops add around the engine (``harness.matrix.LOOP_SLICE``): parameter groups and
+#: two optimizers, clipping, accumulation with and without no_sync, activation checkpointing and compile,
+#: on the nested units and the tied transformer, with flat and original parameters, across strategies,
+#: bf16 and CPU offload. The smoke lane runs the smoke variants
+#: that set these axes: every value once.
 TRAINING_LOOP = SuiteMatrix(
     "training_loop",
     axes={
