@@ -62,12 +62,12 @@ from harness.knobs import (
     check_sharding,
     check_use_orig_params,
 )
+from harness.optim import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, adam_lr
 from harness.records import CaseRecord, QuantityError
 from harness.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
 from harness.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
 from harness.stress import Stress
 from harness.stress import unsupported_reason as stress_unsupported_reason
-from harness.optim import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, adam_lr
 from harness.tolerance import BudgetSource, TolerancePolicy, adam_drift_bound, budget_source, mixed_precision_budgets
 from harness.trace import CommTrace, ops, total_bytes
 from harness.resume import run_resumed
@@ -356,9 +356,10 @@ def _reference_with_budgets(case: CaseConfig, spec: PrecisionSpec, source: Budge
     """The case's reference and budgets: from this rank's cache when every rank has them, else computed
     (and kept). Collective: every rank calls it alike."""
     key = reference_key(case, spec, source, ctx.device) if cacheable(case) else None
-    if key is not None and consensus(REFERENCES.get(key) is not None, ctx.device):
+    kept = REFERENCES.get(key) if key is not None else None
+    if key is not None and consensus(kept is not None, ctx.device):
         REFERENCES.hits += 1
-        return REFERENCES.get(key)
+        return kept
     notes: list[str] = []
     reference = _run_reference(case, spec, ctx)
     # Past 2 ranks the budget is the emulation's drift from float64, whichever reference is compared.

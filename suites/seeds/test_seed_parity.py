@@ -23,6 +23,7 @@ from harness.case import CaseConfig, engine_name
 from harness.pytest_plugin import ParityRunner
 from harness.pytest_plugin.cases import ParityOptions
 from suites.engine.models import ALWAYS_WRAP, MOE, NESTED, TRANSFORMER
+from suites.engine.ranks import ExpectedFailures
 from suites.parity.slices import FLAT_STRATEGIES
 
 
@@ -54,7 +55,7 @@ PARITY_CHECKS = {
 #: The experts are units over one-rank groups, which issue no collective; the likely cause (not yet
 #: confirmed) is that nothing then orders the gradient's non-blocking copy to the host before the
 #: optimizer step reads it, the race README's findings name for NO_SHARD with CPU offload on busy GPUs.
-EXPECTED_FAILURES = {
+EXPECTED_FAILURES: ExpectedFailures = {
     ("torch-fsdp", "cuda", "check_parity_mixture_of_experts_offload"): (
         "torch FSDP1 with CPU offload on the experts' one-rank-group units disagrees with the reference on "
         "CUDA ranks (measured on an H100, gloo ranks sharing it); our engine agrees"
