@@ -18,6 +18,14 @@ passing case. The explanation is a greedy set cover of the failing cases by such
   unexplained together with the cases no short term separates from passing ones (noise, flakes, or a
   cause that needs more than ``max_literals`` settings).
 
+[Note: intermittent failures]
+A race fails some runs of a configuration and passes others, so no term separates its failures from
+passing cases, and "not separated" alone would hide where it lives. When the unexplained failing cases
+all share axis values that narrow the cases that ran, the conjunction of up to ``max_literals`` of them
+matching the fewest passing cases is reported with its failure rate (``Shared``): every such failure
+has these settings, and some cases with them pass too (torch FSDP1's NO_SHARD offload race on shared
+GPUs: ``no_shard & offload & orig``, about half of those cases fail in a night).
+
 [Note: evidence before coincidence]
 Axis values only correlate; a knob check that failed (``ignored_knobs``: the communication trace shows
 a setting without its effect, such as reductions in the wrong dtype) names a cause. The knobs the failing
@@ -30,7 +38,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +105,32 @@ class Term:
         }
 
 
+@dataclass(frozen=True)
+class Shared:
+    """The settings every unexplained failing case has, and how often cases with them fail."""
+
+    literals: tuple[AxisValue, ...]
+    #: unexplained failing cases (all of them match).
+    failing: int
+    #: cases that ran with these settings, failing and passing.
+    matched: int
+
+    @property
+    def text(self) -> str:
+        return " & ".join(str(lit) for lit in self.literals)
+
+    def line(self, code: Callable[[str], str] = lambda text: f"`{text}`") -> str:
+        """One sentence; ``code`` marks up the settings (Markdown backquotes by default)."""
+        rate = 100.0 * self.failing / self.matched
+        return (f"all {self.failing} share {code(self.text)}: {self.failing} of the {self.matched} cases with these "
+                f"settings fail ({rate:.0f} %), the others pass: an intermittent failure (a race or a flake) "
+                "confined to them")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"term": self.text, "literals": [{"axis": lit.axis, "value": _plain(lit.value)} for lit in self.literals],
+                "failing": self.failing, "matched": self.matched}
+
+
 @dataclass
 class Attribution:
     """The explanation of one engine's failures against one reference."""
@@ -113,6 +147,8 @@ class Attribution:
     knobs: dict[str, int] = field(default_factory=dict)
     #: the sample has fewer than ``MIN_CASES_PER_VALUE`` cases per axis value: terms are candidates only.
     too_small: bool = False
+    #: what every unexplained failing case shares, where that narrows the cases (see the module note).
+    shared: Shared | None = None
 
     @property
     def explained(self) -> int:
@@ -136,6 +172,8 @@ class Attribution:
                 f"{n}/{self.failing} failing case(s) not separated from the passing ones by any conjunction "
                 f"of up to {self.max_literals} axis values shared by two or more failing cases"
             )
+            if self.shared is not None:
+                out.append(self.shared.line())
         return out
 
     def evidence(self) -> list[str]:
@@ -155,6 +193,7 @@ class Attribution:
             "passing": self.passing, "explained": self.explained, "separable": self.separable,
             "max_literals": self.max_literals, "terms": [t.to_dict() for t in self.terms],
             "unexplained": list(self.unexplained),
+            "shared": self.shared.to_dict() if self.shared is not None else None,
         }
 
 
@@ -232,6 +271,37 @@ def explain(
     return terms, sorted(str(i) for i in ids[uncovered]), n_fail, n_pass
 
 
+def shared_settings(
+    cases: pd.DataFrame, unexplained: Sequence[str], *, max_literals: int = MAX_LITERALS,
+    min_support: int = MIN_SUPPORT, axes: Sequence[str] = TERM_AXES,
+) -> Shared | None:
+    """What the ``unexplained`` failing rows of ``cases`` (one engine and reference) all share; see the
+    module note. ``None`` when they are fewer than ``min_support`` or share nothing that narrows the
+    cases that ran."""
+    if len(unexplained) < min_support:
+        return None
+    ran = cases[cases["verdict"] != "unsupported"].reset_index(drop=True)
+    failing = ran["full_id"].isin(set(unexplained)).to_numpy()
+    passing = ran["verdict"].to_numpy() == "pass"
+    masks = _literal_masks(ran, [a for a in axes if a in ran.columns])
+    # A literal every ran case has (one world size, one optimizer) says nothing: only narrowing ones.
+    common = [lit for lit, m in masks.items() if m[failing].all() and not m.all()]
+    best: tuple[tuple[int, int, tuple[int, ...]], tuple[AxisValue, ...], np.ndarray] | None = None
+    for size in range(1, min(max_literals, len(common)) + 1):
+        for combo in itertools.combinations(common, size):
+            if len({lit.axis for lit in combo}) < size:
+                continue
+            match = np.logical_and.reduce([masks[lit] for lit in combo])
+            key = (int((match & passing).sum()), size, _sort_key(combo))
+            if best is None or key < best[0]:
+                best = (key, combo, match)
+    if best is None:
+        return None
+    _, combo, match = best
+    return Shared(tuple(sorted(combo, key=lambda lit: _sort_key([lit]))), int(failing.sum()),
+                  int((match & (passing | ran["verdict"].isin(FAILING).to_numpy())).sum()))
+
+
 def attribute(
     frame: pd.DataFrame, *, max_literals: int = MAX_LITERALS, min_support: int = MIN_SUPPORT,
 ) -> list[Attribution]:
@@ -245,8 +315,9 @@ def attribute(
             if group.empty:
                 continue
             terms, unexplained, n_fail, n_pass = explain(group, max_literals=max_literals, min_support=min_support)
+            shared = shared_settings(group, unexplained, max_literals=max_literals, min_support=min_support)
             out.append(Attribution(engine, reference, n_fail, n_pass, terms, unexplained, max_literals,
-                                   knob_evidence(group), too_small(group)))
+                                   knob_evidence(group), too_small(group), shared))
     return out
 
 
@@ -271,4 +342,4 @@ def attributions_dict(attributions: Sequence[Attribution]) -> list[dict[str, Any
     return [a.to_dict() for a in attributions]
 
 
-__all__ = ["AxisValue", "Term", "Attribution", "explain", "attribute", "attributions_dict", "knob_evidence", "too_small", "TERM_AXES"]
+__all__ = ["AxisValue", "Term", "Shared", "Attribution", "explain", "shared_settings", "attribute", "attributions_dict", "knob_evidence", "too_small", "TERM_AXES"]

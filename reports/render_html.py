@@ -226,6 +226,8 @@ def attribution_html(attributions: Sequence[Attribution]) -> str:
             more = f" … and {len(a.unexplained) - 8} more" if len(a.unexplained) > 8 else ""
             terms += (f"<li>{len(a.unexplained)}/{a.failing} failing not separated from passing cases by "
                       f"≤ {a.max_literals} axis values shared by 2+ failing cases: {shown}{more}</li>")
+            if a.shared is not None:
+                terms += f"<li>{a.shared.line(lambda text: f'<code>{esc(text)}</code>')}</li>"
         items.append(f"<li>{head}{a.failing} failing, {a.passing} passing<ul>{terms}</ul></li>")
     return f"<ul>{''.join(items)}</ul>"
 

@@ -74,7 +74,8 @@ def test_noise_is_reported_as_unexplained_not_as_a_pattern() -> None:
     (a,) = attribute(_frame(cases, lambda c: _no_shard_offload_orig(c) or c.full_id in flakes))
     assert [t.text for t in a.terms] == ["no_shard & offload & orig"]
     assert set(a.unexplained) == flakes and not a.separable
-    assert "3/" in a.lines()[-1] and "not separated" in a.lines()[-1]
+    (line,) = [line for line in a.lines() if "not separated" in line]
+    assert line.startswith("3/")
 
 
 def test_a_cause_needing_more_than_three_settings_is_said_to_be_inseparable() -> None:
@@ -143,3 +144,34 @@ def test_knob_checks_outweigh_coincidences_and_a_small_sample_says_so() -> None:
     # The full matrix is large enough; without failed knob checks there is no knob evidence.
     [b] = attribute(_frame(_full(), lambda c: c.cpu_offload and c.use_orig_params))
     assert not b.too_small and b.knobs == {} and not b.evidence()
+
+
+def test_an_intermittent_failure_is_located_by_the_settings_its_failures_share(tmp_path: Path) -> None:
+    """A race fails about half the runs of its configuration: no term separates it, but every failure
+    shares ``no_shard & offload & orig``, and the attribution says so with the failure rate."""
+    cases = _full()
+    racy = [c for c in cases if _no_shard_offload_orig(c)]
+    rng = random.Random(11)
+    unlucky = {c.full_id for c in rng.sample(racy, len(racy) // 2)}
+    frame = _frame(cases, lambda c: c.full_id in unlucky)
+    (a,) = attribute(frame)
+    assert a.terms == [] and set(a.unexplained) == unlucky
+    assert a.shared is not None and a.shared.text == "no_shard & offload & orig"
+    assert (a.shared.failing, a.shared.matched) == (len(unlucky), len(racy))
+    line = a.lines()[-1]
+    assert line.startswith(f"all {len(unlucky)} share `no_shard & offload & orig`: {len(unlucky)} of the {len(racy)} cases")
+    assert a.to_dict()["shared"]["literals"][0] == {"axis": "sharding_strategy", "value": "no_shard"}
+    # One failing case is no pattern; two that differ in every varying axis share nothing that narrows.
+    (one,) = attribute(_frame(cases, lambda c: c.full_id == racy[0].full_id))
+    assert one.shared is None
+    first = cases[0]
+    other = next(c for c in cases if all(getattr(c, axis) != getattr(first, axis) for axis in
+                                         ("sharding_strategy", "precision", "backward_prefetch", "forward_prefetch",
+                                          "cpu_offload", "use_orig_params", "init_mode")))
+    (apart,) = attribute(_frame(cases, lambda c: c.full_id in (first.full_id, other.full_id)))
+    assert apart.terms == [] and apart.shared is None
+    # Both reports show it.
+    records = [record(c, "fail", 40.0) if c.full_id in unlucky else record(c) for c in cases]
+    reports.build(write_results(tmp_path / "r.jsonl", records), tmp_path / "out")
+    assert "share `no_shard & offload & orig`" in (tmp_path / "out" / "matrix.md").read_text()
+    assert "share <code>no_shard &amp; offload &amp; orig</code>" in (tmp_path / "out" / "matrix.html").read_text()
