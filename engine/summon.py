@@ -96,7 +96,7 @@ def _gather_full(unit: FsdpUnit, flat: Tensor, to_cpu: bool) -> Tensor:
     if not handle.uses_sharded_strategy:
         return flat if flat.device == target else flat.to(target)
     out = torch.empty(handle.layout.padded_unsharded_numel, dtype=flat.dtype, device=unit.device)
-    collectives.all_gather_flat(flat, lambda: out, unit.process_group, None, unit.device, flat.dtype)
+    collectives.all_gather_flat(flat, lambda: out, unit.config.shard_group, None, unit.device, flat.dtype)
     return out.cpu() if to_cpu and out.device.type != "cpu" else out
 
 
