@@ -67,7 +67,7 @@ def param_refs(model: nn.Module) -> dict[int, ParamRef]:
         handle = state.unit.handle
         prefix = clean_fqn(name)
         fqns = [clean_fqn(_join(prefix, e.fqn)) for e in handle.layout.params]
-        if handle.use_orig_params:
+        if handle.config.use_orig_params:
             for i, p in enumerate(handle.orig_params):
                 refs[id(p)] = ParamRef(p, (fqns[i],), state, (i,), False, raw.get(id(p), fqns[i]))
         else:

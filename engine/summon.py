@@ -186,7 +186,7 @@ def _snapshot_attrs(handle) -> list[tuple[nn.Module, str, bool, object]]:
 
 def _restore_views(unit: FsdpUnit, prior: ViewState, snapshot: list[tuple[nn.Module, str, bool, object]]) -> None:
     handle = unit.handle
-    if prior == ViewState.SHARDED and handle.use_orig_params:
+    if prior == ViewState.SHARDED and handle.config.use_orig_params:
         handle.use_sharded_views()
         return
     # Compute views a pending backward expects, or (use_orig_params=False) the plain attributes
