@@ -8,8 +8,7 @@ wrapper's ``check_is_root()``.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ import torch.nn as nn
 from engine import optim_state
 from engine import state_dict as model_state
 from engine import state_dict_config as settings
-from engine.api import OptimStateKeyType, StateDictSettings
+from engine.api import OptimStateKeyType
 from engine.state import fsdp_states
 
 __all__ = ["CheckpointMethods"]
@@ -40,31 +39,10 @@ class CheckpointMethods:
     """State-dict types, model and optimizer state dicts, and communication hooks."""
 
     # ------------------------------------------------------------------ settings
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: Any,
-        state_dict_config: Any = None,
-        optim_state_dict_config: Any = None,
-    ) -> Iterator[None]:
-        """Set the state-dict type and configurations of every unit under ``module`` for the duration."""
-        with settings.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config):
-            yield
-
-    @staticmethod
-    def set_state_dict_type(
-        module: nn.Module,
-        state_dict_type: Any,
-        state_dict_config: Any = None,
-        optim_state_dict_config: Any = None,
-    ) -> StateDictSettings:
-        """Set them for good; returns the previous settings."""
-        return settings.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        return settings.get_state_dict_type(module)
+    # FSDP1's static methods are the module's functions themselves: one signature, one docstring.
+    state_dict_type = staticmethod(settings.state_dict_type)
+    set_state_dict_type = staticmethod(settings.set_state_dict_type)
+    get_state_dict_type = staticmethod(settings.get_state_dict_type)
 
     # ------------------------------------------------------------------ model
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:

@@ -254,11 +254,6 @@ class FlatParamHandle(Writeback):
         return self.config.keep_low_precision_grads
 
     @property
-    def use_orig_params(self) -> bool:
-        """Whether the original parameters stay ``nn.Parameter`` objects viewing the flat parameter."""
-        return self.config.use_orig_params
-
-    @property
     def orig_params(self) -> tuple[nn.Parameter, ...]:
         """The original parameters, unique, in flat order."""
         return self._orig_params

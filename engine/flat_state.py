@@ -39,7 +39,7 @@ def mesh_for(state: Any) -> DeviceMesh:
     if mesh is None:
         unit = state.unit
         device_type = unit.device.type if unit is not None else "cpu"
-        mesh = DeviceMesh.from_group(state.process_group, device_type)
+        mesh = DeviceMesh.from_group(state.config.shard_group, device_type)
         state.__dict__[_MESH_ATTR] = mesh
     return mesh
 
@@ -50,7 +50,7 @@ def gather_full_flat(unit: FsdpUnit, shard: Tensor) -> Tensor:
     if not handle.uses_sharded_strategy:
         return shard.detach()
     out = torch.empty(handle.layout.padded_unsharded_numel, dtype=shard.dtype, device=unit.device)
-    collectives.all_gather_flat(shard.detach(), lambda: out, unit.process_group, None, unit.device, shard.dtype)
+    collectives.all_gather_flat(shard.detach(), lambda: out, unit.config.shard_group, None, unit.device, shard.dtype)
     return out
 
 

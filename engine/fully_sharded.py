@@ -275,11 +275,11 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
 
     @property
     def _compute_device(self) -> torch.device:
-        return self._fsdp_state.compute_device
+        return self._fsdp_state.config.compute_device
 
     @property
     def _mixed_precision(self) -> MixedPrecision | None:
-        return self._fsdp_state.mixed_precision
+        return self._fsdp_state.config.mixed_precision
 
     @property
     def _ignored_modules(self) -> set[nn.Module]:
@@ -305,7 +305,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
 
     @property
     def compute_device(self) -> torch.device:
-        return self._fsdp_state.compute_device
+        return self._fsdp_state.config.compute_device
 
     @property
     def backward_prefetch(self) -> BackwardPrefetch | None:
@@ -321,7 +321,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
 
     @property
     def mixed_precision(self) -> MixedPrecision:
-        return self._fsdp_state.mixed_precision or MixedPrecision()
+        return self._fsdp_state.config.mixed_precision or MixedPrecision()
 
     @property
     def cpu_offload(self) -> CPUOffload:

@@ -45,7 +45,7 @@ dtype (float32 with a warning on a rank without gradients), on the CPU under CPU
         handle = unit.handle
         managed.add(id(handle.flat_param))
         managed.update(id(q) for q in handle.orig_params)
-        if handle.use_orig_params:
+        if handle.config.use_orig_params:
             grads = [q.grad for q in handle.orig_params if q.grad is not None]
         else:
             grads = [handle.flat_param.grad] if handle.flat_param.grad is not None else []

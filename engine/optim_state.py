@@ -67,7 +67,7 @@ def param_refs(model: nn.Module) -> dict[int, ParamRef]:
         handle = state.unit.handle
         prefix = clean_fqn(name)
         fqns = [clean_fqn(_join(prefix, e.fqn)) for e in handle.layout.params]
-        if handle.use_orig_params:
+        if handle.config.use_orig_params:
             for i, p in enumerate(handle.orig_params):
                 refs[id(p)] = ParamRef(p, (fqns[i],), state, (i,), False, raw.get(id(p), fqns[i]))
         else:
@@ -125,8 +125,8 @@ def _unit_state(unit_state: ModuleState, refs: list[tuple[int, ParamRef]], osd_s
         for i, st in local.items()
     }
     if handle.uses_sharded_strategy:
-        gathered: list[Any] = [None] * unit.process_group.size()
-        dist.all_gather_object(gathered, meta, group=unit.process_group)
+        gathered: list[Any] = [None] * unit.config.shard_group.size()
+        dist.all_gather_object(gathered, meta, group=unit.config.shard_group)
     else:
         gathered = [meta]
     merged: dict[int, tuple[list[str], dict[str, Any], dict[str, torch.dtype]]] = {}

@@ -49,7 +49,6 @@ from engine.api import (
     BackwardPrefetch,
     FullOptimStateDictConfig,
     FullStateDictConfig,
-    MixedPrecision,
     StateDictSettings,
     StateDictType,
 )
@@ -112,24 +111,6 @@ class ModuleState:
         #: root only: every instance of its tree (itself first), those without parameters too.
         self.tree: list[ModuleState] = []
 
-    # The configuration's fields the hooks read.
-    @property
-    def compute_device(self) -> torch.device:
-        return self.config.compute_device
-
-    @property
-    def mixed_precision(self) -> MixedPrecision | None:
-        return self.config.mixed_precision
-
-    @property
-    def use_full_prec_in_eval(self) -> bool:
-        return self.config.use_full_prec_in_eval
-
-    @property
-    def process_group(self) -> Any:
-        """The shard group."""
-        return self.config.shard_group
-
     @property
     def rank(self) -> int:
         return self.config.shard_group.rank()
@@ -150,7 +131,7 @@ class ModuleState:
             state.is_root = False
         self.is_root = True
         self.tree = states
-        device = self.compute_device
+        device = self.config.compute_device
         ctx = RootContext(
             device=device,
             streams=Streams.for_device(device),
@@ -172,7 +153,7 @@ class ModuleState:
             ignored |= state.ignored_modules
         owned = []
         for state in reversed(self.tree):
-            mp = state.mixed_precision
+            mp = state.config.mixed_precision
             owned.append((managed_buffers(state.module, ignored), mp.buffer_dtype if mp is not None else None))
         return BufferPrecision(owned, device)
 
@@ -184,7 +165,7 @@ class ModuleState:
         ctx = self.ctx
         for state in self.tree:
             if state.unit is not None:
-                state.unit.set_full_precision(state.use_full_prec_in_eval and not state.module.training)
+                state.unit.set_full_precision(state.config.use_full_prec_in_eval and not state.module.training)
         buffers = ctx.buffers
         if buffers is None:
             return
@@ -217,9 +198,9 @@ class ModuleState:
         # The optimizer step and the writebacks above wrote shards on the compute stream.
         ctx.streams.gather_after_compute()
         args, kwargs = _move_inputs(args, kwargs, ctx.device)
-        mp = self.mixed_precision
+        mp = self.config.mixed_precision
         # Root inputs follow the root's training flag even when the root has no parameters (FSDP1).
-        full_precision = self.use_full_prec_in_eval and not self.wrapper.training
+        full_precision = self.config.use_full_prec_in_eval and not self.wrapper.training
         if mp is not None and mp.cast_root_forward_inputs and not full_precision:
             args, kwargs = cast_floating_tensors((args, kwargs), mp.param_dtype)
         return args, kwargs
@@ -228,7 +209,7 @@ class ModuleState:
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self._recomputing():
             return args, kwargs
-        mp = self.mixed_precision
+        mp = self.config.mixed_precision
         unit = self.unit
         # Only units with parameters cast (FSDP1): a parameterless unit has nothing to match.
         if unit is not None and not unit.full_precision and mp is not None and mp.cast_forward_inputs:
@@ -241,7 +222,7 @@ class ModuleState:
         unit.unshard(ctx)
         unit.wait_unshard()
         unit.use_compute_views()
-        if unit.forward_prefetch:
+        if unit.config.forward_prefetch:
             self._prefetch(ctx.exec_order.next_forward(unit))
         return args, kwargs
 
@@ -258,10 +239,10 @@ class ModuleState:
             # needs its parameters first). Without grad too: a reentrant checkpoint's first forward
             # runs without grad and its recomputation in backward finds SHARD_GRAD_OP's parameters
             # still unsharded, as torch FSDP1's (freeing them would gather them again).
-            free = unit.handle.uses_sharded_strategy and unit.reshard_after_forward and not self.is_root
+            free = unit.handle.uses_sharded_strategy and unit.config.reshard_after_forward and not self.is_root
             if free:
                 unit.reshard(ctx)
-            elif unit.use_orig_params and not (grad_enabled and unit.config.sharded and not unit.reshard_after_forward):
+            elif unit.config.use_orig_params and not (grad_enabled and unit.config.sharded and not unit.config.reshard_after_forward):
                 # Kept unsharded for backward (the root, NO_SHARD): the original parameters still
                 # show the shard between forward and backward, as FSDP1's; with CPU offload that
                 # is the CPU. SHARD_GRAD_OP keeps the compute views, which backward must find
@@ -311,11 +292,11 @@ class ModuleState:
             ctx.streams.gather_after_compute()
         unit.unshard(ctx)
         unit.wait_unshard()
-        if unit.use_orig_params:
+        if unit.config.use_orig_params:
             # Backward computes with the unsharded parameters: the original parameters show them
             # (on the compute device) until the post-backward reshard, as FSDP1's.
             unit.use_compute_views()
-        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+        if unit.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_backward(unit)
         return None
 
@@ -328,15 +309,15 @@ class ModuleState:
         unit.reshard(ctx)
         # BACKWARD_POST issues the next all-gather as soon as this unit's parameters are freed and
         # before its reduce-scatter (as FSDP1), so the gather overlaps the reduction.
-        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+        if unit.config.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch_backward(unit)
         if not self.sync_gradients:
             # no_sync(): keep accumulating the unsharded gradient; reduce at the next synced backward.
-            if unit.use_orig_params:
+            if unit.config.use_orig_params:
                 unit.handle.use_unsharded_grad_views(leaf.grad)
         else:
             unit.reduce_grad(ctx)
-            if not unit.offload_params or ctx.streams.post_backward is None:
+            if not unit.config.offload_params or ctx.streams.post_backward is None:
                 unit.expose_grads()
 
     @torch.no_grad()

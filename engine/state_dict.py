@@ -72,7 +72,7 @@ def _adopt_user_edits(state: ModuleState) -> None:
     """With ``use_orig_params`` the shard is authoritative only after edits to the original
     parameters are written back (the runtime does this before each forward)."""
     unit = state.unit
-    if unit is not None and unit.use_orig_params and unit.view_state == ViewState.SHARDED:
+    if unit is not None and unit.config.use_orig_params and unit.view_state == ViewState.SHARDED:
         unit.writeback()
 
 
@@ -100,9 +100,9 @@ def _local_value(state: ModuleState) -> ShardedTensor:
     if valid > 0:
         # The placement names the global rank (torch FSDP1 passes the group rank, which is wrong
         # for any shard group other than the world, e.g. hybrid sharding).
-        owner = dist.get_global_rank(state.process_group, state.rank)
+        owner = dist.get_global_rank(state.config.shard_group, state.rank)
         shards = [Shard.from_tensor_and_offsets(flat.detach()[:valid].view(valid), [flat.numel() * state.rank], owner)]
-    return init_from_local_shards(shards, state.unit.handle.layout.total_numel, process_group=state.process_group)
+    return init_from_local_shards(shards, state.unit.handle.layout.total_numel, process_group=state.config.shard_group)
 
 
 @torch.no_grad()

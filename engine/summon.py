@@ -96,7 +96,7 @@ def _gather_full(unit: FsdpUnit, flat: Tensor, to_cpu: bool) -> Tensor:
     if not handle.uses_sharded_strategy:
         return flat if flat.device == target else flat.to(target)
     out = torch.empty(handle.layout.padded_unsharded_numel, dtype=flat.dtype, device=unit.device)
-    collectives.all_gather_flat(flat, lambda: out, unit.process_group, None, unit.device, flat.dtype)
+    collectives.all_gather_flat(flat, lambda: out, unit.config.shard_group, None, unit.device, flat.dtype)
     return out.cpu() if to_cpu and out.device.type != "cpu" else out
 
 
@@ -186,7 +186,7 @@ def _snapshot_attrs(handle) -> list[tuple[nn.Module, str, bool, object]]:
 
 def _restore_views(unit: FsdpUnit, prior: ViewState, snapshot: list[tuple[nn.Module, str, bool, object]]) -> None:
     handle = unit.handle
-    if prior == ViewState.SHARDED and handle.use_orig_params:
+    if prior == ViewState.SHARDED and handle.config.use_orig_params:
         handle.use_sharded_views()
         return
     # Compute views a pending backward expects, or (use_orig_params=False) the plain attributes

@@ -16,11 +16,9 @@ from enum import Enum, auto
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from engine import collectives, comm_hooks
-from engine.api import BackwardPrefetch, ShardingStrategy
 from engine.config import UnitConfig
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
@@ -113,44 +111,6 @@ class FsdpUnit:
     def device(self) -> torch.device:
         return self.handle.device
 
-    @property
-    def use_orig_params(self) -> bool:
-        return self.config.use_orig_params
-
-    # The settings the runtime reads, under the names the hooks use.
-    @property
-    def strategy(self) -> ShardingStrategy:
-        return self.config.strategy
-
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        return self.config.shard_group
-
-    @property
-    def replicate_group(self) -> dist.ProcessGroup | None:
-        """Hybrid strategies only: the group the reduced shard is all-reduced across."""
-        return self.config.replicate_group
-
-    @property
-    def offload_params(self) -> bool:
-        return self.config.offload_params
-
-    @property
-    def backward_prefetch(self) -> BackwardPrefetch | None:
-        return self.config.backward_prefetch
-
-    @property
-    def forward_prefetch(self) -> bool:
-        return self.config.forward_prefetch
-
-    @property
-    def keep_low_precision_grads(self) -> bool:
-        return self.config.keep_low_precision_grads
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.config.reshard_after_forward
-
     @torch.no_grad()
     def lazy_init(self, post_backward: Callable[[Tensor], None]) -> None:
         """Place the shard where it belongs and create the unsharded leaf (once)."""
@@ -159,10 +119,10 @@ class FsdpUnit:
         if handle.unsharded_flat_param is not None:
             return
         self.check_offloaded_placement(original_params=True)
-        target = torch.device("cpu") if self.offload_params else self.device
-        pin = self.offload_params and self.device.type == "cuda"
+        target = torch.device("cpu") if self.config.offload_params else self.device
+        pin = self.config.offload_params and self.device.type == "cuda"
         if flat.device != target or (pin and not flat.is_pinned()):
-            if self.use_orig_params and not skip_writeback_check():
+            if self.config.use_orig_params and not skip_writeback_check():
                 # Adopt user edits made since construction before the shard's storage moves.
                 handle.writeback_orig_params()
             # Module moved (or not) after wrapping (e.g. wrapped on CPU, then ``.cuda()`` not
@@ -172,7 +132,7 @@ class FsdpUnit:
             flat.data = moved.pin_memory() if pin else moved
             if flat.grad is not None:
                 flat.grad.data = flat.grad.data.to(target)
-            if self.use_orig_params:
+            if self.config.use_orig_params:
                 handle.use_sharded_views()
                 handle.use_sharded_grad_views()
         self.aliased = not handle.uses_sharded_strategy and flat.dtype == handle.param_dtype and flat.device == self.device
@@ -188,10 +148,10 @@ class FsdpUnit:
         parameters too: with ``use_orig_params`` they are what ``module.to()`` moves, as FSDP1 sees
         them at its first forward; later they legitimately show compute views between the hooks."""
         found = self.handle.flat_param.device
-        if original_params and self.use_orig_params and found.type == "cpu":
+        if original_params and self.config.use_orig_params and found.type == "cpu":
             moved = next((p.device for p in self.handle.orig_params if p.device.type != "cpu"), None)
             found = moved if moved is not None else found
-        error = offloaded_placement_error(self.offload_params, found, self.module_name, self.device)
+        error = offloaded_placement_error(self.config.offload_params, found, self.module_name, self.device)
         if error is not None:
             raise RuntimeError(error)
 
@@ -233,7 +193,7 @@ class FsdpUnit:
             result = collectives.all_gather_flat(
                 handle.flat_param,
                 handle.alloc_unsharded_flat_param,
-                self.process_group,
+                self.config.shard_group,
                 ctx.streams.all_gather,
                 self.device,
                 handle.param_dtype,
@@ -271,7 +231,7 @@ class FsdpUnit:
         self.use_sharded_views()
 
     def use_sharded_views(self) -> None:
-        if self.use_orig_params:
+        if self.config.use_orig_params:
             self.handle.use_sharded_views()
         self.view_state = ViewState.SHARDED
 
@@ -286,19 +246,19 @@ class FsdpUnit:
         """Between forward and backward of a unit that was not resharded, the original
         parameters must be the compute views forward used (their saved tensors are what
         backward differentiates)."""
-        if self.view_state != ViewState.COMPUTE or not self.use_orig_params or skip_writeback_check():
+        if self.view_state != ViewState.COMPUTE or not self.config.use_orig_params or skip_writeback_check():
             return
         changed = self.handle.compute_views_changed()
         if changed:
             raise AssertionError(
                 "FSDP does not support changing the parameters between forward and backward for "
-                f"{self.strategy}: {', '.join(changed)} of {self.module_name} changed; change "
+                f"{self.config.strategy}: {', '.join(changed)} of {self.module_name} changed; change "
                 "parameters before forward or after backward (or use FULL_SHARD)"
             )
 
     def writeback(self) -> bool:
         """Adopt user changes to the sharded original parameters and gradients (``use_orig_params``)."""
-        if not self.use_orig_params:
+        if not self.config.use_orig_params:
             return False
         leaf = self.handle.unsharded_flat_param
         # Under no_sync() the original gradients view the unsharded accumulated gradient.
@@ -350,10 +310,10 @@ class FsdpUnit:
             )
         elif handle.uses_sharded_strategy:
             result = collectives.reduce_scatter_grad(
-                unsharded_grad, self.process_group, self.replicate_group, handle.reduce_dtype, stream
+                unsharded_grad, self.config.shard_group, self.config.replicate_group, handle.reduce_dtype, stream
             )
         else:
-            result = collectives.all_reduce_grad(unsharded_grad, self.process_group, handle.reduce_dtype, stream)
+            result = collectives.all_reduce_grad(unsharded_grad, self.config.shard_group, handle.reduce_dtype, stream)
         del unsharded_grad
         with collectives.stream_context(stream):
             self._accumulate(result.grad)
@@ -361,11 +321,11 @@ class FsdpUnit:
     def _accumulate(self, reduced: Tensor) -> None:
         """Runs on the post-backward stream (CUDA) right after the reduction."""
         flat = self.handle.flat_param
-        grad_dtype = self.handle.param_dtype if self.keep_low_precision_grads else flat.dtype
+        grad_dtype = self.handle.param_dtype if self.config.keep_low_precision_grads else flat.dtype
         reduced = reduced.to(grad_dtype)
         if self.handle.uses_sharded_strategy:
             reduced = reduced[: flat.numel()]
-        if self.offload_params and reduced.device.type != "cpu":
+        if self.config.offload_params and reduced.device.type != "cpu":
             host = torch.empty(reduced.shape, dtype=reduced.dtype, device="cpu", pin_memory=True)
             host.copy_(reduced, non_blocking=True)
             # One reduction per unit per backward: the final callback consumes it before the next.
@@ -407,7 +367,7 @@ class FsdpUnit:
 
     def expose_grads(self) -> None:
         """With ``use_orig_params``, point the original parameters' ``.grad`` at ``flat_param.grad``."""
-        if self.use_orig_params:
+        if self.config.use_orig_params:
             self.handle.use_sharded_grad_views()
 
     def reset_backward_flags(self) -> None:
@@ -415,4 +375,4 @@ class FsdpUnit:
         self.ran_post_backward = False
 
     def __repr__(self) -> str:
-        return f"FsdpUnit({self.module_name}, {self.strategy.name}, {self.sharded_state.name})"
+        return f"FsdpUnit({self.module_name}, {self.config.strategy.name}, {self.sharded_state.name})"

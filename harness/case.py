@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 ReferenceName = Literal["ddp", "local"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
@@ -220,20 +220,7 @@ class CaseConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not engine_name(self.engine):
             raise ValueError(f"CaseConfig.engine={self.engine!r} must be an engine name or spec (harness.registry)")
-        for field, allowed in (
-            ("reference", get_args(ReferenceName)),
-            ("sharding_strategy", get_args(ShardingName)),
-            ("precision", get_args(PrecisionName)),
-            ("backward_prefetch", get_args(PrefetchName)),
-            ("init_mode", get_args(InitModeName)),
-            ("stress", get_args(StressName)),
-            ("optimizer", get_args(OptimizerName)),
-            ("checkpoint", get_args(CheckpointName)),
-            ("clip_grad", get_args(ClipGradName)),
-            ("grad_accum", get_args(GradAccumName)),
-            ("activation_checkpointing", get_args(ActivationCheckpointingName)),
-            ("compile", get_args(CompileName)),
-        ):
+        for field, allowed in FIELD_VALUES.items():
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"CaseConfig.{field}={value!r} is not one of {list(allowed)}")
@@ -367,3 +354,10 @@ class CaseConfig:
 
     def replace(self, **changes: Any) -> "CaseConfig":
         return dataclasses.replace(self, **changes)
+
+
+#: The values of each ``Literal`` field of ``CaseConfig``, in their declared order: what a case accepts,
+#: and the order the matrix's axes and the reports' tables list them in.
+FIELD_VALUES: dict[str, tuple[str, ...]] = {
+    name: get_args(hint) for name, hint in get_type_hints(CaseConfig).items() if get_origin(hint) is Literal
+}

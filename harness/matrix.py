@@ -24,24 +24,10 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from harness.capabilities import Rule, for_engine
-from harness.case import (
-    ActivationCheckpointingName,
-    CaseConfig,
-    CheckpointName,
-    ClipGradName,
-    CompileName,
-    GradAccumName,
-    InitModeName,
-    OptimizerName,
-    PrecisionName,
-    PrefetchName,
-    ReferenceName,
-    ShardingName,
-    is_hybrid,
-)
+from harness.case import FIELD_VALUES, CaseConfig, is_hybrid
 from harness.registry import DEFAULT_ENGINES, resolve
 
 GeneratorName = Literal["full", "pairwise", "smoke"]
@@ -56,16 +42,16 @@ Pair = tuple[AxisValue, AxisValue]
 AXES: dict[str, list[Any]] = {
     # Specs of ``harness.registry``; any registered engine or spec may be given with ``axes``.
     "engine": list(DEFAULT_ENGINES),
-    "reference": list(get_args(ReferenceName)),
+    "reference": list(FIELD_VALUES["reference"]),
     # Names from ``harness.models.MODELS``; override with ``axes={"model": [...]}``.
     "model": ["nested", "transformer"],
-    "sharding_strategy": list(get_args(ShardingName)),
-    "precision": list(get_args(PrecisionName)),
-    "backward_prefetch": list(get_args(PrefetchName)),
+    "sharding_strategy": list(FIELD_VALUES["sharding_strategy"]),
+    "precision": list(FIELD_VALUES["precision"]),
+    "backward_prefetch": list(FIELD_VALUES["backward_prefetch"]),
     "forward_prefetch": [False, True],
     "cpu_offload": [False, True],
     "use_orig_params": [False, True],
-    "init_mode": list(get_args(InitModeName)),
+    "init_mode": list(FIELD_VALUES["init_mode"]),
     # Hybrid strategies need 4 ranks (see RULES); 2 keeps everything else cheap.
     "world_size": [2, 4],
     # Steps deepen a case rather than change its behaviour: one value by default.
@@ -90,13 +76,10 @@ AXES: dict[str, list[Any]] = {
 
 #: Every value the one-valued axes above can take, for selections and suites that widen them.
 WIDE_AXES: dict[str, list[Any]] = {
-    "optimizer": list(get_args(OptimizerName)),
-    "checkpoint": [c for c in get_args(CheckpointName) if c != "dcp-reshard"],
+    "optimizer": list(FIELD_VALUES["optimizer"]),
+    "checkpoint": [c for c in FIELD_VALUES["checkpoint"] if c != "dcp-reshard"],
     "resume_engine": [None, *DEFAULT_ENGINES],
-    "clip_grad": list(get_args(ClipGradName)),
-    "grad_accum": list(get_args(GradAccumName)),
-    "activation_checkpointing": list(get_args(ActivationCheckpointingName)),
-    "compile": list(get_args(CompileName)),
+    **{axis: list(FIELD_VALUES[axis]) for axis in ("clip_grad", "grad_accum", "activation_checkpointing", "compile")},
 }
 
 #: The training-loop axes and the optimizers that split parameters by name: the slice a nightly widens

@@ -18,27 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import pandas as pd
 
-from harness.case import (
-    DEFAULT_ENGINES,
-    LOOP_SEGMENTS,
-    ActivationCheckpointingName,
-    CaseConfig,
-    CheckpointName,
-    ClipGradName,
-    CompileName,
-    GradAccumName,
-    InitModeName,
-    OptimizerName,
-    PrecisionName,
-    PrefetchName,
-    ReferenceName,
-    ShardingName,
-    engine_name,
-)
+from harness.case import DEFAULT_ENGINES, FIELD_VALUES, LOOP_SEGMENTS, CaseConfig, engine_name
 from harness.collector import BadLine, record_full_id
 from harness.records import VERDICTS, CaseRecord
 
@@ -71,20 +55,10 @@ SEVERITY: dict[str, int] = {"crash": 0, "timeout": 1, "error": 2, "fail": 3, "fl
 #: Display order of the values of literal axes; other values sort after them, alphabetically.
 VALUE_ORDER: dict[str, list[Any]] = {
     "engine": list(DEFAULT_ENGINES),
-    "reference": list(get_args(ReferenceName)),
-    "sharding_strategy": list(get_args(ShardingName)),
-    "precision": list(get_args(PrecisionName)),
-    "backward_prefetch": list(get_args(PrefetchName)),
-    "init_mode": list(get_args(InitModeName)),
+    **{axis: list(values) for axis, values in FIELD_VALUES.items()},
     "forward_prefetch": [False, True],
     "cpu_offload": [False, True],
     "use_orig_params": [False, True],
-    "optimizer": list(get_args(OptimizerName)),
-    "checkpoint": list(get_args(CheckpointName)),
-    "clip_grad": list(get_args(ClipGradName)),
-    "grad_accum": list(get_args(GradAccumName)),
-    "activation_checkpointing": list(get_args(ActivationCheckpointingName)),
-    "compile": list(get_args(CompileName)),
 }
 
 CellStatus = Literal["pass", "fail", "flaky", "error", "unsupported", "empty"]

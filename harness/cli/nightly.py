@@ -276,7 +276,7 @@ def _nightly(config: NightlyConfig) -> int:
         return 2
     if crowded:
         print(f"harness nightly: warning: {crowded}", file=sys.stderr)
-    selection = config.selection()
+    selection = config.selection
     cases = select_cases(selection, list(lanes))
     if config.determinism_sample:
         cases = determinism_sample(cases)

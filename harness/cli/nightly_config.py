@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.placement import BackendChoice, DeviceChoice
-from harness.runner import Selection, SelectionError, loop_axes_from_args, loop_optimizers
+from harness.runner import Selection, SelectionError
 from harness.shards import ShardSpec
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
@@ -27,26 +27,11 @@ class NightlyConfig:
 
     #: the nightly's directory; every product is written here.
     out: Path
-    #: case generator of ``harness.matrix``.
-    matrix: Literal["full", "pairwise", "smoke"] = "full"
-    #: engines to run (None: every engine of the matrix).
-    engines: list[str] | None = None
-    #: references to compare against (None: the matrix's).
-    references: list[str] | None = None
-    #: models of ``harness.models.MODELS`` (None: the matrix's).
-    models: list[str] | None = None
+    #: which cases: the full matrix unless told otherwise; a resumed nightly's is the stored selection of its
+    #: results file (``resumed_config``).
+    selection: Selection = field(default_factory=lambda: Selection(matrix="full"))
     #: ranks per case (None: the matrix's world sizes that fit the local GPUs; 2 on CPU).
     world_sizes: list[int] | None = None
-    #: training steps per case (None: ``CaseConfig``'s default).
-    steps: int | None = None
-    #: optimizers, checkpoint types and training-loop axes to widen the matrix with (``Selection``'s).
-    optimizers: list[str] | None = None
-    checkpoints: list[str] | None = None
-    loop_axes: dict[str, list[str]] = field(default_factory=dict)
-    #: keep cases whose full id contains one of these.
-    filters: list[str] = field(default_factory=list)
-    #: at most this many cases (for trial runs and tests).
-    limit: int | None = None
     #: Hypothesis profile of the fuzz campaign; ``none`` skips the campaign.
     fuzz_profile: FuzzProfile = "nightly"
     #: examples per fuzz property, overriding the profile's.
@@ -66,10 +51,6 @@ class NightlyConfig:
     case_timeout_s: float = 300.0
     #: show the progress bar.
     progress: bool = True
-    #: every case under stress delays (``harness.stress``; CUDA only).
-    stress: bool = False
-    #: check determinism on every case; otherwise on ``determinism_sample``'s sample only.
-    check_determinism: bool = False
     #: check determinism on a sample (one case per engine, strategy and world size).
     determinism_sample: bool = True
     #: runs of every case, and extra runs of one that did not pass (``harness.repeats``).
@@ -87,8 +68,6 @@ class NightlyConfig:
     #: the argparse dests the command line set (``harness.cli.options.given_options``): what a resume
     #: must not silently replace.
     given_options: frozenset[str] = frozenset()
-    #: the stored selection a resumed nightly continues (``resumed_config``); None: the fields above.
-    resumed_selection: Selection | None = None
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -105,28 +84,14 @@ class NightlyConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "NightlyConfig":
         return cls(
-            out=args.out, matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
-            world_sizes=args.world_size, steps=args.steps, filters=list(args.filter), limit=args.limit,
-            optimizers=loop_optimizers(args), checkpoints=args.checkpoints, loop_axes=loop_axes_from_args(args),
+            out=args.out, selection=Selection.from_args(args), world_sizes=args.world_size,
             fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
             time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
             backend=args.backend, device=args.device, case_timeout_s=args.timeout, progress=not args.no_progress,
-            stress=args.stress, check_determinism=args.check_determinism,
             determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
             repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
             perf=not args.no_perf, given_options=frozenset(getattr(args, "given_options", ())),
             shard=args.shard, shard_costs=args.shard_costs,
-        )
-
-    def selection(self) -> Selection:
-        """The cases this nightly selects (``harness.runner.select_cases``)."""
-        if self.resumed_selection is not None:
-            return self.resumed_selection
-        return Selection(
-            matrix=self.matrix, engines=self.engines, references=self.references, models=self.models,
-            steps=self.steps, filters=self.filters, limit=self.limit, check_determinism=self.check_determinism,
-            stress="delay" if self.stress else "none", optimizers=self.optimizers, checkpoints=self.checkpoints,
-            loop_axes=self.loop_axes,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,12 +127,12 @@ def resumed_config(config: NightlyConfig, stored_options: Mapping[str, Any] | No
     keys = {option_key(d) for d in explicit}
     changes: dict[str, Any] = {f: earlier[f] for f, dest in RESUMED_FIELDS.items() if f in earlier and dest not in explicit}
     if stored_options is not None:
-        given = selection_options(config.selection(), config.world_sizes or stored_options.get("world_sizes") or [])
+        given = selection_options(config.selection, config.world_sizes or stored_options.get("world_sizes") or [])
         clash = contradictions(stored_options, given, keys)
         if clash:
             raise SelectionError(f"--resume: {'; '.join(clash)} contradict the selection of the nightly in "
                                  f"{config.out}; drop them to continue it (a larger --limit too: the limit picks "
                                  "the sample), or choose a new --out")
         selection, world_sizes = selection_from_options(stored_options)
-        changes.update(resumed_selection=selection, world_sizes=world_sizes)
+        changes.update(selection=selection, world_sizes=world_sizes)
     return dataclasses.replace(config, **changes)

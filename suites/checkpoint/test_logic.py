@@ -11,16 +11,8 @@ import torch.distributed.fsdp as torch_fsdp
 import engine
 from engine.state_dict_config import _convert_config, clean_fqn
 
-CONFIGS = [
-    "StateDictConfig",
-    "FullStateDictConfig",
-    "ShardedStateDictConfig",
-    "LocalStateDictConfig",
-    "OptimStateDictConfig",
-    "FullOptimStateDictConfig",
-    "ShardedOptimStateDictConfig",
-    "LocalOptimStateDictConfig",
-]
+#: Every state-dict configuration class torch FSDP1 exports: each must exist in ours, alike.
+CONFIGS = sorted(name for name in torch_fsdp.__all__ if name.endswith("StateDictConfig"))
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -31,6 +31,13 @@ def parity_pool() -> Iterator[RankPool]:
 
 
 @pytest.fixture(scope="module")
+def gpu_pool() -> Iterator[RankPool]:
+    """Two ranks on the GPUs, for the GPU-only tests: NCCL with one GPU each, or gloo with both on one GPU."""
+    with RankPool(PoolConfig.placed(2, device="cuda", case_timeout_s=300.0)) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
 def fault_pool() -> Iterator[RankPool]:
     """Two gloo CPU ranks with a short case timeout, for cases that hang, crash or raise."""
     config = PoolConfig(world_size=2, backend="gloo", case_timeout_s=FAULT_TIMEOUT_S, error_grace_s=2.0, stack_wait_s=2.0)

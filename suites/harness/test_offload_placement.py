@@ -23,7 +23,7 @@ from harness.knobs import check_offload_placement
 from harness.matrix import generate
 from harness.models import build_model
 from harness.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, PlacementLog
-from harness.parity import record_from_outcome, run_case_on_rank
+from harness.parity import record_from_outcome
 from harness.pool import PoolConfig, RankPool
 from harness.pytest_plugin import needs_gpus
 from harness.records import CaseRecord
@@ -181,12 +181,6 @@ def one_gpu_pool() -> Iterator[RankPool]:
         yield pool
 
 
-@pytest.fixture(scope="module")
-def two_gpu_pool() -> Iterator[RankPool]:
-    with RankPool(PoolConfig.placed(2, device="cuda", case_timeout_s=300.0)) as pool:
-        yield pool
-
-
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_offload_placement_on_one_gpu(one_gpu_pool: RankPool) -> None:
@@ -195,5 +189,5 @@ def test_offload_placement_on_one_gpu(one_gpu_pool: RankPool) -> None:
 
 @pytest.mark.gpu
 @needs_gpus(1)
-def test_offload_placement_on_two_gpu_ranks(two_gpu_pool: RankPool) -> None:
-    _check_engines(two_gpu_pool, 2)
+def test_offload_placement_on_two_gpu_ranks(gpu_pool: RankPool) -> None:
+    _check_engines(gpu_pool, 2)

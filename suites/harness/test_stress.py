@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from racy_engine import NAME, run_case_with_racy_engine
 from harness.case import CaseConfig
 from harness.collector import read_records
 from harness.parity import record_from_outcome
-from harness.pool import PoolConfig, RankPool
+from harness.pool import RankPool
 from harness.pytest_plugin import needs_gpus
 from harness.repeats import merge_runs
 
@@ -46,17 +45,10 @@ def test_the_planted_race_is_the_builtin_engine_on_cpu(parity_pool: RankPool) ->
     assert stressed.verdict == "unsupported" and "CUDA" in stressed.reason
 
 
-@pytest.fixture(scope="module")
-def gpu_pool() -> Iterator[RankPool]:
-    # Two ranks on the GPUs: NCCL with one each, or gloo with both on one GPU (the race is between one
-    # rank's CUDA streams; gloo waits on the same events NCCL would).
-    with RankPool(PoolConfig.placed(2, device="cuda", case_timeout_s=300.0)) as pool:
-        yield pool
-
-
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_planted_race_fails_under_stress_only(gpu_pool: RankPool) -> None:
+    # The race is between one rank's CUDA streams; gloo waits on the same events NCCL would.
     stressed = merge_runs(_runs(gpu_pool, RACY.replace(stress="delay"), RUNS))
     assert stressed.verdict == "fail" and stressed.outcomes == {"fail": RUNS}, (stressed.outcomes, stressed.reason)
     assert stressed.detail["stress_points"]["before_backward"] > 0, stressed.detail.get("stress_points")

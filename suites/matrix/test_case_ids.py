@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, get_type_hints
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.case import DEFAULT_ENGINES, CaseConfig
+from harness.case import DEFAULT_ENGINES, FIELD_VALUES, CaseConfig
 from harness.matrix import AXES, WIDE_AXES, generate
 from harness.models import zoo_names
 
@@ -65,8 +65,8 @@ _HINTS = get_type_hints(CaseConfig)
 
 def _value(name: str, draw: st.DrawFn) -> Any:
     """A value of field ``name``: any of a literal's, an engine or zoo model by name, a few numbers."""
-    if get_origin(_HINTS[name]) is Literal:
-        return draw(st.sampled_from(get_args(_HINTS[name])))
+    if name in FIELD_VALUES:
+        return draw(st.sampled_from(FIELD_VALUES[name]))
     if _HINTS[name] is bool:
         return draw(st.booleans())
     if name == "engine":

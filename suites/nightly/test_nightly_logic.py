@@ -112,8 +112,7 @@ def test_config_rejects_bad_values_by_name() -> None:
         NightlyConfig(out=Path("x"), fuzz_max_examples=0)
     with pytest.raises(ValueError, match="time_budget_s"):
         NightlyConfig(out=Path("x"), time_budget_s=-1)
-    selection = NightlyConfig(out=Path("x"), engines=["builtin"], limit=3).selection()
-    assert selection.matrix == "full" and selection.engines == ["builtin"] and selection.limit == 3
+    assert NightlyConfig(out=Path("x")).selection == Selection(matrix="full")
 
 
 GIB = 1 << 30
@@ -221,23 +220,25 @@ def test_a_resumed_nightly_takes_back_its_selection_and_budget_unless_given_agai
     from harness.cli.nightly_config import resumed_config
     from harness.stored_selection import selection_options
 
-    first = NightlyConfig(out=Path("n"), engines=["builtin", "toy-buggy"], time_budget_s=60.0, fuzz_profile="none")
-    stored = selection_options(first.selection(), [2])
+    first = NightlyConfig(out=Path("n"), selection=Selection(matrix="full", engines=["builtin", "toy-buggy"]),
+                          time_budget_s=60.0, fuzz_profile="none")
+    stored = selection_options(first.selection, [2])
     earlier = first.to_dict()
     # The printed resume line: --out and --resume, every other option at its default.
     plain = NightlyConfig(out=Path("n"), resume=True)
     back = resumed_config(plain, stored, earlier, explicit=())
-    assert back.selection() == first.selection() and back.world_sizes == [2]
+    assert back.selection == first.selection and back.world_sizes == [2]
     assert back.time_budget_s == 60.0 and back.fuzz_profile == "none" and back.resume
     # An option given again wins over the earlier attempt's; a selection option must agree.
     longer = resumed_config(NightlyConfig(out=Path("n"), time_budget_s=600.0), stored, earlier, explicit={"time_budget_s"})
     assert longer.time_budget_s == 600.0
     with pytest.raises(SelectionError, match=r"--engines builtin \(the file's: builtin,toy-buggy\)"):
-        resumed_config(NightlyConfig(out=Path("n"), engines=["builtin"]), stored, earlier, explicit={"engines"})
-    same = resumed_config(NightlyConfig(out=Path("n"), engines=["builtin", "toy-buggy"]), stored, earlier, explicit={"engines"})
-    assert same.selection() == first.selection()
+        resumed_config(NightlyConfig(out=Path("n"), selection=Selection(matrix="full", engines=["builtin"])), stored,
+                       earlier, explicit={"engines"})
+    same = resumed_config(NightlyConfig(out=Path("n"), selection=first.selection), stored, earlier, explicit={"engines"})
+    assert same.selection == first.selection
     # A nightly from before selections were stored keeps the options given now.
-    assert resumed_config(plain, None, {}, explicit=()).selection() == plain.selection()
+    assert resumed_config(plain, None, {}, explicit=()).selection == plain.selection
 
 
 def test_a_partial_nightly_never_reads_as_ok() -> None:
