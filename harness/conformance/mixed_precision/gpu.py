@@ -15,11 +15,8 @@ from typing import Any
 import pytest
 
 from harness.case import PRECISIONS
-from harness.parity import record_from_outcome
-from harness.pool import RankPool
-from harness.pytest_plugin import needs_gpus
-from suites.mixed_precision import e2e_jobs, eval_jobs, grad_jobs, module_jobs, parity_jobs, scaler_jobs
-from suites.mixed_precision.cases import (
+from harness.conformance.mixed_precision import e2e_jobs, eval_jobs, grad_jobs, module_jobs, parity_jobs, scaler_jobs
+from harness.conformance.mixed_precision.cases import (
     E2E_RUNS,
     EMBEDDING_CONFIGS,
     SCALER_CASES,
@@ -28,7 +25,27 @@ from suites.mixed_precision.cases import (
     check_scaler_agreement,
     parity_cases,
 )
-from suites.mixed_precision.rank_api import MP_CONFIGS, assert_ok
+from harness.conformance.mixed_precision.pools import gpu_pair
+from harness.conformance.mixed_precision.rank_api import MP_CONFIGS, assert_ok
+from harness.parity import record_from_outcome
+from harness.pool import RankPool
+from harness.pytest_plugin import needs_gpus
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = [
+    "gpu_pair",
+    "test_e2e_full_shard",
+    "test_e2e_no_reshard_after_forward",
+    "test_e2e_unsharded",
+    "test_mp_batchnorm",
+    "test_mixed_precision_resnet",
+    "test_mp_embedding",
+    "test_job",
+    "test_sharded_grad_scaler",
+    "test_parity_with_emulating_reference",
+    "pytestmark",
+]
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,10 +15,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.conformance.mixed_precision import scaler_jobs
+from harness.conformance.mixed_precision.cases import SCALER_CASES, check_scaler_agreement
+from harness.conformance.mixed_precision.pools import cpu_pair
+from harness.conformance.mixed_precision.rank_api import assert_ok, grad_scaler_class
 from harness.pool import RankPool
-from suites.mixed_precision import scaler_jobs
-from suites.mixed_precision.cases import SCALER_CASES, check_scaler_agreement
-from suites.mixed_precision.rank_api import assert_ok, grad_scaler_class
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = [
+    "cpu_pair",
+    "test_all_ranks_skip_together",
+    "test_plain_grad_scaler_disagrees",
+    "test_scale_keeps_dtype",
+    "test_disabled_scaler_is_identity",
+    "test_scale_rejects_non_tensors",
+]
 
 
 @pytest.mark.parametrize("case", list(SCALER_CASES))

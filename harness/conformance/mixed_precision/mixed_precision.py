@@ -1,7 +1,7 @@
 """Every behaviour of torch's ``test_fsdp_mixed_precision.py`` as conformance checks against every
 engine with torch FSDP1's API (``fsdp_api``: our engine ``builtin`` and torch FSDP1 ``torch-fsdp``), on
-two gloo CPU ranks (one pool for the whole folder, shared by both engines). The same jobs run on two
-GPUs with NCCL in ``test_gpu.py``.
+two gloo CPU ranks shared by both engines (and, in ``suites/mixed_precision``, by every module of the
+folder). The same jobs run on two GPUs with NCCL in ``gpu``.
 
 float16 compute works on CPU in torch 2.13 (linear, layer norm, softmax, embedding, batch norm,
 conv, the transformer layers and cross entropy all have float16 CPU kernels), so the CPU lane
@@ -12,7 +12,7 @@ accelerator, so on CPU ranks those ids skip for ``torch-fsdp`` with that reason 
 
 Left out, with reason: the seed's ``use_composable=True`` variants (torch's composable
 ``fully_shard`` is not an FSDP1-wrapper API); SyncBatchNorm's forward and ResNet-50 (they need GPUs:
-``test_gpu.py``).
+``gpu``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,34 @@ import pytest
 from torch.distributed.fsdp import _flat_param as torch_flat_param
 
 from engine import precision as engine_precision
+from harness.conformance.mixed_precision import e2e_jobs, eval_jobs, grad_jobs, module_jobs, rank_api
+from harness.conformance.mixed_precision.cases import E2E_RUNS, EMBEDDING_CONFIGS
+from harness.conformance.mixed_precision.pools import cpu_pair
+from harness.conformance.mixed_precision.rank_api import MP_CONFIGS, assert_ok
 from harness.pool import RankPool
-from suites.mixed_precision import e2e_jobs, eval_jobs, grad_jobs, module_jobs, rank_api
-from suites.mixed_precision.cases import E2E_RUNS, EMBEDDING_CONFIGS
-from suites.mixed_precision.rank_api import MP_CONFIGS, assert_ok
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = [
+    "cpu_pair",
+    "test_mixed_precision_e2e_full_shard",
+    "test_mixed_precision_no_reshard_after_forward",
+    "test_mixed_precision_unsharded",
+    "test_grads_reduced_precision",
+    "test_mp_embedding",
+    "test_mp_batchnorm",
+    "test_full_prec_in_eval_variable_is_fsdp1s",
+    "test_eval_root_cast_inputs",
+    "test_full_precision_in_eval",
+    "test_full_precision_in_eval_buffers",
+    "test_full_precision_in_eval_comm",
+    "test_input_grads_with_param_mixed_precision",
+    "test_no_sync_mixed_precision",
+    "test_mixed_precision_with_ignored_module",
+    "test_submodules_with_different_precisions",
+    "test_submodules_with_external_inputs",
+    "test_train_ema_eval_flow",
+]
 
 OFFLOAD = pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
 

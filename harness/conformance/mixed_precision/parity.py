@@ -20,10 +20,15 @@ from typing import Any
 import pytest
 
 from harness.case import PRECISIONS
-from harness.pool import RankPool
+from harness.conformance.mixed_precision import parity_jobs
+from harness.conformance.mixed_precision.cases import check_parity_records, parity_cases
+from harness.conformance.mixed_precision.pools import cpu_pair
 from harness.parity import record_from_outcome
-from suites.mixed_precision import parity_jobs
-from suites.mixed_precision.cases import check_parity_records, parity_cases
+from harness.pool import RankPool
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["cpu_pair", "test_parity_with_emulating_reference"]
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))

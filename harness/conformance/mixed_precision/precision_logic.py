@@ -13,11 +13,27 @@ from engine.flat_param import FlatParamHandle, HandleShardingStrategy
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
 from harness.case import PRECISIONS, PrecisionSpec
 from harness.compare import Observation, measure_drift
+from harness.conformance.flat_handles import DummyProcessGroup
+from harness.conformance.mixed_precision.models import ParityNet
 from harness.optim import sgd
 from harness.references import TRUTH_SPEC, LocalReference, cast_ablations
 from harness.tolerance import mixed_precision_budgets
-from suites.mixed_precision.models import ParityNet
-from suites.wrap.wrap_models import DummyProcessGroup
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = [
+    "test_cast_floating_tensors_leaves_integers_and_others",
+    "test_cast_floating_tensors_none_is_identity",
+    "test_buffer_precision_innermost_owner_wins_and_round_trips",
+    "test_handle_full_precision_switch",
+    "test_handle_full_precision_refuses_while_unsharded",
+    "test_handle_reduce_only_switches_reduce_dtype_not_leaf",
+    "test_handle_without_mixed_precision_never_forces",
+    "test_precision_spec_resolves_fsdp1_rules",
+    "test_full_precision_emulation_is_plain_data_parallel_training",
+    "test_emulation_keeps_master_and_optimizer_in_full_precision",
+    "test_every_cast_of_parity_net_moves_the_numbers",
+]
 
 
 # ---------------------------------------------------------------------------- inputs

@@ -9,6 +9,10 @@ import torch
 
 from harness.pytest_plugin import needs_gpus
 
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["test_foreach_kernels_take_empty_tensors"]
+
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpus(1)])])
 def test_foreach_kernels_take_empty_tensors(device: str) -> None:

@@ -18,8 +18,12 @@ import itertools
 import pytest
 
 from harness.case import CaseConfig
+from harness.conformance.engine_models import NESTED
 from harness.pytest_plugin import ParityRunner
-from suites.engine.models import NESTED
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["test_checkpoint_parity"]
 
 #: check name -> the checkpoint implementation and where its wrapper goes.
 CHECKS = {

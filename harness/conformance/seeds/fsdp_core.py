@@ -5,7 +5,7 @@ torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 ranks on the CPU
 use_orig_params, with and without CPU offload, parameter change after init, pre-backward hook
 registration (also after a state-dict round trip), eval output equals no_grad output, unsharded
 parameters are Tensor views during compute even with prefetching. The parity checks are harness cases
-(``suites/seeds/test_seed_parity.py``); the others run here in one rank session per engine and device.
+(``harness.conformance.seeds.seed_parity``); the others run here in one rank session per engine and device.
 
 The seed's delayed variants (GPU sleeps) are in suites/engine/test_gpu.py; its CUDA init modes
 have no CPU meaning (the full product is in suites/engine/test_parity.py and suites/parity/).
@@ -23,12 +23,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.testing import assert_close
 
+from harness.conformance.engine_models import NestedWrapped, SharedTransformer
+from harness.conformance.fsdp1_checks import FSDPApi, load_api, optim
+from harness.conformance.rank_sessions import api_session_tests
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
 from harness.rank import rank_device
-from suites.engine.models import NestedWrapped, SharedTransformer
-from suites.engine.ranks import api_session_tests
-from suites.seeds.api import FSDPApi, load_api, optim
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["session", "test_check"]
 
 
 def _prefetches(api: FSDPApi) -> list:

@@ -8,7 +8,7 @@ Both differences are about hosts without an accelerator, where the seed suites r
 - torch FSDP1's CPU offload pins host memory at its lazy init, which raises without an accelerator;
   our engine offloads to unpinned memory. The seed suites skip torch's offload checks there.
 
-Units are built on a one-rank process-group double (no communication), as in test_fsdp_wrap.py.
+Units are built on a one-rank process-group double (no communication), as in ``fsdp_wrap``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from suites.seeds.api import FSDPApi
-from suites.wrap.wrap_models import DummyProcessGroup
+from harness.conformance.flat_handles import DummyProcessGroup
+from harness.conformance.fsdp1_checks import FSDPApi, api
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["api", "test_cpu_module_without_device_id", "test_cpu_offload_without_accelerator", "pytestmark"]
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="both differences are about hosts without an accelerator; this one has CUDA"

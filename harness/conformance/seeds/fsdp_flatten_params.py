@@ -12,8 +12,12 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from harness.conformance.flat_handles import flatten_params_transformer
-from suites.engine.ranks import api_session_tests
-from suites.seeds.api import FSDPApi, load_api
+from harness.conformance.fsdp1_checks import FSDPApi, load_api
+from harness.conformance.rank_sessions import api_session_tests
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["session", "test_check"]
 
 CPU = torch.device("cpu")
 

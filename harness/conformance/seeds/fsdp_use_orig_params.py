@@ -7,7 +7,7 @@ and gradient writeback (and shape mismatch), no-reshard changes between forward 
 FQNs in forward, no_sync correctness and mixed-precision dtypes, non-uniform requires_grad.
 
 DDP is the reference where the seed uses it; the seed's CUDA-only parts (compile) are left out; no_sync
-against the all-data reference is harness cases (``test_seed_parity.py``). ``_train_parity`` stays (SGD and Adam family with and
+against the all-data reference is harness cases (``seed_parity``). ``_train_parity`` stays (SGD and Adam family with and
 without ``foreach``, per-group hyperparameters, ``set_to_none=False``, frozen parameters): the optimizer
 axis (``adamw_groups``, ``two_optimizers``) does not express those.
 """
@@ -25,12 +25,16 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
+from harness.conformance.engine_models import SharedTransformer
+from harness.conformance.fsdp1_checks import FSDPApi, assert_match, clean as _clean, load_api
+from harness.conformance.rank_sessions import api_session_tests
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
 from harness.rank import rank_device
-from suites.engine.models import SharedTransformer
-from suites.engine.ranks import api_session_tests
-from suites.seeds.api import FSDPApi, assert_match, clean as _clean, load_api
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["session", "test_check"]
 
 
 def _input(step: int, rank: int) -> tuple[torch.Tensor, ...]:

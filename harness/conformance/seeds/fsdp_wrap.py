@@ -7,7 +7,7 @@ size-based presets (exclude, force leaf), ignored modules, frozen parameters (er
 
 Units are built on a process-group double (rank and size only, no communication), as the seed's
 ``TestAutoWrap`` does. The training parts of the seed (main wrap API, auto-wrap smoke test) run in
-rank processes in suites/wrap/test_wrap_engine.py.
+rank processes in ``harness.conformance.wrap.wrap_engine``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import torch.nn as nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from harness.models import TransformerModel
-from suites.seeds.api import FSDPApi
-from suites.wrap.wrap_models import (
+from harness.conformance.flat_handles import DummyProcessGroup
+from harness.conformance.fsdp1_checks import FSDPApi, api
+from harness.conformance.wrap.wrap_models import (
     BatchNormContainer,
     BatchNormKinds,
-    DummyProcessGroup,
     FourLinears,
     LoraAttention,
     LoraDecoder,
@@ -36,6 +35,30 @@ from suites.wrap.wrap_models import (
     LoraMLP,
     nested_sequential,
 )
+from harness.models import TransformerModel
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = [
+    "api",
+    "test_error_already_wrapped",
+    "test_frozen_params",
+    "test_wrap_batchnorm_individually",
+    "test_bn_always_wrapped_individually",
+    "test_wrap",
+    "test_wrap_disabled_outside_context",
+    "test_wrap_override_defaults",
+    "test_always_wrap",
+    "test_transformer_wrapping",
+    "test_custom_policy",
+    "test_auto_wrap_api",
+    "test_auto_wrap_preset_exclude_wrap",
+    "test_auto_wrap_preset_exclude_wrap_include_children",
+    "test_auto_wrap_preset_force_leaf",
+    "test_auto_wrap_preset_force_leaf_custom",
+    "test_auto_wrap_with_ignored_modules",
+    "test_main_wrap_api_settings",
+]
 
 PG = DummyProcessGroup(rank=0, size=1)
 LAYER_CLASSES = {TransformerEncoderLayer, TransformerDecoderLayer}

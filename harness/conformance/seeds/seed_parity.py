@@ -19,12 +19,15 @@ import itertools
 
 import pytest
 
-from harness.case import CaseConfig, engine_name
+from harness.case import FLAT_STRATEGIES, CaseConfig, engine_name
+from harness.conformance.engine_models import ALWAYS_WRAP, MOE, NESTED, TRANSFORMER
+from harness.conformance.rank_sessions import ExpectedFailures
 from harness.pytest_plugin import ParityRunner
 from harness.pytest_plugin.cases import ParityOptions
-from suites.engine.models import ALWAYS_WRAP, MOE, NESTED, TRANSFORMER
-from suites.engine.ranks import ExpectedFailures
-from suites.parity.slices import FLAT_STRATEGIES
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["test_seed_parity", "test_the_smoke_subtests_show_every_value_of_every_axis", "test_no_sync_parity"]
 
 
 def _subtests(model: str, offload: bool, smoke: bool = False) -> list[CaseConfig]:

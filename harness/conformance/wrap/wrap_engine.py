@@ -3,11 +3,11 @@ torch FSDP1's API (``fsdp_api``: our engine ``builtin`` and torch FSDP1 ``torch-
 restricts them).
 
 The structure tests (units built in this process on a process-group double) run against the same
-engines in ``suites/seeds/test_fsdp_wrap.py``. Here the main wrap API, the auto-wrap smoke test and a
-mixed-precision run with batch norm train in rank processes (:mod:`wrap_jobs`, which load the engine
+engines in ``harness.conformance.seeds.fsdp_wrap``. Here the main wrap API, the auto-wrap smoke test and a
+mixed-precision run with batch norm train in rank processes (:mod:`harness.conformance.wrap.wrap_jobs`, which load the engine
 by name on the rank): on two gloo CPU ranks (one for the smoke test, the seed's world-size-1 group)
 and, where there are GPUs, on NCCL with the seed's CUDA init modes and ``device_id``. Both engines
-share the pools of ``conftest.py``.
+share the pools below (module-scoped; each job loads its engine by name on the rank).
 
 Skips (decided here, in the test process, before any rank starts a collective, so every rank agrees):
 
@@ -23,13 +23,65 @@ Skips (decided here, in the test process, before any rank starts a collective, s
 from __future__ import annotations
 
 import itertools
+from typing import Iterator
 
 import pytest
 import torch
-import wrap_jobs
 
-from harness.pool import PoolOutcome, RankPool
-from suites.seeds.api import FSDPApi
+from harness.conformance.fsdp1_checks import FSDPApi, api
+from harness.conformance.wrap import wrap_jobs
+from harness.pool import PoolConfig, PoolOutcome, RankPool
+from harness.pytest_plugin import gpus_missing
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = [
+    "api",
+    "cpu_pair",
+    "cpu_single",
+    "gpu_pair",
+    "gpu_single",
+    "test_main_wrap_api",
+    "test_auto_wrap_smoke_test",
+    "test_mixed_precision_batchnorm_unit_runs_in_float32",
+]
+
+#: the torch tests this suite ports run their multi-rank tests on two ranks, on the GPUs (NCCL with one
+#: GPU per rank, or gloo ranks sharing one: ``harness.placement.place``) or on two gloo CPU ranks.
+GPU_WORLD = 2
+
+
+def _pool(config: PoolConfig) -> Iterator[RankPool]:
+    with RankPool(config) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def cpu_pair() -> Iterator[RankPool]:
+    """Two gloo ranks on CPU, started once for the module."""
+    yield from _pool(PoolConfig(world_size=2, backend="gloo", case_timeout_s=120.0))
+
+
+@pytest.fixture(scope="module")
+def cpu_single() -> Iterator[RankPool]:
+    """One gloo rank on CPU: the seed's world-size-1 default group."""
+    yield from _pool(PoolConfig(world_size=1, backend="gloo", case_timeout_s=120.0))
+
+
+@pytest.fixture(scope="module")
+def gpu_pair() -> Iterator[RankPool]:
+    """Two ranks on this worker's GPUs (one each, or sharing one)."""
+    if reason := gpus_missing(1):
+        pytest.skip(reason=reason)
+    yield from _pool(PoolConfig.placed(GPU_WORLD, device="cuda", case_timeout_s=120.0))
+
+
+@pytest.fixture(scope="module")
+def gpu_single() -> Iterator[RankPool]:
+    """One rank on this worker's first GPU."""
+    if reason := gpus_missing(1):
+        pytest.skip(reason=reason)
+    yield from _pool(PoolConfig.placed(1, device="cuda", case_timeout_s=120.0))
 
 INIT_MODES = [
     pytest.param("cpu", id="cpu"),

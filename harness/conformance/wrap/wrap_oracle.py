@@ -10,7 +10,6 @@ import torch.nn as nn
 from hypothesis import event, given
 from hypothesis import strategies as st
 from torch.nn.modules.batchnorm import _BatchNorm
-from wrap_models import RecordingUnit
 
 from engine.wrap import (
     _or_policy,
@@ -20,6 +19,11 @@ from engine.wrap import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
+from harness.conformance.wrap.wrap_models import RecordingUnit, recorded
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = ["recorded", "test_callable_policies_wrap_what_fsdp1_wraps"]
 
 wrap_bn_individually = functools.partial(_wrap_module_cls_individually, module_classes=[_BatchNorm])
 

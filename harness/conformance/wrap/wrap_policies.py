@@ -3,8 +3,8 @@
 The wrapper here is :class:`RecordingUnit`, which auto-wraps as the runtime's constructor does and
 records its kwargs, so these tests pin down *which* modules become units and *with what settings*.
 The seed behaviours that need real units (rank/world size from the process group, settings on
-the unit objects, training steps) are in ``test_wrap_engine.py``; the property test against torch
-FSDP1's own wrapping in ``test_wrap_oracle.py``.
+the unit objects, training steps) are in ``wrap_engine``; the property test against torch
+FSDP1's own wrapping in ``wrap_oracle``.
 """
 
 from __future__ import annotations
@@ -18,18 +18,6 @@ import torch
 import torch.nn as nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.modules.batchnorm import _BatchNorm
-from wrap_models import (
-    BatchNormContainer,
-    BatchNormKinds,
-    FourLinears,
-    LoraAttention,
-    LoraDecoder,
-    LoraDecoderStack,
-    LoraMLP,
-    MarkedUnit,
-    RecordingUnit,
-    nested_sequential,
-)
 
 from engine.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from engine.wrap import (
@@ -47,7 +35,60 @@ from engine.wrap import (
     transformer_auto_wrap_policy,
     wrap,
 )
+from harness.conformance.wrap.wrap_models import (
+    BatchNormContainer,
+    BatchNormKinds,
+    FourLinears,
+    LoraAttention,
+    LoraDecoder,
+    LoraDecoderStack,
+    LoraMLP,
+    MarkedUnit,
+    RecordingUnit,
+    nested_sequential,
+    recorded,
+)
 from harness.models import TransformerModel
+
+#: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
+#: the order they run, then the marks.
+__all__ = [
+    "recorded",
+    "test_size_based_policy_compares_nonwrapped_numel_with_min_num_params",
+    "test_size_based_policy_presets",
+    "test_class_policies_always_recurse_and_wrap_instances",
+    "test_or_policy_and_always_wrap",
+    "test_module_wrap_policy_repr_names_its_classes",
+    "test_error_already_wrapped",
+    "test_wrap_batchnorm_individually",
+    "test_bn_always_wrapped_individually",
+    "test_units_are_built_children_first_with_the_root_settings",
+    "test_auto_wrap_leaves_root_kwargs_unchanged",
+    "test_plan_wrap_is_pure",
+    "test_shared_submodule_becomes_one_unit_in_every_parent",
+    "test_auto_wrap_api",
+    "test_always_wrap",
+    "test_auto_wrap_preset_exclude_wrap",
+    "test_auto_wrap_preset_exclude_wrap_include_children",
+    "test_auto_wrap_preset_force_leaf",
+    "test_auto_wrap_preset_force_leaf_custom",
+    "test_transformer_wrapping",
+    "test_custom_policy",
+    "test_custom_policy_rejects_other_results",
+    "test_custom_policy_empty_dict_means_no_unit",
+    "test_mixed_precision_ignored_classes_get_full_precision_units",
+    "test_full_precision_unit_casts_inputs_to_float32_and_outputs_back",
+    "test_no_mixed_precision_override_without_mixed_precision",
+    "test_auto_wrap_with_ignored_modules",
+    "test_children_of_ignored_modules_are_never_wrapped",
+    "test_frozen_params",
+    "test_frozen_params_accepts_uniform_units",
+    "test_validate_frozen_params",
+    "test_wrap_in_context_passes_the_context_kwargs",
+    "test_wrap_disabled_outside_context",
+    "test_wrap_override_defaults",
+    "test_nested_enable_wrap_is_refused_and_context_restored_on_error",
+]
 
 size_40 = functools.partial(size_based_auto_wrap_policy, min_num_params=40)
 wrap_bn_individually = functools.partial(_wrap_module_cls_individually, module_classes=[_BatchNorm])
