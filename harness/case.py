@@ -35,6 +35,8 @@ FSDP1_PREFETCHES: dict[str, str | None] = {"none": None, "pre": "BACKWARD_PRE", 
 
 #: The strategies that shard within a group of ranks and replicate across groups.
 HYBRID_STRATEGIES: tuple[str, ...] = ("hybrid_shard", "hybrid_shard_zero2")
+#: The strategies one group of ranks runs (the hybrid ones need groups of their own: 4 ranks or more).
+FLAT_STRATEGIES: list[str] = [s for s in get_args(ShardingName) if s not in HYBRID_STRATEGIES]
 
 
 def is_hybrid(strategy: str) -> bool:

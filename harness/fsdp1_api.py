@@ -22,7 +22,7 @@ Each check runs where its rank is (``harness.rank.rank_device()``): the seed sui
 ranks and again on the GPUs (``api_session_tests(device=("cpu", "cuda"))``), sharing one where there are fewer
 GPUs than ranks.
 
-``suites/seeds/test_fsdp_differences.py`` asserts each engine's own side of both.
+``harness.conformance.seeds.fsdp_differences`` asserts each engine's own side of both.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ one does, 2 when the engine spec is bad (one line naming it) or the ranks cannot
 
 The families (``FAMILIES``; adding one is one line there):
 
-- ``seeds``: the seed suites through pytest in a subprocess with ``--engine SPEC`` (engines with torch
-  FSDP1's API), one count per test;
+- ``seeds``: the seed suites (``harness.conformance.seeds``, ``.mixed_precision``, ``.wrap``) through
+  pytest in a subprocess with ``--engine SPEC`` (engines with torch FSDP1's API), one count per test;
 - ``parity-ddp`` / ``parity-local``: the generated cases (pairwise matrix; ``--quick``: the smoke cases of
   one small model) through ``harness.runner``, judged on their numbers against each reference;
 - ``knobs``: the same cases' knob checks (no setting silently ignored);
@@ -23,13 +23,10 @@ Engines are resolved by ``harness.registry``; a plug-in's spec must be resolvabl
 (a spec or an entry point), since the seed families run pytest in one.
 
 Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are library calls, and
-``flat-param`` and ``torch-common-fsdp`` run test modules shipped in the package (``pytest --pyargs
-harness.conformance.engine_layout``, ``...torch_common_fsdp``): these run from an installed package.
-``seeds`` still runs the repository's test tree by path (``Family.suites``): it needs a checkout, and
-certify refuses it (exit 2, naming the missing paths and the families that can run) where the package
-was installed without one. Shipping it too means moving the seed suites' modules into
-``harness.conformance`` and collecting them into the suites by import, as the others are (see that
-package's docstring).
+``seeds``, ``flat-param`` and ``torch-common-fsdp`` run test modules shipped in the package (``pytest
+--pyargs harness.conformance.seeds.fsdp_core ...``, ``...engine_layout``, ``...torch_common_fsdp``), which
+the suites collect by import (see that package's docstring): every family runs from an installed package
+as from a checkout, and none reads the repository's ``suites/``.
 """
 
 from __future__ import annotations
@@ -54,12 +51,36 @@ from reports.certificate import Certificate, FamilyResult, Failure, markdown, re
 
 __all__ = ["FAMILIES", "Family", "add_arguments", "main"]
 
-#: the checkout this package runs from: the test-tree families run its ``suites/`` (absent from a wheel).
+#: the directory this package runs from (a checkout's root, or site-packages): the pytest child imports it
+#: from there, and from a checkout's root it runs under the checkout's pytest configuration.
 REPO = Path(__file__).resolve().parents[2]
+#: the seed suites' test modules, shipped in the package (``harness.conformance``), in the order
+#: ``suites/seeds``, ``suites/mixed_precision`` and ``suites/wrap`` collect them (by import, under the
+#: names ``test_<module>.py``).
+SEED_MODULES = (
+    "harness.conformance.seeds.foreach",
+    "harness.conformance.seeds.fsdp_checkpoint",
+    "harness.conformance.seeds.fsdp_clip_grad_norm",
+    "harness.conformance.seeds.fsdp_core",
+    "harness.conformance.seeds.fsdp_differences",
+    "harness.conformance.seeds.fsdp_flatten_params",
+    "harness.conformance.seeds.fsdp_use_orig_params",
+    "harness.conformance.seeds.fsdp_wrap",
+    "harness.conformance.seeds.seed_parity",
+    "harness.conformance.torch_common_fsdp",
+    "harness.conformance.mixed_precision.gpu",
+    "harness.conformance.mixed_precision.grad_scaler",
+    "harness.conformance.mixed_precision.mixed_precision",
+    "harness.conformance.mixed_precision.parity",
+    "harness.conformance.mixed_precision.precision_logic",
+    "harness.conformance.wrap.wrap_engine",
+    "harness.conformance.wrap.wrap_oracle",
+    "harness.conformance.wrap.wrap_policies",
+)
 #: what ``--quick`` keeps of the seed suites: the core parity checks (CI can afford them twice).
-QUICK_SEEDS = ("suites/seeds/test_seed_parity.py", "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
-FULL_SEEDS = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
-#: shipped in the package (``harness.conformance``), as the next: they run from an installed package too.
+QUICK_SEEDS = ("--pyargs", "harness.conformance.seeds.seed_parity",
+               "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
+FULL_SEEDS = ("--pyargs", *SEED_MODULES)
 FLAT_PARAM_TESTS = ("--pyargs", "harness.conformance.engine_layout")
 TORCH_COMMON_TESTS = ("--pyargs", "harness.conformance.torch_common_fsdp")
 ERRORED = ("error", "timeout", "crash")
@@ -129,15 +150,21 @@ class CertifyRun:
         env = dict(os.environ)
         # The child resolves the spec again: it needs this process's import path (a plug-in's included).
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in sys.path if p]])
-        # The plug-in brings ``--engine`` where no conftest of a checkout does (an installed package).
-        cmd = [sys.executable, "-m", "pytest", *args, "-p", "harness.pytest_plugin", "--engine", self.spec,
+        # The plug-in brings ``--engine`` where no conftest of a checkout does (an installed package), the
+        # profiles the Hypothesis tests run under in CI likewise (``ci`` unless FUZZ_PROFILE says otherwise).
+        cmd = [sys.executable, "-m", "pytest", *args, "-p", "harness.pytest_plugin", "-p", "harness.conformance.profiles",
+               "--engine", self.spec,
                "-p", "no:cacheprovider", "-q", f"--junitxml={xml}", "-o", "junit_family=xunit2"]
         # The suites place their pools by the same rule; the certificate's placement is passed down.
         cmd += ["--backend", self.lane.backend, "--device", self.lane.device]
+        # Node ids relative to the directory holding the package, from site-packages as from a checkout:
+        # ``harness/conformance/seeds/fsdp_core.py::test_check[...]``, not a bare file name.
+        cmd += ["--rootdir", str(REPO)]
         try:
-            # From a checkout's root, as its suites' paths are written; else from the certificate's directory
-            # (never site-packages: Hypothesis keeps its example database in the working directory).
-            cwd = REPO if (REPO / "suites").is_dir() else self.out
+            # From a checkout's root, under its pytest configuration (the root conftest, pyproject's markers)
+            # as in CI; else from the certificate's directory (never site-packages: Hypothesis keeps its
+            # example database in the working directory).
+            cwd = REPO if (REPO / "conftest.py").is_file() else self.out
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
             tail = (proc.stdout + proc.stderr)[-2000:]
         except subprocess.TimeoutExpired as exc:
@@ -172,8 +199,6 @@ class Family:
     name: str
     description: str
     judge: Callable[[CertifyRun, FamilyResult], None]
-    #: the paths of the repository's test tree it runs (relative to ``REPO``); empty: a library call.
-    suites: tuple[str, ...] = ()
 
 
 def _from_tests(result: FamilyResult, tests: list[tuple[str, str, str]], tail: str) -> None:
@@ -300,7 +325,7 @@ def _torch_testing_missing() -> str | None:
 
 #: Every family, in certificate order.
 FAMILIES: tuple[Family, ...] = (
-    Family("seeds", "seed behaviours: the seed suites (pytest --engine SPEC)", judge_seeds, FULL_SEEDS),
+    Family("seeds", "seed behaviours: the seed suites (pytest --engine SPEC)", judge_seeds),
     Family("parity-ddp", "generated parity against DDP", judge_parity("ddp")),
     Family("parity-local", "generated parity against the unsharded local reference", judge_parity("local")),
     Family("knobs", "knob propagation: every setting shows its effect", judge_knobs),
@@ -308,12 +333,6 @@ FAMILIES: tuple[Family, ...] = (
     Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param),
     Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_torch_common),
 )
-
-
-def missing_suites(names: Sequence[str], repo: Path = REPO) -> dict[str, list[str]]:
-    """Family name -> the test-tree paths it runs that ``repo`` lacks, for the families of ``names``."""
-    missing = {f.name: [path for path in f.suites if not (repo / path).exists()] for f in FAMILIES if f.name in names}
-    return {name: paths for name, paths in missing.items() if paths}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -360,14 +379,6 @@ def main(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in {f.name for f in FAMILIES}]
     if unknown or not names:
         print(f"harness certify: --families {unknown or args.families!r}: choose from {[f.name for f in FAMILIES]}", file=sys.stderr)
-        return 2
-    missing = missing_suites(names)
-    if missing:
-        paths = sorted({path for found in missing.values() for path in found})
-        runnable = [n for n in names if n not in missing] or [f.name for f in FAMILIES if not f.suites]
-        print(f"harness certify: --families {','.join(missing)} run the repository's test suites ({', '.join(paths)}), "
-              f"not found under {REPO} (a package installed without its checkout has no suites/): run certify from a "
-              f"checkout of the repository, or choose --families {','.join(runnable)}", file=sys.stderr)
         return 2
     adapter = resolve(spec)
     n_gpus = visible_gpus()

@@ -12,20 +12,29 @@ fixtures and marks.
   test per ``--engine``; ``certify``'s ``flat-param`` family);
 - ``torch_common_fsdp``: torch's own FSDP parity machinery over the engine (``certify``'s
   ``torch-common-fsdp`` family; GPU only);
+- ``seeds``, ``mixed_precision``, ``wrap``: the seed suites, PyTorch's FSDP1 test files ported as
+  conformance tests against any FSDP1-API engine (``certify``'s ``seeds`` family), with what they share:
+- ``fsdp1_checks``: the seed checks' comparison helpers over an engine's FSDP1 names, and the ``api``
+  fixture that loads them;
+- ``rank_sessions``: many checks run in one set of rank processes (``session_tests``, ``api_session_tests``);
+- ``engine_models``: the engine and seed suites' models, registered in the harness's zoo;
 - ``profiles``: the Hypothesis profiles (``ci``, ``nightly``, ``dev``);
 - ``fuzz_campaign``: ``python -m harness.conformance.fuzz_campaign``, the nightly's fuzz phase.
 
 Why the tests live here and how the suites run them: each test is written once. A test module the
-installed package must run (the fuzz campaign) sits in this package, and pytest runs it by its path
-inside the package (``pytest.main([file])``, or ``pytest --pyargs harness.conformance.<module>``),
-which works from a wheel as from a checkout. The CI lane collects the same functions by importing
-them into a suite module (``suites/flat_param/test_fuzz_flat_param.py``, ``test_engine_layout.py``,
-``suites/seeds/test_torch_common_fsdp.py``), so
-their node ids, markers and the lane's counts are the suites' as before; the root ``conftest.py``
-registers ``ASSERT_REWRITE`` for pytest's assertion rewriting, so a failing assert shows its values
-either way. The alternative, a
-second copy under ``suites/`` or a ``testpaths`` entry into the package, would either duplicate the
-tests or move them out of the suite a reader looks in.
+installed package must run (the fuzz campaign, certify's families) sits in this package, and pytest runs
+it by its path inside the package (``pytest.main([file])``, or ``pytest --pyargs
+harness.conformance.<module>``), which works from a wheel as from a checkout. Its ``__all__`` names what
+a collector needs: its fixtures (defined there or imported: a module run alone must see them), its tests
+in the order they run, its marks. The CI lane collects the same functions by importing them into a suite
+module (``suites/flat_param/test_fuzz_flat_param.py``, ``test_engine_layout.py``; ``suites/seeds``,
+``suites/mixed_precision``, ``suites/wrap``: ``test_<module>.py`` for ``<folder>.<module>`` here), so their
+node ids, markers and the lane's counts are the suites' as before; the root ``conftest.py`` registers
+``ASSERT_REWRITE`` for pytest's assertion rewriting, so a failing assert shows its values either way. No
+``conftest.py`` here: pytest does not reliably load one from site-packages, so fixtures travel by import
+(a suite folder's ``conftest.py`` may import one to share it across its modules, as the mixed-precision
+pools are). The alternative, a second copy under ``suites/`` or a ``testpaths`` entry into the package,
+would either duplicate the tests or move them out of the suite a reader looks in.
 """
 
 #: the modules whose asserts pytest rewrites when a suite imports them (registered before that import).
@@ -33,5 +42,10 @@ ASSERT_REWRITE = (
     "harness.conformance.engine_layout",
     "harness.conformance.flat_handles",
     "harness.conformance.flat_param_properties",
+    "harness.conformance.fsdp1_checks",
+    "harness.conformance.mixed_precision",
+    "harness.conformance.rank_sessions",
+    "harness.conformance.seeds",
     "harness.conformance.torch_common_fsdp",
+    "harness.conformance.wrap",
 )

@@ -3,7 +3,7 @@
 
 Everything here lets one process look at any rank of any world size: the project's one process-group
 double (:class:`DummyProcessGroup`: ``rank()`` and ``size()`` are all a handle's constructor asks of a
-group, ours and torch FSDP1's; the suites import it from ``suites.wrap.wrap_models``), handle construction
+group, ours and torch FSDP1's), handle construction
 with FSDP1's argument names over it, and putting a module tree's parameters back after a handle has
 rewired them, so that one module serves a handle per rank.
 """

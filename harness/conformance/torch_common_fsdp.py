@@ -10,7 +10,8 @@ variable read at import) in every rank process ``FSDPTest`` spawns. One engine p
 GPU only (``FSDPTest`` runs one NCCL rank per GPU), and only where torch's testing extras import.
 ``python -m harness certify`` runs it as its ``torch-common-fsdp`` family (``pytest --pyargs
 harness.conformance.torch_common_fsdp -p harness.pytest_plugin``, from an installed package too); the
-suites collect it through ``suites/seeds/test_torch_common_fsdp.py``.
+suites collect it through ``suites/seeds/test_torch_common_fsdp.py`` (and ``certify``'s ``seeds`` family runs it
+again, as that folder holds it).
 """
 
 from __future__ import annotations

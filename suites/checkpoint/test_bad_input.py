@@ -21,8 +21,8 @@ from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType
 from engine.checkpoint_io import CheckpointError, dcp_load, dcp_save, load, save
+from harness.conformance.rank_sessions import session_tests
 from suites.checkpoint.training import Setup, train
-from suites.engine.ranks import session_tests
 
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
 

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType, comm_hooks
+from harness.conformance.rank_sessions import RankSession, run_checks, session_tests
 from harness.pytest_plugin import needs_gpus
 from suites.checkpoint.training import CkptNet, device_for, full_state, hybrid_groups, make_optimizer, train, wrapped
-from suites.engine.ranks import RankSession, run_checks, session_tests
 
 
 def _theirs(strategy_name: str, device: torch.device) -> tuple[torch.nn.Module, Any]:

@@ -14,8 +14,8 @@ from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType
 from engine.checkpoint_io import dcp_load, dcp_save
+from harness.conformance.rank_sessions import RankSession, run_checks
 from suites.checkpoint.training import CkptNet, Setup, full_state, train
-from suites.engine.ranks import RankSession, run_checks
 
 
 def _params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -30,9 +30,9 @@ from engine import (
     StateDictType,
 )
 from engine.dtensors import full_tensor
+from harness.conformance.rank_sessions import session_tests
 from harness.rank import rank_device
 from suites.checkpoint.training import CkptNet, Setup, full_state, make_optimizer, train, wrapped
-from suites.engine.ranks import session_tests
 
 
 def _torch_fsdp1(model: torch.nn.Module) -> torch.nn.Module:

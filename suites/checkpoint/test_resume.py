@@ -17,10 +17,10 @@ from typing import Callable
 import pytest
 
 from engine import ShardingStrategy as S
+from harness.conformance.rank_sessions import RankSession, run_checks
 from harness.pytest_plugin import needs_gpus
 from suites.checkpoint import training
 from suites.checkpoint.training import SD_TYPES, Setup
-from suites.engine.ranks import RankSession, run_checks
 
 STEPS, SAVE_AT = 4, 2
 

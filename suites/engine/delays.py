@@ -17,11 +17,11 @@ import torch
 from engine import FSDP
 from engine.flat_param import FlatParamHandle
 from harness.case import CaseConfig
+from harness.conformance.engine_models import NESTED
+from harness.conformance.fsdp1_checks import assert_matches_local_reference, load_api
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.models import build_model
 from harness.optim import sgd
-from suites.engine.models import NESTED
-from suites.seeds.api import assert_matches_local_reference, load_api
 
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
 #: reader runs before the writer finishes.

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from harness.case import FSDP1_STRATEGIES
+from harness.conformance.engine_models import ENGINE_MODELS
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
 from harness.param_devices import PlacementLog, original_names, record_training_step
 from harness.rank import new_hybrid_groups
-from suites.engine.models import ENGINE_MODELS
 
 #: the placement checks' models: the engine suites' models without the mixture of experts.
 MODELS = {name: ENGINE_MODELS[name] for name in ("engine_nested", "engine_transformer")}

@@ -16,8 +16,8 @@ import engine
 from engine import FSDP
 from engine.arguments import is_torch_fsdp_object
 from engine.wrap import always_wrap_policy
-from suites.engine.models import NestedWrapped
-from suites.wrap.wrap_models import DummyProcessGroup
+from harness.conformance.engine_models import NestedWrapped
+from harness.conformance.flat_handles import DummyProcessGroup
 
 PG = DummyProcessGroup(rank=0, size=1)
 

@@ -18,8 +18,8 @@ import torch.nn as nn
 
 from engine.config import choose_compute_device, hybrid_node_size, materialization_device
 from engine.grad_scaler import scale_device
-from suites.seeds.api import FSDPApi, load_api
-from suites.wrap.wrap_models import DummyProcessGroup
+from harness.conformance.flat_handles import DummyProcessGroup
+from harness.conformance.fsdp1_checks import FSDPApi, load_api
 
 CPU = torch.device("cpu")
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)

@@ -11,8 +11,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing import assert_close
 
 from engine.dtensors import chunk_rows, distribute, full_tensor, local_chunk
+from harness.conformance.rank_sessions import session_tests
 from harness.rank import rank_device
-from suites.engine.ranks import session_tests
 
 
 def test_chunk_rows_follow_torch_chunk() -> None:

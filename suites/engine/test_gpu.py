@@ -15,15 +15,14 @@ import itertools
 
 import pytest
 import torch
-from harness.pytest_plugin import needs_gpus
 
 from engine import FSDP, CPUOffload, MixedPrecision, ShardingStrategy
-from harness.case import FSDP1_STRATEGIES
+from harness.case import FLAT_STRATEGIES, FSDP1_STRATEGIES
+from harness.conformance.engine_models import NestedWrapped
+from harness.conformance.rank_sessions import session_tests
 from harness.model_protocol import to_device, wrap_bottom_up
+from harness.pytest_plugin import needs_gpus
 from suites.engine.delays import DELAYS, cuda_device as _device, delayed_step_parity
-from suites.engine.models import NestedWrapped
-from suites.engine.ranks import session_tests
-from suites.parity.slices import FLAT_STRATEGIES
 
 pytestmark = [
     pytest.mark.gpu,

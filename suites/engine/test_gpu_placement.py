@@ -21,14 +21,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.conformance.engine_models import NestedWrapped
+from harness.conformance.fsdp1_checks import load_api
+from harness.conformance.rank_sessions import session_tests
+from harness.model_protocol import to_device, wrap_bottom_up
 from harness.param_devices import PlacementLog, offload_violations
 from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
-from harness.model_protocol import to_device, wrap_bottom_up
-from suites.engine.models import NestedWrapped
 from suites.engine.placement import configurations, offload_step
-from suites.engine.ranks import session_tests
-from suites.seeds.api import load_api
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 

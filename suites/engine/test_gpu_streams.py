@@ -20,9 +20,9 @@ import pytest
 import torch.distributed as dist
 
 from engine import CPUOffload, ShardingStrategy
+from harness.conformance.rank_sessions import session_tests
 from harness.pytest_plugin import needs_gpus
 from suites.engine.delays import DELAYS, delayed_step_parity
-from suites.engine.ranks import session_tests
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 

@@ -20,12 +20,12 @@ from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy
 from harness.case import HYBRID_STRATEGIES, CaseConfig
+from harness.conformance.engine_models import NESTED, TRANSFORMER, NestedWrapped
+from harness.conformance.fsdp1_checks import all_data, assert_match
+from harness.conformance.rank_sessions import session_tests
 from harness.model_protocol import wrap_bottom_up
 from harness.pytest_plugin import ParityRunner
 from harness.rank import new_hybrid_groups
-from suites.engine.models import NESTED, TRANSFORMER, NestedWrapped
-from suites.engine.ranks import session_tests
-from suites.seeds.api import all_data, assert_match
 
 CPU = torch.device("cpu")
 HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]

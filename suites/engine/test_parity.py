@@ -1,7 +1,7 @@
 """Training parity of the builtin engine, as harness cases (``harness.parity`` on the plugin's rank pools):
 ``suites.parity.slices.ENGINE_SWEEP``, every strategy x use_orig_params x backward prefetch x forward
 prefetch x CPU offload (hybrid strategies aside: ``test_hybrid.py``) on the engine suites' nested,
-tied-transformer and mixture-of-experts models (``suites.engine.models``), against DDP and the all-data
+tied-transformer and mixture-of-experts models (``harness.conformance.engine_models``), against DDP and the all-data
 local reference.
 
 The smoke lane (CI) shows every model with every value of every axis against both references; the

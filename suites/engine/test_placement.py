@@ -14,17 +14,11 @@ import torch
 import torch.nn as nn
 
 from engine.unit import offloaded_placement_error
-from harness.param_devices import (
-    COMPUTE_POINTS,
-    PARAMETER_POINTS,
-    Violation,
-    offload_violations,
-    original_names,
-)
-from suites.engine.models import NestedWrapped
+from harness.conformance.engine_models import NestedWrapped
+from harness.conformance.fsdp1_checks import load_api
+from harness.conformance.rank_sessions import session_tests
+from harness.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, Violation, offload_violations, original_names
 from suites.engine.placement import configurations, offload_step
-from suites.engine.ranks import session_tests
-from suites.seeds.api import load_api
 
 CPU = torch.device("cpu")
 CPU_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")  # hybrid default groups need GPUs
@@ -62,7 +56,7 @@ def test_offload_rule_names_a_planted_misplacement(point: str, entry: tuple, wha
 
 
 def test_original_names_lists_tied_parameters_under_each_name() -> None:
-    from suites.engine.models import SharedTransformer
+    from harness.conformance.engine_models import SharedTransformer
 
     names = original_names(SharedTransformer())
     assert "embed.weight" in names and "proj.weight" in names
@@ -98,7 +92,7 @@ def check_offloaded_step_placement(rank: int, world_size: int) -> None:
 
 
 def _transformer() -> nn.Module:
-    from suites.engine.models import SharedTransformer
+    from harness.conformance.engine_models import SharedTransformer
 
     return SharedTransformer()
 

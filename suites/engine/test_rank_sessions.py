@@ -1,4 +1,4 @@
-"""The rank sessions the engine and seed suites run their checks in (``suites.engine.ranks``, on
+"""The rank sessions the engine and seed suites run their checks in (``harness.conformance.rank_sessions``, on
 ``harness.pool.RankPool``): a failure names the rank and keeps its traceback, a skip needs every rank,
 and the checks after a failure still run; ``--device`` narrows a session run on both devices, and an
 expected failure is a strict xfail."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from suites.engine.ranks import run_checks
+from harness.conformance.rank_sessions import run_checks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def test_failures_skips_and_later_checks() -> None:
 
 #: A scratch suite: a session on both devices, and one per engine whose expected failures are planted.
 _SCRATCH_DEVICES = '''
-from suites.engine.ranks import session_tests
+from harness.conformance.rank_sessions import session_tests
 
 
 def check_ok(rank, world_size):
@@ -53,7 +53,7 @@ def check_ok(rank, world_size):
 session, test_check = session_tests([check_ok], device=("cpu", "cuda"))
 '''
 _SCRATCH_KNOWN = '''
-from suites.engine.ranks import api_session_tests
+from harness.conformance.rank_sessions import api_session_tests
 
 
 def check_fails(api, rank, world_size):

@@ -14,13 +14,12 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from engine import FSDP, BackwardPrefetch, ShardingStrategy
-from harness.case import FSDP1_STRATEGIES, CaseConfig
+from harness.case import FLAT_STRATEGIES, FSDP1_STRATEGIES, CaseConfig
+from harness.conformance.engine_models import NESTED, TRANSFORMER, NestedWrapped
+from harness.conformance.fsdp1_checks import all_data, assert_match, assert_params_match, full_params, load_api, optim
+from harness.conformance.rank_sessions import session_tests
 from harness.model_protocol import wrap_bottom_up
 from harness.pytest_plugin import ParityRunner
-from suites.engine.models import NESTED, TRANSFORMER, NestedWrapped
-from suites.engine.ranks import session_tests
-from suites.parity.slices import FLAT_STRATEGIES
-from suites.seeds.api import all_data, assert_match, assert_params_match, full_params, load_api, optim
 
 CPU = torch.device("cpu")
 STRATEGIES = [ShardingStrategy[FSDP1_STRATEGIES[s]] for s in FLAT_STRATEGIES]
@@ -135,7 +134,7 @@ def check_summon_options(rank: int, world_size: int) -> None:
 def check_summon_offload_to_cpu_with_no_shard_refused_as_torch(rank: int, world_size: int) -> None:
     # FSDP1 raises NotImplementedError for offload_to_cpu=True on a unit that does not shard, with or
     # without writeback; ours must refuse the same way (and name the unit), not summon and drop edits.
-    from suites.seeds.api import load_api
+    from harness.conformance.fsdp1_checks import load_api
 
     for api in (load_api("builtin"), load_api("torch-fsdp")):
         for writeback in (True, False):

@@ -12,8 +12,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
 
+from harness.conformance.rank_sessions import session_tests
 from harness.rank import rank_device
-from suites.engine.ranks import session_tests
 
 
 def _model(device: torch.device) -> nn.Module:

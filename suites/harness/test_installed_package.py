@@ -1,24 +1,27 @@
 """The package installed from its wheel, without the repository: what it runs without ``suites/``.
 
-The nightly's fuzz campaign and ``certify``'s ``flat-param`` family ship in the package
-(``harness.conformance``) and run there; the family that still runs the repository's test tree
-(``seeds``) is refused with one line naming what is missing.
+The nightly's fuzz campaign and ``certify``'s pytest families (``seeds``, ``flat-param``) ship in the
+package (``harness.conformance``) and run there, from a directory where no ``suites`` can be imported.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from harness.cli.certify import FAMILIES, REPO, missing_suites
+from harness.cli.certify import REPO, SEED_MODULES
 from harness.cli.fuzz import parse_fuzz_totals
 
+#: the suites that collect the seed family's tests from the package by import.
+SEED_SUITES = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
 #: what the wheel is built from: the project's metadata and its three packages (never ``suites/``).
 BUILT_FROM = ("pyproject.toml", "README.md", "engine", "harness", "reports")
 
@@ -63,13 +66,18 @@ def test_the_fuzz_campaign_runs_from_the_installed_package(site: Path, tmp_path:
     assert totals is not None and totals["examples"] >= 6 * 3, proc.stdout[-3000:]
 
 
-def test_certify_names_the_suites_an_installed_package_lacks(site: Path, tmp_path: Path) -> None:
-    proc = _run(site, tmp_path, "-m", "harness", "certify", "--engine", "builtin", "--quick", "--out", str(tmp_path / "c"))
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("harness certify:")]
-    assert "--families seeds run" in line and "suites/seeds" in line
-    assert "--families parity-ddp,parity-local,knobs,checkpoints,flat-param,torch-common-fsdp" in line
-    assert not (tmp_path / "c" / "results.jsonl").exists()
+def test_certify_runs_the_shipped_seed_family_from_the_installed_package(site: Path, tmp_path: Path) -> None:
+    # What certify's pytest child sees (this environment, its path first): the installed package, no suites.
+    found = _run(site, tmp_path, "-c", "import importlib.util as u, harness; print(u.find_spec('suites'), harness.__file__)")
+    assert found.stdout.split() == ["None", str(site / "harness" / "__init__.py")], found.stdout + found.stderr
+    out = tmp_path / "c"
+    proc = _run(site, tmp_path, "-m", "harness", "certify", "--engine", "builtin", "--families", "seeds", "--quick",
+                "--out", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    seeds = {f["name"]: f for f in json.loads((out / "certificate.json").read_text())["families"]}["seeds"]
+    assert seeds["status"] == "pass" and seeds["passed"] >= 2 and seeds["failed"] == 0, seeds
+    modules = {case.get("classname") for case in ET.parse(out / "seeds.xml").getroot().iter("testcase")}
+    assert modules == {"harness.conformance.seeds.seed_parity"}, modules
 
 
 def test_certify_runs_the_shipped_flat_param_family_from_the_installed_package(site: Path, tmp_path: Path) -> None:
@@ -82,8 +90,42 @@ def test_certify_runs_the_shipped_flat_param_family_from_the_installed_package(s
     assert not list(site.rglob(".hypothesis")), "Hypothesis wrote its database into the installed package"
 
 
-def test_missing_suites_of_a_checkout_and_of_an_empty_tree(tmp_path: Path) -> None:
-    names = [f.name for f in FAMILIES]
-    assert missing_suites(names) == {}
-    assert missing_suites(names, tmp_path) == {f.name: list(f.suites) for f in FAMILIES if f.suites}
-    assert missing_suites(["parity-ddp", "knobs"], tmp_path) == {}
+
+def _imported_from(path: Path) -> dict[str, set[str]]:
+    """``module -> names`` a suite module imports from ``harness.conformance``."""
+    found: dict[str, set[str]] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness.conformance."):
+            found.setdefault(node.module, set()).update(a.name for a in node.names)
+    return found
+
+
+def _tests_of(path: Path) -> set[str]:
+    """The names pytest collects tests from in a module: ``test_*`` functions (defined or assigned, as
+    ``session_tests`` returns them) and ``Test*`` classes."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {e.id for t in node.targets for e in ast.walk(t) if isinstance(e, ast.Name)}
+    return {n for n in names if n.startswith(("test_", "Test"))}
+
+
+def test_the_seed_family_runs_what_the_seed_suites_collect() -> None:
+    """Every test module of the seed suites collects a module of ``SEED_MODULES`` (certify's ``seeds``),
+    every test of it, and every module of the package's seed folders that holds tests is one of them: a
+    test added on either side runs on both."""
+    collected: dict[str, set[str]] = {}
+    for suite in SEED_SUITES:
+        for path in sorted((REPO / suite).glob("test_*.py")):
+            shipped = {m: names for m, names in _imported_from(path).items() if m in SEED_MODULES}
+            assert len(shipped) == 1, f"{path.name} collects no module of certify's SEED_MODULES (or several)"
+            collected.update(shipped)
+    for name in SEED_MODULES:
+        tests = _tests_of(REPO / (name.replace(".", "/") + ".py"))
+        assert tests and tests <= collected.get(name, set()), f"{name}: not collected by a suite: {tests - collected.get(name, set())}"
+    holding_tests = {f"harness.conformance.{p.parent.name}.{p.stem}"
+                     for folder in ("seeds", "mixed_precision", "wrap")
+                     for p in (REPO / "harness" / "conformance" / folder).glob("*.py") if _tests_of(p)}
+    assert holding_tests <= set(SEED_MODULES), f"test modules certify's seeds family leaves out: {holding_tests - set(SEED_MODULES)}"

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from harness.conformance.rank_sessions import session_tests
 from harness.rank import rank_device
-from suites.engine.ranks import session_tests
 
 pytestmark = pytest.mark.gpu
 

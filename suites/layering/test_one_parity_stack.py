@@ -24,18 +24,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: every directory above the harness library that holds Python source.
-SCANNED = ("engine", "suites", "reports", "examples", "harness/cli", "harness/pytest_plugin")
+SCANNED = ("engine", "suites", "reports", "examples", "harness/cli", "harness/pytest_plugin", "harness/conformance")
 #: the hyperparameters the harness's factories take, per optimizer class.
 FACTORY_KEYWORDS = {"SGD": {"lr", "momentum"}, "AdamW": {"lr", "betas", "eps", "weight_decay"}}
 #: ``path: why it builds its own`` (each entry must still be needed).
 ALLOWED = {
-    "suites/mixed_precision/test_precision_logic.py": "plain data-parallel training by hand is the oracle "
+    "harness/conformance/mixed_precision/precision_logic.py": "plain data-parallel training by hand is the oracle "
     "the local reference is tested against",
-    "suites/seeds/test_fsdp_use_orig_params.py": "the seed's checks against DDP cross optimizers the case's "
+    "harness/conformance/seeds/fsdp_use_orig_params.py": "the seed's checks against DDP cross optimizers the case's "
     "optimizer axis does not express (SGD and the Adam family with and without foreach, per-group "
     "hyperparameters, set_to_none=False, frozen parameters), parameter and gradient writeback, and engine "
     "twins compared with each other",
-    "suites/wrap/wrap_jobs.py": "the seed's main wrap API (test_fsdp_wrap) trains units that "
+    "harness/conformance/wrap/wrap_jobs.py": "the seed's main wrap API (test_fsdp_wrap) trains units that "
     "size_based_auto_wrap_policy builds, under the seed's init modes (cuda_after), which a case cannot build; "
     "not yet moved onto the harness's local reference as suites/engine/test_init.py's auto-wrap checks are",
 }

@@ -1,31 +1,9 @@
-"""Fixtures of the mixed-precision suites: rank pools, started once for the whole folder."""
+"""The mixed-precision suites' rank pools (``harness.conformance.mixed_precision.pools``), here so that
+one pool serves the whole folder: the test modules import only the tests, and these package-scoped
+fixtures are shared by all of them (a module importing them would start its own)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from harness.conformance.mixed_precision.pools import cpu_pair, gpu_pair
 
-import pytest
-
-from harness.pool import PoolConfig, RankPool
-from harness.pytest_plugin import gpus_missing
-
-#: the torch tests this suite ports run on two ranks: on the GPUs (NCCL with one GPU per rank, or gloo
-#: ranks sharing one: ``harness.placement.place``) or on two gloo CPU ranks.
-WORLD = 2
-
-
-@pytest.fixture(scope="package")
-def cpu_pair() -> Iterator[RankPool]:
-    """Two gloo ranks on CPU."""
-    with RankPool(PoolConfig(world_size=WORLD, backend="gloo", case_timeout_s=240.0)) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="package")
-def gpu_pair() -> Iterator[RankPool]:
-    """Two ranks on this worker's GPUs (one each, or sharing one)."""
-    if reason := gpus_missing(1):
-        pytest.skip(reason=reason)
-    with RankPool(PoolConfig.placed(WORLD, device="cuda", case_timeout_s=240.0)) as pool:
-        yield pool
-
+__all__ = ["cpu_pair", "gpu_pair"]

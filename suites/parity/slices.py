@@ -12,14 +12,12 @@ from typing import get_args
 
 import torch
 
-from harness.case import PrecisionName, ShardingName, is_hybrid
+from harness.case import FLAT_STRATEGIES, PrecisionName, ShardingName
+from harness.conformance.engine_models import MOE, NESTED, TRANSFORMER
 from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
 from harness.pytest_plugin.cases import ExpectedFailure, SuiteMatrix
-from suites.engine.models import MOE, NESTED, TRANSFORMER
 
 STRATEGIES = list(get_args(ShardingName))
-#: the strategies one group of ranks runs (the hybrid ones need 4 ranks and groups of their own).
-FLAT_STRATEGIES = [s for s in STRATEGIES if not is_hybrid(s)]
 
 #: Strategy x backward prefetch x CPU offload x use_orig_params on the seed's core models: the nested
 #: units (a unit inside a unit inside the root) and the transformer whose output projection is tied

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from harness.placement import DeviceChoice
-from harness.pytest_plugin import gpus_missing
 from harness.pool import PoolConfig, PoolOutcome, RankPool
+from harness.pytest_plugin import gpus_missing
 from harness.rank import RankContext
 
 __all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_tests"]

@@ -1,8 +1,8 @@
-"""Rank-side jobs of ``test_wrap_engine.py``, run by :class:`harness.pool.RankPool`.
+"""Rank-side jobs of ``harness.conformance.wrap.wrap_engine``, run by :class:`harness.pool.RankPool`.
 
 Module-level functions ``job(ctx, payload)`` (pickled by name). The payload names the engine
 (``payload["engine"]``: ``builtin`` or ``torch-fsdp``); each job loads its FSDP1 API on the rank
-(:func:`suites.seeds.api.load_api`) and uses only torch FSDP1's public names from it, so one job is
+(:func:`harness.conformance.fsdp1_checks.load_api`) and uses only torch FSDP1's public names from it, so one job is
 the same user code on every engine. Each job raises ``AssertionError`` naming every mismatch it found,
 and returns plain data for the parent to compare across ranks.
 
@@ -26,11 +26,11 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from wrap_models import FourLinears, nested_sequential
 
+from harness.conformance.fsdp1_checks import FSDPApi, load_api
+from harness.conformance.wrap.wrap_models import FourLinears, nested_sequential
 from harness.optim import sgd
 from harness.rank import RankContext
-from suites.seeds.api import FSDPApi, load_api
 
 InitMode = Literal["cpu", "cuda_before", "cuda_after"]
 

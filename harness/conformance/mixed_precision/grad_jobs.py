@@ -12,10 +12,10 @@ from torch import Tensor
 
 from harness.adapters import fsdp1_mixed_precision
 from harness.case import reduce_dtype_default
+from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api, recorded, reduced_dtypes, strategy
 from harness.dtypes import dtype_of
 from harness.models import TransformerModel, to_device
 from harness.rank import RankContext
-from suites.mixed_precision.rank_api import device_kwargs, engine_api, recorded, reduced_dtypes, strategy
 
 
 # ---------------------------------------------------------------------------- gradients

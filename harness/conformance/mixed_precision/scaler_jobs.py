@@ -8,11 +8,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from harness.conformance.fsdp1_checks import FSDPApi
+from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api, grad_scaler_class
 from harness.dtypes import dtype_of
 from harness.models import gpu_sleep
 from harness.rank import RankContext
-from suites.mixed_precision.rank_api import device_kwargs, engine_api, grad_scaler_class
-from suites.seeds.api import FSDPApi
 
 
 # ---------------------------------------------------------------------------- grad scaler

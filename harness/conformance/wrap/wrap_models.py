@@ -9,20 +9,17 @@ it runs auto wrapping exactly as the runtime's constructor does and records what
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
+import pytest
 import torch
 import torch.nn as nn
 
 from engine.wrap import auto_wrap
-# The project's one process-group double lives with the flat-parameter handles built over it; the
-# suites import it from here.
-from harness.conformance.flat_handles import DummyProcessGroup
 
 __all__ = [
     "BatchNormContainer",
     "BatchNormKinds",
-    "DummyProcessGroup",
     "FourLinears",
     "LoraAttention",
     "LoraDecoder",
@@ -32,6 +29,7 @@ __all__ = [
     "Nested",
     "RecordingUnit",
     "nested_sequential",
+    "recorded",
 ]
 
 
@@ -68,6 +66,15 @@ class RecordingUnit(nn.Module):
 
     def __getitem__(self, idx: int) -> nn.Module:
         return self.module[idx]  # type: ignore[index]
+
+
+@pytest.fixture(autouse=True)
+def recorded() -> Iterator[list[RecordingUnit]]:
+    """The units :class:`RecordingUnit` constructs during the test, in construction order (autouse in
+    every module that imports it: no test sees another's units)."""
+    RecordingUnit.constructed = []
+    yield RecordingUnit.constructed
+    RecordingUnit.constructed = []
 
 
 class MarkedUnit(nn.Module):

@@ -1,4 +1,5 @@
-"""The helpers the seed checks share, per engine (``FSDPApi``, ``harness.fsdp1_api``).
+"""The helpers the seed checks share, per engine (``FSDPApi``, ``harness.fsdp1_api``), and the ``api``
+fixture that loads the engine under test.
 
 The seed suites are conformance tests: every check takes an ``FSDPApi`` first and uses only its names,
 so the same check runs on every engine with torch FSDP1's API that ``--engine`` selects; what the names
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,7 +23,16 @@ from harness.references import LocalReference, all_rank_batch
 from harness.tolerance import TolerancePolicy
 
 #: the seed checks take both from here, with the helpers below.
-__all__ = ["FSDPApi", "load_api"]
+__all__ = ["FSDPApi", "api", "load_api"]
+
+
+@pytest.fixture(scope="module")
+def api(fsdp_api: str) -> FSDPApi:
+    """The names of the engine under test (``FSDP``, enums, wrap policies, flat-parameter handle), for the
+    checks and for decisions the test process makes (offload skips). ``fsdp_api`` (the engine name) is
+    parametrized by ``harness.pytest_plugin`` over the engines with torch FSDP1's API that ``--engine``
+    names."""
+    return load_api(fsdp_api)
 
 # ---------------------------------------------------------------------------------------------------
 # Comparison helpers, engine-neutral: what checks that are not harness cases compare with (training

@@ -12,12 +12,20 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 
+from harness.conformance.fsdp1_checks import FSDPApi
+from harness.conformance.mixed_precision.models import BUFFER_ORIG_DTYPE, PrecisionProbe, TransformerWithEMA
+from harness.conformance.mixed_precision.rank_api import (
+    check_buffers,
+    device_kwargs,
+    engine_api,
+    full_prec_in_eval,
+    recorded,
+    reduced_dtypes,
+    strategy,
+)
 from harness.dtypes import dtype_of
 from harness.models import TransformerModel, to_device
 from harness.rank import RankContext
-from suites.mixed_precision.models import BUFFER_ORIG_DTYPE, PrecisionProbe, TransformerWithEMA
-from suites.mixed_precision.rank_api import check_buffers, device_kwargs, engine_api, full_prec_in_eval, recorded, reduced_dtypes, strategy
-from suites.seeds.api import FSDPApi
 
 
 # ---------------------------------------------------------------------------- eval

@@ -10,7 +10,7 @@ dtypes and configurations by string so test ids stay readable; every job runs on
 CUDA (NCCL) alike, on the device ``ctx.device``.
 
 The jobs are conformance checks: they use only the FSDP1 public names of
-:func:`suites.seeds.api.load_api` and observe what any FSDP1 engine shows (the collectives it calls
+:func:`harness.conformance.fsdp1_checks.load_api` and observe what any FSDP1 engine shows (the collectives it calls
 on ``torch.distributed``, dtypes seen inside forward, registered parameters, gradients, state
 dicts). Where our engine and torch FSDP1 differ, each engine's own side is asserted with the reason.
 
@@ -29,11 +29,11 @@ import torch.nn as nn
 
 from harness.adapters import fsdp1_mixed_precision
 from harness.case import PRECISIONS, PrecisionName
+from harness.conformance.fsdp1_checks import FSDPApi, load_api
 from harness.dtypes import dtype_of
 from harness.pool import PoolOutcome
 from harness.rank import RankContext
 from harness.trace import CommEvent, CommTrace, OpKind, dtypes, ops
-from suites.seeds.api import FSDPApi, load_api
 
 #: The seed's mixed-precision configs by the names its test ids use, as the harness's precision names.
 MP_CONFIGS: dict[str, PrecisionName] = {
@@ -45,7 +45,7 @@ MP_CONFIGS: dict[str, PrecisionName] = {
 }
 #: FSDP1's environment variable for full precision in eval, read when a unit is constructed (torch
 #: FSDP1 reads ``torch.distributed.fsdp._flat_param._FSDP_USE_FULL_PREC_IN_EVAL``; our engine
-#: ``engine.precision.FULL_PREC_IN_EVAL_ENV``; test_mixed_precision.py checks both names agree).
+#: ``engine.precision.FULL_PREC_IN_EVAL_ENV``; ``mixed_precision`` checks both names agree).
 FULL_PREC_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
 
 

@@ -11,10 +11,10 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from harness.conformance.mixed_precision.models import BatchNormNet, ModelWithIgnoredModule, SaveForwardInputsModel
+from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api
 from harness.dtypes import dtype_of
 from harness.rank import RankContext
-from suites.mixed_precision.models import BatchNormNet, ModelWithIgnoredModule, SaveForwardInputsModel
-from suites.mixed_precision.rank_api import device_kwargs, engine_api
 
 
 # ---------------------------------------------------------------------------- batch norm

@@ -8,7 +8,7 @@ from harness.case import CaseConfig
 from harness.parity import RankResult, run_case_on_rank
 from harness.rank import RankContext
 # Imported for its side effect: it registers ParityNet (PARITY_NET) in this process's zoo.
-import suites.mixed_precision.models  # noqa: F401
+import harness.conformance.mixed_precision.models  # noqa: F401
 
 
 def run_parity_case(ctx: RankContext, case: CaseConfig) -> RankResult:

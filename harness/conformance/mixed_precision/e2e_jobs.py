@@ -15,12 +15,10 @@ import torch.nn as nn
 
 from harness.adapters import fsdp1_prefetch
 from harness.case import reduce_dtype_default
-from harness.dtypes import dtype_of
-from harness.rank import RankContext
-from harness.trace import CommEvent
-from suites.mixed_precision.models import BUFFER_ORIG_DTYPE, Expectation, PrecisionProbe
-from suites.mixed_precision.cases import ALL_PREFETCH
-from suites.mixed_precision.rank_api import (
+from harness.conformance.fsdp1_checks import FSDPApi, clean
+from harness.conformance.mixed_precision.cases import ALL_PREFETCH
+from harness.conformance.mixed_precision.models import BUFFER_ORIG_DTYPE, Expectation, PrecisionProbe
+from harness.conformance.mixed_precision.rank_api import (
     check_buffers,
     device_kwargs,
     engine_api,
@@ -30,7 +28,9 @@ from suites.mixed_precision.rank_api import (
     reduced_dtypes,
     strategy,
 )
-from suites.seeds.api import FSDPApi, clean
+from harness.dtypes import dtype_of
+from harness.rank import RankContext
+from harness.trace import CommEvent
 
 
 def _probe_models(api: FSDPApi, full: torch.dtype, device: torch.device, kwargs: dict[str, Any]) -> Iterator[nn.Module]:
