@@ -28,6 +28,7 @@ from torch.testing import assert_close
 from harness.conformance.engine_models import SharedTransformer
 from harness.conformance.fsdp1_checks import FSDPApi, assert_match, clean as _clean, load_api
 from harness.conformance.rank_sessions import api_session_tests
+from harness.fsdp1_api import no_shard_offload_race
 from harness.model_protocol import to_device, wrap_bottom_up
 from harness.optim import sgd
 from harness.rank import rank_device
@@ -133,7 +134,10 @@ def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, se
 def _diff_hyperparams(api: FSDPApi, offload: bool) -> None:
     api.require_offload(offload)
     prefetches = [None, api.BackwardPrefetch.BACKWARD_PRE, api.BackwardPrefetch.BACKWARD_POST]
-    combos = itertools.product(_strategies(api), [False, True], [False, True], prefetches, [False, True])
+    # torch FSDP1's NO_SHARD offload race (``harness.fsdp1_api.no_shard_offload_race``) is stress's to show.
+    strategies = [s for s in _strategies(api)
+                  if not no_shard_offload_race(api.name, rank_device().type, s.name.lower(), offload, True)]
+    combos = itertools.product(strategies, [False, True], [False, True], prefetches, [False, True])
     for strategy, before_wrap, set_to_none, prefetch, skip_check in combos:
         if skip_check:
             os.environ["FSDP_SKIP_WRITEBACK_CHECK"] = "1"

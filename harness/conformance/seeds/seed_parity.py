@@ -22,6 +22,7 @@ import pytest
 from harness.case import FLAT_STRATEGIES, CaseConfig, engine_name
 from harness.conformance.engine_models import ALWAYS_WRAP, MOE, NESTED, TRANSFORMER
 from harness.conformance.rank_sessions import ExpectedFailures
+from harness.fsdp1_api import no_shard_offload_race
 from harness.pytest_plugin import ParityRunner
 from harness.pytest_plugin.cases import ParityOptions
 
@@ -89,12 +90,8 @@ def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, par
 
 
 def _no_shard_offload_race(case: CaseConfig, device: str) -> bool:
-    """torch FSDP1's NO_SHARD + CPU offload + use_orig_params race on CUDA ranks (README's GPU findings):
-    whether a run shows it depends on the GPU's load (seen in one of 18 subtests of the nested model, and
-    a loss 1.1 tolerances off on the always-wrap model, in two runs on one H100), so no expectation of it
-    would be stable here; ``suites/harness/test_stress.py`` shows it in every stressed run."""
-    return (engine_name(case.engine) == "torch-fsdp" and device == "cuda" and case.cpu_offload
-            and case.sharding_strategy == "no_shard" and case.use_orig_params)
+    return no_shard_offload_race(engine_name(case.engine), device, case.sharding_strategy, case.cpu_offload,
+                                 case.use_orig_params)
 
 
 def test_the_smoke_subtests_show_every_value_of_every_axis() -> None:
