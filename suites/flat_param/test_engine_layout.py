@@ -9,8 +9,7 @@ pytest collect them with this suite, once per engine ``--engine`` selects.
 from __future__ import annotations
 
 from harness.conformance import engine_layout
-from harness.conformance.engine_layout import handle_api, test_layout_matches_torch_fsdp1
+from harness.conformance.engine_layout import *  # noqa: F403 (its __all__: the fixtures and tests, in the order they run)
 
-__all__ = ["handle_api", "test_layout_matches_torch_fsdp1"]
 
 pytestmark = engine_layout.pytestmark

@@ -90,14 +90,24 @@ def test_certify_runs_the_shipped_flat_param_family_from_the_installed_package(s
     assert not list(site.rglob(".hypothesis")), "Hypothesis wrote its database into the installed package"
 
 
-
 def _imported_from(path: Path) -> dict[str, set[str]]:
     """``module -> names`` a suite module imports from ``harness.conformance``."""
     found: dict[str, set[str]] = {}
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness.conformance."):
-            found.setdefault(node.module, set()).update(a.name for a in node.names)
+            names = {a.name for a in node.names}
+            if "*" in names:  # a star import takes the module's ``__all__``
+                names = (names - {"*"}) | _all_of(REPO / (node.module.replace(".", "/") + ".py"))
+            found.setdefault(node.module, set()).update(names)
     return found
+
+
+def _all_of(path: Path) -> set[str]:
+    """The names a module's literal ``__all__`` lists (none without one)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+    return set()
 
 
 def _tests_of(path: Path) -> set[str]:

@@ -35,9 +35,6 @@ ALLOWED = {
     "optimizer axis does not express (SGD and the Adam family with and without foreach, per-group "
     "hyperparameters, set_to_none=False, frozen parameters), parameter and gradient writeback, and engine "
     "twins compared with each other",
-    "harness/conformance/wrap/wrap_jobs.py": "the seed's main wrap API (test_fsdp_wrap) trains units that "
-    "size_based_auto_wrap_policy builds, under the seed's init modes (cuda_after), which a case cannot build; "
-    "not yet moved onto the harness's local reference as suites/engine/test_init.py's auto-wrap checks are",
 }
 
 

@@ -1,12 +1,7 @@
-"""``harness.conformance.wrap.wrap_oracle``, collected into the CI lane.
-
-Written once, in the package, so that ``python -m harness certify`` runs it (its ``seeds`` family)
-from an installed package; importing its tests and their fixtures here, in the order they run, makes
-pytest collect them with this suite under the node ids they always had (``harness.conformance``).
+"""``harness.conformance.wrap.wrap_oracle``, collected into the CI lane (written once, in the package: see
+``harness.conformance``).
 """
 
 from __future__ import annotations
 
-from harness.conformance.wrap.wrap_oracle import recorded, test_callable_policies_wrap_what_fsdp1_wraps
-
-__all__ = ["recorded", "test_callable_policies_wrap_what_fsdp1_wraps"]
+from harness.conformance.wrap.wrap_oracle import *  # noqa: F403 (its __all__: the fixtures and tests, in the order they run)

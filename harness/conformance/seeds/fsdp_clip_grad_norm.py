@@ -25,7 +25,6 @@ from harness.rank import rank_device
 __all__ = ["session", "test_check"]
 
 
-
 def check_norm_over_shards_and_clipped_gradients(api: FSDPApi, rank: int, world_size: int) -> None:
     kinds = [api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.NO_SHARD]
     device = rank_device()

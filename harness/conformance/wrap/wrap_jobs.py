@@ -27,8 +27,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.conformance.fsdp1_checks import FSDPApi, load_api
-from harness.conformance.wrap.wrap_models import FourLinears, nested_sequential
+from harness.case import CaseConfig
+from harness.conformance.fsdp1_checks import FSDPApi, assert_matches_local_reference, load_api
+from harness.conformance.wrap.wrap_models import FOUR_LINEARS, nested_sequential
+from harness.model_protocol import to_device
+from harness.models import build_model
 from harness.optim import sgd
 from harness.rank import RankContext
 
@@ -59,17 +62,22 @@ def _cpu_lane(init_mode: InitMode) -> dict[str, Any]:
     return {"device_id": torch.device("cpu")} if init_mode == "cpu" else {}
 
 
-def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, list[float]]:
+#: how the main wrap API check trains: the case of its zoo model (six steps, as the seed), whose local
+#: reference says what the parameters must be after them.
+MAIN_WRAP_CASE = CaseConfig(engine="builtin", reference="local", model=FOUR_LINEARS, steps=6)
+
+
+def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> None:
     """The seed's main wrap API: every module its own unit, then six SGD steps.
 
-    Checks that every module is a unit carrying the root's offload and prefetch settings, and returns
-    this rank's losses and those of an unsharded copy trained on the same input (every rank sees the
-    same input, so the averaged gradient is the local one and the losses agree).
+    Checks that every module is a unit carrying the root's offload and prefetch settings, then trains
+    the wrapped model the case's way (``MAIN_WRAP_CASE``: units the harness cannot build, from a
+    size-based policy, under the seed's init modes) and compares its parameters with the harness's local
+    reference.
     """
     api = load_api(cfg["engine"])
-    torch.manual_seed(0)
-    model = _place(FourLinears(), cfg["init_mode"], ctx.device)
-    reference = copy.deepcopy(model).to(ctx.device)
+    case = MAIN_WRAP_CASE
+    model = _place(build_model(case.model, seed=case.seed), cfg["init_mode"], ctx.device)
     cpu_offload = api.CPUOffload(offload_params=cfg["offload_params"])
     prefetch = api.BackwardPrefetch[cfg["backward_prefetch"]]
     wrapped = api.FSDP(
@@ -93,18 +101,13 @@ def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, list[float
     if problems:
         raise AssertionError(f"{api.name}: " + "; ".join(problems))
 
-    optim = sgd(wrapped.parameters(), lr=1e-2, momentum=0.9)
-    ref_optim = sgd(reference.parameters(), lr=1e-2, momentum=0.9)
-    inp = torch.ones(1, device=ctx.device)
-    losses, ref_losses = [], []
-    for _ in range(6):
-        for net, opt, out in ((wrapped, optim, losses), (reference, ref_optim, ref_losses)):
-            opt.zero_grad()
-            loss = net(inp).sum()
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-    return {"losses": losses, "ref_losses": ref_losses}
+    optim = sgd(wrapped.parameters(), lr=case.lr, momentum=case.momentum)
+    for step in range(case.steps):
+        optim.zero_grad()
+        inputs = to_device(model.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device)
+        model.get_loss(inputs, wrapped(*inputs)).backward()
+        optim.step()
+    assert_matches_local_reference(api, wrapped, case, f"main wrap API {cfg}")
 
 
 def auto_wrap_smoke(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, float]:

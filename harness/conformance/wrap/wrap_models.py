@@ -1,7 +1,9 @@
 """Models and a recording wrapper shared by the wrap suites.
 
 The models mirror the seed's (``test_wrap.py``) in structure, kept small for a 2-core CPU lane; they
-have no inputs or loss (nothing trains them: only which modules become units matters). The tied
+have no inputs or loss (nothing trains them: only which modules become units matters), but for
+:class:`FourLinears`, which the main wrap API check trains: it is in the zoo (``wrap_four_linears``), so
+the harness's local reference says what its parameters must be. The tied
 transformer is the zoo's (``harness.models.TransformerModel`` with its batch norm).
 :class:`RecordingUnit` stands in for the real wrapper where only the wrapping structure matters:
 it runs auto wrapping exactly as the runtime's constructor does and records what it was given.
@@ -16,6 +18,8 @@ import torch
 import torch.nn as nn
 
 from engine.wrap import auto_wrap
+from harness.model_protocol import ZooModel, batch_generator
+from harness.models import register_model
 
 __all__ = [
     "BatchNormContainer",
@@ -119,7 +123,7 @@ class Nested(nn.Module):
         return self.nested_lin(x)
 
 
-class FourLinears(nn.Module):
+class FourLinears(ZooModel):
     """The seed's main-wrap-API model: three Linear(1, 1) and one nested in a submodule."""
 
     def __init__(self) -> None:
@@ -131,6 +135,19 @@ class FourLinears(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin4(self.lin3(self.lin2(self.lin1(x))))
+
+    def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        # The seed feeds ones on every rank; different batches per rank also check the averaging.
+        return (1.0 + torch.rand(4, 1, generator=batch_generator(seed, step, rank)),)
+
+    def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return output.mean()
+
+
+#: its name in the zoo: the main wrap API check's case trains it.
+FOUR_LINEARS = "wrap_four_linears"
+register_model(FOUR_LINEARS, "the wrap suites' four 1x1 linears (the seed's main wrap API model)",
+               lambda seed, rank, world_size: FourLinears())
 
 
 class LoraAttention(nn.Module):
