@@ -125,22 +125,23 @@ class CertifyRun:
         return self._records
 
     def _run_cases(self) -> list[CaseRecord]:
+        """The cases on one pool of the certificate's lane, through the runner every front end uses."""
         from harness.collector import ResultWriter, run_info
-        from harness.pool import PoolConfig, RankPool
-        from harness.runner import Progress, run_case
+        from harness.pool import PoolStartError
+        from harness.runner import CaseRunner, Progress
 
         cases = self.cases()
         records: list[CaseRecord] = []
         progress = Progress(len(cases), enabled=self.progress)
-        config = PoolConfig(world_size=self.world_size, backend=self.lane.backend, devices=self.lane.devices,  # type: ignore[arg-type]
-                            case_timeout_s=self.case_timeout_s)
-        with ResultWriter(self.out / "results.jsonl", run_info([self.lane])) as writer, RankPool(config) as pool:
-            for case in cases:
-                record = run_case(pool, case)
-                writer.append(record)
-                progress.update(record, case.full_id)
-                records.append(record)
-        progress.close()
+        try:
+            with ResultWriter(self.out / "results.jsonl", run_info([self.lane])) as writer:
+                runner = CaseRunner(_Kept(writer, records), progress, None, self.case_timeout_s)
+                left = runner.run([self.lane], cases)
+        finally:
+            progress.close()
+        if left:
+            # Cases that did not run would read as a certificate with fewer cases: the ranks failed.
+            raise PoolStartError(f"{len(left)} of {len(cases)} cases not run: " + "; ".join(runner.lane_errors))
         return records
 
     def pytest(self, label: str, args: Sequence[str], timeout_s: float) -> tuple[list[tuple[str, str, str]], str]:
@@ -170,6 +171,18 @@ class CertifyRun:
         except subprocess.TimeoutExpired as exc:
             tail = f"pytest ran past {timeout_s:.0f} s: {str(exc.stdout or '')[-1000:]}"
         return (parse_junit(xml) if xml.exists() else []), tail
+
+
+class _Kept:
+    """The results writer as ``CaseRunner`` sees it, keeping every record for the families' judges."""
+
+    def __init__(self, writer: Any, records: list[CaseRecord]) -> None:
+        self.writer = writer
+        self.records = records
+
+    def append(self, record: CaseRecord) -> None:
+        self.writer.append(record)
+        self.records.append(record)
 
 
 def parse_junit(path: Path) -> list[tuple[str, str, str]]:
@@ -368,6 +381,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from harness.placement import PlacementError, n_gpus as visible_gpus, place
+    from harness.pool import PoolStartError
     from harness.registry import EngineSpecError, check_engines, resolve
 
     try:
@@ -404,7 +418,11 @@ def main(args: argparse.Namespace) -> int:
             result.note = "not selected (--families)"
         else:
             print(f"certify {adapter.name}: {family.name} ...", file=sys.stderr)
-            family.judge(run, result)
+            try:
+                family.judge(run, result)
+            except PoolStartError as exc:
+                print(f"harness certify: the ranks of {lane} did not run the cases: {exc}", file=sys.stderr)
+                return 2
         results.append(result)
     cert = Certificate(adapter.name, spec, adapter.version(), _environment(run, n_gpus), results,
                        _case_pages(out, results))

@@ -213,3 +213,33 @@ def test_certificate_renders_counts_failures_and_status() -> None:
     assert '<a href="report/cases/x.html"><code>mine:ddp:x</code></a>' in render_html(cert)
     assert "[mine:ddp:x](report/cases/x.html)" in markdown(cert)
     assert '"status": "fail"' in to_json(cert) and '"ok": false' in to_json(cert)
+
+
+def test_certify_exits_2_when_its_ranks_do_not_run_the_cases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The generated families run on the runner every front end uses; a pool that cannot start leaves its
+    cases not run, which must not read as a certificate with fewer cases."""
+    import argparse
+
+    import harness.pool
+    from harness.cli import certify
+
+    class NoRanks:
+        def __init__(self, config: object) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            raise harness.pool.PoolStartError("RankPool: planted: no rank started")
+
+        def __exit__(self, *exc: object) -> bool:
+            return False
+
+    monkeypatch.setattr(harness.pool, "RankPool", NoRanks)
+    parser = argparse.ArgumentParser()
+    certify.add_arguments(parser)
+    args = parser.parse_args(["--engine", "builtin", "--families", "parity-ddp", "--quick", "--out", str(tmp_path / "c"),
+                              "--no-progress", "--device", "cpu"])
+    assert certify.main(args) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "did not run the cases" in line]
+    assert "planted: no rank started" in line and "not run" in line
+    assert not (tmp_path / "c" / "certificate.md").exists()
