@@ -5,7 +5,9 @@ matrix (``harness.sampling.sample_order`` picks a ``--limit``'s cases and orders
 ``run_case`` runs one case on a pool and decides its record (``run_repeated``:
 several runs folded by ``harness.repeats``); ``CaseRunner`` drains a queue of cases over several
 pools side by side (one thread per pool, see ``harness.placement.plan_lanes``), writing each record
-as it ends; ``Progress`` is the bar (or a line a minute without one) and the per-verdict counts. The CLI's ``run`` and ``nightly`` and the pytest plugin all run cases through here.
+as it ends; ``Progress`` is the bar (or a line a minute without one) and the per-verdict counts. The
+CLI's ``run`` (on pools, or rank 0 under torchrun: ``harness.torchrun_world``), ``nightly`` and
+``certify`` and the pytest plugin all run cases through here.
 
 [Note: the same results whatever the concurrency]
 A case's numbers depend only on the case: each pool is its own process group on its own ranks, every
@@ -21,7 +23,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -34,6 +36,10 @@ from harness.sampling import sample_order
 
 if TYPE_CHECKING:
     from harness.pool import RankPool
+    from harness.torchrun_world import TorchrunWorld
+
+    #: what runs a case on every rank of a lane: a rank pool, or the ranks torchrun started.
+    Pool = RankPool | TorchrunWorld
 
 __all__ = [
     "BAD_VERDICTS",
@@ -197,7 +203,7 @@ def generate_cases(
     return list(found.values())
 
 
-def run_case(pool: "RankPool", case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
+def run_case(pool: "Pool", case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
     """Run one case on a started (or lazily starting) pool and decide its all-rank record; ``timeout_s``
     overrides the pool's case timeout for this case."""
     from harness.parity import record_from_outcome, run_case_on_rank
@@ -205,7 +211,7 @@ def run_case(pool: "RankPool", case: CaseConfig, timeout_s: float | None = None)
     return record_from_outcome(case, pool.run(run_case_on_rank, case, timeout_s=timeout_s))
 
 
-def run_repeated(pool: "RankPool", case: CaseConfig, repeat: int = 1, repeat_failures: int = 0) -> CaseRecord:
+def run_repeated(pool: "Pool", case: CaseConfig, repeat: int = 1, repeat_failures: int = 0) -> CaseRecord:
     """``repeat`` runs of ``case``, then ``repeat_failures`` more when they did not all pass, folded
     into one record by ``harness.repeats.merge_runs`` (disagreeing runs: ``flaky``)."""
     if repeat < 1 or repeat_failures < 0:
@@ -356,7 +362,7 @@ class CaseRunner:
     """
 
     def __init__(self, writer: Any, progress: Progress, deadline: float | None, case_timeout_s: float,
-                 *, repeat: int = 1, repeat_failures: int = 0) -> None:
+                 *, repeat: int = 1, repeat_failures: int = 0, open_pool: Callable[[Lane], "Pool"] | None = None) -> None:
         if repeat < 1 or repeat_failures < 0:
             raise ValueError(f"CaseRunner: repeat={repeat} must be >= 1 and repeat_failures={repeat_failures} >= 0 "
                              "(--repeat, --repeat-failures)")
@@ -368,6 +374,9 @@ class CaseRunner:
         #: runs of every case, and extra runs of a case whose runs did not all pass.
         self.repeat = repeat
         self.repeat_failures = repeat_failures
+        #: lane -> the pool that runs its cases, entered and left by the lane's thread; None: a ``RankPool``
+        #: on the lane's ranks (under torchrun, the world: ``harness.torchrun_world``).
+        self.open_pool = open_pool or self._rank_pool
         self.stop = threading.Event()
         #: cases launched and recorded by this runner.
         self.recorded = 0
@@ -377,7 +386,7 @@ class CaseRunner:
         self.write_error: OSError | None = None
         self._lock = threading.Lock()
         #: the pools of the ``run`` under way and the events its lanes set when over, for ``interrupt``.
-        self._pools: list[RankPool] = []
+        self._pools: list[Pool] = []
         self._done: list[threading.Event] = []
 
     def over_budget(self) -> bool:
@@ -436,14 +445,18 @@ class CaseRunner:
         finally:
             done.set()
 
-    def _run_lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
-        from harness.pool import PoolConfig, PoolStartError, RankPool
+    def _rank_pool(self, lane: Lane) -> "RankPool":
+        from harness.pool import PoolConfig, RankPool
 
-        config = PoolConfig(world_size=lane.world_size, backend=lane.backend, devices=lane.devices,  # type: ignore[arg-type]
-                            case_timeout_s=self.case_timeout_s)
+        return RankPool(PoolConfig(world_size=lane.world_size, backend=lane.backend, devices=lane.devices,  # type: ignore[arg-type]
+                                   case_timeout_s=self.case_timeout_s))
+
+    def _run_lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
+        from harness.pool import PoolStartError
+
         case: CaseConfig | None = None
         try:
-            with RankPool(config) as pool:
+            with self.open_pool(lane) as pool:
                 with self._lock:
                     if self.stop.is_set():
                         return

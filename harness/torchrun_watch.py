@@ -71,13 +71,12 @@ def lost_text(lost: list[int], sites: list[Site], loss_s: float) -> str:
     return "; ".join(parts) + f": no heartbeat for {loss_s:g} s; their stacks are lost with it"
 
 
-def _main_stack() -> str:
-    """The main thread's stack in faulthandler's layout (innermost first), which ``harness.stacks`` reads."""
-    main = threading.main_thread().ident
-    frame = sys._current_frames().get(main)
+def _stack_of(thread: int | None) -> str:
+    """A thread's stack in faulthandler's layout (innermost first), which ``harness.stacks`` reads."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
     if frame is None:
         return ""
-    lines = [f"Current thread {main:#018x} (most recent call first):"]
+    lines = [f"Current thread {thread:#018x} (most recent call first):"]
     lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}' for f in reversed(traceback.extract_stack(frame))]
     return "\n".join(lines) + "\n"
 
@@ -101,6 +100,8 @@ class TorchrunWatch:
             timeout=timedelta(seconds=max(loss_s, 30.0))))
         self._lock = threading.Lock()
         self._case: tuple[str, OnEnd | None, float] | None = None
+        #: the thread that runs the cases (rank 0 runs them on a runner's lane): the stack that matters.
+        self._case_thread = threading.main_thread().ident
         self._failed: tuple[float, str] | None = None
         self._published = False
         self._ending = False
@@ -149,7 +150,7 @@ class TorchrunWatch:
         # One request per run (the run ends with the case): a rank already in a later case answers too.
         if self.rank != 0 and not self._published and self.store.check(["dump"]):
             self._published = True
-            self.store.set(f"stack/{self.rank}", failed[1] if failed else _main_stack())
+            self.store.set(f"stack/{self.rank}", failed[1] if failed else _stack_of(self._case_thread))
         if case is None:
             return
         _, _, started = case
@@ -193,7 +194,7 @@ class TorchrunWatch:
             name, on_end, _ = self._case
             failed = self._failed
         self.store.set("dump", name)
-        stacks = {0: failed[1] if failed else _main_stack()}
+        stacks = {0: failed[1] if failed else _stack_of(self._case_thread)}
         waiting = [r for r in range(1, self.world_size) if r not in lost]
         deadline = time.monotonic() + self.loss_s
         while waiting and time.monotonic() < deadline:
@@ -227,6 +228,7 @@ class _Case:
     def __enter__(self) -> "_Case":
         with self.watch._lock:
             self.watch._case = (self.name, self.on_end, time.monotonic())
+            self.watch._case_thread = threading.get_ident()
         return self
 
     def __exit__(self, *exc: Any) -> None:

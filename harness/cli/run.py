@@ -4,7 +4,8 @@
 (several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
 ``harness.runner.CaseRunner``) and appends one record per case to a JSON Lines file through the
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
-ranks are torchrun's own: every rank walks the same case list, rank 0 records, and the watchdog is
+ranks are torchrun's own: rank 0 runs the cases through ``CaseRunner`` on one lane whose pool is the
+world (``harness.torchrun_world``: the other ranks serve it) and records, and the watchdog is
 ``harness.torchrun_watch`` (a lost node is a crash naming it; the run then ends). ``--shard K/N`` runs
 (or lists) the K-th of N disjoint parts of the selection (``harness.cli.sharding``).
 
@@ -22,7 +23,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.case import CaseConfig
 from harness.cli.options import add_execution, add_placement, add_selection, positive_float
@@ -52,6 +53,11 @@ from harness.runner import (
     summary,
     under_torchrun,
 )
+
+if TYPE_CHECKING:
+    from harness.collector import ResultWriter
+    from harness.placement import Lane
+    from harness.torchrun_world import TorchrunWorld
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -234,11 +240,10 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from harness.collector import ResultWriter, run_info
-    from harness.parity import record_from_outcome, run_case_on_rank
-    from harness.pool import PoolOutcome, RankError
     from harness.rank import RankContext
     from harness.rank_process import die_with_parent
     from harness.torchrun_watch import TorchrunWatch, site_of_this_rank
+    from harness.torchrun_world import TorchrunWorld
 
     die_with_parent()  # torchrun leaves the workers of a SIGKILLed agent running: not ours
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -272,62 +277,61 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     except ShardError as exc:
         return _refuse(str(exc))
 
-    writer = ResultWriter(out, run_info([lane]), resume=args.resume or args.rerun_failed) if rank == 0 else None
-    if writer is not None and stored is None:
-        _store_selection(out, selection, [ws], selected, shard)
-    # Every rank must walk the same list: rank 0 knows what the file already holds.
-    keep = ({i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
-            if writer else None)
-    shared: list[Any] = [sorted(keep) if keep is not None else None, str(out)]
-    dist.broadcast_object_list(shared, src=0)
-    done = set(shared[0])
-    todo = [c for c in cases if c.full_id not in done]
-    progress = Progress(len(todo), enabled=rank == 0 and not args.no_progress)
     # Where every rank lives, so a lost node is named (torchrun's GROUP_RANK, the host).
     sites: list[Any] = [None] * ws
     dist.all_gather_object(sites, site_of_this_rank(rank))
-    watch = TorchrunWatch(rank, sites, args.timeout)
+    world = TorchrunWorld(ctx, TorchrunWatch(rank, sites, args.timeout))
+    status = 0
+    if rank == 0:
+        with world:  # the other ranks get the stop when rank 0's cases are over
+            writer = ResultWriter(out, run_info([lane]), resume=args.resume or args.rerun_failed)
+            if stored is None:
+                _store_selection(out, selection, [ws], selected, shard)
+            status = _record_torchrun(args, world, writer, lane, cases)
+    else:
+        world.serve()
+    dist.barrier()
+    world.watch.close()
+    dist.destroy_process_group()
+    return status
+
+
+def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "ResultWriter", lane: "Lane",
+                     cases: list[CaseConfig]) -> int:
+    """Rank 0 under torchrun: the cases ``writer``'s file lacks (or reruns), through ``CaseRunner`` on one
+    lane whose pool is the world."""
+    from harness.collector import ResultWriteError
+    from harness.parity import record_from_outcome
+
+    out = writer.path
+    done = {i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
+    todo = [c for c in cases if c.full_id not in done]
+
+    def record_lost(case: CaseConfig, outcome: Any) -> None:
+        # The watch's thread, while the lane waits in the case: the run ends after this record.
+        writer.append(record_from_outcome(case, outcome))
+        writer.close()
+
+    world.record_lost = record_lost
+    progress = Progress(len(todo), enabled=not args.no_progress)
+    runner = CaseRunner(writer, progress, None, args.timeout, repeat=args.repeat,
+                        repeat_failures=args.repeat_failures, open_pool=lambda _: world)
     start = time.monotonic()
     try:
-        for case in todo:
-            def record_ended(status: str, reason: str, stacks: dict[int, str], exit_codes: dict[int, int],
-                             case: CaseConfig = case, t0: float = time.monotonic()) -> None:
-                if writer is not None:
-                    outcome = PoolOutcome(status, [None] * ws, reason, stacks=stacks, exit_codes=exit_codes,
-                                          wall_s=time.monotonic() - t0)
-                    writer.append(record_from_outcome(case, outcome))
-                    writer.close()
-
-            t0 = time.monotonic()
-            with watch.case(case.full_id, record_ended if rank == 0 else None):
-                try:
-                    answer: tuple[str, Any] = ("ok", run_case_on_rank(ctx, case))
-                except Exception as exc:  # every failure of a case is a result
-                    answer = ("raised", RankError.from_exception(rank, exc))
-                gathered: list[Any] = [None] * ws if rank == 0 else []
-                try:
-                    dist.gather_object(answer, gathered if rank == 0 else None, dst=0)
-                except Exception as exc:  # the world group is gone: the watch records the case and ends the run
-                    watch.world_failed(exc)
-            if writer is not None:
-                errors = {r: v for r, (kind, v) in enumerate(gathered) if kind == "raised"}
-                values = [v if kind == "ok" else None for kind, v in gathered]
-                status = "error" if errors else "ok"
-                reason = errors[min(errors)].line() if errors else ""
-                outcome = PoolOutcome(status, values, reason, errors, wall_s=time.monotonic() - t0)
-                record = record_from_outcome(case, outcome)
-                writer.append(record)
-                progress.update(record, case.full_id)
+        with writer:
+            runner.run([lane], todo)
+    except ResultWriteError as exc:
+        return _refuse(f"--out: {exc}; every record written before it is kept: "
+                       f"free space and continue with --out {out} --resume")
+    except KeyboardInterrupt:
+        runner.interrupt(wait_s=0)  # the case under way is not recorded
+        raise
     finally:
         progress.close()
-        if writer is not None:
-            writer.close()
-    dist.barrier()
-    watch.close()
-    dist.destroy_process_group()
-    if rank == 0:
-        print(summary(progress.counts, out, time.monotonic() - start))
-    return exit_status(progress.counts) if rank == 0 else 0
+    if runner.lane_errors:
+        return _refuse(f"{len(todo) - runner.recorded} case(s) not run: {'; '.join(runner.lane_errors)}")
+    print(summary(progress.counts, out, time.monotonic() - start))
+    return exit_status(progress.counts)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """``python -m harness``: a smoke run on the pool and resuming it, the overhead benchmark, and the same
-run under ``torchrun`` (the ranks are torchrun's, rank 0 records)."""
+run under ``torchrun`` (the ranks are torchrun's, rank 0 records; ``--repeat`` and ``--resume`` there too)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,21 @@ def test_torchrun_runs_the_same_cases_and_rank0_records(tmp_path: Path, nproc: i
     stored = read_selection(out)
     assert stored is not None and sorted(stored.case_ids) == sorted(
         f"{r.case['engine']}:{r.case['reference']}:{r.case_id}" for r in records)
+
+
+def test_torchrun_repeats_a_case_and_resumes_with_nothing_left(tmp_path: Path) -> None:
+    out = tmp_path / "repeat.jsonl"
+    run = ("--standalone", "--nproc-per-node", "2", "-m", "harness", "run", "--engines", "torch-fsdp",
+           "--references", "local", "--limit", "1", "--repeat", "2", "--out", str(out), "--no-progress")
+    done = _harness(*run, launcher=("-m", "torch.distributed.run"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, bad = read_records(out)
+    # Both runs went through the world (rank 0's runner), folded into one record.
+    assert not bad and [r.outcomes for r in records] == [{"pass": 2}], [r.reason for r in records]
+    # Nothing left to run: rank 0 sends the other ranks the stop before any case, and every rank ends.
+    again = _harness(*run, "--resume", launcher=("-m", "torch.distributed.run"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "0 cases in" in again.stdout and len(read_records(out)[0]) == 1
 
 
 @pytest.mark.gpu

@@ -170,6 +170,8 @@ def test_a_case_past_its_timeout_under_torchrun_brings_back_every_rank_s_stack(t
     assert not bad and [r.verdict for r in records] == ["timeout"], done.stderr  # the run ends with the case
     assert "within 0.01 s" in records[0].reason and records[0].reason.endswith("under torchrun (run ended)")
     assert sorted(records[0].detail["stacks"]) == ["0", "1"]
+    # Rank 0's stack is the thread running the case (a runner's lane), not its main thread waiting on it.
+    assert all("run_case_on_rank" in stack for stack in records[0].detail["stacks"].values()), records[0].detail["stacks"]
 
 
 def test_a_lost_node_is_named_whole_or_by_its_lost_ranks() -> None:
