@@ -74,6 +74,20 @@ def report_command(out: Path) -> str:
     return f"python3 -m reports build {shlex.quote(str(out))} --out {shlex.quote(str(report_dir))}"
 
 
+def _open_results(out: Path, info: Any, resume: bool) -> "ResultWriter | str":
+    """The results writer for ``--out``, or the one line refusing it (under torchrun too)."""
+    from harness.collector import ResultsLocked, ResultWriter
+
+    try:
+        return ResultWriter(out, info, resume=resume)
+    except FileExistsError:
+        return f"--out {out} already holds results; add --resume to continue it, or choose a new --out"
+    except ResultsLocked as exc:
+        return f"--out: {exc}"
+    except (ValueError, OSError) as exc:
+        return f"--out {out}: {exc}"
+
+
 def _refuse(message: str) -> int:
     print(f"harness run: {message}", file=sys.stderr)
     return 2
@@ -97,7 +111,7 @@ class _Recorded:
 def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
-    from harness.collector import ResultsLocked, ResultWriteError, ResultWriter, out_path_problem, run_info
+    from harness.collector import ResultWriteError, out_path_problem, run_info
     from harness.placement import (
         PlacementError, available_memory, cpu_pool_check, host_facts, n_gpus, plan_lanes,
     )
@@ -128,14 +142,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"harness run: warning: {crowded}", file=sys.stderr)
     for ws, why in skipped.items():
         print(f"harness run: world size {ws} skipped: {why}", file=sys.stderr)
-    try:
-        writer = ResultWriter(out, run_info([lane for group in lanes.values() for lane in group]), resume=resume)
-    except FileExistsError:
-        return _refuse(f"--out {out} already holds results; add --resume to continue it, or choose a new --out")
-    except ResultsLocked as exc:
-        return _refuse(f"--out: {exc}")
-    except (ValueError, OSError) as exc:
-        return _refuse(f"--out {out}: {exc}")
+    writer = _open_results(out, run_info([lane for group in lanes.values() for lane in group]), resume)
+    if isinstance(writer, str):
+        return _refuse(writer)
     with writer, terminate_as_interrupt():
         for bad in writer.bad_lines:
             print(f"warning: unreadable line {bad}", file=sys.stderr)
@@ -239,7 +248,7 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from harness.collector import ResultWriter, run_info
+    from harness.collector import run_info
     from harness.rank import RankContext
     from harness.rank_process import die_with_parent
     from harness.torchrun_watch import TorchrunWatch, site_of_this_rank
@@ -283,11 +292,14 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     world = TorchrunWorld(ctx, TorchrunWatch(rank, sites, args.timeout))
     status = 0
     if rank == 0:
-        with world:  # the other ranks get the stop when rank 0's cases are over
-            writer = ResultWriter(out, run_info([lane]), resume=args.resume or args.rerun_failed)
-            if stored is None:
-                _store_selection(out, selection, [ws], selected, shard)
-            status = _record_torchrun(args, world, writer, lane, cases)
+        with world:  # the other ranks get the stop when rank 0's cases are over (or refused)
+            writer = _open_results(out, run_info([lane]), args.resume or args.rerun_failed)
+            if isinstance(writer, str):
+                status = _refuse(writer)
+            else:
+                if stored is None:
+                    _store_selection(out, selection, [ws], selected, shard)
+                status = _record_torchrun(args, world, writer, lane, cases)
     else:
         world.serve()
     dist.barrier()

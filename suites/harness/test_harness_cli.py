@@ -141,6 +141,14 @@ def test_torchrun_repeats_a_case_and_resumes_with_nothing_left(tmp_path: Path) -
     again = _harness(*run, "--resume", launcher=("-m", "torch.distributed.run"))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "0 cases in" in again.stdout and len(read_records(out)[0]) == 1
+    # Without --resume the file is refused with the pool path's one line, and every rank ends.
+    refused = _harness(*run, launcher=("-m", "torch.distributed.run"))
+    assert refused.returncode != 0
+    assert refused.stderr.count(f"--out {out} already holds results; add --resume") == 1, refused.stderr
+    # torchrun's agent reports rank 0's exit status 2 (with a traceback of its own); no rank raised.
+    assert "exitcode  : 2" in refused.stderr and "rank      : 0" in refused.stderr, refused.stderr
+    assert not [line for line in refused.stderr.splitlines() if line.strip().startswith("File") and "harness" in line]
+    assert len(read_records(out)[0]) == 1
 
 
 @pytest.mark.gpu
