@@ -46,6 +46,7 @@ __all__ = [
     "CaseRunner",
     "Progress",
     "Selection",
+    "Tee",
     "SelectionError",
     "check_selection",
     "exit_status",
@@ -272,6 +273,18 @@ def expected_total(todo: int, done: int, elapsed_s: float, left_s: float | None)
     if left_s is None or done == 0 or elapsed_s <= 0:
         return todo
     return min(todo, done + int(done / elapsed_s * max(left_s, 0.0)))
+
+
+class Tee:
+    """A results writer as ``CaseRunner`` sees it that also hands every record to ``keep`` (a front end's
+    own view of the run: the latest record per case, the records its judges read)."""
+
+    def __init__(self, writer: Any, keep: Callable[[CaseRecord], None]) -> None:
+        self.writer, self.keep = writer, keep
+
+    def append(self, record: CaseRecord) -> None:
+        self.writer.append(record)
+        self.keep(record)
 
 
 class Progress:

@@ -95,12 +95,12 @@ class Term:
 
     @property
     def text(self) -> str:
-        return " & ".join(str(lit) for lit in self.literals)
+        return _conjunction(self.literals)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "term": self.text,
-            "literals": [{"axis": lit.axis, "value": _plain(lit.value)} for lit in self.literals],
+            "literals": _literals_dict(self.literals),
             "covered": self.covered, "newly_covered": self.newly_covered, "cases": list(self.cases),
         }
 
@@ -117,7 +117,7 @@ class Shared:
 
     @property
     def text(self) -> str:
-        return " & ".join(str(lit) for lit in self.literals)
+        return _conjunction(self.literals)
 
     def line(self, code: Callable[[str], str] = lambda text: f"`{text}`") -> str:
         """One sentence; ``code`` marks up the settings (Markdown backquotes by default)."""
@@ -127,8 +127,7 @@ class Shared:
                 "confined to them")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"term": self.text, "literals": [{"axis": lit.axis, "value": _plain(lit.value)} for lit in self.literals],
-                "failing": self.failing, "matched": self.matched}
+        return {"term": self.text, "literals": _literals_dict(self.literals), "failing": self.failing, "matched": self.matched}
 
 
 @dataclass
@@ -199,6 +198,14 @@ class Attribution:
 
 def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
+
+
+def _conjunction(literals: Sequence[AxisValue]) -> str:
+    return " & ".join(str(lit) for lit in literals)
+
+
+def _literals_dict(literals: Sequence[AxisValue]) -> list[dict[str, Any]]:
+    return [{"axis": lit.axis, "value": _plain(lit.value)} for lit in literals]
 
 
 def _literal_masks(cases: pd.DataFrame, axes: Sequence[str]) -> dict[AxisValue, np.ndarray]:
@@ -298,8 +305,8 @@ def shared_settings(
     if best is None:
         return None
     _, combo, match = best
-    return Shared(tuple(sorted(combo, key=lambda lit: _sort_key([lit]))), int(failing.sum()),
-                  int((match & (passing | ran["verdict"].isin(FAILING).to_numpy())).sum()))
+    # Every case that ran either passed or failed (``unsupported`` ones were dropped): ``match`` counts both.
+    return Shared(tuple(sorted(combo, key=lambda lit: _sort_key([lit]))), int(failing.sum()), int(match.sum()))
 
 
 def attribute(

@@ -128,14 +128,14 @@ class CertifyRun:
         """The cases on one pool of the certificate's lane, through the runner every front end uses."""
         from harness.collector import ResultWriter, run_info
         from harness.pool import PoolStartError
-        from harness.runner import CaseRunner, Progress
+        from harness.runner import CaseRunner, Progress, Tee
 
         cases = self.cases()
         records: list[CaseRecord] = []
         progress = Progress(len(cases), enabled=self.progress)
         try:
             with ResultWriter(self.out / "results.jsonl", run_info([self.lane])) as writer:
-                runner = CaseRunner(_Kept(writer, records), progress, None, self.case_timeout_s)
+                runner = CaseRunner(Tee(writer, records.append), progress, None, self.case_timeout_s)
                 left = runner.run([self.lane], cases)
         finally:
             progress.close()
@@ -171,18 +171,6 @@ class CertifyRun:
         except subprocess.TimeoutExpired as exc:
             tail = f"pytest ran past {timeout_s:.0f} s: {str(exc.stdout or '')[-1000:]}"
         return (parse_junit(xml) if xml.exists() else []), tail
-
-
-class _Kept:
-    """The results writer as ``CaseRunner`` sees it, keeping every record for the families' judges."""
-
-    def __init__(self, writer: Any, records: list[CaseRecord]) -> None:
-        self.writer = writer
-        self.records = records
-
-    def append(self, record: CaseRecord) -> None:
-        self.writer.append(record)
-        self.records.append(record)
 
 
 def parse_junit(path: Path) -> list[tuple[str, str, str]]:

@@ -47,6 +47,7 @@ from harness.runner import (
     Progress,
     Selection,
     SelectionError,
+    Tee,
     exit_status,
     file_counts,
     select_cases,
@@ -88,30 +89,20 @@ def _open_results(out: Path, info: Any, resume: bool) -> "ResultWriter | str":
         return f"--out {out}: {exc}"
 
 
+def _reruns(recorded: dict[str, Any], rerun_failed: bool) -> set[str]:
+    """The recorded cases (full id -> record) that run again: with ``--rerun-failed`` those not passing."""
+    return {i for i, r in recorded.items() if r.verdict in BAD_VERDICTS} if rerun_failed else set()
+
+
 def _refuse(message: str) -> int:
     print(f"harness run: {message}", file=sys.stderr)
     return 2
 
 
-class _Recorded:
-    """The results writer as ``CaseRunner`` sees it, keeping ``latest`` (full id -> record) current so
-    the exit status covers the file's every case."""
-
-    def __init__(self, writer: Any, latest: dict[str, Any]) -> None:
-        self.writer = writer
-        self.latest = latest
-
-    def append(self, record: Any) -> None:
-        from harness.collector import record_full_id
-
-        self.writer.append(record)
-        self.latest[record_full_id(record)] = record
-
-
 def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
-    from harness.collector import ResultWriteError, out_path_problem, run_info
+    from harness.collector import ResultWriteError, out_path_problem, record_full_id, run_info
     from harness.placement import (
         PlacementError, available_memory, cpu_pool_check, host_facts, n_gpus, plan_lanes,
     )
@@ -153,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
             print(legacy_warning(out, latest.values()), file=sys.stderr)
         if stored is None:
             _store_selection(out, selection, world_sizes, selected, shard)
-        rerun = {i for i, r in latest.items() if r.verdict in BAD_VERDICTS} if args.rerun_failed else set()
+        rerun = _reruns(latest, args.rerun_failed)
         todo = [c for c in cases if (c.full_id not in latest or c.full_id in rerun) and c.world_size in lanes]
         if latest:
             print(f"resuming {out}: {len([c for c in cases if c.full_id in latest and c.full_id not in rerun])} of "
@@ -163,7 +154,12 @@ def main(args: argparse.Namespace) -> int:
         of = f" ({shard_text(shard, len(selected))})" if shard else ""
         print(f"harness run: {len(todo)} cases{of} on {lane_text(lanes)}", file=sys.stderr)
         progress = Progress(len(todo), enabled=not args.no_progress)
-        runner = CaseRunner(_Recorded(writer, latest), progress, None, args.timeout,
+
+        def keep_latest(record: Any) -> None:
+            # ``latest`` (full id -> record) stays current, so the exit status covers the file's every case.
+            latest[record_full_id(record)] = record
+
+        runner = CaseRunner(Tee(writer, keep_latest), progress, None, args.timeout,
                             repeat=args.repeat, repeat_failures=args.repeat_failures)
         start = time.monotonic()
         try:
@@ -316,8 +312,8 @@ def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "
     from harness.parity import record_from_outcome
 
     out = writer.path
-    done = {i for i, r in writer.resumed.items() if not (args.rerun_failed and r.verdict in BAD_VERDICTS)}
-    todo = [c for c in cases if c.full_id not in done]
+    rerun = _reruns(writer.resumed, args.rerun_failed)
+    todo = [c for c in cases if c.full_id not in writer.resumed or c.full_id in rerun]
 
     def record_lost(case: CaseConfig, outcome: Any) -> None:
         # The watch's thread, while the lane waits in the case: the run ends after this record.

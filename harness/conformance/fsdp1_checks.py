@@ -18,6 +18,7 @@ import torch.nn as nn
 from harness.case import CaseConfig
 from harness.compare import assert_tensors_match
 from harness.fsdp1_api import FSDPApi, load_api
+from harness.model_protocol import ZooModel, to_device
 from harness.optim import sgd
 from harness.references import LocalReference, all_rank_batch
 from harness.tolerance import TolerancePolicy
@@ -89,5 +90,21 @@ def assert_matches_local_reference(api: FSDPApi, model: nn.Module, case: CaseCon
         # The reference's parameters come flattened, as the harness compares them.
         assert_match(f"param:{name}", got[name].to(want[name].device).reshape(want[name].shape), want[name], context)
 
+
+
+def assert_trains_like_local_reference(api: FSDPApi, model: nn.Module, zoo: ZooModel, case: CaseConfig,
+                                       device: torch.device, context: str) -> None:
+    """Train ``model`` (``zoo`` wrapped by a check, as the harness cannot: an auto-wrap policy, the seed's
+    init modes) the case's way by hand, SGD over ``zoo``'s batches and loss for ``case.steps`` steps with
+    inputs on ``device``, then compare it with the harness's local reference
+    (``assert_matches_local_reference``)."""
+    rank = dist.get_rank()
+    opt = sgd(model.parameters(), case.lr, case.momentum)
+    for step in range(case.steps):
+        inputs = to_device(zoo.get_input(seed=case.seed, step=step, rank=rank), device)
+        zoo.get_loss(inputs, model(*inputs)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_matches_local_reference(api, model, case, context)
 
 Check = Callable[[FSDPApi, int, int], None]

@@ -13,10 +13,9 @@ from engine import FSDP, FlatParameter, ShardingStrategy
 from engine.wrap import ModuleWrapPolicy, always_wrap_policy
 from harness.case import CaseConfig
 from harness.conformance.engine_models import NESTED, NestedWrapped
-from harness.conformance.fsdp1_checks import assert_matches_local_reference, load_api
+from harness.conformance.fsdp1_checks import assert_trains_like_local_reference, load_api
 from harness.conformance.rank_sessions import session_tests
 from harness.model_protocol import wrap_bottom_up
-from harness.optim import sgd
 
 CPU = torch.device("cpu")
 
@@ -30,24 +29,17 @@ def _units(model: nn.Module) -> list[str]:
 AUTO_WRAPPED_CASE = CaseConfig(engine="builtin", reference="local", model=NESTED, steps=3)
 
 
-def _parity_with_plain(model: nn.Module, rank: int) -> None:
+def _parity_with_plain(model: nn.Module) -> None:
     """Train the auto-wrapped model (units the harness cannot build: it wraps declared units) the case's
     way and compare with the harness's local reference."""
-    case = AUTO_WRAPPED_CASE
-    opt = sgd(model.parameters(), case.lr, case.momentum)
-    for step in range(case.steps):
-        x = NestedWrapped.get_input(seed=case.seed, step=step, rank=rank)
-        NestedWrapped.get_loss(x, model(*x)).backward()
-        opt.step()
-        opt.zero_grad()
-    assert_matches_local_reference(load_api("builtin"), model, case, "auto-wrapped")
+    assert_trains_like_local_reference(load_api("builtin"), model, model.module, AUTO_WRAPPED_CASE, CPU, "auto-wrapped")
 
 
 def check_module_wrap_policy(rank: int, world_size: int) -> None:
     for orig in (False, True):
         model = FSDP(NestedWrapped(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=orig)
         assert _units(model) == ["NestedWrapped", "Linear", "Linear", "Linear", "Linear"], _units(model)
-        _parity_with_plain(model, rank)
+        _parity_with_plain(model)
 
 
 def check_callable_policies(rank: int, world_size: int) -> None:
@@ -57,10 +49,10 @@ def check_callable_policies(rank: int, world_size: int) -> None:
     model = FSDP(NestedWrapped(), auto_wrap_policy=big_linears, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
     # inp 8x12+12=108 and out 12x5+5=65 stay in the root; block's two linears (208, 204) are units.
     assert _units(model) == ["NestedWrapped", "Linear", "Linear"], _units(model)
-    _parity_with_plain(model, rank)
+    _parity_with_plain(model)
     model = FSDP(NestedWrapped(), auto_wrap_policy=always_wrap_policy)
     assert len(FSDP.fsdp_modules(model)) == 7, _units(model)
-    _parity_with_plain(model, rank)
+    _parity_with_plain(model)
 
 
 def check_flat_param_is_only_parameter(rank: int, world_size: int) -> None:

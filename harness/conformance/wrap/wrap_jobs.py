@@ -28,11 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.case import CaseConfig
-from harness.conformance.fsdp1_checks import FSDPApi, assert_matches_local_reference, load_api
+from harness.conformance.fsdp1_checks import FSDPApi, assert_trains_like_local_reference, load_api
 from harness.conformance.wrap.wrap_models import FOUR_LINEARS, nested_sequential
-from harness.model_protocol import to_device
 from harness.models import build_model
-from harness.optim import sgd
 from harness.rank import RankContext
 
 InitMode = Literal["cpu", "cuda_before", "cuda_after"]
@@ -101,13 +99,7 @@ def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> None:
     if problems:
         raise AssertionError(f"{api.name}: " + "; ".join(problems))
 
-    optim = sgd(wrapped.parameters(), lr=case.lr, momentum=case.momentum)
-    for step in range(case.steps):
-        optim.zero_grad()
-        inputs = to_device(model.get_input(seed=case.seed, step=step, rank=ctx.rank), ctx.device)
-        model.get_loss(inputs, wrapped(*inputs)).backward()
-        optim.step()
-    assert_matches_local_reference(api, wrapped, case, f"main wrap API {cfg}")
+    assert_trains_like_local_reference(api, wrapped, model, case, ctx.device, f"main wrap API {cfg}")
 
 
 def auto_wrap_smoke(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, float]:
