@@ -104,6 +104,11 @@ class CaseRecord:
     #: ...], "reference": [...]}, "grad_norm": {...}}``, so a report can draw how a divergence grew.
     #: None where not recorded (cases that did not finish, records written before it existed).
     curves: dict[str, dict[str, list[list[float]]]] | None = None
+    #: why the harness expected this case to fail (a known engine bug, a strict expectation: a pass fails
+    #: the run); None where a pass was expected. A record that did not pass and carries it is an expected
+    #: failure, which reports count apart; one that passed and carries it shows a bug that went away.
+    #: Optional: records written before it existed read as None.
+    expected_failure: str | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
