@@ -16,7 +16,8 @@ Loaded by the root ``conftest.py``. What it adds:
 - fixtures ``parity_options``, ``parity_pools`` (one rank pool per world size, started once per pytest
   process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
   verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
-  with the details; ``run_all`` runs the cases of one check, a seed check's subtests, under one verdict);
+  with the details; ``run_all`` runs the cases of one check, a seed check's subtests, under one verdict;
+  a test's strict xfail, ``expect_failure``, puts its reason on its records: ``CaseRecord.expected_failure``);
 - a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
 
 Under pytest-xdist every worker's pools take a disjoint block of the GPUs where there are enough, and
@@ -160,7 +161,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         def case_marks(case: CaseConfig) -> list[pytest.MarkDecorator]:
             device = "cuda" if gpu[case.world_size] else "cpu"
             expected = suite.expected_failure(case, device)
-            xfail = [pytest.mark.xfail(strict=True, reason=expected.reason)] if expected else []
+            xfail = [expect_failure(expected.reason)] if expected else []
             return [*marks, *([pytest.mark.gpu] if device == "cuda" else []), *xfail]
 
         metafunc.parametrize("parity_case", [pytest.param(c, id=c.full_id, marks=case_marks(c)) for c in suite.cases(options)])
@@ -200,6 +201,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
         if not torch.cuda.is_available():
             skip_here("marked gpu: needs CUDA GPUs; torch.cuda.is_available() is False on this machine")
+
+
+def expect_failure(reason: str) -> pytest.MarkDecorator:
+    """The strict xfail mark of a known engine bug (a pass fails the run, so a fixed engine is noticed):
+    what a generated case whose suite expects it to fail carries, and what a test applies to itself
+    (``request.applymarker``) when the expectation depends on where its ranks run. ``ParityRunner``
+    records its reason on the test's records (``expected_failure_of``)."""
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+def expected_failure_of(node: pytest.Item) -> str | None:
+    """The reason of ``node``'s unconditional strict xfail mark (``expect_failure``, or a hand-written one
+    alike), None when it has none: its cases' ``CaseRecord.expected_failure``. A conditional or non-strict
+    xfail is no expectation a report can hold the engine to."""
+    strict_default = bool(node.config.getini("xfail_strict"))
+    for mark in node.iter_markers("xfail"):
+        if not mark.args and mark.kwargs.get("strict", strict_default):
+            return str(mark.kwargs.get("reason", "")) or "expected to fail (strict xfail, no reason given)"
+    return None
 
 
 def _key_without_engine(item: pytest.Item, engine: str) -> str:
@@ -445,13 +465,19 @@ class ParityRunner:
         expected failure measured on one kind of device is conditioned on)."""
         return "cpu" if _plan(world_size, self.pools.options).devices is None else "cuda"
 
+    def _expected(self, record: CaseRecord) -> CaseRecord:
+        """``record`` with the test's expected failure (its strict xfail mark), the one decision that made the
+        mark, so a report tells a known engine bug from new breakage."""
+        record.expected_failure = expected_failure_of(self.node)
+        return record
+
     def run(self, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         """The case's record when it passed; otherwise skips (unsupported) or fails the test.
         ``timeout_s`` overrides ``--case-timeout`` for this case (a test of a hang need not wait long)."""
         from harness.runner import run_case
 
         pool = self.pools.pool_for(case.world_size)
-        record = run_case(pool, case, timeout_s=timeout_s)
+        record = self._expected(run_case(pool, case, timeout_s=timeout_s))
         self.session.record(record, self.node)
         outcome = outcome_of(record)
         if outcome.action == "skip":
@@ -468,7 +494,7 @@ class ParityRunner:
 
         records = []
         for case in cases:
-            records.append(run_case(self.pools.pool_for(case.world_size), case))
+            records.append(self._expected(run_case(self.pools.pool_for(case.world_size), case)))
             self.session.record(records[-1], self.node, one_case_test=False)
         outcomes = [(record, outcome_of(record)) for record in records]
         failed = [f"{CaseConfig.from_dict(r.case).full_id}: {o.message}" for r, o in outcomes if o.action == "fail"]
@@ -503,6 +529,8 @@ def parity_runner(parity_pools: PoolRegistry, pytestconfig: pytest.Config, reque
 
 __all__ = [
     "ParityRunner",
+    "expect_failure",
+    "expected_failure_of",
     "ParitySession",
     "PoolRegistry",
     "parity_options",

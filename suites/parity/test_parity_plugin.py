@@ -209,10 +209,18 @@ def test_xf(parity_case, parity_runner):
 
 
 def test_expected_failures_are_strict_xfails_with_their_reason(tmp_path: Path) -> None:
+    results = tmp_path / "results.jsonl"
     done = pytest_in(tmp_path, "-v", "-k", "test_xf", "--engine", "torch-fsdp", "--reference", "ddp", "--case-timeout", "180",
-                     suite="import pytest\n" + EXPECTED_FAILURES)
+                     "--results", str(results), suite="import pytest\n" + EXPECTED_FAILURES)
     text = done.stdout
     base = "torch-fsdp:ddp:full_shard-fp32-bwd_none-nested-steps2"
     assert re.search(rf"XFAIL .*test_xf\[{re.escape(base.replace('-nested', '-orig-nested'))}\]", text), text[-3000:]
     assert re.search(rf"FAILED .*test_xf\[{re.escape(base)}\]", text) and "[XPASS(strict)] known wrong" in text, text[-3000:]
+    # Both records carry the expectation, so a report tells the known failure from new breakage and shows
+    # the unexpected pass.
+    records, bad = read_records(results)
+    assert not bad and {r.case_id: (r.verdict, r.expected_failure) for r in records} == {
+        base.split(":", 2)[2].replace("-nested", "-orig-nested"): ("fail", "known wrong"),
+        base.split(":", 2)[2]: ("pass", "known wrong"),
+    }, records
 

@@ -22,7 +22,7 @@ import pytest
 from harness.case import FLAT_STRATEGIES, CaseConfig, engine_name
 from harness.conformance.engine_models import ALWAYS_WRAP, MOE, NESTED, TRANSFORMER
 from harness.fsdp1_api import no_shard_offload_race
-from harness.pytest_plugin import ParityRunner
+from harness.pytest_plugin import ParityRunner, expect_failure
 from harness.pytest_plugin.cases import ExpectedFailure, ParityOptions
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
@@ -83,7 +83,7 @@ def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, par
         # A race: one run of the subtests passed once on a lightly loaded GPU, so the strict expectation
         # gets every subtest, RACE_REPEATS times, to show it.
         cases = [case.replace(engine=fsdp_api) for case in _subtests(model, offload)] * RACE_REPEATS
-        request.applymarker(pytest.mark.xfail(strict=True, reason=TORCH_FSDP1_MOE_OFFLOAD.reason))
+        request.applymarker(expect_failure(TORCH_FSDP1_MOE_OFFLOAD.reason))
     else:
         cases = [case for case in cases if not _no_shard_offload_race(case, device)]
     parity_runner.run_all(cases)
