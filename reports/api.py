@@ -26,7 +26,9 @@ from reports.attribution import attribute, attributions_dict
 from reports.case_page import CASES_DIR, write_case_pages
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR, DiffResult, diff_frames
 from reports.grid import build_grid
-from reports.matrix import Summary, frame_from_csv, latest, marginals, parity_matrices, records_frame, sort_failing, summarize
+from reports.matrix import (
+    Summary, frame_from_csv, latest, marginals, parity_matrices, records_frame, sort_failing, summarize, unexpected_passes,
+)
 from reports.scope import RunScope, ShardInput, merge_scopes, not_run_frame, scope_from_nightly, shard_problems
 
 CSV_NAME = "results.csv"
@@ -135,8 +137,8 @@ def build(
     not_run: Sequence[NotRun | tuple[str, str]] | None = None, selected: int | None = None, plot_deadline: float | None = None,
 ) -> Summary:
     """Write the report of ``paths`` into ``out_dir``: matrix.md, matrix.html, results.csv, one PNG
-    heatmap per matrix, one page per case that did not pass (and per full id in ``cases``) under
-    ``cases/``, and summary.json. Returns the summary (also in summary.json).
+    heatmap per matrix, one page per case that did not pass or passed against its expected failure (and
+    per full id in ``cases``) under ``cases/``, and summary.json. Returns the summary (also in summary.json).
 
     ``not_run`` (``harness.records.NotRun``, or ``(full id, why)`` pairs: those count in the banner but,
     without their config, mark no grid cell) and ``selected`` describe a partial run; by default they
@@ -175,8 +177,11 @@ def build(
     if unknown:
         raise ValueError(f"--cases: {sorted(unknown)[:5]} not in the results; give full ids (engine:reference:case_id)")
     chosen = sort_failing(frame) if not frame.empty else frame
+    # A case expected to fail that passed gets a page too: the report lists it, saying what was expected.
+    chosen = pd.concat([chosen, unexpected_passes(frame)])
     if asked:
         chosen = pd.concat([chosen, frame[frame["full_id"].isin(asked) & (frame["verdict"] == "pass")]])
+    chosen = chosen.drop_duplicates("full_id")
     page_rows = [row for _, row in chosen.iterrows()]
     case_files = write_case_pages(page_rows, loaded.records, out, banner=banner, plot_deadline=plot_deadline)
     current = set(case_files)

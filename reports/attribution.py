@@ -2,7 +2,8 @@
 
 Pure functions over a ``latest`` frame (one row per case). For each engine and reference, the cases
 that ran are split into failing (fail, error, timeout, crash) and passing ones; ``unsupported`` cases
-ran nothing and take no side. A *term* is a conjunction of up to ``max_literals`` axis values, each
+ran nothing and take no side, and neither do expected failures (``reports.matrix.is_expected_failure``:
+known engine bugs the suites hold as strict expectations, explained by their own reason). A *term* is a conjunction of up to ``max_literals`` axis values, each
 from a different axis (``no_shard & offload & orig``), that matches at least one failing case and no
 passing case. The explanation is a greedy set cover of the failing cases by such terms.
 
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.matrix import AXIS_COLUMNS, ERRORED, ordered
+from reports.matrix import AXIS_COLUMNS, ERRORED, expected_failures, ordered
 
 #: Axes a term may use: everything that describes a case except the engine and reference it is grouped by.
 TERM_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a not in ("engine", "reference"))
@@ -316,6 +317,7 @@ def attribute(
     out: list[Attribution] = []
     if frame.empty:
         return out
+    frame = frame[~expected_failures(frame)]  # known, with their reason: nothing to attribute
     for engine in ordered("engine", frame["engine"]):
         for reference in ordered("reference", frame["reference"]):
             group = frame[(frame["engine"] == engine) & (frame["reference"] == reference)]

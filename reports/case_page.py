@@ -1,6 +1,7 @@
 """Case drill-down pages: one HTML page (and one PNG) per case, linked from the grid and the Markdown.
 
-A page says everything the record knows about one case: its settings, verdict and reason; how the
+A page says everything the record knows about one case: its settings, verdict and reason; what its suite
+expected where it expected a failure (``CaseRecord.expected_failure``: a known engine bug); how the
 engine's loss and the reference's moved step by step and how far apart they were against the
 tolerance (``CaseRecord.curves`` where recorded; the per-step ``loss@N``/``grad_norm@N`` errors
 otherwise); the worst parameters and gradients; the knob checks; the tolerance and where it came
@@ -22,7 +23,7 @@ from matplotlib.figure import Figure
 
 from harness.matrix import invalid_reason
 from harness.records import CaseRecord, QuantityError
-from reports.matrix import fmt_ratio
+from reports.matrix import fmt_ratio, is_expected_failure
 from reports.page import banner_html, esc, page
 
 CASES_DIR = "cases"
@@ -177,6 +178,20 @@ def _pre_blocks(title: str, per_rank: Mapping[str, Any] | None) -> str:
     return f"<h2>{esc(title)}</h2>{blocks}"
 
 
+def _expectation_html(row: Mapping[str, Any], record: CaseRecord | None) -> str:
+    """What the suite expected of the case, where it expected a failure ("" where it expected a pass)."""
+    expected = row.get("expected_failure") or (record.expected_failure if record is not None else None)
+    if not isinstance(expected, str) or not expected:
+        return ""
+    if is_expected_failure(str(row["verdict"]), expected):
+        return (f'<p class="warn"><b>Expected failure</b> (a known engine bug its suite holds as a strict expectation, '
+                f"not new breakage): {esc(expected)}</p>")
+    if row["verdict"] == "pass":
+        return (f'<p class="warn"><b>Expected to fail, passed:</b> {esc(expected)}. The bug may be fixed; the strict '
+                "expectation fails the pytest run until it is removed from the suite.</p>")
+    return f"<p><b>Expected to fail:</b> {esc(expected)}</p>"
+
+
 def case_html(
     row: Mapping[str, Any], record: CaseRecord | None, *, banner: str = "", plot: str | None = None,
     report_href: str = "../matrix.html", plot_skipped: str = "",
@@ -192,6 +207,7 @@ def case_html(
              f"<h1>{esc(verdict)}: <code>{esc(full_id)}</code></h1>"]
     if row.get("reason"):
         parts.append(f"<p><b>Reason:</b> {esc(row['reason'])}</p>")
+    parts.append(_expectation_html(row, record))
     parts.append(f"<p>worst error / tolerance: <b>{esc(fmt_ratio(row.get('worst_ratio', math.nan)))}</b>"
                  + (f" ({esc(row['worst_quantity'])})" if row.get("worst_quantity") else "") + "</p>")
     backend = str(row.get("backend") or "").split(",")[0] or None

@@ -14,6 +14,12 @@ A new case that merely fails is listed as new, not as a regression: adding a cas
 gap must not block the change that adds it. It is still counted in the headline (``new_failing``), which
 is never green over one.
 
+[Note: expected failures]
+A case whose new record is an expected failure (``reports.matrix.is_expected_failure``: a known engine
+bug its suite holds as a strict expectation) is never a regression nor a new failing case: whatever it
+was before, its change is ``changed`` (``new`` for a new case) and says ``expected``. An expected failure
+that now passes is a ``fix`` that says so: the bug went away, and its expectation should go too.
+
 [Note: not run is not removed]
 A case of the old results that the new run selected but did not run (a time budget spent, a pool that
 did not start: ``not_run``) is ``not run``, not ``removed``. Two results with no case in common are
@@ -36,7 +42,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from harness.collector import BadLine
-from reports.matrix import ERRORED, SEVERITY, fmt_ratio
+from reports.matrix import ERRORED, SEVERITY, fmt_ratio, is_expected_failure
 from reports.resume_matrix import resume_suffix
 
 ChangeKind = Literal["regression", "fix", "new", "not_run", "removed", "changed"]
@@ -84,6 +90,8 @@ class Change:
     reason: str = ""
     #: sort key within its kind (smaller first); see the module note.
     rank: tuple = field(default=(), repr=False)
+    #: the new record is an expected failure (see [Note: expected failures]).
+    expected: bool = False
 
 
 @dataclass
@@ -106,7 +114,7 @@ class DiffResult:
     @property
     def new_failing(self) -> list[Change]:
         """New cases that do not pass: they do not block (see the module note), but are never hidden."""
-        return [c for c in self.of_kind("new") if c.new_verdict in NEW_FAILING]
+        return [c for c in self.of_kind("new") if c.new_verdict in NEW_FAILING and not c.expected]
 
     @property
     def exit_code(self) -> int:
@@ -138,6 +146,8 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
     ov, nv = old["verdict"], new["verdict"]
     o_ratio, n_ratio = _ratio(old["worst_ratio"]), _ratio(new["worst_ratio"])
     severity = SEVERITY[nv]
+    if _expected(new):
+        return ("changed", f"{ov} → {nv} (expected)", (severity, 0)) if ov != nv else None
     if nv in ("timeout", "crash") and ov != nv:
         return "regression", f"new {nv} (was {ov})", (severity, 0)
     if ov == "pass" and nv in ("fail", "error", "flaky"):
@@ -151,10 +161,15 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
         growth = "×inf" if o_ratio == 0 else f"×{n_ratio / o_ratio:.3g}"
         return "regression", f"ratio {growth} ({fmt_ratio(o_ratio)} → {fmt_ratio(n_ratio)})", (5, -(n_ratio / max(o_ratio, 1e-300)))
     if ov not in ("pass", "unsupported", "flaky") and nv == "pass":
-        return "fix", f"{ov} → pass", (SEVERITY[ov], 0)
+        was_expected = " (was expected to fail)" if _expected(old) else ""
+        return "fix", f"{ov} → pass{was_expected}", (SEVERITY[ov], 0)
     if ov != nv:
         return "changed", f"{ov} → {nv}", (severity, 0)
     return None
+
+
+def _expected(row: pd.Series) -> bool:
+    return is_expected_failure(row["verdict"], row.get("expected_failure"))
 
 
 def diff_frames(
@@ -175,18 +190,19 @@ def diff_frames(
     for full_id, n in new_by_id.items():
         o = old_by_id.get(full_id)
         if o is None:
-            nv = n["verdict"]
-            kind: ChangeKind = "regression" if nv in ("timeout", "crash") else "new"
-            what = f"new case, {nv}" if kind == "new" else f"new {nv} (new case)"
+            nv, expected = n["verdict"], _expected(n)
+            kind: ChangeKind = "regression" if nv in ("timeout", "crash") and not expected else "new"
+            what = (f"new case, {nv}" + (" (expected)" if expected else "")) if kind == "new" else f"new {nv} (new case)"
             rank = (SEVERITY[nv], 1)  # after an existing case's change of the same severity
-            changes.append(Change(kind, what, full_id, cell_name(n), None, nv, None, _ratio(n["worst_ratio"]), str(n["reason"]), rank))
+            changes.append(Change(kind, what, full_id, cell_name(n), None, nv, None, _ratio(n["worst_ratio"]), str(n["reason"]),
+                                  rank, expected))
             continue
         classified = _classify(o, n, ratio_factor, ratio_floor)
         if classified is not None:
             kind, what, rank = classified
             changes.append(Change(
                 kind, what, full_id, cell_name(n), o["verdict"], n["verdict"],
-                _ratio(o["worst_ratio"]), _ratio(n["worst_ratio"]), str(n["reason"]), rank,
+                _ratio(o["worst_ratio"]), _ratio(n["worst_ratio"]), str(n["reason"]), rank, _expected(n),
             ))
     for full_id, o in old_by_id.items():
         if full_id in not_run:

@@ -8,6 +8,10 @@ does ([Note: what a cell counts] in ``reports.matrix``) and adds what a matrix c
 - ``absent``: no case of the cell is in the matrix (never generated);
 - ``not_run``: its cases were selected but not run (a time budget, a pool that did not start);
 - ``unsupported``: the engine refused every case of the cell.
+
+A cell's expected failures (known engine bugs, ``reports.matrix.is_expected_failure``) do not make it
+fail: beside passes it is a pass with ``+Nx``; where every case that ran failed as expected its state is
+``expected``, a colour of its own (neither a pass nor new breakage).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pandas as pd
 
 from reports.matrix import CellStats, ordered
 
-GridState = Literal["pass", "fail", "flaky", "error", "unsupported", "not_run", "absent"]
+GridState = Literal["pass", "fail", "flaky", "error", "expected", "unsupported", "not_run", "absent"]
 CELL_KEYS = ("sharding_strategy", "precision", "backward_prefetch")
 
 
@@ -32,7 +36,7 @@ class GridCell:
     @property
     def state(self) -> GridState:
         status = self.stats.status
-        if status in ("pass", "fail", "flaky", "error"):
+        if status in ("pass", "fail", "flaky", "error", "expected"):
             return status  # type: ignore[return-value]
         if self.not_run:
             return "not_run"

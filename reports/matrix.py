@@ -9,8 +9,13 @@ A cell aggregates every case with the cell's engine, reference, model, strategy,
 backward prefetch (forward prefetch, offload, use_orig_params, init mode, world size and steps vary
 within it). It shows ``passed/total`` where ``total`` counts cases that ran (pass, fail, error,
 timeout, crash) and leaves out ``unsupported`` ones, which are counted apart: an engine refusing a
-configuration is not a parity failure. Its worst ratio is the largest ``CaseRecord.worst_ratio`` among
-them: the worst error relative to its tolerance, ``<= 1`` being within tolerance.
+configuration is not a parity failure. Expected failures (``is_expected_failure``: a case that did not
+pass and whose record carries ``CaseRecord.expected_failure``, a known engine bug the suite holds as a
+strict xfail) are counted apart too, ``+Nx``: they are known, not new breakage, so they neither count
+against ``passed/total`` nor colour the cell; they are still listed with the cases that did not pass.
+A cell whose cases that ran are all expected failures has its own status, ``expected``. Its worst ratio is the largest ``CaseRecord.worst_ratio`` among
+them: the worst error relative to its tolerance, ``<= 1`` being within tolerance (of the expected
+failures only where nothing else ran).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ OUTCOME_COLUMNS: tuple[str, ...] = (
     "bytes_all_gathered", "bytes_reduce_scattered", "time",
     # The knob checks that failed (``precision,sharding_strategy``): the trace's evidence of a cause.
     "ignored_knobs",
+    # ``CaseRecord.expected_failure``: why the suite expected the case to fail; "" where a pass was expected.
+    "expected_failure",
 )
 COLUMNS: tuple[str, ...] = ("full_id", "case_id", *AXIS_COLUMNS, *OUTCOME_COLUMNS, *RUN_COLUMNS, "source")
 
@@ -61,7 +68,9 @@ VALUE_ORDER: dict[str, list[Any]] = {
     "use_orig_params": [False, True],
 }
 
-CellStatus = Literal["pass", "fail", "flaky", "error", "unsupported", "empty"]
+CellStatus = Literal["pass", "fail", "flaky", "error", "expected", "unsupported", "empty"]
+#: what ``+Nx`` and ``+Nu`` after a cell's counts mean (the legends of the Markdown and HTML pages).
+COUNT_LEGEND = ("`+Nx`: N expected failures (known engine bugs, strict: listed below); `+Nu`: N unsupported")
 
 _DEFAULTS = CaseConfig().to_dict()
 
@@ -71,6 +80,28 @@ def ordered(axis: str, values: Iterable[Any]) -> list[Any]:
     known = VALUE_ORDER.get(axis, [])
     unique = list(dict.fromkeys(values))
     return sorted(unique, key=lambda v: (known.index(v) if v in known else len(known), str(v)))
+
+
+def is_expected_failure(verdict: str, expected_failure: Any) -> bool:
+    """Whether a case is an expected failure: it ran and did not pass, and its record says the suite
+    expected that (``CaseRecord.expected_failure``; "" or NaN in a frame where it did not)."""
+    return verdict not in ("pass", "unsupported") and isinstance(expected_failure, str) and expected_failure != ""
+
+
+def expected_failures(cases: pd.DataFrame) -> pd.Series:
+    """``is_expected_failure`` of every row of ``cases``, as a boolean mask."""
+    if "expected_failure" not in cases.columns:
+        return pd.Series(False, index=cases.index)
+    return pd.Series([is_expected_failure(v, e) for v, e in zip(cases["verdict"], cases["expected_failure"])],
+                     index=cases.index, dtype=bool)
+
+
+def unexpected_passes(cases: pd.DataFrame) -> pd.DataFrame:
+    """The cases that passed although their suite expected them to fail: a known bug gone (the strict
+    expectation fails the run until it is removed)."""
+    if cases.empty or "expected_failure" not in cases.columns:
+        return cases.iloc[0:0]
+    return cases[(cases["verdict"] == "pass") & (cases["expected_failure"].fillna("").astype(str) != "")]
 
 
 def _worst_error(record: CaseRecord) -> tuple[float, str]:
@@ -115,6 +146,7 @@ def records_frame(records: Sequence[CaseRecord], sources: Sequence[str] | None =
             "time": record.time,
             "ignored_knobs": ",".join(k.get("knob", "?") for k in record.detail.get("knobs") or []
                                       if isinstance(k, dict) and k.get("status") == "ignored"),
+            "expected_failure": record.expected_failure or "",
             **{col: run.get(col) for col in RUN_COLUMNS},
             "source": sources[i] if sources is not None else "",
         })
@@ -127,7 +159,7 @@ def frame_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"results.csv lacks columns {missing}; is it a report's results.csv?")
     frame = frame.reindex(columns=list(COLUMNS)).copy()
-    for col in ("reason", "worst_quantity", "source", "case_id", "ignored_knobs"):
+    for col in ("reason", "worst_quantity", "source", "case_id", "ignored_knobs", "expected_failure"):
         frame[col] = frame[col].astype(object).fillna("").astype(str)  # an all-empty column reads as float
     for col in ("forward_prefetch", "cpu_offload", "use_orig_params"):
         frame[col] = frame[col].map(lambda v: v if isinstance(v, bool) else str(v) == "True")
@@ -167,6 +199,8 @@ class CellStats:
     unsupported: int = 0
     #: runs of a repeated case disagreed (``harness.repeats``).
     flaky: int = 0
+    #: expected failures (``is_expected_failure``), in none of the counts above.
+    expected: int = 0
     #: largest worst ratio among the cases, NaN when none compared numbers.
     worst_ratio: float = math.nan
     #: the most severe verdict among the cases ("" for none): names what went wrong in an error cell.
@@ -187,23 +221,35 @@ class CellStats:
             return "flaky"
         if self.passed:
             return "pass"
+        if self.expected:
+            return "expected"
         if self.unsupported:
             return "unsupported"
         return "empty"
 
     @classmethod
     def of(cls, cases: pd.DataFrame) -> "CellStats":
-        verdicts = cases["verdict"].value_counts()
-        ratios = cases["worst_ratio"].astype(float)
+        expected = expected_failures(cases)
+        # The worst ratio and verdict are of the other cases, of the expected failures where nothing else ran.
+        others_ran = (~expected & (cases["verdict"] != "unsupported")).any()
+        shown = cases[expected] if expected.any() and not others_ran else cases[~expected]
+        verdicts = cases[~expected]["verdict"].value_counts()
+        ratios = shown["worst_ratio"].astype(float)
         return cls(
             passed=int(verdicts.get("pass", 0)),
             failed=int(verdicts.get("fail", 0)),
             errored=int(sum(verdicts.get(v, 0) for v in ERRORED)),
             unsupported=int(verdicts.get("unsupported", 0)),
             flaky=int(verdicts.get("flaky", 0)),
+            expected=int(expected.sum()),
             worst_ratio=float(ratios.max()) if ratios.notna().any() else math.nan,
-            worst_verdict=min(verdicts.index, key=SEVERITY.__getitem__, default=""),
+            worst_verdict=min(shown["verdict"].unique(), key=SEVERITY.__getitem__, default=""),
         )
+
+    @property
+    def count_suffix(self) -> str:
+        """`` +8x +2u``: the expected failures and unsupported cases counted apart ("" for none)."""
+        return (f" +{self.expected}x" if self.expected else "") + (f" +{self.unsupported}u" if self.unsupported else "")
 
 
 def fmt_ratio(ratio: float) -> str:
@@ -219,24 +265,31 @@ def fmt_ratio(ratio: float) -> str:
 
 def cell_label(stats: CellStats) -> str:
     """``3/4 · 0.31``: pass count over total · worst ratio (the worst verdict instead when a case
-    errored, timed out or crashed); ``+2u`` for unsupported cases alongside."""
+    errored, timed out or crashed); ``+8x`` for expected failures and ``+2u`` for unsupported cases
+    alongside (``COUNT_LEGEND``)."""
     if stats.status == "empty":
         return ""
     if stats.status == "unsupported":
         return f"unsupported ({stats.unsupported})"
+    if stats.status == "expected":
+        return f"expected failure ({stats.expected})" + (f" +{stats.unsupported}u" if stats.unsupported else "")
     detail = stats.worst_verdict if stats.status in ("error", "flaky") else fmt_ratio(stats.worst_ratio)
-    label = f"{stats.passed}/{stats.total} · {detail}"
-    if stats.unsupported:
-        label += f" +{stats.unsupported}u"
-    return label
+    return f"{stats.passed}/{stats.total} · {detail}{stats.count_suffix}"
+
+
+def shown_verdict(row: Mapping[str, Any]) -> str:
+    """A case's verdict as tables show it: ``error (expected)`` for an expected failure."""
+    expected = is_expected_failure(row["verdict"], row.get("expected_failure"))
+    return f"{row['verdict']} (expected)" if expected else str(row["verdict"])
 
 
 def sort_failing(cases: pd.DataFrame) -> pd.DataFrame:
-    """Cases that did not pass, worst first: crashes, timeouts, errors, then failures by ratio."""
+    """Cases that did not pass, worst first: crashes, timeouts, errors, then failures by ratio; the
+    expected failures after all the others, in the same order."""
     bad = cases[cases["verdict"] != "pass"]
     return bad.assign(
-        _sev=bad["verdict"].map(SEVERITY), _ratio=-bad["worst_ratio"].astype(float).fillna(-math.inf)
-    ).sort_values(["_sev", "_ratio", "full_id"], kind="stable").drop(columns=["_sev", "_ratio"])
+        _exp=expected_failures(bad), _sev=bad["verdict"].map(SEVERITY), _ratio=-bad["worst_ratio"].astype(float).fillna(-math.inf)
+    ).sort_values(["_exp", "_sev", "_ratio", "full_id"], kind="stable").drop(columns=["_exp", "_sev", "_ratio"])
 
 
 @dataclass
@@ -333,7 +386,8 @@ def marginals(frame: pd.DataFrame, axes: Sequence[str] = MARGINAL_AXES) -> dict[
             row: dict[str, Any] = {axis: value}
             for engine in engines:
                 stats = CellStats.of(cases[cases["engine"] == engine])
-                row[engine] = f"{stats.passed}/{stats.total}" if stats.total or stats.unsupported else ""
+                expected = f" +{stats.expected}x" if stats.expected else ""  # unsupported: their own column
+                row[engine] = f"{stats.passed}/{stats.total}{expected}" if stats.total or stats.expected or stats.unsupported else ""
             overall = CellStats.of(cases)
             row["unsupported"] = overall.unsupported
             row["worst ratio"] = fmt_ratio(overall.worst_ratio)
@@ -358,6 +412,8 @@ class MatrixSummary:
     worst_ratio: float | None
     #: file name of its heatmap inside the report directory.
     heatmap: str
+    #: expected failures (``is_expected_failure``), in neither ``total`` nor ``errored``.
+    expected: int = 0
 
 
 @dataclass
@@ -382,11 +438,21 @@ class Summary:
     attribution: list[dict[str, Any]] = field(default_factory=list)
     #: ``reports.scope.RunScope.to_dict`` of a run that did not run its whole selection; None when whole or unknown.
     scope: dict[str, Any] | None = None
+    #: cases that did not pass, as their suite expected (``is_expected_failure``); also in ``verdicts``.
+    expected_failures: int = 0
+    #: cases expected to fail that passed (a known bug gone: the strict expectation now fails the run).
+    unexpected_passes: int = 0
+
+    @property
+    def ran(self) -> int:
+        """Cases held to a pass: those that ran, less the expected failures."""
+        return sum(self.verdicts.values()) - self.verdicts.get("unsupported", 0) - self.expected_failures
 
     @property
     def ok(self) -> bool:
-        """Every case that ran passed and every input line was readable."""
-        return not self.bad_lines and all(self.verdicts.get(v, 0) == 0 for v in ("fail", "flaky", *ERRORED))
+        """Every case that ran passed or failed as expected, and every input line was readable."""
+        failing = sum(self.verdicts.get(v, 0) for v in ("fail", "flaky", *ERRORED))
+        return not self.bad_lines and failing == self.expected_failures
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -416,13 +482,15 @@ def summarize(
         superseded=superseded,
         bad_lines=list(bad_lines),
         runs=runs,
+        expected_failures=int(expected_failures(frame).sum()) if not frame.empty else 0,
+        unexpected_passes=len(unexpected_passes(frame)),
         matrices=[
             MatrixSummary(
                 engine=m.engine, reference=m.reference, model=m.model,
                 passed=m.totals.passed, total=m.totals.total, unsupported=m.totals.unsupported,
                 errored=m.totals.errored,
                 worst_ratio=None if math.isnan(m.totals.worst_ratio) else m.totals.worst_ratio,
-                heatmap=f"heatmap_{m.slug}.png",
+                heatmap=f"heatmap_{m.slug}.png", expected=m.totals.expected,
             )
             for m in matrices
         ],

@@ -44,9 +44,16 @@ STATUS_COLOURS = {
     "fail_no_ratio": "#d73027",  # failed on something other than a numeric error (e.g. a dtype check)
     "unsupported": "#bdbdbd",
     "flaky": "#f781bf",  # runs disagreed: failed in some, never a pass
+    # every case that ran failed as its suite expected (a known engine bug): not new breakage, not a pass
+    "expected": "#b2abd2",
     "empty": "#ffffff",
 }
-STATUS_ICONS = {"pass": "✅", "fail": "❌", "flaky": "🎲", "error": "💥", "unsupported": "➖", "empty": ""}
+STATUS_ICONS = {"pass": "✅", "fail": "❌", "flaky": "🎲", "error": "💥", "expected": "🐛", "unsupported": "➖", "empty": ""}
+#: what the pages say of expected failures and of cases expected to fail that passed.
+EXPECTED_NOTE = ("A verdict marked *(expected)* is an expected failure: a known engine bug its suite holds as a strict "
+                 "expectation (the reason after *expected*); listed after the others, not counted against the cells.")
+EXPECTED_PASS_NOTE = ("These cases passed although their suite expects them to fail: the bug may be fixed. The strict "
+                      "expectation fails the pytest run until it is removed from the suite.")
 #: failing cases listed per cell in HTML and in total in Markdown; the rest are counted.
 MAX_LISTED = 50
 #: what a reason may take in a table cell, a cell's pop-up and the Markdown table; more is clipped
@@ -67,9 +74,9 @@ def clip(text: str, limit: int) -> tuple[str, bool]:
 
 
 def cell_colour(stats: CellStats) -> str:
-    """The hex colour of a cell."""
+    """The hex colour of a cell; expected failures beside passes leave it coloured by the passes' ratio."""
     status = stats.status
-    if status in ("error", "flaky", "unsupported", "empty"):
+    if status in ("error", "flaky", "expected", "unsupported", "empty"):
         return STATUS_COLOURS[status]
     ratio = stats.worst_ratio
     if math.isnan(ratio):
@@ -89,6 +96,25 @@ def _text_colour(background: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # Shared by the Markdown and HTML writers
+
+
+def headline(summary: Summary) -> str:
+    """``Parity report: 415/415 cases pass, 8 expected failures``: the title of both pages."""
+    text = f"Parity report: {summary.verdicts.get('pass', 0)}/{summary.ran} cases pass"
+    if summary.expected_failures:
+        text += f", {summary.expected_failures} expected failure(s)"
+    if summary.unexpected_passes:
+        text += f", {summary.unexpected_passes} expected to fail passed"
+    return text
+
+
+def verdict_line(summary: Summary) -> str:
+    """``pass: 415, error: 8, unsupported: 48; 8 of those that did not pass expected (known engine bugs,
+    strict)``: the cases per verdict."""
+    text = ", ".join(f"{name}: {count}" for name, count in summary.verdicts.items() if count) or "no cases"
+    if summary.expected_failures:
+        text += f"; {summary.expected_failures} of those that did not pass expected (known engine bugs, strict)"
+    return text
 
 
 def run_lines(summary: Summary) -> list[str]:
@@ -145,9 +171,11 @@ def heatmap_figure(m: ParityMatrix) -> Figure:
                 continue
             if stats.status == "unsupported":
                 text = "unsup"
+            elif stats.status == "expected":
+                text = f"xfail\n{stats.expected}"
             else:
                 detail = stats.worst_verdict if stats.status in ("error", "flaky") else fmt_ratio(stats.worst_ratio)
-                text = f"{stats.passed}/{stats.total}\n{detail}"
+                text = f"{stats.passed}/{stats.total}\n{detail}" + (f"\n+{stats.expected}x" if stats.expected else "")
             ax.text(j, i, text, ha="center", va="center", fontsize=7.5,
                     color=_text_colour(cell_colour(stats)), linespacing=1.15)
     ax.set_yticks(range(n_rows), labels=m.rows, fontsize=9)
@@ -180,6 +208,7 @@ def heatmap_figure(m: ParityMatrix) -> Figure:
         Patch(facecolor=STATUS_COLOURS["fail_no_ratio"], edgecolor="black", label="failed (no numeric error)"),
         Patch(facecolor=STATUS_COLOURS["error"], edgecolor="black", label="error / timeout / crash"),
         Patch(facecolor=STATUS_COLOURS["flaky"], edgecolor="black", label="flaky (runs disagree)"),
+        Patch(facecolor=STATUS_COLOURS["expected"], edgecolor="black", label="expected failures (+Nx)"),
         Patch(facecolor=STATUS_COLOURS["unsupported"], edgecolor="black", label="unsupported"),
         Patch(facecolor=STATUS_COLOURS["empty"], edgecolor="black", label="no cases"),
     ]

@@ -16,9 +16,14 @@ from reports import resume_matrix
 from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.grid import Grid, GridCell, GridRow, GridSection
-from reports.matrix import CellStats, ParityMatrix, Summary, fmt_ratio, sort_failing
+from reports.matrix import (
+    COUNT_LEGEND, CellStats, ParityMatrix, Summary, expected_failures, fmt_ratio, shown_verdict, sort_failing, unexpected_passes,
+)
 from reports.page import banner_html, esc, page
-from reports.render import REASON_CHARS, STATUS_COLOURS, _text_colour, cell_colour, clip, run_lines
+from reports.render import (
+    EXPECTED_NOTE, EXPECTED_PASS_NOTE, REASON_CHARS, STATUS_COLOURS, _text_colour, cell_colour, clip, headline, run_lines,
+    verdict_line,
+)
 
 #: failing cases listed per cell and in the failing-cases table; the rest are counted.
 MAX_LISTED = 50
@@ -117,9 +122,12 @@ def _cell_style(cell: GridCell) -> str:
 
 
 def _reason_html(row: pd.Series, where: str) -> str:
-    """A case's reason, clipped for ``where`` (``REASON_CHARS``) with a link to the whole one on its page."""
+    """A case's reason, clipped for ``where`` (``REASON_CHARS``) with a link to the whole one on its page;
+    an expected failure's expectation after it."""
     text, cut = clip(str(row["reason"]), REASON_CHARS[where])
     more = f' <a class="whole-reason" href="{esc(case_href(row["full_id"]))}">(whole reason)</a>' if cut else ""
+    if shown_verdict(row) != row["verdict"]:
+        more += f'<br><i>expected:</i> {esc(clip(str(row["expected_failure"]), REASON_CHARS[where])[0])}'
     return esc(text) + more
 
 
@@ -127,9 +135,9 @@ def _case_list(bad: pd.DataFrame) -> str:
     items = []
     for _, r in bad.head(MAX_LISTED).iterrows():
         ratio = f" {esc(fmt_ratio(r['worst_ratio']))}" if not math.isnan(r["worst_ratio"]) else ""
-        items.append(f'<li><a href="{esc(case_href(r["full_id"]))}"><b>{esc(r["verdict"])}</b>{ratio} '
+        items.append(f'<li><a href="{esc(case_href(r["full_id"]))}"><b>{esc(shown_verdict(r))}</b>{ratio} '
                      f'<code>{esc(r["case_id"])}</code></a>'
-                     + (f": {_reason_html(r, 'popup')}" if r["reason"] else "") + "</li>")
+                     + (f": {_reason_html(r, 'popup')}" if r["reason"] or shown_verdict(r) != r["verdict"] else "") + "</li>")
     if len(bad) > MAX_LISTED:
         items.append(f"<li>… and {len(bad) - MAX_LISTED} more</li>")
     return f'<ul style="color:#222;background:#fff">{"".join(items)}</ul>'
@@ -146,9 +154,12 @@ def _grid_cell(section: GridSection, row: GridRow, precision: str, prefetch: str
         text = "" if state == "absent" else esc(STATE_LABELS[state]) + (f"<br>{n}" if n else "")
         return f'<td class="cell {state}" style="{style}" title="{esc(label)}">{text}</td>'
     s = cell.stats
-    detail = s.worst_verdict if s.status in ("error", "flaky") else fmt_ratio(s.worst_ratio)
     extra = (f"<br>+{s.unsupported}u" if s.unsupported else "") + (f"<br>+{cell.not_run} not run" if cell.not_run else "")
-    label = f"{s.passed}/{s.total}<br>{esc(detail)}{extra}"
+    if state == "expected":
+        label = f"expected<br>{s.expected}x{extra}"
+    else:
+        detail = s.worst_verdict if s.status in ("error", "flaky") else fmt_ratio(s.worst_ratio)
+        label = f"{s.passed}/{s.total}<br>{esc(detail)}{f'<br>+{s.expected}x' if s.expected else ''}{extra}"
     bad = sort_failing(section.cell_cases(row, precision, prefetch))
     if bad.empty:
         return f'<td class="cell {state}" style="{style}">{label}</td>'
@@ -189,7 +200,7 @@ def _filters(grid: Grid) -> str:
         return f'<label>{esc(label)} <select id="{ident}"><option value="">all</option>{opts}</select></label>'
 
     verdicts = [("fail", "with a failure"), ("error", "with an error/timeout/crash"), ("pass", "with a pass"),
-                ("unsupported", "with unsupported"), ("not_run", "with not run"), ("absent", "with not in matrix")]
+                ("expected", "with only expected failures"), ("unsupported", "with unsupported"), ("not_run", "with not run"), ("absent", "with not in matrix")]
     return ('<div class="filters">' + select("f-engine", "engine", [(e, e) for e in grid.engines])
             + select("f-model", "model", [(m, m) for m in grid.models])
             + select("f-verdict", "rows", verdicts) + ' <span id="f-count"></span></div>')
@@ -203,11 +214,17 @@ def legend_html() -> str:
         ("failed, no numeric error", f"background:{STATUS_COLOURS['fail_no_ratio']};color:#fff"),
         ("error / timeout / crash", f"background:{STATUS_COLOURS['error']};color:#fff"),
         ("flaky: runs disagree", f"background:{STATUS_COLOURS['flaky']};color:#000"),
+        ("expected: every case that ran failed as expected (known engine bug)", f"background:{STATUS_COLOURS['expected']};color:#000"),
         ("unsupported: the engine refused every case", STATE_STYLES["unsupported"]),
         ("not run: selected, left out (budget)", STATE_STYLES["not_run"]),
         ("not in the matrix: no such case generated", STATE_STYLES["absent"]),
     ]
     return '<p class="legend">' + "".join(f'<span style="{s}">{esc(n)}</span>' for n, s in samples) + "</p>"
+
+
+def _code(markdown: str) -> str:
+    """Markdown's `code` spans as HTML."""
+    return "".join(f"<code>{esc(part)}</code>" if i % 2 else esc(part) for i, part in enumerate(markdown.split("`")))
 
 
 def attribution_html(attributions: Sequence[Attribution]) -> str:
@@ -236,15 +253,30 @@ def failing_table_html(frame: pd.DataFrame) -> str:
     failing = sort_failing(frame[frame["verdict"] != "unsupported"]) if not frame.empty else frame
     if failing.empty:
         return "<p>Every case that ran passed.</p>"
+    note = f"<p>{esc(EXPECTED_NOTE).replace('*', '')}</p>" if expected_failures(failing).any() else ""
     rows = "".join(
-        f'<tr><td>{esc(r["verdict"])}</td><td class="left"><a href="{esc(case_href(r["full_id"]))}"><code>{esc(r["full_id"])}</code></a></td>'
+        f'<tr><td>{esc(shown_verdict(r))}</td><td class="left"><a href="{esc(case_href(r["full_id"]))}"><code>{esc(r["full_id"])}</code></a></td>'
         f'<td>{esc(fmt_ratio(r["worst_ratio"]))}</td><td class="left">{esc(r["worst_quantity"])}</td>'
         f'<td class="left">{_reason_html(r, "table")}</td></tr>'
         for _, r in failing.head(MAX_FAILING_TABLE).iterrows()
     )
     more = f"<p>… and {len(failing) - MAX_FAILING_TABLE} more in results.csv.</p>" if len(failing) > MAX_FAILING_TABLE else ""
-    return ("<table><tr><th>verdict</th><th>case</th><th>ratio</th><th>quantity</th><th>reason</th></tr>"
+    return (f"{note}<table><tr><th>verdict</th><th>case</th><th>ratio</th><th>quantity</th><th>reason</th></tr>"
             f"{rows}</table>{more}")
+
+
+def expected_passes_html(frame: pd.DataFrame) -> str:
+    """The cases that passed although their suite expected them to fail ("" for none)."""
+    passed = unexpected_passes(frame)
+    if passed.empty:
+        return ""
+    rows = "".join(
+        f'<tr><td class="left"><a href="{esc(case_href(r["full_id"]))}"><code>{esc(r["full_id"])}</code></a></td>'
+        f'<td class="left">{esc(clip(str(r["expected_failure"]), REASON_CHARS["table"])[0])}</td></tr>'
+        for _, r in passed.head(MAX_FAILING_TABLE).iterrows()
+    )
+    return (f'<h2 id="expected-passed">Expected to fail, passed ({len(passed)})</h2><p>{esc(EXPECTED_PASS_NOTE)}</p>'
+            f"<table><tr><th>case</th><th>expected to fail because</th></tr>{rows}</table>")
 
 
 def html_page(
@@ -253,8 +285,6 @@ def html_page(
     banner: str = "", links: Mapping[str, str] | None = None,
 ) -> str:
     """The whole main page. ``links``: label -> relative path of related files (diff, Markdown ...)."""
-    v = summary.verdicts
-    ran = sum(v.values()) - v.get("unsupported", 0)
     frame = frame if frame is not None else pd.DataFrame()
     toc = [("attribution", "Failure attribution"), ("grid", "Comparison grid")]
     if grid is not None:
@@ -262,8 +292,8 @@ def html_page(
     toc += [("failing", "Cases that did not pass"), ("unsupported", "Unsupported"), ("axes", "Per axis"), ("heatmaps", "Heatmaps")]
     parts = [
         banner_html(banner),
-        f"<h1>Parity report: {v.get('pass', 0)}/{ran} cases pass</h1>",
-        "<p>" + esc(", ".join(f"{k}: {n}" for k, n in v.items() if n) or "no cases") + "</p>",
+        f"<h1>{esc(headline(summary))}</h1>",
+        "<p>" + esc(verdict_line(summary)) + "</p>",
         "<ul>" + "".join(f"<li>{esc(line[2:])}</li>" for line in run_lines(summary)) + "</ul>",
     ]
     if links:
@@ -286,7 +316,7 @@ def html_page(
                  "conjunctions of axis values that match the failing cases and no passing case.</p>"
                  + attribution_html(attributions))
     parts.append('<h2 id="grid">Comparison grid</h2><p>Cells: passed/total, then the worst error relative to '
-                 "tolerance (≤ 1 is within tolerance) or the worst verdict; <code>+Nu</code>: N unsupported. "
+                 f"tolerance (≤ 1 is within tolerance) or the worst verdict; {_code(COUNT_LEGEND)}. "
                  "Every engine has its own row under the same columns. Click a cell to list the cases that did "
                  "not pass; each links to its page.</p>")
     parts.append(legend_html())
@@ -294,6 +324,7 @@ def html_page(
         parts.append(_filters(grid) + grid_html(grid))
     parts.append(resume_matrix.html_section(frame))
     parts.append(f'<h2 id="failing">Cases that did not pass</h2>{failing_table_html(frame)}')
+    parts.append(expected_passes_html(frame))
     unsupported = frame[frame["verdict"] == "unsupported"] if not frame.empty else frame
     parts.append(f'<h2 id="unsupported">Unsupported ({len(unsupported)})</h2>')
     if len(unsupported):

@@ -1,8 +1,9 @@
 """The report as GitHub-flavoured Markdown (matrix.md, small enough for a CI job summary).
 
 Top to bottom: the partial-run banner, the verdict counts, links (HTML page, diff), the failure
-attribution, the cases that did not pass (each linking to its page), one table per engine x reference
-x model, the unsupported cases by reason, and the per-axis tables.
+attribution, the checkpoint tables, the cases that did not pass (each linking to its page; the expected
+failures last, marked ``(expected)`` with their expectation), the cases expected to fail that passed, one
+table per engine x reference x model, the unsupported cases by reason, and the per-axis tables.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from tabulate import tabulate
 from reports import resume_matrix
 from reports.attribution import Attribution
 from reports.case_page import case_href
-from reports.matrix import ParityMatrix, Summary, cell_label, fmt_ratio, sort_failing
-from reports.render import MAX_LISTED, REASON_CHARS, STATUS_ICONS, clip, run_lines
+from reports.matrix import (
+    COUNT_LEGEND, ParityMatrix, Summary, cell_label, expected_failures, fmt_ratio, shown_verdict, sort_failing, unexpected_passes,
+)
+from reports.render import (
+    EXPECTED_NOTE, EXPECTED_PASS_NOTE, MAX_LISTED, REASON_CHARS, STATUS_ICONS, clip, headline, run_lines, verdict_line,
+)
 
 
 def _bad_lines(summary: Summary) -> list[str]:
@@ -41,20 +46,29 @@ def attribution_lines(attributions: Sequence[Attribution]) -> list[str]:
     return lines
 
 
+def expected_passes_lines(frame: pd.DataFrame) -> list[str]:
+    """The cases that passed although their suite expected them to fail, with the expectation ([] for none)."""
+    passed = unexpected_passes(frame)
+    if passed.empty:
+        return []
+    rows = [[f"[{r['full_id']}]({case_href(r['full_id'])})", clip(str(r["expected_failure"]), REASON_CHARS["markdown"])[0]]
+            for _, r in passed.head(MAX_LISTED).iterrows()]
+    return ["", f"## Expected to fail, passed ({len(passed)})", "", EXPECTED_PASS_NOTE, "",
+            tabulate(rows, headers=["case", "expected to fail because"], tablefmt="github", disable_numparse=True)]
+
+
 def markdown(
     summary: Summary, matrices: Sequence[ParityMatrix], marginal_tables: Mapping[str, pd.DataFrame], frame: pd.DataFrame,
     *, attributions: Sequence[Attribution] = (), banner: str = "", links: Mapping[str, str] | None = None,
     pages: set[str] | None = None,
 ) -> str:
     """The whole report. ``pages``: full ids that have a case page (linked); None links every failing case."""
-    v = summary.verdicts
-    ran = sum(v.values()) - v.get("unsupported", 0)
     head = "✅" if summary.ok else "❌"
     lines = [f"> ⚠️ **{banner}**", ""] if banner else []
     lines += [
-        f"# {head} Parity report: {v.get('pass', 0)}/{ran} cases pass",
+        f"# {head} {headline(summary)}",
         "",
-        ", ".join(f"{name}: {count}" for name, count in v.items() if count) or "no cases",
+        verdict_line(summary),
         "",
         *run_lines(summary),
     ]
@@ -70,7 +84,10 @@ def markdown(
     lines += resume_matrix.markdown_lines(frame)
     failing = sort_failing(frame[frame["verdict"] != "unsupported"]) if not frame.empty else frame
     if len(failing):
-        lines += ["", f"## Cases that did not pass ({len(failing)})", ""]
+        n_expected = int(expected_failures(failing).sum())
+        lines += ["", f"## Cases that did not pass ({len(failing)}{f', {n_expected} expected' if n_expected else ''})", ""]
+        if n_expected:
+            lines += [f"{EXPECTED_NOTE}", ""]
         rows = []
         for _, r in failing.head(MAX_LISTED).iterrows():
             paged = pages is None or r["full_id"] in pages
@@ -78,12 +95,16 @@ def markdown(
             reason, cut = clip(str(r["reason"]), REASON_CHARS["markdown"])
             if cut:
                 reason += f" ([whole reason]({case_href(r['full_id'])}))" if paged else " (whole reason in results.csv)"
-            rows.append([r["verdict"], case, fmt_ratio(r["worst_ratio"]), r["worst_quantity"], reason])
+            verdict = shown_verdict(r)
+            if verdict != r["verdict"]:
+                reason += " · **expected:** " + clip(str(r["expected_failure"]), REASON_CHARS["markdown"])[0]
+            rows.append([verdict, case, fmt_ratio(r["worst_ratio"]), r["worst_quantity"], reason])
         lines.append(tabulate(rows, headers=["verdict", "case", "ratio", "quantity", "reason"], tablefmt="github", disable_numparse=True))
         if len(failing) > MAX_LISTED:
             lines.append(f"\n… and {len(failing) - MAX_LISTED} more (see matrix.html or results.csv)")
+    lines += expected_passes_lines(frame)
     lines += ["", "Cells: passed/total · worst error relative to tolerance (≤ 1 is within tolerance); "
-              "`+Nu`: N unsupported. Columns: precision, then backward prefetch."]
+              f"{COUNT_LEGEND}. Columns: precision, then backward prefetch."]
     for m in matrices:
         t = m.totals
         lines += ["", f"## {m.title}: {t.passed}/{t.total} pass, worst ratio {fmt_ratio(t.worst_ratio)}", ""]

@@ -1,7 +1,8 @@
 """The checkpoint side of a report: pure tables over a ``latest`` frame (one row per case), no files.
 
 - ``checkpoint_table``: the checkpoint column group, engines as rows and (checkpoint type, optimizer)
-  as two-level columns, each cell ``passed/total`` of the cases that save there (``+Nu`` unsupported).
+  as two-level columns, each cell ``passed/total`` of the cases that save there (``+Nx`` expected
+  failures and ``+Nu`` unsupported counted apart, as in a matrix cell: ``reports.matrix.COUNT_LEGEND``).
 - ``resume_matrices``: per state-dict type, saved-by x loaded-by (the diagonal is an engine resuming its
   own checkpoint, off it cross-engine resume); a cell where nothing ran but something was refused says
   ``unsupported`` with the first reason.
@@ -16,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from harness.case import LOOP_SEGMENTS
-from reports.matrix import CellStats, ordered
+from reports.matrix import COUNT_LEGEND, CellStats, ordered
 
 __all__ = ["checkpoint_table", "html_section", "markdown_lines", "resume_matrices", "resume_suffix"]
 
@@ -51,12 +52,11 @@ def _label(cases: pd.DataFrame) -> str:
     if cases.empty:
         return ""
     stats = CellStats.of(cases)
-    if stats.total == 0:
+    if stats.status == "unsupported":
         reason = str(cases["reason"].iloc[0])
         short = reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…"
         return f"unsupported: {short}"
-    label = f"{stats.passed}/{stats.total}"
-    return label + (f" +{stats.unsupported}u" if stats.unsupported else "")
+    return f"{stats.passed}/{stats.total}{stats.count_suffix}"
 
 
 def checkpoint_table(frame: pd.DataFrame) -> pd.DataFrame | None:
@@ -101,7 +101,7 @@ def markdown_lines(frame: pd.DataFrame) -> list[str]:
     if table is None:
         return []
     lines = ["", "## Checkpoints: save half-way, resume, compare", "",
-             "Cells: passed/total; `+Nu`: N unsupported. Columns: checkpoint type, then optimizer."]
+             f"Cells: passed/total; {COUNT_LEGEND}. Columns: checkpoint type, then optimizer."]
     headers = ["engine"] + [f"{c}<br>{o}" for c, o in table.columns]
     rows = [[engine, *row] for engine, row in zip(table.index, table.values.tolist())]
     lines += ["", tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)]
