@@ -247,6 +247,11 @@ class CellStats:
         )
 
     @property
+    def pass_text(self) -> str:
+        """``20/20 pass, 4 expected failure(s)``: a matrix's totals in its heading."""
+        return f"{self.passed}/{self.total} pass" + (f", {self.expected} expected failure(s)" if self.expected else "")
+
+    @property
     def count_suffix(self) -> str:
         """`` +8x +2u``: the expected failures and unsupported cases counted apart ("" for none)."""
         return (f" +{self.expected}x" if self.expected else "") + (f" +{self.unsupported}u" if self.unsupported else "")

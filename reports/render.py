@@ -193,7 +193,7 @@ def heatmap_figure(m: ParityMatrix) -> Figure:
     top.set_xticks(centres, labels=m.precisions, fontsize=8.5)
     top.tick_params(length=0)
     t = m.totals
-    ax.set_title(f"{m.title}: {t.passed}/{t.total} pass, worst ratio {fmt_ratio(t.worst_ratio)}",
+    ax.set_title(f"{m.title}: {t.pass_text}, worst ratio {fmt_ratio(t.worst_ratio)}",
                  fontsize=11, pad=22)
 
     mappable = ScalarMappable(norm=RATIO_NORM, cmap=RATIO_CMAP)

@@ -335,5 +335,6 @@ def html_page(
         parts.append(table.to_html(escape=True, border=0))
     parts.append('<h2 id="heatmaps">Heatmaps</h2><ul>' + "".join(
         f'<li><a href="{esc(ms.heatmap)}">{esc(ms.engine)} vs {esc(ms.reference)} · {esc(ms.model)}</a>: '
-        f"{ms.passed}/{ms.total} pass</li>" for ms in summary.matrices) + "</ul>")
+        f"{ms.passed}/{ms.total} pass{f', {ms.expected} expected failure(s)' if ms.expected else ''}</li>"
+        for ms in summary.matrices) + "</ul>")
     return page("Parity report", "\n".join(p for p in parts if p), script=FILTER_JS, css=GRID_CSS)

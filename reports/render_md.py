@@ -107,7 +107,7 @@ def markdown(
               f"{COUNT_LEGEND}. Columns: precision, then backward prefetch."]
     for m in matrices:
         t = m.totals
-        lines += ["", f"## {m.title}: {t.passed}/{t.total} pass, worst ratio {fmt_ratio(t.worst_ratio)}", ""]
+        lines += ["", f"## {m.title}: {t.pass_text}, worst ratio {fmt_ratio(t.worst_ratio)}", ""]
         headers = ["strategy"] + [f"{p}<br>{b}" for p, b in m.columns]
         rows = []
         for s in m.rows:

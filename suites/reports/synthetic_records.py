@@ -11,7 +11,8 @@ from harness.records import CaseRecord, QuantityError, RunInfo
 RUN = RunInfo(run_id="20260101-000000-abcdef", host="ci", torch_version="2.13.0", backend="gloo", git_rev="0" * 40)
 
 
-def record(case: CaseConfig, verdict: str = "pass", ratio: float | None = 0.2, reason: str = "", time: float = 1.0) -> CaseRecord:
+def record(case: CaseConfig, verdict: str = "pass", ratio: float | None = 0.2, reason: str = "", time: float = 1.0,
+           expected_failure: str | None = None) -> CaseRecord:
     errors = []
     if ratio is not None:
         errors = [
@@ -21,7 +22,7 @@ def record(case: CaseConfig, verdict: str = "pass", ratio: float | None = 0.2, r
     if verdict != "pass" and not reason:
         reason = f"{verdict}: synthetic"
     return CaseRecord(case=case.to_dict(), case_id=case.case_id, verdict=verdict, reason=reason,
-                      run=RUN, time=time, errors=errors, wall_s=0.5)
+                      run=RUN, time=time, errors=errors, wall_s=0.5, expected_failure=expected_failure)
 
 
 def mixed_records(seed: int = 0) -> list[CaseRecord]:

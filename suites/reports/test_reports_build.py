@@ -17,9 +17,10 @@ from synthetic_records import RUN, mixed_records, record
 import reports
 from harness.case import CaseConfig
 from harness.collector import read_records
+from harness.records import CaseRecord
 from reports.__main__ import main
 from reports.case_page import case_href, case_slug
-from reports.matrix import CellStats, cell_label, latest, marginals, parity_matrices, records_frame
+from reports.matrix import CellStats, cell_label, latest, marginals, parity_matrices, records_frame, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -265,3 +266,73 @@ def test_heatmap_column_labels_never_overlap() -> None:
     for axis in (fig.axes[0].xaxis, *(child.xaxis for child in fig.axes[0].child_axes)):
         boxes = sorted((t.get_window_extent(renderer) for t in axis.get_ticklabels() if t.get_text()), key=lambda b: b.x0)
         assert boxes and all(not a.overlaps(b) for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in axis.get_ticklabels()]
+
+
+# --- expected failures -------------------------------------------------------------------------------
+
+KNOWN = "torch FSDP1's LOCAL_STATE_DICT under hybrid sharding is broken"
+
+
+def test_expected_failures_are_counted_apart_and_do_not_fail_the_cell() -> None:
+    a, b, c, d = cell_cases(4)
+    frame = records_frame([record(a, "pass", 0.5), record(b, "pass", 0.5), record(d, "unsupported", None),
+                           record(c, "error", None, expected_failure=KNOWN)])
+    stats = CellStats.of(frame)
+    assert (stats.passed, stats.errored, stats.expected, stats.total, stats.status) == (2, 0, 1, 2, "pass")
+    assert cell_label(stats) == "2/2 · 0.5 +1x +1u"
+    # Only expected failures ran: a state of its own, neither a pass nor breakage.
+    only = CellStats.of(records_frame([record(c, "error", None, expected_failure=KNOWN)]))
+    assert (only.status, only.worst_verdict, cell_label(only)) == ("expected", "error", "expected failure (1)")
+    # The same failure without the expectation is breakage; a pass carrying it is a plain pass.
+    assert CellStats.of(records_frame([record(a, "pass", 0.5), record(c, "error", None)])).status == "error"
+    assert CellStats.of(records_frame([record(a, "pass", 0.5, expected_failure=KNOWN)])).status == "pass"
+
+
+def test_a_record_written_before_expected_failure_reads_as_expecting_a_pass() -> None:
+    old = record(CaseConfig(), "fail", 3.0).to_dict()
+    del old["expected_failure"]
+    assert CaseRecord.from_dict(old).expected_failure is None
+    assert records_frame([CaseRecord.from_dict(old)])["expected_failure"].tolist() == [""]
+
+
+def test_the_report_marks_expected_failures_and_shows_expected_ones_that_passed(tmp_path: Path) -> None:
+    expected, fixed, good, broken = cell_cases(4, checkpoint="local", sharding_strategy="hybrid_shard")
+    results = write_results(tmp_path / "r.jsonl", [
+        record(expected, "error", None, reason="Global rank 0 does not exist", expected_failure=KNOWN),
+        record(fixed, "pass", 0.1, expected_failure=KNOWN),
+        record(good, "pass", 0.1),
+        record(broken, "fail", 30.0),
+    ])
+    summary = reports.build(results, tmp_path / "out")
+    on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (on_disk["expected_failures"], on_disk["unexpected_passes"], on_disk["verdicts"]["error"]) == (1, 1, 1)
+    assert on_disk["matrices"][0]["expected"] == 1 and on_disk["ok"] is False, "the unexpected fail still counts"
+    assert summary.ran == 3
+
+    md = (tmp_path / "out" / "matrix.md").read_text()
+    assert "Parity report: 2/3 cases pass, 1 expected failure(s), 1 expected to fail passed" in md
+    assert "## Cases that did not pass (2, 1 expected)" in md
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    failing = [r for r in rows if "Global rank 0" in r or "fail: synthetic" in r]
+    assert len(failing) == 2 and "error (expected)" in failing[1] and f"**expected:** {KNOWN}" in failing[1], (
+        "the expected failure is listed last, marked, with its expectation next to its reason"
+    )
+    assert "| fail " in failing[0] and "expected" not in failing[0]
+    assert "## Expected to fail, passed (1)" in md and fixed.case_id in md
+    assert "2/3 · 30 +1x" in md and "`+Nx`: N expected failures" in md
+    assert "2/3 +1x" in md, "the checkpoint table counts it apart too"
+
+    html = (tmp_path / "out" / "matrix.html").read_text()
+    assert "<td>error (expected)</td>" in html and f"<i>expected:</i> {KNOWN}" in html.replace("&#x27;", "'")
+    assert "Expected to fail, passed (1)" in html and "<br>+1x" in html
+    fixed_page = (tmp_path / "out" / case_href(fixed.full_id)).read_text().replace("&#x27;", "'")
+    assert f"Expected to fail, passed:</b> {KNOWN}" in fixed_page
+    expected_page = (tmp_path / "out" / case_href(expected.full_id)).read_text().replace("&#x27;", "'")
+    assert f"not new breakage): {KNOWN}" in expected_page
+
+
+def test_a_run_whose_only_failures_are_expected_is_ok() -> None:
+    a, b = cell_cases(2)
+    frame = latest(records_frame([record(a, "pass", 0.1), record(b, "crash", None, expected_failure=KNOWN)]))[0]
+    summary = summarize(frame, parity_matrices(frame), out_dir="", inputs=[], superseded=0, bad_lines=[])
+    assert summary.ok and summary.expected_failures == 1 and summary.ran == 1
