@@ -175,3 +175,15 @@ def test_an_intermittent_failure_is_located_by_the_settings_its_failures_share(t
     reports.build(write_results(tmp_path / "r.jsonl", records), tmp_path / "out")
     assert "share `no_shard & offload & orig`" in (tmp_path / "out" / "matrix.md").read_text()
     assert "share <code>no_shard &amp; offload &amp; orig</code>" in (tmp_path / "out" / "matrix.html").read_text()
+
+
+def test_expected_failures_take_no_side() -> None:
+    """Known engine bugs carry their own reason: they neither need a term nor stop one from separating."""
+    cases = _full()
+    frame = _frame(cases, _no_shard_offload_orig)
+    known = [i for i, c in enumerate(cases) if c.sharding_strategy == "full_shard" and c.cpu_offload]
+    frame.loc[known, "verdict"] = "error"
+    frame.loc[known, "expected_failure"] = "a known bug"
+    (a,) = attribute(frame)
+    assert [t.text for t in a.terms] == ["no_shard & offload & orig"] and not a.unexplained
+    assert a.failing == sum(map(_no_shard_offload_orig, cases))

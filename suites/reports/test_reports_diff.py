@@ -218,3 +218,24 @@ def test_an_output_or_option_that_cannot_work_is_one_line_and_exit_2(
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and "usage:" not in err
     assert (tmp_path / "file").read_text() == "not a report directory\n"
+
+
+def test_an_expected_failure_is_never_a_regression_and_an_expected_pass_is_a_visible_fix() -> None:
+    known = "a known engine bug"
+    old = frame([record(C[0], "pass", 0.1), record(C[1], "error", None, expected_failure=known),
+                 record(C[2], "pass", 0.1)])
+    new = frame([
+        record(C[0], "crash", None, expected_failure=known),  # now expected to fail, and failing
+        record(C[1], "pass", 0.1, expected_failure=known),     # the bug went away
+        record(C[2], "fail", 5.0),                              # breakage
+        record(C[3], "timeout", None, expected_failure=known),  # a new case, failing as expected
+    ])
+    result = diff_frames(old, new)
+    assert kinds_and_whats(result) == [
+        ("regression", "pass → fail", C[2].full_id),
+        ("fix", "error → pass (was expected to fail)", C[1].full_id),
+        ("new", "new case, timeout (expected)", C[3].full_id),
+        ("changed", "pass → crash (expected)", C[0].full_id),
+    ]
+    assert result.new_failing == [] and result.exit_code == 1
+    assert diff_frames(old, new[new["full_id"] != C[2].full_id]).exit_code == 0

@@ -143,3 +143,15 @@ def test_a_banner_belongs_only_to_the_results_of_its_own_selection(tmp_path: Pat
     state = json.loads((d / "nightly.json").read_text())
     (d / "nightly.json").write_text(json.dumps({**state, "selection": {"id": "another-night"}}))
     assert load(d / "results.jsonl").scope is None
+
+
+def test_expected_failures_leave_a_cell_passing_or_give_it_its_own_state() -> None:
+    known = "a known engine bug"
+    frame = records_frame([
+        record(CaseConfig(sharding_strategy="full_shard"), "pass", 0.1),
+        record(CaseConfig(sharding_strategy="full_shard", use_orig_params=True), "error", None, expected_failure=known),
+        record(CaseConfig(sharding_strategy="no_shard"), "crash", None, expected_failure=known),
+    ])
+    (section,) = build_grid(frame).sections
+    states = {row.strategy: row.cells[("fp32", "none")].state for row in section.rows}
+    assert states == {"full_shard": "pass", "no_shard": "expected"}
