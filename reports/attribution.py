@@ -149,6 +149,12 @@ class Attribution:
     too_small: bool = False
     #: what every unexplained failing case shares, where that narrows the cases (see the module note).
     shared: Shared | None = None
+    #: expected failures left out (known engine bugs with their own reason; see the module docstring).
+    expected: int = 0
+
+    def counts(self, passing: str = "pass") -> str:
+        """``3 pass`` or ``3 pass, 8 expected failure(s) not attributed``: the cases beside the failing ones."""
+        return f"{self.passing} {passing}" + (f", {self.expected} expected failure(s) not attributed" if self.expected else "")
 
     @property
     def explained(self) -> int:
@@ -163,7 +169,7 @@ class Attribution:
         """Plain-text sentences, shared by the Markdown and HTML reports."""
         head = f"{self.engine} vs {self.reference}"
         if not self.failing:
-            return [f"{head}: no failing case ({self.passing} pass)."]
+            return [f"{head}: no failing case ({self.counts()})."]
         out = self.evidence()
         out += [f"`{t.text}`: {t.covered}/{self.failing} failing case(s), no passing case" for t in self.terms]
         if self.unexplained:
@@ -190,7 +196,7 @@ class Attribution:
         return {
             "knobs": dict(self.knobs), "too_small": self.too_small,
             "engine": self.engine, "reference": self.reference, "failing": self.failing,
-            "passing": self.passing, "explained": self.explained, "separable": self.separable,
+            "passing": self.passing, "expected": self.expected, "explained": self.explained, "separable": self.separable,
             "max_literals": self.max_literals, "terms": [t.to_dict() for t in self.terms],
             "unexplained": list(self.unexplained),
             "shared": self.shared.to_dict() if self.shared is not None else None,
@@ -317,16 +323,17 @@ def attribute(
     out: list[Attribution] = []
     if frame.empty:
         return out
-    frame = frame[~expected_failures(frame)]  # known, with their reason: nothing to attribute
+    known = expected_failures(frame)
     for engine in ordered("engine", frame["engine"]):
         for reference in ordered("reference", frame["reference"]):
-            group = frame[(frame["engine"] == engine) & (frame["reference"] == reference)]
-            if group.empty:
+            mine = (frame["engine"] == engine) & (frame["reference"] == reference)
+            if not mine.any():
                 continue
+            group = frame[mine & ~known]  # expected failures carry their own reason: nothing to attribute
             terms, unexplained, n_fail, n_pass = explain(group, max_literals=max_literals, min_support=min_support)
             shared = shared_settings(group, unexplained, max_literals=max_literals, min_support=min_support)
             out.append(Attribution(engine, reference, n_fail, n_pass, terms, unexplained, max_literals,
-                                   knob_evidence(group), too_small(group), shared))
+                                   knob_evidence(group), too_small(group), shared, int((mine & known).sum())))
     return out
 
 

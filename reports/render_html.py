@@ -234,7 +234,7 @@ def attribution_html(attributions: Sequence[Attribution]) -> str:
     for a in attributions:
         head = f"<b>{esc(a.engine)} vs {esc(a.reference)}</b>: "
         if not a.failing:
-            items.append(f"<li>{head}no failing case ({a.passing} pass)</li>")
+            items.append(f"<li>{head}no failing case ({esc(a.counts())})</li>")
             continue
         terms = "".join(f"<li><b>{esc(line)}</b></li>" for line in a.evidence())
         terms += "".join(f"<li><code>{esc(t.text)}</code>: {t.covered}/{a.failing} failing, no passing case</li>" for t in a.terms)
@@ -245,7 +245,7 @@ def attribution_html(attributions: Sequence[Attribution]) -> str:
                       f"≤ {a.max_literals} axis values shared by 2+ failing cases: {shown}{more}</li>")
             if a.shared is not None:
                 terms += f"<li>{a.shared.line(lambda text: f'<code>{esc(text)}</code>')}</li>"
-        items.append(f"<li>{head}{a.failing} failing, {a.passing} passing<ul>{terms}</ul></li>")
+        items.append(f"<li>{head}{a.failing} failing, {esc(a.counts('passing'))}<ul>{terms}</ul></li>")
     return f"<ul>{''.join(items)}</ul>"
 
 

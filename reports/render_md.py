@@ -39,9 +39,9 @@ def attribution_lines(attributions: Sequence[Attribution]) -> list[str]:
     lines: list[str] = []
     for a in attributions:
         if not a.failing:
-            lines.append(f"- **{a.engine} vs {a.reference}**: no failing case ({a.passing} pass)")
+            lines.append(f"- **{a.engine} vs {a.reference}**: no failing case ({a.counts()})")
             continue
-        lines.append(f"- **{a.engine} vs {a.reference}**: {a.failing} failing, {a.passing} passing")
+        lines.append(f"- **{a.engine} vs {a.reference}**: {a.failing} failing, {a.counts('passing')}")
         lines += [f"  - {line}" for line in a.lines()]
     return lines
 
