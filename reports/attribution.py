@@ -3,9 +3,9 @@
 Pure functions over a ``latest`` frame (one row per case). For each engine and reference, the cases
 that ran are split into failing (fail, error, timeout, crash) and passing ones; ``unsupported`` cases
 ran nothing and take no side, and neither do expected failures (``reports.matrix.is_expected_failure``:
-known engine bugs the suites hold as strict expectations, explained by their own reason). A *term* is a conjunction of up to ``max_literals`` axis values, each
-from a different axis (``no_shard & offload & orig``), that matches at least one failing case and no
-passing case. The explanation is a greedy set cover of the failing cases by such terms.
+known engine bugs the suites hold as strict expectations, explained by their own reason). A *term*
+is a conjunction of up to ``max_literals`` axis values, each from a different axis (``no_shard &
+offload & orig``), that matches at least one failing case and no passing case. The explanation is a greedy set cover of the failing cases by such terms.
 
 [Note: how terms are chosen]
 - Candidates are every conjunction of 1 to ``max_literals`` values seen among the failing cases that

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 
 from harness.matrix import invalid_reason
 from harness.records import CaseRecord, QuantityError
-from reports.matrix import fmt_ratio, is_expected_failure
+from reports.matrix import UNEXPECTED_PASS_NOTE, fmt_ratio, is_expected_failure
 from reports.page import banner_html, esc, page
 
 CASES_DIR = "cases"
@@ -187,8 +187,7 @@ def _expectation_html(row: Mapping[str, Any], record: CaseRecord | None) -> str:
         return (f'<p class="warn"><b>Expected failure</b> (a known engine bug its suite holds as a strict expectation, '
                 f"not new breakage): {esc(expected)}</p>")
     if row["verdict"] == "pass":
-        return (f'<p class="warn"><b>Expected to fail, passed:</b> {esc(expected)}. The bug may be fixed; the strict '
-                "expectation fails the pytest run until it is removed from the suite.</p>")
+        return f'<p class="warn"><b>Expected to fail, passed:</b> {esc(expected)}. This case {esc(UNEXPECTED_PASS_NOTE)}</p>'
     return f"<p><b>Expected to fail:</b> {esc(expected)}</p>"
 
 

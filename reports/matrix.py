@@ -13,9 +13,9 @@ configuration is not a parity failure. Expected failures (``is_expected_failure`
 pass and whose record carries ``CaseRecord.expected_failure``, a known engine bug the suite holds as a
 strict xfail) are counted apart too, ``+Nx``: they are known, not new breakage, so they neither count
 against ``passed/total`` nor colour the cell; they are still listed with the cases that did not pass.
-A cell whose cases that ran are all expected failures has its own status, ``expected``. Its worst ratio is the largest ``CaseRecord.worst_ratio`` among
-them: the worst error relative to its tolerance, ``<= 1`` being within tolerance (of the expected
-failures only where nothing else ran).
+A cell whose cases that ran are all expected failures has its own status, ``expected``. Its worst
+ratio is the largest ``CaseRecord.worst_ratio`` among them: the worst error relative to its tolerance,
+``<= 1`` being within tolerance (of the expected failures only where nothing else ran).
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ def expected_failures(cases: pd.DataFrame) -> pd.Series:
         return pd.Series(False, index=cases.index)
     return pd.Series([is_expected_failure(v, e) for v, e in zip(cases["verdict"], cases["expected_failure"])],
                      index=cases.index, dtype=bool)
+
+
+#: what the pages say of a case expected to fail that passed (``unexpected_passes``).
+UNEXPECTED_PASS_NOTE = (
+    "passed although its suite expects a failure: the bug may be fixed, or a race spared this run (a check of several "
+    "cases, such as a seed check's subtests, is expected to fail as a whole). A strict expectation fails the pytest "
+    "run when its test passes, until it is removed from the suite."
+)
 
 
 def unexpected_passes(cases: pd.DataFrame) -> pd.DataFrame:

@@ -49,11 +49,9 @@ STATUS_COLOURS = {
     "empty": "#ffffff",
 }
 STATUS_ICONS = {"pass": "✅", "fail": "❌", "flaky": "🎲", "error": "💥", "expected": "🐛", "unsupported": "➖", "empty": ""}
-#: what the pages say of expected failures and of cases expected to fail that passed.
+#: what the pages say of expected failures.
 EXPECTED_NOTE = ("A verdict marked *(expected)* is an expected failure: a known engine bug its suite holds as a strict "
                  "expectation (the reason after *expected*); listed after the others, not counted against the cells.")
-EXPECTED_PASS_NOTE = ("These cases passed although their suite expects them to fail: the bug may be fixed. The strict "
-                      "expectation fails the pytest run until it is removed from the suite.")
 #: failing cases listed per cell in HTML and in total in Markdown; the rest are counted.
 MAX_LISTED = 50
 #: what a reason may take in a table cell, a cell's pop-up and the Markdown table; more is clipped

@@ -17,11 +17,12 @@ from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.grid import Grid, GridCell, GridRow, GridSection
 from reports.matrix import (
-    COUNT_LEGEND, CellStats, ParityMatrix, Summary, expected_failures, fmt_ratio, shown_verdict, sort_failing, unexpected_passes,
+    COUNT_LEGEND, UNEXPECTED_PASS_NOTE, CellStats, ParityMatrix, Summary, expected_failures, fmt_ratio, shown_verdict,
+    sort_failing, unexpected_passes,
 )
 from reports.page import banner_html, esc, page
 from reports.render import (
-    EXPECTED_NOTE, EXPECTED_PASS_NOTE, REASON_CHARS, STATUS_COLOURS, _text_colour, cell_colour, clip, headline, run_lines,
+    EXPECTED_NOTE, REASON_CHARS, STATUS_COLOURS, _text_colour, cell_colour, clip, headline, run_lines,
     verdict_line,
 )
 
@@ -200,7 +201,8 @@ def _filters(grid: Grid) -> str:
         return f'<label>{esc(label)} <select id="{ident}"><option value="">all</option>{opts}</select></label>'
 
     verdicts = [("fail", "with a failure"), ("error", "with an error/timeout/crash"), ("pass", "with a pass"),
-                ("expected", "with only expected failures"), ("unsupported", "with unsupported"), ("not_run", "with not run"), ("absent", "with not in matrix")]
+                ("expected", "with only expected failures"), ("unsupported", "with unsupported"),
+                ("not_run", "with not run"), ("absent", "with not in matrix")]
     return ('<div class="filters">' + select("f-engine", "engine", [(e, e) for e in grid.engines])
             + select("f-model", "model", [(m, m) for m in grid.models])
             + select("f-verdict", "rows", verdicts) + ' <span id="f-count"></span></div>')
@@ -275,7 +277,7 @@ def expected_passes_html(frame: pd.DataFrame) -> str:
         f'<td class="left">{esc(clip(str(r["expected_failure"]), REASON_CHARS["table"])[0])}</td></tr>'
         for _, r in passed.head(MAX_FAILING_TABLE).iterrows()
     )
-    return (f'<h2 id="expected-passed">Expected to fail, passed ({len(passed)})</h2><p>{esc(EXPECTED_PASS_NOTE)}</p>'
+    return (f'<h2 id="expected-passed">Expected to fail, passed ({len(passed)})</h2><p>Each of these cases {esc(UNEXPECTED_PASS_NOTE)}</p>'
             f"<table><tr><th>case</th><th>expected to fail because</th></tr>{rows}</table>")
 
 
@@ -289,7 +291,10 @@ def html_page(
     toc = [("attribution", "Failure attribution"), ("grid", "Comparison grid")]
     if grid is not None:
         toc += [(s.anchor, "grid " + s.title) for s in grid.sections]
-    toc += [("failing", "Cases that did not pass"), ("unsupported", "Unsupported"), ("axes", "Per axis"), ("heatmaps", "Heatmaps")]
+    toc += [("failing", "Cases that did not pass")]
+    if not unexpected_passes(frame).empty:
+        toc.append(("expected-passed", "Expected to fail, passed"))
+    toc += [("unsupported", "Unsupported"), ("axes", "Per axis"), ("heatmaps", "Heatmaps")]
     parts = [
         banner_html(banner),
         f"<h1>{esc(headline(summary))}</h1>",

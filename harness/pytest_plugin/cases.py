@@ -158,7 +158,8 @@ def _engine_baseline(engine: str) -> tuple[tuple[str, Any], ...]:
 @dataclass(frozen=True)
 class ExpectedFailure:
     """What an engine gets wrong in a suite's slice: its cases are strict expected failures (an
-    unexpected pass fails the run, so a fixed engine is noticed), with the reason."""
+    unexpected pass fails the run, so a fixed engine is noticed), with the reason, which their records
+    carry (``CaseRecord.expected_failure``) so a report tells a known bug from new breakage."""
 
     reason: str
     #: ``(case, device type of its ranks) -> bool``: the cases it covers.
