@@ -11,7 +11,9 @@ A case's verdict on a night is compared with its verdict on the last earlier nig
 night that did not run it changes nothing). ``regressed``: pass -> fail, error, timeout or crash;
 ``fixed``: one of those -> pass; anything else that differs is ``changed``. A currently failing case
 has failed *since* the first night of its current run of failures, and *first failed* on the first
-night it ever failed.
+night it ever failed. An expected failure (``reports.matrix.is_expected_failure``: a known engine bug
+its suite holds as a strict xfail) reads as its own verdict, ``expected``: it is neither failing now nor a
+regression when it begins, and a case expected to fail that passes shows as ``changed``.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ from harness.records import VERDICTS
 from reports.api import CSV_NAME, NIGHTLY_NAME, load, read_scope
 from reports.attribution import FAILING
 from reports.case_page import case_href
-from reports.matrix import fmt_ratio, ordered
+from reports.matrix import expected_failures, fmt_ratio, ordered
 from reports.page import banner_html, esc, page
 from reports.scope import RunScope
 
 RESULTS_NAME = "results.jsonl"
+#: the record verdicts and ``expected`` (see [Note: what a change is]).
+NIGHT_VERDICTS: tuple[str, ...] = (*VERDICTS, "expected")
 VERDICT_COLOURS = {"pass": "#1a9850", "fail": "#d73027", "error": "#5b2a86", "timeout": "#8073ac",
-                   "crash": "#2d004b", "unsupported": "#bdbdbd", "flaky": "#f781bf"}
+                   "crash": "#2d004b", "unsupported": "#bdbdbd", "flaky": "#f781bf", "expected": "#b2abd2"}
 
 
 @dataclass
@@ -77,6 +81,7 @@ def load_night(directory: Path, out: Path | None = None) -> Night:
     if source == directory and not (directory / CSV_NAME).exists():
         raise FileNotFoundError(f"history: {directory} holds neither {RESULTS_NAME} nor {CSV_NAME}")
     frame = load(source).frame
+    frame = frame.assign(verdict=frame["verdict"].where(~expected_failures(frame), "expected"))
     perf: dict[str, float] = {}
     nightly = directory / NIGHTLY_NAME
     if nightly.exists():
@@ -118,11 +123,11 @@ def verdict_counts(nights: Sequence[Night]) -> pd.DataFrame:
         not_run = len(night.scope.not_run) if night.scope is not None else 0
         for engine in ordered("engine", f["engine"]) if not f.empty else []:
             counts = f[f["engine"] == engine]["verdict"].value_counts()
-            row = {"night": night.name, "engine": engine, **{v: int(counts.get(v, 0)) for v in VERDICTS}}
-            row["ran"] = sum(row[v] for v in VERDICTS if v != "unsupported")
+            row = {"night": night.name, "engine": engine, **{v: int(counts.get(v, 0)) for v in NIGHT_VERDICTS}}
+            row["ran"] = sum(row[v] for v in NIGHT_VERDICTS if v != "unsupported")
             row["not_run (all engines)"] = not_run
             rows.append(row)
-    return pd.DataFrame(rows, columns=["night", "engine", *VERDICTS, "ran", "not_run (all engines)"])
+    return pd.DataFrame(rows, columns=["night", "engine", *NIGHT_VERDICTS, "ran", "not_run (all engines)"])
 
 
 def worst_ratios(nights: Sequence[Night]) -> pd.DataFrame:
@@ -210,7 +215,7 @@ def plot_verdicts(counts: pd.DataFrame, nights: Sequence[str], path: Path) -> No
     for ax, engine in zip(axes, engines):
         sub = counts[counts["engine"] == engine].set_index("night").reindex(nights).fillna(0)
         bottom = [0.0] * len(nights)
-        for verdict in VERDICTS:
+        for verdict in NIGHT_VERDICTS:
             values = list(sub[verdict])
             if any(values):
                 ax.bar(range(len(nights)), values, bottom=bottom, color=VERDICT_COLOURS[verdict], label=verdict)

@@ -8,9 +8,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from history_nights import NIGHTS, fixed_case, hung_case, night_cases, regressed_case, write_nights
+from synthetic_records import RUN, record
+
+from harness.collector import ResultWriter
 
 from reports.__main__ import main
-from reports.history import failing_now, flatten_numbers, history, sibling_nights, transitions
+from reports.history import failing_now, flatten_numbers, history, load_night, sibling_nights, transitions, verdict_counts
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,24 @@ def test_a_night_that_did_not_run_a_case_changes_nothing() -> None:
     now = failing_now(timeline).set_index("full_id")
     assert now.loc["a", "failing since"] == "n1" and now.loc["a", "nights failing"] == 2
     assert now.loc["b", "failing since"] == "n3" and now.loc["b", "first failed"] == "n3"
+
+
+def test_an_expected_failure_is_neither_failing_now_nor_a_regression(tmp_path: Path) -> None:
+    known, gone = night_cases()[:2]
+    bug = "torch FSDP1: a known bug (strict xfail)"
+    nights = {"n1": [record(known), record(gone, "error", None, reason="boom", expected_failure=bug)],
+              "n2": [record(known, "error", None, reason="boom", expected_failure=bug), record(gone, expected_failure=bug)]}
+    for name, records in nights.items():
+        (tmp_path / name).mkdir()
+        with ResultWriter(tmp_path / name / "results.jsonl", RUN) as writer:
+            for r in records:
+                writer.append(r)
+    result = history([tmp_path / "n1", tmp_path / "n2"], tmp_path / "out")
+    assert result.failing == [] and result.of_kind("regressed") == [] and result.of_kind("fixed") == []
+    changes = {(c["full_id"], c["old"], c["new"]) for c in result.of_kind("changed")}
+    assert changes == {(known.full_id, "pass", "expected"), (gone.full_id, "expected", "pass")}
+    counts = verdict_counts([load_night(tmp_path / "n2")]).iloc[0]
+    assert (counts["expected"], counts["error"], counts["pass"], counts["ran"]) == (1, 0, 1, 2)
 
 
 def test_perf_sections_flatten_to_numbers() -> None:
