@@ -42,7 +42,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from harness.collector import BadLine
-from reports.matrix import ERRORED, SEVERITY, fmt_ratio, is_expected_failure
+from reports.matrix import ERRORED, SEVERITY, fmt_ratio, is_expected_row
 from reports.resume_matrix import resume_suffix
 
 ChangeKind = Literal["regression", "fix", "new", "not_run", "removed", "changed"]
@@ -146,7 +146,7 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
     ov, nv = old["verdict"], new["verdict"]
     o_ratio, n_ratio = _ratio(old["worst_ratio"]), _ratio(new["worst_ratio"])
     severity = SEVERITY[nv]
-    if _expected(new):
+    if is_expected_row(new):
         return ("changed", f"{ov} → {nv} (expected)", (severity, 0)) if ov != nv else None
     if nv in ("timeout", "crash") and ov != nv:
         return "regression", f"new {nv} (was {ov})", (severity, 0)
@@ -161,15 +161,11 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
         growth = "×inf" if o_ratio == 0 else f"×{n_ratio / o_ratio:.3g}"
         return "regression", f"ratio {growth} ({fmt_ratio(o_ratio)} → {fmt_ratio(n_ratio)})", (5, -(n_ratio / max(o_ratio, 1e-300)))
     if ov not in ("pass", "unsupported", "flaky") and nv == "pass":
-        was_expected = " (was expected to fail)" if _expected(old) else ""
+        was_expected = " (was expected to fail)" if is_expected_row(old) else ""
         return "fix", f"{ov} → pass{was_expected}", (SEVERITY[ov], 0)
     if ov != nv:
         return "changed", f"{ov} → {nv}", (severity, 0)
     return None
-
-
-def _expected(row: pd.Series) -> bool:
-    return is_expected_failure(row["verdict"], row.get("expected_failure"))
 
 
 def diff_frames(
@@ -190,7 +186,7 @@ def diff_frames(
     for full_id, n in new_by_id.items():
         o = old_by_id.get(full_id)
         if o is None:
-            nv, expected = n["verdict"], _expected(n)
+            nv, expected = n["verdict"], is_expected_row(n)
             kind: ChangeKind = "regression" if nv in ("timeout", "crash") and not expected else "new"
             what = (f"new case, {nv}" + (" (expected)" if expected else "")) if kind == "new" else f"new {nv} (new case)"
             rank = (SEVERITY[nv], 1)  # after an existing case's change of the same severity
@@ -202,7 +198,7 @@ def diff_frames(
             kind, what, rank = classified
             changes.append(Change(
                 kind, what, full_id, cell_name(n), o["verdict"], n["verdict"],
-                _ratio(o["worst_ratio"]), _ratio(n["worst_ratio"]), str(n["reason"]), rank, _expected(n),
+                _ratio(o["worst_ratio"]), _ratio(n["worst_ratio"]), str(n["reason"]), rank, is_expected_row(n),
             ))
     for full_id, o in old_by_id.items():
         if full_id in not_run:

@@ -82,10 +82,21 @@ def ordered(axis: str, values: Iterable[Any]) -> list[Any]:
     return sorted(unique, key=lambda v: (known.index(v) if v in known else len(known), str(v)))
 
 
+def _carries_expectation(expected_failure: Any) -> bool:
+    """Whether a record's ``CaseRecord.expected_failure`` says a failure was expected ("" or NaN in a frame
+    where it did not)."""
+    return isinstance(expected_failure, str) and expected_failure != ""
+
+
 def is_expected_failure(verdict: str, expected_failure: Any) -> bool:
     """Whether a case is an expected failure: it ran and did not pass, and its record says the suite
-    expected that (``CaseRecord.expected_failure``; "" or NaN in a frame where it did not)."""
-    return verdict not in ("pass", "unsupported") and isinstance(expected_failure, str) and expected_failure != ""
+    expected that (``CaseRecord.expected_failure``)."""
+    return verdict not in ("pass", "unsupported") and _carries_expectation(expected_failure)
+
+
+def is_expected_row(row: Mapping[str, Any]) -> bool:
+    """``is_expected_failure`` of one row of a results frame."""
+    return is_expected_failure(row["verdict"], row.get("expected_failure"))
 
 
 def expected_failures(cases: pd.DataFrame) -> pd.Series:
@@ -109,7 +120,7 @@ def unexpected_passes(cases: pd.DataFrame) -> pd.DataFrame:
     expectation fails the run until it is removed)."""
     if cases.empty or "expected_failure" not in cases.columns:
         return cases.iloc[0:0]
-    return cases[(cases["verdict"] == "pass") & (cases["expected_failure"].fillna("").astype(str) != "")]
+    return cases[(cases["verdict"] == "pass") & cases["expected_failure"].map(_carries_expectation)]
 
 
 def _worst_error(record: CaseRecord) -> tuple[float, str]:
@@ -292,8 +303,7 @@ def cell_label(stats: CellStats) -> str:
 
 def shown_verdict(row: Mapping[str, Any]) -> str:
     """A case's verdict as tables show it: ``error (expected)`` for an expected failure."""
-    expected = is_expected_failure(row["verdict"], row.get("expected_failure"))
-    return f"{row['verdict']} (expected)" if expected else str(row["verdict"])
+    return f"{row['verdict']} (expected)" if is_expected_row(row) else str(row["verdict"])
 
 
 def sort_failing(cases: pd.DataFrame) -> pd.DataFrame:

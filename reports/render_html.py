@@ -17,7 +17,7 @@ from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.grid import Grid, GridCell, GridRow, GridSection
 from reports.matrix import (
-    COUNT_LEGEND, UNEXPECTED_PASS_NOTE, CellStats, ParityMatrix, Summary, expected_failures, fmt_ratio, shown_verdict,
+    COUNT_LEGEND, UNEXPECTED_PASS_NOTE, CellStats, ParityMatrix, Summary, expected_failures, fmt_ratio, is_expected_row, shown_verdict,
     sort_failing, unexpected_passes,
 )
 from reports.page import banner_html, esc, page
@@ -127,7 +127,7 @@ def _reason_html(row: pd.Series, where: str) -> str:
     an expected failure's expectation after it."""
     text, cut = clip(str(row["reason"]), REASON_CHARS[where])
     more = f' <a class="whole-reason" href="{esc(case_href(row["full_id"]))}">(whole reason)</a>' if cut else ""
-    if shown_verdict(row) != row["verdict"]:
+    if is_expected_row(row):
         more += f'<br><i>expected:</i> {esc(clip(str(row["expected_failure"]), REASON_CHARS[where])[0])}'
     return esc(text) + more
 
@@ -138,7 +138,7 @@ def _case_list(bad: pd.DataFrame) -> str:
         ratio = f" {esc(fmt_ratio(r['worst_ratio']))}" if not math.isnan(r["worst_ratio"]) else ""
         items.append(f'<li><a href="{esc(case_href(r["full_id"]))}"><b>{esc(shown_verdict(r))}</b>{ratio} '
                      f'<code>{esc(r["case_id"])}</code></a>'
-                     + (f": {_reason_html(r, 'popup')}" if r["reason"] or shown_verdict(r) != r["verdict"] else "") + "</li>")
+                     + (f": {_reason_html(r, 'popup')}" if r["reason"] or is_expected_row(r) else "") + "</li>")
     if len(bad) > MAX_LISTED:
         items.append(f"<li>… and {len(bad) - MAX_LISTED} more</li>")
     return f'<ul style="color:#222;background:#fff">{"".join(items)}</ul>'
@@ -292,7 +292,7 @@ def html_page(
     if grid is not None:
         toc += [(s.anchor, "grid " + s.title) for s in grid.sections]
     toc += [("failing", "Cases that did not pass")]
-    if not unexpected_passes(frame).empty:
+    if summary.unexpected_passes:
         toc.append(("expected-passed", "Expected to fail, passed"))
     toc += [("unsupported", "Unsupported"), ("axes", "Per axis"), ("heatmaps", "Heatmaps")]
     parts = [

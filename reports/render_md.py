@@ -17,7 +17,7 @@ from reports import resume_matrix
 from reports.attribution import Attribution
 from reports.case_page import case_href
 from reports.matrix import (
-    COUNT_LEGEND, UNEXPECTED_PASS_NOTE, ParityMatrix, Summary, cell_label, expected_failures, fmt_ratio, shown_verdict,
+    COUNT_LEGEND, UNEXPECTED_PASS_NOTE, ParityMatrix, Summary, cell_label, expected_failures, fmt_ratio, is_expected_row, shown_verdict,
     sort_failing, unexpected_passes,
 )
 from reports.render import (
@@ -96,10 +96,9 @@ def markdown(
             reason, cut = clip(str(r["reason"]), REASON_CHARS["markdown"])
             if cut:
                 reason += f" ([whole reason]({case_href(r['full_id'])}))" if paged else " (whole reason in results.csv)"
-            verdict = shown_verdict(r)
-            if verdict != r["verdict"]:
+            if is_expected_row(r):
                 reason += " · **expected:** " + clip(str(r["expected_failure"]), REASON_CHARS["markdown"])[0]
-            rows.append([verdict, case, fmt_ratio(r["worst_ratio"]), r["worst_quantity"], reason])
+            rows.append([shown_verdict(r), case, fmt_ratio(r["worst_ratio"]), r["worst_quantity"], reason])
         lines.append(tabulate(rows, headers=["verdict", "case", "ratio", "quantity", "reason"], tablefmt="github", disable_numparse=True))
         if len(failing) > MAX_LISTED:
             lines.append(f"\n… and {len(failing) - MAX_LISTED} more (see matrix.html or results.csv)")
