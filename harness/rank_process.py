@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import importlib
+import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import signal
@@ -59,13 +60,15 @@ class Boot:
     model_modules: tuple[str, ...] = ()
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Have the kernel SIGKILL this process when its parent dies (Linux): a pool's ranks when the pool's
     owner dies, a torchrun worker when its agent dies (torchrun leaves the workers of a SIGKILLed agent
-    running)."""
+    running). ``parent``: the pid that started this process, where it may have died already (a spawned
+    rank imports torch before it gets here, and an orphan would then wait on the dead owner's store
+    while holding its pipes); default: the parent now."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -78,7 +81,7 @@ def die_with_parent() -> None:
 def rank_main(boot: Boot, conn: mp_connection.Connection) -> None:
     """Entry point of a rank process: join the group, then run jobs until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
+    die_with_parent(multiprocessing.parent_process().pid)  # type: ignore[union-attr]  # a spawned child has one
     # fd-level redirect so C++ (gloo, NCCL) messages land in the file too.
     err_fd = os.open(boot.stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(err_fd, 2)

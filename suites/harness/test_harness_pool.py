@@ -213,6 +213,17 @@ def test_ctrl_c_or_a_killed_parent_leaves_no_rank_behind(tmp_path: Path, how: st
             proc.wait()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_whose_owner_died_before_it_armed_the_watch_exits() -> None:
+    # A spawned rank imports torch before it arms the watch; were its owner killed meanwhile, the rank
+    # would wait on the dead owner's store while holding the owner's pipes. The owner's pid it was
+    # started by is no longer its parent then: it exits at once.
+    code = ("import os, sys; from harness.rank_process import die_with_parent; "
+            "die_with_parent(os.getppid()); print('armed', flush=True); die_with_parent(os.getppid() + 10**7); print('alive')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (1, "armed\n"), done.stderr
+
+
 def test_pool_config_validates() -> None:
     with pytest.raises(ValueError, match="world_size"):
         PoolConfig(world_size=0)
