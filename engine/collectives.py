@@ -34,6 +34,9 @@ from torch import Tensor
 
 __all__ = [
     "AllGatherResult",
+    "comm_device",
+    "device_types_of",
+    "staged",
     "ReduceResult",
     "all_gather_flat",
     "copy_flat",
@@ -50,6 +53,48 @@ __all__ = [
 # torch 2.13 deprecates reduce_scatter_tensor/all_gather_into_tensor in favour of *_single, which
 # torch 2.11 lacks; the deprecated names are the ones both versions have.
 warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor).* is deprecated")
+
+
+def device_types_of(backend: str) -> frozenset[str]:
+    """The device types whose tensors a backend's collectives take: ``nccl`` only ``cuda``, ``gloo``
+    ``cpu`` and ``cuda``, a ``cpu:gloo,cuda:nccl`` group both; a backend torch does not know, any."""
+    if ":" in backend:
+        return frozenset(part.split(":", 1)[0].strip() for part in backend.split(","))
+    known = dist.Backend.backend_capability.get(backend.lower())
+    return frozenset(known) if known else frozenset({"cpu", "cuda"})
+
+
+def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where a collective over ``group`` takes a tensor that lives on ``device``.
+
+    [Note: CPU tensors on accelerator groups]
+    NCCL refuses CPU tensors, which gloo takes: offloaded parameters, optimizer state loaded to the
+    CPU and CPU state dicts must travel through the group's accelerator (torch FSDP1 does the same
+    through its compute device). A check on CPU ranks cannot see this, so every collective on values
+    that may live on the CPU goes through :func:`staged`, which a CPU test replaces to prove it.
+    """
+    backend = str(dist.get_backend(group))
+    types = device_types_of(backend)
+    if device.type in types:
+        return device
+    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+    if bound is not None and bound.type in types:
+        return bound
+    for kind in sorted(types - {"cpu"}):
+        module = getattr(torch, kind, None)
+        if module is not None and module.is_available():
+            return torch.device(kind, module.current_device())
+    raise RuntimeError(
+        f"process group backend {backend!r} takes {sorted(types)} tensors, not {device.type} ones, and this "
+        f"process has no such device to stage them on: run the ranks on {sorted(types)} devices or use gloo"
+    )
+
+
+def staged(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``tensor`` on the device ``group``'s collectives take: itself when it is there already, else a
+    copy ([Note: CPU tensors on accelerator groups]); the caller copies results back."""
+    device = comm_device(group, tensor.device)
+    return tensor if tensor.device == device else tensor.to(device)
 
 
 class AllGatherResult(NamedTuple):

@@ -20,6 +20,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from engine import collectives
+
 __all__ = ["chunk_rows", "distribute", "full_tensor", "local_chunk"]
 
 
@@ -96,7 +98,9 @@ def _gather_dim(local: Tensor, dim: int, size: int, group: dist.ProcessGroup, n:
     # Equal sizes for all_gather, and never zero elements: gloo aborts on an empty CUDA all-gather.
     padded = local.new_zeros(padded_shape)
     padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    # A CPU DTensor (optimizer state loaded to the CPU) on an NCCL mesh travels through its accelerator.
+    padded = collectives.staged(padded, group)
     pieces = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(pieces, padded, group=group)
     parts = [piece.narrow(dim, 0, chunk_rows(size, n, r)[1]) for r, piece in enumerate(pieces)]
-    return torch.cat(parts, dim=dim)
+    return torch.cat(parts, dim=dim).to(local.device)

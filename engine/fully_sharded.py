@@ -146,7 +146,7 @@ class FullyShardedDataParallel(CheckpointMethods, nn.Module):
         compute_device = choose_compute_device(args.device_id, [p.device for p in params], current)
         if args.sync_module_states:
             groups = [shard_group] + ([replicate_group] if replicate_group is not None else [])
-            sync_states(params + managed_buffers(module, ignored_mods), groups, compute_device)
+            sync_states(params + managed_buffers(module, ignored_mods), groups)
 
         config = UnitConfig(
             strategy=strategy,

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from engine import collectives
 from engine.module_tree import managed_modules
 
 __all__ = ["FLATTENED", "managed_params", "materialize", "move_cpu_states", "sync_states"]
@@ -74,19 +75,17 @@ def move_cpu_states(module: nn.Module, device: torch.device, ignored_modules: se
                     m._buffers[name] = b.to(device)
 
 
-def sync_states(tensors: list[Tensor], groups: list[dist.ProcessGroup], device: torch.device) -> None:
+def sync_states(tensors: list[Tensor], groups: list[dist.ProcessGroup]) -> None:
     """Every rank takes rank 0's values (rank 0 of each group in turn: shard, then replicate).
 
-    CPU tensors of an instance computing on an accelerator travel through ``device`` (NCCL carries
-    only device tensors; gloo carries either).
+    CPU tensors travel through the group's accelerator where its backend refuses them
+    ([Note: CPU tensors on accelerator groups]).
     """
     with torch.no_grad():
         for group in groups:
             src = dist.get_global_rank(group, 0)
             for t in tensors:
-                if t.device.type == "cpu" and device.type != "cpu":
-                    staged = t.detach().to(device)
-                    dist.broadcast(staged, src=src, group=group)
-                    t.copy_(staged.cpu())
-                else:
-                    dist.broadcast(t.detach(), src=src, group=group)
+                sent = collectives.staged(t.detach(), group)
+                dist.broadcast(sent, src=src, group=group)
+                if sent is not t:
+                    t.copy_(sent)

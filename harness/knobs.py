@@ -49,39 +49,54 @@ class KnobCheck:
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
+def _on(event: CommEvent, ranks: Sequence[int]) -> bool:
+    """Whether ``event`` ran on the group of exactly ``ranks`` (by size where its ranks were not read)."""
+    return event.group_ranks == tuple(ranks) if event.group_ranks else event.group_size == len(ranks)
+
+
 def check_sharding(
-    strategy: str, events: Sequence[CommEvent], sharded_units: int, replicate_size: int = 1, world_size: int = 2
+    strategy: str,
+    events: Sequence[CommEvent],
+    sharded_units: int,
+    hybrid_groups: tuple[Sequence[int], Sequence[int]] | None = None,
+    world_size: int = 2,
 ) -> KnobCheck:
-    """The strategy in the trace: which phases all-gather, and how gradients are reduced. On one rank
+    """The strategy in the trace: which phases all-gather, and how gradients are reduced; under hybrid
+    sharding (``hybrid_groups``: this rank's shard and replicate group ranks) also on which groups:
+    gathers and reduce-scatters within the shard group, the all-reduce across the replicas. On one rank
     there is nothing to gather or reduce (FSDP1 runs every strategy as NO_SHARD there): ``n/a``."""
     if world_size == 1:
         return KnobCheck("sharding_strategy", "n/a", "one rank: no all-gather or gradient reduction to observe")
-    fwd_ag = len(ops(events, op="all_gather", phase="forward"))
-    bwd_ag = len(ops(events, op="all_gather", phase="backward"))
-    rs = len(ops(events, op="reduce_scatter", phase="backward"))
+    fwd_ag = ops(events, op="all_gather", phase="forward")
+    bwd_ag = ops(events, op="all_gather", phase="backward")
+    rs = ops(events, op="reduce_scatter", phase="backward")
     ar = ops(events, op="all_reduce", phase="backward")
-    seen = f"forward all-gathers {fwd_ag}, backward all-gathers {bwd_ag}, reduce-scatters {rs}, all-reduces {len(ar)}"
+    seen = f"forward all-gathers {len(fwd_ag)}, backward all-gathers {len(bwd_ag)}, reduce-scatters {len(rs)}, all-reduces {len(ar)}"
     knob = "sharding_strategy"
-    if is_hybrid(strategy) and replicate_size == world_size:
+    shard, replicate = hybrid_groups if is_hybrid(strategy) and hybrid_groups is not None else ((), ())
+    if len(replicate) == world_size:
         # One rank per shard group (one GPU per node): nothing to gather or scatter within it; all the
         # averaging is the all-reduce across the replicas.
-        ok = any(e.group_size == replicate_size for e in ar)
-        expected = f"one-rank shard groups: gradients all-reduced across {replicate_size} replicas"
+        ok = any(_on(e, replicate) for e in ar)
+        expected = f"one-rank shard groups: gradients all-reduced across the replicas {list(replicate)}"
         return KnobCheck(knob, "ok", seen) if ok else KnobCheck(knob, "ignored", f"{strategy}: expected {expected}; saw {seen}")
     if strategy == "no_shard":
-        ok = fwd_ag + bwd_ag == 0 and rs == 0 and len(ar) > 0
+        ok = not fwd_ag and not bwd_ag and not rs and len(ar) > 0
         expected = "no all-gather or reduce-scatter, gradients all-reduced"
     elif strategy in ("shard_grad_op", "hybrid_shard_zero2"):
-        ok = fwd_ag > 0 and bwd_ag == 0 and rs > 0
+        ok = bool(fwd_ag) and not bwd_ag and bool(rs)
         expected = "all-gathers in forward only (parameters kept until backward ends), gradients reduce-scattered"
     else:
         if sharded_units == 0:
             return KnobCheck(knob, "n/a", "no unit besides the root, which is never resharded after forward")
-        ok = fwd_ag > 0 and bwd_ag > 0 and rs > 0
+        ok = bool(fwd_ag) and bool(bwd_ag) and bool(rs)
         expected = "parameters re-gathered in backward, gradients reduce-scattered"
-    if is_hybrid(strategy) and replicate_size > 1:
-        ok = ok and any(e.group_size == replicate_size for e in ar)
-        expected += f", and all-reduced across {replicate_size} replicas"
+    if len(replicate) > 1:
+        off_shard = [e for e in fwd_ag + bwd_ag + rs if not _on(e, shard)]
+        ok = ok and not off_shard and any(_on(e, replicate) for e in ar)
+        expected += f" within the shard group {list(shard)}, and all-reduced across the replicas {list(replicate)}"
+        if off_shard:
+            seen += f"; {len(off_shard)} on other groups, e.g. {off_shard[0].op} on ranks {list(off_shard[0].group_ranks)}"
     if ok:
         return KnobCheck(knob, "ok", seen)
     return KnobCheck(knob, "ignored", f"{strategy}: expected {expected}; saw {seen}")

@@ -47,7 +47,7 @@ from harness.compare import (
 )
 from harness.models import ZooModel, build_model, gpu_sleep
 from harness.offload_probe import probe_offload_placement
-from harness.placement import hybrid_shard_size
+from harness.placement import hybrid_group_ranks, hybrid_shard_size
 from harness.pool import PoolOutcome
 from harness.rank import RankContext
 from harness.registry import resolve
@@ -163,15 +163,15 @@ def knob_checks(
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
     events = engine.events
     facts = engine.facts if engine.facts is not None else EngineFacts(set(), None)
+    hybrid = None
     if is_hybrid(case.sharding_strategy):
-        replicate = ctx.world_size // hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
-    else:
-        replicate = 1
+        shard_size = hybrid_shard_size(case.extra, ctx.world_size, ctx.local_world_size)
+        hybrid = hybrid_group_ranks(ctx.rank, ctx.world_size, shard_size)
     # A no_sync micro-batch's all-gathers are its forward's and backward's: FSDP1 keeps SHARD_GRAD_OP's
     # parameters unsharded through no_sync, so the last micro-batch may gather nothing.
     gathers = [replace(e, phase=e.phase.removeprefix(ACCUMULATE)) if e.op == "all_gather" else e for e in events]
     checks = [
-        check_sharding(case.sharding_strategy, gathers, _sharded_units(model), replicate, ctx.world_size),
+        check_sharding(case.sharding_strategy, gathers, _sharded_units(model), hybrid, ctx.world_size),
         check_precision(spec, events),
         check_offload(case.cpu_offload, facts.param_devices, ctx.device_type),
         check_use_orig_params(case.use_orig_params, facts.exposes_flat_params),

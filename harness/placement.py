@@ -218,6 +218,16 @@ def hybrid_shard_size(extras: dict[str, Any], world_size: int, local_world_size:
     return int(extras.get("shard_size", default_shard_size(world_size, local_world_size)))
 
 
+def hybrid_group_ranks(rank: int, world_size: int, shard_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(shard group, replicate group)`` global ranks of ``rank``: shard groups of ``shard_size``
+    consecutive ranks (a node's), replicas the ranks at the same place in the other shard groups, as
+    FSDP1's default groups and a ``(replicate, shard)`` device mesh lay them out."""
+    if shard_size < 1 or world_size % shard_size:
+        raise ValueError(f"hybrid shard_size={shard_size} must divide world_size={world_size}")
+    first = rank - rank % shard_size
+    return tuple(range(first, first + shard_size)), tuple(range(rank % shard_size, world_size, shard_size))
+
+
 @dataclass(frozen=True)
 class HostFacts:
     """What the number of pools side by side depends on."""

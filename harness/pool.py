@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -157,9 +158,16 @@ class PoolStartError(RuntimeError):
 # Process helpers
 
 
+#: held while a process starts: the environment a child inherits is the parent's at that moment, and
+#: ``gpus_hidden`` changes it process-wide, so a GPU pool started from another thread meanwhile (pytest-xdist
+#: lanes, a nightly's pools) would otherwise start with no GPU.
+_START_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def gpus_hidden(hide: bool = True) -> Iterator[None]:
-    """Processes started inside this block see no GPU (``CUDA_VISIBLE_DEVICES=""``).
+    """Processes started inside this block see no GPU (``CUDA_VISIBLE_DEVICES=""``); the block holds the
+    process-wide start lock, so processes started from other threads meanwhile wait and see the GPUs.
 
     A CPU pool must compute on CPU on any host: torch FSDP1 given a CPU module and no ``device_id``
     moves it to the current accelerator by itself, and every rank would take GPU 0 (and pay CUDA's
@@ -167,18 +175,19 @@ def gpus_hidden(hide: bool = True) -> Iterator[None]:
     asked CUDA for its devices, changing it does nothing. Spawned children copy ``os.environ`` at
     ``start()``, so setting it around the start suffices.
     """
-    if not hide:
-        yield
-        return
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    with _START_LOCK:
+        if not hide:
+            yield
+            return
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            yield
+        finally:
+            if saved is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def _pid_alive(pid: int) -> bool:

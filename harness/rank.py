@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.placement import hybrid_group_ranks
+
 __all__ = ["RankContext", "new_hybrid_groups", "new_singleton_groups", "rank_device"]
 
 
@@ -22,9 +24,9 @@ def rank_device() -> torch.device:
 def new_hybrid_groups(rank: int, world_size: int, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Create the hybrid groups of ``shard_size`` consecutive ranks and their replicas, and return
     ``(shard group, replicate group)`` of ``rank``. Collective: every rank creates every group, in order."""
-    replicas = world_size // shard_size
-    shard_groups = [dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)]
-    replicate_groups = [dist.new_group(list(range(j, world_size, shard_size))) for j in range(shard_size)]
+    shard_groups = [dist.new_group(list(hybrid_group_ranks(r, world_size, shard_size)[0]))
+                    for r in range(0, world_size, shard_size)]
+    replicate_groups = [dist.new_group(list(hybrid_group_ranks(r, world_size, shard_size)[1])) for r in range(shard_size)]
     return shard_groups[rank // shard_size], replicate_groups[rank % shard_size]
 
 

@@ -3,8 +3,8 @@
 ``CommTrace`` wraps the ``torch.distributed`` collectives (in both the ``torch.distributed`` and the
 ``distributed_c10d`` namespaces, so ``dist.x`` and ``c10d.x`` callers are both seen) for the duration
 of a ``with`` block and records, per call, the op kind, the elements and bytes of the *full* side
-(the all-gather output, the reduce-scatter input, the all-reduced tensor), the dtype, the group size,
-and the training phase and step the caller set. Forward-pre hooks on the model's leaf modules add
+(the all-gather output, the reduce-scatter input, the all-reduced tensor), the dtype, the group's size and
+global ranks (a 2-rank shard group and a 2-rank replica group differ only in their ranks), and the training phase and step the caller set. Forward-pre hooks on the model's leaf modules add
 ``compute`` markers, so the position of an all-gather relative to the compute it serves is visible
 (that is what forward prefetch changes).
 
@@ -117,6 +117,9 @@ class CommEvent:
     #: the phase the training loop had set: ``forward``, ``backward``, ``step`` or ``other``.
     phase: str
     step: int
+    #: global ranks of the group the call ran on, in group order (empty for ``compute``, or where the
+    #: group could not be read).
+    group_ranks: tuple[int, ...] = ()
     #: the all-gather's local shard, kept only by a ``CommTrace(keep_inputs=True)``.
     local: TensorSeen | None = field(default=None, compare=False, repr=False)
 
@@ -131,11 +134,14 @@ def _full_side(name: str, bound: inspect.BoundArguments) -> tuple[int, int, str]
     return numel, sum(t.numel() * t.element_size() for t in tensors), str(tensors[0].dtype).removeprefix("torch.")
 
 
-def _group_size(group: Any) -> int:
+def _group(group: Any) -> tuple[int, tuple[int, ...]]:
+    """The group's size and global ranks (``-1`` and none for a group this rank is not in: the call
+    itself will say what is wrong)."""
     try:
-        return dist.get_world_size(group)
+        group = group if group is not None else dist.group.WORLD
+        return dist.get_world_size(group), tuple(dist.get_process_group_ranks(group))
     except (RuntimeError, ValueError):
-        return -1  # a group this rank is not in; the call itself will say what is wrong
+        return -1, ()
 
 
 class CommTrace:
@@ -240,9 +246,8 @@ class CommTrace:
                 group = bound.arguments.get("group")
                 local = bound.arguments.get(_LOCAL_SIDE.get(name, ""))
                 seen = TensorSeen.of(local) if self.keep_inputs and isinstance(local, torch.Tensor) else None
-                self.events.append(
-                    CommEvent(kind, name, numel, nbytes, dtype, _group_size(group), self.phase, self.step, seen)
-                )
+                size, ranks = _group(group)
+                self.events.append(CommEvent(kind, name, numel, nbytes, dtype, size, self.phase, self.step, ranks, seen))
                 if self.before_reduce is not None and self.phase == "backward" and kind in ("reduce_scatter", "all_reduce"):
                     self.before_reduce()
                 if self.around is not None:

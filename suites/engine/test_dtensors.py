@@ -4,6 +4,9 @@ are fewer GPUs than ranks, where DTensor's own functional collectives crash)."""
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -11,8 +14,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing import assert_close
 
 from engine.dtensors import chunk_rows, distribute, full_tensor, local_chunk
+from engine.materialize import sync_states
 from harness.conformance.rank_sessions import session_tests
 from harness.rank import rank_device
+from suites.engine.refusing_groups import groups_refusing_cpu
 
 
 def test_chunk_rows_follow_torch_chunk() -> None:
@@ -72,6 +77,35 @@ def check_two_dimensional_mesh(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-CHECKS = [check_uneven_shards_round_trip, check_matches_dtensor_on_cpu, check_two_dimensional_mesh]
+def check_cpu_values_travel_through_the_accelerator(rank: int, world_size: int) -> None:
+    """Optimizer state loaded to the CPU (a CPU DTensor on the ranks' mesh) and CPU module states under
+    ``sync_module_states`` reach a group whose backend refuses CPU tensors (NCCL) through its
+    accelerator: on CPU ranks the refusal is emulated (``groups_refusing_cpu``), on GPUs it is real
+    wherever the ranks hold a GPU each."""
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    full = _values((5, 3), device)
+    on_cpu = distribute(full, mesh, [Shard(0)]).cpu()
+    states = [torch.full((3,), float(rank)), torch.full((2,), float(rank) + 1)]
+    refusal = groups_refusing_cpu() if device.type == "cpu" else contextlib.nullcontext([])
+    with refusal as staged:
+        gathered = full_tensor(on_cpu)
+        sync_states(states, [mesh.get_group(0)])
+    assert gathered.device.type == "cpu"
+    assert_close(gathered, full.cpu(), rtol=0, atol=0)
+    assert_close(states, [torch.zeros(3), torch.ones(2)], rtol=0, atol=0)
+    if device.type == "cpu":
+        assert staged, "nothing was staged: the check did not reach the collectives it guards"
+
+
+def test_groups_refusing_cpu_refuse_what_nccl_refuses() -> None:
+    """The emulation itself refuses a CPU tensor that skipped staging (no process group needed to raise)."""
+    with groups_refusing_cpu():
+        with pytest.raises(RuntimeError, match="device type cpu"):
+            dist.all_reduce(torch.ones(1))
+
+
+CHECKS = [check_uneven_shards_round_trip, check_matches_dtensor_on_cpu, check_two_dimensional_mesh,
+          check_cpu_values_travel_through_the_accelerator]
 
 session, test_check = session_tests(CHECKS, world_size=2, device=("cpu", "cuda"), timeout_s=120)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from harness.compare import Finding, Observation, compare_observations, compare_
 from harness.knobs import KnobCheck, check_backward_prefetch_structure, check_offload, check_order_changed, check_precision, check_sharding, check_use_orig_params
 from harness.parity import RankResult, record_from_outcome
 from harness.tolerance import DEFAULT_TOLERANCES, TolerancePolicy
-from harness.placement import assign_devices, default_shard_size, xdist_worker
+from harness.placement import assign_devices, default_shard_size, hybrid_group_ranks, xdist_worker
 from harness.pool import PoolOutcome, RankError
 from harness.records import QuantityError
 from harness.trace import CommEvent, movable_gathers, ops, signature, total_bytes
@@ -216,8 +217,10 @@ def test_record_of_a_pool_failure_keeps_the_evidence(status: str) -> None:
 # knob checks on synthetic traces
 
 
-def ev(op: str, phase: str, step: int = 0, numel: int = 8, dtype: str = "float32", group: int = 2, name: str = "") -> CommEvent:
-    return CommEvent(op, name or op, numel, numel * 4, dtype, group, phase, step)  # type: ignore[arg-type]
+def ev(op: str, phase: str, step: int = 0, numel: int = 8, dtype: str = "float32", group: int = 2, name: str = "",
+       ranks: tuple[int, ...] = ()) -> CommEvent:
+    size = len(ranks) if ranks else group
+    return CommEvent(op, name or op, numel, numel * 4, dtype, size, phase, step, ranks)  # type: ignore[arg-type]
 
 
 FULL_SHARD = [ev("all_gather", "forward"), ev("all_gather", "forward", numel=4), ev("all_gather", "backward", numel=4),
@@ -244,17 +247,41 @@ def test_check_sharding_edge_cases() -> None:
     # One rank gathers and reduces nothing whatever the strategy; the same empty trace on two is ignored.
     assert check_sharding("full_shard", [], sharded_units=2, world_size=1).status == "n/a"
     assert check_sharding("full_shard", [], sharded_units=2, world_size=2).status == "ignored"
-    # Hybrid with real replicas must all-reduce across them.
-    assert check_sharding("hybrid_shard", FULL_SHARD, sharded_units=2, replicate_size=2).status == "ignored"
-    hybrid = FULL_SHARD + [ev("all_reduce", "backward", group=2)]
-    assert check_sharding("hybrid_shard", hybrid, sharded_units=2, replicate_size=2).status == "ok"
     # One-rank groups (rank-local experts) move nothing and do not count.
     local_only = [ev("all_gather", "forward", group=1), ev("reduce_scatter", "backward", group=1)]
     assert check_sharding("shard_grad_op", local_only, sharded_units=1).status == "ignored"
+
+
+def _on_groups(trace: list[CommEvent], ranks: tuple[int, ...]) -> list[CommEvent]:
+    return [replace(e, group_ranks=ranks, group_size=len(ranks)) for e in trace]
+
+
+def test_check_sharding_hybrid_reads_the_groups_ranks() -> None:
+    """Rank 0 of a 2 x 2 topology: shard group [0, 1], replicas [0, 2]. Sizes alone cannot tell a
+    2-rank shard group from a 2-rank replica group; the recorded ranks can."""
+    groups = hybrid_group_ranks(0, 4, 2)
+    assert groups == ((0, 1), (0, 2))
+    within = _on_groups(FULL_SHARD, (0, 1))
+    good = within + [ev("all_reduce", "backward", ranks=(0, 2))]
+    assert check_sharding("hybrid_shard", good, sharded_units=2, hybrid_groups=groups, world_size=4).status == "ok"
+    # No all-reduce across replicas: each replica trains alone.
+    assert check_sharding("hybrid_shard", within, sharded_units=2, hybrid_groups=groups, world_size=4).status == "ignored"
+    # The all-reduce on the shard group's ranks (right size, wrong group).
+    wrong_reduce = within + [ev("all_reduce", "backward", ranks=(0, 1))]
+    assert check_sharding("hybrid_shard", wrong_reduce, sharded_units=2, hybrid_groups=groups, world_size=4).status == "ignored"
+    # Gathers over the replica group instead of the shard group.
+    crossed = _on_groups(FULL_SHARD, (0, 2)) + [ev("all_reduce", "backward", ranks=(0, 2))]
+    check = check_sharding("hybrid_shard", crossed, sharded_units=2, hybrid_groups=groups, world_size=4)
+    assert check.status == "ignored" and "on ranks [0, 2]" in check.reason
+    # Events recorded without ranks are judged by size, as before ranks were recorded.
+    sized = FULL_SHARD + [ev("all_reduce", "backward", group=2)]
+    assert check_sharding("hybrid_shard", sized, sharded_units=2, hybrid_groups=groups, world_size=4).status == "ok"
     # One rank per shard group (2 replicas of one rank): only the replicas' all-reduce averages.
+    single = hybrid_group_ranks(1, 2, 1)
+    assert single == ((1,), (0, 1))
     for strategy in ("hybrid_shard", "hybrid_shard_zero2"):
-        assert check_sharding(strategy, NO_SHARD, sharded_units=2, replicate_size=2, world_size=2).status == "ok"
-        assert check_sharding(strategy, [], sharded_units=2, replicate_size=2, world_size=2).status == "ignored"
+        assert check_sharding(strategy, NO_SHARD, sharded_units=2, hybrid_groups=single, world_size=2).status == "ok"
+        assert check_sharding(strategy, [], sharded_units=2, hybrid_groups=single, world_size=2).status == "ignored"
 
 
 def test_check_precision() -> None:
