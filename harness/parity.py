@@ -74,7 +74,7 @@ from harness.resume import run_resumed
 from harness.stacks import portable_paths
 from harness.training import ACCUMULATE, fresh_model, mark_phase, train
 
-__all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
+__all__ = ["FAULTS", "RankResult", "knob_checks_off", "non_finite_line", "record_from_outcome", "run_case_on_rank"]
 
 
 #: Fault injections a case can ask for with ``extras=(("fault", name),)``; they prove the pool's
@@ -461,6 +461,23 @@ def _failure_line(error: QuantityError, where: dict[str, Any]) -> str:
     return f"{error_text(error)} at {' on '.join(at)}"
 
 
+def non_finite_line(values: list[RankResult]) -> str:
+    """``the engine produced NaN at step 3 (loss on rank 1)``: the first step where the engine's loss or
+    gradient norm was not finite on some rank, or empty. Every quantity compared after it fails, and
+    the engine's result reads as missing there, so this is the reason, not the worst quantity."""
+    found = sorted(
+        (step, rank, quantity, value)
+        for rank, v in enumerate(values)
+        for quantity in ("loss", "grad_norm")
+        for step, value in enumerate(v.curves.get(quantity, {}).get("engine", []))
+        if not math.isfinite(value)
+    )
+    if not found:
+        return ""
+    step, rank, quantity, value = found[0]
+    return f"the engine produced {'NaN' if math.isnan(value) else 'inf'} at step {step} ({quantity} on rank {rank})"
+
+
 def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
     """One all-rank ``CaseRecord`` from what the pool got back for ``run_case_on_rank``."""
     base: dict[str, Any] = {"case": case.to_dict(), "case_id": case.case_id, "wall_s": outcome.wall_s}
@@ -494,7 +511,10 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
 
     reasons: list[str] = []
     failing = sorted((e for e in errors if not e.passed), key=lambda e: -e.ratio)
-    if failing:
+    non_finite = non_finite_line(values) if failing else ""
+    if non_finite:
+        reasons.append(f"{non_finite}: {len(failing)} quantities fail from there")
+    elif failing:
         reasons.append(_failure_line(failing[0], where[failing[0].name]))
         if len(failing) > 1:
             reasons[-1] += f" (+{len(failing) - 1} more)"
