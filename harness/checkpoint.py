@@ -22,7 +22,9 @@ optimizer's state is first materialised (``harness.optim.init_optimizer_state``)
 
 Faults for proving the resume check can fail (``extras=(("fault", name),)``): ``drop_optimizer_state``
 throws the optimizer's state away once loaded; ``swap_optimizer_state`` hands two
-parameters of one shape each other's optimizer state.
+parameters of one shape each other's optimizer state; ``corrupt_checkpoint_rank1`` overwrites rank 1's file
+before a full or local load (the load error must reach every rank, with no rank left in a collective:
+``agree_loaded``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from harness.rank import RankContext
 
 __all__ = [
     "CHECKPOINT_FAULTS",
+    "CheckpointLoadError",
+    "agree_loaded",
     "engine_family",
     "load_checkpoint",
     "load_plain",
@@ -57,7 +61,22 @@ __all__ = [
 ]
 
 #: faults planted in the load path (see the module docstring).
-CHECKPOINT_FAULTS = ("drop_optimizer_state", "swap_optimizer_state")
+CHECKPOINT_FAULTS = ("drop_optimizer_state", "swap_optimizer_state", "corrupt_checkpoint_rank1")
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint some rank could not read: raised on every rank alike (``agree_loaded``)."""
+
+
+def agree_loaded(error: BaseException | None, ctx: RankContext) -> None:
+    """Collective: every rank says whether it read its part of the checkpoint; where one could not, every
+    rank raises ``CheckpointLoadError`` naming each failure, so none waits in a collective the failed rank
+    never joins (the error is recorded on every rank, and ``shared_tempdir`` still removes the files)."""
+    said: list[Any] = [None] * dist.get_world_size(ctx.world_group())
+    dist.all_gather_object(said, f"{type(error).__name__}: {error}" if error is not None else None, group=ctx.world_group())
+    failed = [f"rank {rank}: {text}" for rank, text in enumerate(said) if text is not None]
+    if failed:
+        raise CheckpointLoadError(f"the checkpoint could not be loaded ({'; '.join(failed)})") from error
 
 _FULL_FILE = "full.pt"
 _DCP_DIR = "dcp"
@@ -312,12 +331,20 @@ def load_checkpoint(
 ) -> None:
     """Load a ``kind`` checkpoint saved by any engine under ``path`` into a freshly wrapped ``module`` and
     its fresh ``optimizer``; collective over ``ctx``'s ranks. ``fault`` plants a load bug (module docstring)."""
-    if kind == "full":
-        state = torch.load(path / _FULL_FILE, weights_only=True)
-    elif kind == "local":
-        saved = torch.load(path / f"local-rank{ctx.rank}.pt", weights_only=True)
-        template = _state(adapter, module, optimizer, kind, ctx)["model"]
-        state = {"model": _fill_local(template, saved["model"]), "optim": saved["optim"]}
+    if kind in ("full", "local"):
+        template = _state(adapter, module, optimizer, kind, ctx)["model"] if kind == "local" else None
+        if fault == "corrupt_checkpoint_rank1" and ctx.rank == 1:
+            (path / (_FULL_FILE if kind == "full" else f"local-rank{ctx.rank}.pt")).write_bytes(b"not a checkpoint")
+        error: BaseException | None = None
+        try:  # each rank reads its own file (or rank 0's): a failure here is this rank's alone
+            if kind == "full":
+                state = torch.load(path / _FULL_FILE, weights_only=True)
+            else:
+                saved = torch.load(path / f"local-rank{ctx.rank}.pt", weights_only=True)
+                state = {"model": _fill_local(template, saved["model"]), "optim": saved["optim"]}
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below, after agreeing
+            error = exc
+        agree_loaded(error, ctx)
     else:
         import torch.distributed.checkpoint as dcp
 

@@ -373,7 +373,7 @@ class ResultWriter:
             record.run = self.run
         if not record.time:
             record.time = time.time()
-        line = json.dumps(record.to_dict(), default=_jsonable, ensure_ascii=False) + "\n"
+        line = record.to_json(default=_jsonable) + "\n"
         with self._lock:
             if self._file.closed:
                 raise ValueError(f"ResultWriter: {self.path} is closed; append inside the `with` block")

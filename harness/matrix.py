@@ -423,7 +423,11 @@ SMOKE_VARIANTS: tuple[dict[str, Any], ...] = (
 )
 
 
-def _smoke(space: _Space) -> list[CaseConfig]:
+#: Why a case cannot be run and judged where the ranks are (``harness.parity.smoke_refusal``), or None.
+Refusal = Callable[[CaseConfig], "str | None"]
+
+
+def _smoke(space: _Space, refuse: Refusal | None = None) -> list[CaseConfig]:
     cases: dict[str, CaseConfig] = {}
     engines = space.axes.get("engine", [None])
     for engine in engines:
@@ -433,25 +437,34 @@ def _smoke(space: _Space) -> list[CaseConfig]:
                 continue  # this run's axes leave the variant out
             if any(k not in space.axes and space.base[k] != v for k, v in variant.items()):
                 continue  # a pinned field contradicts the variant
-            assign = _closest_valid(space, wanted, engine)
-            if assign is not None:
-                case = space.case(assign)
+            case = _closest_valid(space, wanted, engine, refuse)
+            if case is not None:
                 cases.setdefault(case.full_id, case)
     return list(cases.values())
 
 
-def _closest_valid(space: _Space, wanted: dict[str, Any], engine: Any) -> dict[str, Any] | None:
+def _closest_valid(space: _Space, wanted: dict[str, Any], engine: Any, refuse: Refusal | None = None) -> CaseConfig | None:
     """``wanted`` on ``engine`` with as few of its values dropped as validity needs (e.g. FSDP2 has no
-    BACKWARD_POST, but its offload case is still worth running); the rest stays at the baseline."""
+    BACKWARD_POST, but its offload case is still worth running); the rest stays at the baseline.
+
+    With ``refuse``, also as few as the ranks need to run it and a reference to judge it: the first
+    reference of the axis that can (mixed precision at two ranks: ``local``), a value dropped only where
+    no reference can (torch FSDP1's CPU offload on CPU ranks, FSDP2's NO_SHARD), so a smoke run judges
+    every case it holds. A variant nothing can save is left out."""
     keys = list(wanted)
+    references = space.axes.get("reference", [None]) if refuse is not None else [None]
     for n_dropped in range(len(keys) + 1):
         for dropped in itertools.combinations(keys, n_dropped):
             trial = {k: v for k, v in wanted.items() if k not in dropped}
             if engine is not None:
                 trial["engine"] = engine
-            assign = space.complete(trial)
-            if assign is not None:
-                return assign
+            for reference in references:
+                assign = space.complete({**trial, "reference": reference} if reference is not None else trial)
+                if assign is None:
+                    continue
+                case = space.case(assign)
+                if refuse is None or refuse(case) is None:
+                    return case
     return None
 
 
@@ -460,14 +473,21 @@ _GENERATORS: dict[str, Callable[[_Space], list[CaseConfig]]] = {
 }
 
 
-def generate(name: GeneratorName, axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) -> list[CaseConfig]:
+def generate(name: GeneratorName, axes: Mapping[str, Sequence[Any]] | None = None, *, refuse: Refusal | None = None,
+             **fixed: Any) -> list[CaseConfig]:
     """The cases of generator ``name`` over ``AXES`` (values overridden by ``axes``; keywords pin fields).
 
-    Deterministic: the same arguments give the same cases in the same order.
+    ``refuse`` (smoke only; ``harness.parity.smoke_refusal``): why a case cannot be run and judged where the
+    ranks are; the smoke generator then holds only cases that can (``_closest_valid``). Pairwise and full
+    keep every valid case: those the ranks refuse are ``unsupported`` with the reason.
+
+    Deterministic: the same arguments (and refusals) give the same cases in the same order.
     """
     if name not in _GENERATORS:
         raise ValueError(f"generate: name={name!r} is not one of {list(_GENERATORS)}")
     space = _Space(*resolve_axes(axes, **fixed))
+    if name == "smoke":
+        return _smoke(space, refuse)
     return _GENERATORS[name](space)
 
 

@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -74,7 +75,8 @@ from harness.resume import run_resumed
 from harness.stacks import portable_paths
 from harness.training import ACCUMULATE, fresh_model, mark_phase, train
 
-__all__ = ["FAULTS", "RankResult", "knob_checks_off", "record_from_outcome", "run_case_on_rank"]
+__all__ = ["FAULTS", "RankResult", "knob_checks_off", "non_finite_line", "record_from_outcome", "run_case_on_rank",
+           "smoke_refusal", "unsupported_here"]
 
 
 #: Fault injections a case can ask for with ``extras=(("fault", name),)``; they prove the pool's
@@ -371,26 +373,56 @@ def _reference_with_budgets(case: CaseConfig, spec: PrecisionSpec, source: Budge
     return known
 
 
+def _budget_source(adapter: EngineAdapter, case: CaseConfig, model: ZooModel, world_size: int) -> tuple[PrecisionSpec, BudgetSource]:
+    spec = adapter.effective_precision(case, model)
+    return spec, budget_source(spec, world_size, reorders=case.compile != "none" or case.grad_accum != "none")
+
+
+def unsupported_here(adapter: EngineAdapter, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:
+    """Why this case cannot be run and judged on ranks like ``ctx`` (one line), or None: the stress mode's
+    device, the engine's own reasons, a resumed run's, and whether the case's reference can judge it.
+    What the ranks decide, and what the smoke selection asks before it picks a case (``smoke_refusal``)."""
+    reason = (stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
+              or _resume_unsupported(adapter, case, model, ctx))
+    if reason:
+        return reason
+    if _budget_source(adapter, case, model, ctx.world_size)[1] == "ablation" and case.reference != "local":
+        # DDP computes in full precision: only the emulation says what the casts should give. Compared
+        # with it under this case's id, the grid and the certificate would say DDP and show each failure
+        # twice (once here, once as the local case).
+        return (f"mixed precision ({case.precision}) against {case.reference}: {case.reference} computes in "
+                "full precision, so only the local reference (which emulates the casts) can judge it: "
+                "see this case against local")
+    return None
+
+
+def smoke_refusal(device_type: str) -> Callable[[CaseConfig], str | None]:
+    """``unsupported_here`` asked in the parent, for ranks on ``device_type``: the smoke generator picks
+    cases its engine can run and its reference can judge there (``harness.matrix.generate``'s ``refuse``).
+    An engine whose reason needs live ranks to say (it raises here) is left to its ranks."""
+
+    def refuse(case: CaseConfig) -> str | None:
+        ctx = RankContext(0, case.world_size, 0, case.world_size, "gloo", torch.device(device_type))
+        try:
+            model = build_model(case.model, seed=case.seed, rank=0, world_size=case.world_size)
+            return unsupported_here(resolve(case.engine), case, model, ctx)
+        except Exception:  # noqa: BLE001 - the ranks will say
+            return None
+
+    return refuse
+
+
 def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     """The pool's job: the whole case as this rank sees it (see ``record_from_outcome``)."""
     if case.world_size != ctx.world_size:
         return _unsupported(f"case world_size={case.world_size} but the ranks are {ctx.world_size}")
     adapter = resolve(case.engine)  # the spec travels in the case; each rank resolves it once
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
-    reason = (stress_unsupported_reason(case.stress, ctx.device_type) or adapter.unsupported_reason(case, model, ctx)
-              or _resume_unsupported(adapter, case, model, ctx))
+    reason = unsupported_here(adapter, case, model, ctx)
     if reason:
         return _unsupported(reason)
     _inject_fault(case, ctx)
-    spec = adapter.effective_precision(case, model)
-    source = budget_source(spec, ctx.world_size, reorders=case.compile != "none" or case.grad_accum != "none")
-    if source == "ablation" and case.reference != "local":
-        # DDP computes in full precision: only the emulation says what the casts should give. Compared
-        # with it under this case's id, the grid and the certificate would say DDP and show each failure
-        # twice (once here, once as the local case).
-        return _unsupported(f"mixed precision ({case.precision}) against {case.reference}: {case.reference} computes in "
-                            "full precision, so only the local reference (which emulates the casts) can judge it: "
-                            "see this case against local")
+    spec, source = _budget_source(adapter, case, model, ctx.world_size)
     t0 = time.perf_counter()
     known = _reference_with_budgets(case, spec, source, ctx)
     reference, budgets, resolvable, notes = known.reference, known.budgets, known.resolvable, list(known.notes)
@@ -461,6 +493,23 @@ def _failure_line(error: QuantityError, where: dict[str, Any]) -> str:
     return f"{error_text(error)} at {' on '.join(at)}"
 
 
+def non_finite_line(values: list[RankResult]) -> str:
+    """``the engine produced NaN at step 3 (loss on rank 1)``: the first step where the engine's loss or
+    gradient norm was not finite on some rank, or empty. Every quantity compared after it fails, and
+    the engine's result reads as missing there, so this is the reason, not the worst quantity."""
+    found = sorted(
+        (step, rank, quantity, value)
+        for rank, v in enumerate(values)
+        for quantity in ("loss", "grad_norm")
+        for step, value in enumerate(v.curves.get(quantity, {}).get("engine", []))
+        if not math.isfinite(value)
+    )
+    if not found:
+        return ""
+    step, rank, quantity, value = found[0]
+    return f"the engine produced {'NaN' if math.isnan(value) else 'inf'} at step {step} ({quantity} on rank {rank})"
+
+
 def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
     """One all-rank ``CaseRecord`` from what the pool got back for ``run_case_on_rank``."""
     base: dict[str, Any] = {"case": case.to_dict(), "case_id": case.case_id, "wall_s": outcome.wall_s}
@@ -494,7 +543,10 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
 
     reasons: list[str] = []
     failing = sorted((e for e in errors if not e.passed), key=lambda e: -e.ratio)
-    if failing:
+    non_finite = non_finite_line(values) if failing else ""
+    if non_finite:
+        reasons.append(f"{non_finite}: {len(failing)} quantities fail from there")
+    elif failing:
         reasons.append(_failure_line(failing[0], where[failing[0].name]))
         if len(failing) > 1:
             reasons[-1] += f" (+{len(failing) - 1} more)"

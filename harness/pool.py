@@ -200,6 +200,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def kill_group(proc: Any) -> None:
+    """SIGKILL rank process ``proc`` and its process group (a rank leads its own: ``rank_main``), dead
+    rank or alive: what a job started outlives a rank that exited or was killed, holding its pipes."""
+    if proc.pid is None:
+        return
+    if proc.is_alive():
+        proc.kill()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # no group left (or not yet its own: the rank itself was killed above)
+
+
 def remove_stale_pool_dirs(root: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove the pool directories under ``root`` (default: the temporary directory) whose owner
     process is gone; returns them. A run killed by ``kill -9`` leaves its directory behind."""
@@ -337,13 +350,11 @@ class RankPool:
         """Kill the ranks now, from any thread: a job waiting on them ends as a crash, and the owner's
         ``close`` then removes the pool's files (how an interrupted run stops its pools at once)."""
         for proc in list(self._procs):
-            if proc.is_alive():
-                proc.kill()
+            kill_group(proc)
 
     def _kill(self) -> None:
         for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
+            kill_group(proc)
         for proc in self._procs:
             proc.join(timeout=10)
         for conn in self._conns:

@@ -82,6 +82,10 @@ def rank_main(boot: Boot, conn: mp_connection.Connection) -> None:
     """Entry point of a rank process: join the group, then run jobs until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(multiprocessing.parent_process().pid)  # type: ignore[union-attr]  # a spawned child has one
+    # A session (and process group) of its own, whose id is this pid: whatever a job starts (an engine's
+    # forward may start a child) stays in it, and the pool kills the whole group with the rank
+    # (``harness.pool.kill_group``), so nothing outlives the rank holding the run's pipes.
+    os.setsid()
     # fd-level redirect so C++ (gloo, NCCL) messages land in the file too.
     err_fd = os.open(boot.stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(err_fd, 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
@@ -21,6 +22,30 @@ VERDICTS: tuple[str, ...] = get_args(Verdict)
 
 #: bump when a field changes meaning; readers refuse newer majors.
 SCHEMA_VERSION = 1
+
+#: How a record writes a float JSON has no number for (strict JSON: ``json.dumps(allow_nan=False)``),
+#: and reads it back; records written before it hold bare ``NaN``/``Infinity``, which ``json.loads`` reads.
+NON_FINITE: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` (plain data) with every non-finite float as its ``NON_FINITE`` name: strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def as_float(value: Any) -> Any:
+    """A number field read back: a ``NON_FINITE`` name as its float, a list of them element by element."""
+    if isinstance(value, str):
+        return NON_FINITE.get(value, value)
+    if isinstance(value, list):
+        return [as_float(v) for v in value]
+    return value
 
 
 @dataclass
@@ -122,6 +147,10 @@ class CaseRecord:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_json(self, default: Any = None) -> str:
+        """The record as one line of strict JSON (``json_safe``; ``default`` as ``json.dumps``'s)."""
+        return json.dumps(json_safe(self.to_dict()), default=default, ensure_ascii=False, allow_nan=False)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CaseRecord":
         if d.get("schema", SCHEMA_VERSION) > SCHEMA_VERSION:
@@ -129,7 +158,10 @@ class CaseRecord:
                 f"record schema {d['schema']} is newer than this reader's {SCHEMA_VERSION}: upgrade the project"
             )
         d = _known_fields(cls, d)
-        d["errors"] = [QuantityError(**_known_fields(QuantityError, e)) for e in d.get("errors", [])]
+        d["errors"] = [QuantityError(**{k: as_float(v) for k, v in _known_fields(QuantityError, e).items()})
+                       for e in d.get("errors", [])]
+        if d.get("curves") is not None:
+            d["curves"] = {q: {side: as_float(v) for side, v in sides.items()} for q, sides in d["curves"].items()}
         if d.get("run") is not None:
             d["run"] = RunInfo(**_known_fields(RunInfo, d["run"]))
         return cls(**d)

@@ -184,6 +184,8 @@ def generate_cases(
     world_sizes: Sequence[int],
     references: Sequence[str] | None = None,
     axes: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    judged_on: str | None = None,
     **fixed: Any,
 ) -> list[CaseConfig]:
     """The cases of generator ``matrix`` (``harness.matrix.generate`` over ``axes``, keywords pinned) for
@@ -192,14 +194,23 @@ def generate_cases(
     Shared by ``harness run`` and the generated pytest suites (``harness.pytest_plugin.cases``). References
     are pinned in turn because a generator that keeps an axis at its first value (smoke) would
     otherwise never show the second one; None keeps the matrix's reference axis.
+
+    ``judged_on`` (``cpu`` or ``cuda``, where the ranks run): the smoke generator holds only cases the ranks
+    there can run and a reference can judge (``harness.parity.smoke_refusal``), each precision against the
+    first reference that can judge it; ``harness run``'s smoke selection, README's quick start.
     """
     from harness.matrix import generate
 
+    refuse = None
+    if judged_on is not None and matrix == "smoke":
+        from harness.parity import smoke_refusal
+
+        refuse = smoke_refusal(judged_on)
     found: dict[str, CaseConfig] = {}
     for ws in world_sizes:
         for reference in references or [None]:
             pinned = {**fixed, "world_size": ws, **({"reference": reference} if reference else {})}
-            for case in generate(matrix, axes=axes, **pinned):  # type: ignore[arg-type]
+            for case in generate(matrix, axes=axes, refuse=refuse, **pinned):  # type: ignore[arg-type]
                 found.setdefault(case.full_id, case)
     return list(found.values())
 
@@ -248,7 +259,10 @@ def _select_cases(args: Selection, world_sizes: Sequence[int]) -> list[CaseConfi
         fixed["check_determinism"] = True
     if args.stress != "none":
         fixed["stress"] = args.stress
-    cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None, **fixed)
+    from harness.placement import n_gpus
+
+    cases = generate_cases(args.matrix, world_sizes, args.references, axes=axes or None,
+                           judged_on="cuda" if n_gpus() else "cpu", **fixed)
     if args.filters:
         kept = [c for c in cases if any(all(part in c.full_id for part in f.split("+")) for f in args.filters)]
         if cases and not kept:
@@ -299,6 +313,8 @@ class Progress:
         from tqdm import tqdm
 
         self.counts: collections.Counter[str] = collections.Counter()
+        #: the unsupported cases per reason, for the summary (``summary``).
+        self.unsupported: collections.Counter[str] = collections.Counter()
         self.todo = total
         self.deadline = deadline
         self.start = time.monotonic()
@@ -310,6 +326,8 @@ class Progress:
 
     def update(self, record: CaseRecord, full_id: str) -> None:
         self.counts[record.verdict] += 1
+        if record.verdict == "unsupported":
+            self.unsupported[record.reason or "no reason given"] += 1
         self.done += 1
         if record.verdict in BAD_VERDICTS:
             self.bar.write(f"{record.verdict:8s} {full_id}: {record.reason}", file=sys.stderr)
@@ -345,13 +363,19 @@ def rate_text(cases: int, elapsed_s: float) -> str:
     return f"{cases / elapsed_s:.2f} cases/s" if elapsed_s > 0 else "- cases/s"
 
 
-def summary(counts: collections.Counter[str], out: Path, elapsed: float) -> str:
-    """The verdict table of the cases run now, and their rate: ``12 cases in 30.1 s (0.40 cases/s) -> out``."""
+def summary(counts: collections.Counter[str], out: Path, elapsed: float,
+            unsupported: Mapping[str, int] | None = None) -> str:
+    """The verdict table of the cases run now, why the unsupported ones are (``unsupported``: cases per
+    reason, most first), and their rate: ``12 cases in 30.1 s (0.40 cases/s) -> out``."""
     from tabulate import tabulate
 
     rows = [(verdict, n) for verdict, n in sorted(counts.items(), key=lambda kv: -kv[1])]
     n = sum(counts.values())
-    return f"{tabulate(rows, headers=('verdict', 'cases'))}\n{n} cases in {elapsed:.1f} s ({rate_text(n, elapsed)}) -> {out}"
+    text = tabulate(rows, headers=("verdict", "cases"))
+    if unsupported:
+        why = sorted(unsupported.items(), key=lambda kv: (-kv[1], kv[0]))
+        text += "\n\n" + tabulate([(count, reason) for reason, count in why], headers=("unsupported", "because"))
+    return f"{text}\n{n} cases in {elapsed:.1f} s ({rate_text(n, elapsed)}) -> {out}"
 
 
 def exit_status(counts: Mapping[str, int]) -> int:

@@ -16,11 +16,12 @@ import shlex
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 from matplotlib.figure import Figure
 
+from harness.case import ReferenceName
 from harness.matrix import invalid_reason
 from harness.records import CaseRecord, QuantityError
 from reports.matrix import UNEXPECTED_PASS_NOTE, fmt_ratio, is_expected_failure
@@ -191,12 +192,38 @@ def _expectation_html(row: Mapping[str, Any], record: CaseRecord | None) -> str:
     return f"<p><b>Expected to fail:</b> {esc(expected)}</p>"
 
 
+def other_reference_ids(full_id: str) -> dict[str, str]:
+    """The same case against each other reference: reference -> its full id (``engine:reference:case_id``)."""
+    engine, reference, case_id = full_id.split(":", 2)
+    return {other: f"{engine}:{other}:{case_id}" for other in get_args(ReferenceName) if other != reference}
+
+
+def _other_references_html(full_id: str, case: Mapping[str, Any], backend: str | None,
+                           verdicts: Mapping[str, str], pages: set[str]) -> str:
+    """Where the same case against the other reference is: its page, its verdict, or how to run it (an
+    unsupported pairing, mixed precision against DDP, is judged there)."""
+    items = []
+    for reference, other in other_reference_ids(full_id).items():
+        if other in pages:
+            items.append(f'<li>{esc(reference)}: <a href="{esc(case_slug(other))}.html">{esc(verdicts.get(other, "page"))}: '
+                         f"<code>{esc(other)}</code></a></li>")
+        elif other in verdicts:
+            items.append(f"<li>{esc(reference)}: {esc(verdicts[other])} (<code>{esc(other)}</code>; a passing case has no "
+                         "page)</li>")
+        else:
+            command = rerun_command({**case, "reference": reference}, other, backend)
+            items.append(f"<li>{esc(reference)}: not in these results; run it: <pre>{esc(command)}</pre></li>")
+    return "<h2>Against the other reference</h2><ul>" + "".join(items) + "</ul>" if items else ""
+
+
 def case_html(
     row: Mapping[str, Any], record: CaseRecord | None, *, banner: str = "", plot: str | None = None,
-    report_href: str = "../matrix.html", plot_skipped: str = "",
+    report_href: str = "../matrix.html", plot_skipped: str = "", verdicts: Mapping[str, str] | None = None,
+    pages: set[str] | None = None,
 ) -> str:
     """The page of one case. ``row`` is its row of the ``latest`` frame; ``record`` adds the details
-    (a report built from ``results.csv`` has none)."""
+    (a report built from ``results.csv`` has none); ``verdicts`` (full id -> verdict of every case of the
+    report) and ``pages`` (the full ids with a page) link the same case against the other reference."""
     full_id = str(row["full_id"])
     case = dict(record.case) if record is not None else {k: row[k] for k in row.keys() if k in (
         "engine", "reference", "model", "sharding_strategy", "precision", "backward_prefetch", "forward_prefetch",
@@ -214,6 +241,7 @@ def case_html(
     caveats = rerun_caveats(case)
     if caveats:
         parts.append("<p>The command differs from this case: " + esc("; ".join(caveats)) + ".</p>")
+    parts.append(_other_references_html(full_id, case, backend, verdicts or {}, pages or set()))
     settings = "<h2>Settings</h2>" + _table(["axis", "value"], [[esc(k), esc(v)] for k, v in case.items()])
     if plot_skipped:
         parts.append(f"<h2>Per step</h2><p>Not plotted: {esc(plot_skipped)}.</p>")
@@ -280,6 +308,9 @@ def write_case_pages(
     folder = out / CASES_DIR
     folder.mkdir(parents=True, exist_ok=True)
     written = []
+    verdicts = {full_id: record.verdict for full_id, record in records.items()}
+    verdicts.update({str(row["full_id"]): str(row["verdict"]) for row in rows})
+    pages = {str(row["full_id"]) for row in rows}
     for i, row in enumerate(rows):
         full_id = str(row["full_id"])
         slug = case_slug(full_id)
@@ -292,7 +323,7 @@ def write_case_pages(
                 plot = f"{slug}.png"
                 plot_case(record, folder / plot)  # type: ignore[arg-type]
                 written.append(f"{CASES_DIR}/{plot}")
-        (folder / f"{slug}.html").write_text(case_html(row, record, banner=banner, plot=plot, plot_skipped=skipped),
-                                             encoding="utf-8")
+        (folder / f"{slug}.html").write_text(case_html(row, record, banner=banner, plot=plot, plot_skipped=skipped,
+                                                       verdicts=verdicts, pages=pages), encoding="utf-8")
         written.append(f"{CASES_DIR}/{slug}.html")
     return written

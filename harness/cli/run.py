@@ -177,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
     if pools_failed:
         return _refuse(f"{len(not_run)} case(s) not run: {not_run[0][1]}")
     elapsed = time.monotonic() - start
-    print(summary(progress.counts, out, elapsed))
+    print(summary(progress.counts, out, elapsed, progress.unsupported))
     counts = file_counts(latest)
     if resume:
         held = ", ".join(f"{v} {n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
@@ -338,7 +338,7 @@ def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "
         progress.close()
     if runner.lane_errors:
         return _refuse(f"{len(todo) - runner.recorded} case(s) not run: {'; '.join(runner.lane_errors)}")
-    print(summary(progress.counts, out, time.monotonic() - start))
+    print(summary(progress.counts, out, time.monotonic() - start, progress.unsupported))
     return exit_status(progress.counts)
 
 

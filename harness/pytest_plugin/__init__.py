@@ -10,6 +10,9 @@ Loaded by the root ``conftest.py``. What it adds:
   parametrized with the suite's cases for the chosen lane (``harness.pytest_plugin.cases``), each with its
   ``CaseConfig.full_id`` as test id (``-k 'full_shard-bf16'`` selects), marked ``slow`` outside the
   smoke lane and ``gpu`` where its ranks run on GPUs;
+- ``@pytest.mark.engine_cases`` on a test (or module) whose parameters are hand-written ``CaseConfig``s: the
+  cases on engines or references ``--engine``/``--reference`` leave out are deselected (``outside_options``),
+  so a suite's own cases obey the options as the generated ones do, and start no pool;
 - ``fsdp_api``: a test or fixture that takes it runs once per requested engine with torch FSDP1's API
   (of ``--engine``: ``builtin``, ``torch-fsdp``, any ``NAME=fsdp1:MODULE``; the seed conformance
   suites); its value is the engine's spec, which the rank processes resolve again, its test id the name;
@@ -113,6 +116,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "parity_matrix(suite): parametrize the test's parity_case with a harness.pytest_plugin.cases.SuiteMatrix"
     )
+    config.addinivalue_line(
+        "markers", "engine_cases: the test's CaseConfig parameters run on the engines and references they name: "
+        "--engine and --reference deselect those naming others (as the generated suites leave them out)"
+    )
     session = ParitySession(config, options)
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(session, "parity-session")
@@ -175,15 +182,31 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("fsdp_api", engines, scope="module")
 
 
+def outside_options(item: pytest.Item, options: ParityOptions) -> bool:
+    """Whether a test marked ``engine_cases`` runs a case (a ``CaseConfig`` parameter) on an engine or a
+    reference that ``--engine``/``--reference`` leave out (a resumed case needs both of its engines)."""
+    if item.get_closest_marker("engine_cases") is None:
+        return False
+    callspec = getattr(item, "callspec", None)
+    engines = {engine_name(e) for e in options.engines}
+    for case in (callspec.params.values() if callspec is not None else ()):
+        if isinstance(case, CaseConfig):
+            used = {case.engine_name, *([engine_name(case.resume_engine)] if case.resume_engine else [])}
+            if not used <= engines or case.reference not in options.references:
+                return True
+    return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``--loop-axes``: deselect the generated cases of suites that vary no training-loop axis."""
-    if not config.stash[OPTIONS_KEY].loop_axes:
-        return
+    """Deselect the cases the options leave out: hand-written cases (``engine_cases``) on other engines or
+    references, and under ``--loop-axes`` the generated cases of suites that vary no training-loop axis."""
+    options = config.stash[OPTIONS_KEY]
     kept, dropped = [], []
     for item in items:
         marker = item.get_closest_marker("parity_matrix")
         generated = marker is not None and "parity_case" in getattr(item, "fixturenames", ())
-        (dropped if generated and not marker.args[0].varies_loop_axes else kept).append(item)
+        loop_off = options.loop_axes and generated and not marker.args[0].varies_loop_axes
+        (dropped if loop_off or outside_options(item, options) else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

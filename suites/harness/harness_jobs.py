@@ -33,6 +33,14 @@ def raise_everywhere(ctx: RankContext, payload: Any) -> None:
     raise ValueError(f"raised on purpose by rank {ctx.rank}")
 
 
+def start_child(ctx: RankContext, payload: Any) -> int:
+    """Start a child process that outlives the job (as an engine's forward starting a helper might), on
+    the rank's stdout and stderr; its pid."""
+    import subprocess
+
+    return subprocess.Popen(["sleep", "600"]).pid
+
+
 def sleep_forever(ctx: RankContext, payload: Any) -> None:
     """A hang in Python, without any collective."""
     while True:

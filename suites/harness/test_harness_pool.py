@@ -170,6 +170,31 @@ def test_the_trace_records_each_collective_once_and_restores_torch(fault_pool: R
         assert value["events"][2]["nbytes"] == 24
 
 
+def _gone(pids: list[int], within_s: float = 10.0) -> list[int]:
+    """The pids still alive after waiting up to ``within_s`` for them to go."""
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups of ranks: Linux")
+def test_what_a_job_started_ends_with_the_ranks_killed_or_closed() -> None:
+    # A child a job started (an engine's forward starting a process) would outlive its rank and hold the
+    # run's pipes: each rank leads its own process group, and the pool kills the group with the rank.
+    with RankPool(PoolConfig(world_size=2, case_timeout_s=120.0)) as pool:
+        started = pool.run(harness_jobs.start_child, None)
+        assert started.status == "ok", started.reason
+        children = list(started.values)
+        assert all(_alive(p) for p in children)
+        assert pool.run(harness_jobs.sleep_forever, None, timeout_s=1.0).pool_reset  # the watchdog kills the ranks
+        assert not _gone(children), "children of killed ranks outlived them"
+        started = pool.run(harness_jobs.start_child, None)
+        assert started.status == "ok", started.reason
+        children = list(started.values)
+    assert not _gone(children), "children of closed ranks outlived them"
+
+
 _CHILD = textwrap.dedent(
     """
     import sys

@@ -324,3 +324,26 @@ def test_agreement_separates_disagreements_from_capabilities() -> None:
         "seed check on builtin, torch-fsdp: 3 compared, 1 agree, 1 disagree, 1 ran on one engine only"
     )
     assert "differ" in text and "offload" in text and "alone" not in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hand-written cases obey --engine and --reference (engine_cases)
+
+
+def test_hand_written_cases_obey_the_engine_and_reference_options() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "suites/parity/test_world_sizes.py", "--engine", "builtin", "--reference", "local",
+         "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    cases = [i for i in ids if "[" in i and ":" in i.split("[", 1)[1]]
+    assert cases and all("[builtin:local:" in i for i in cases), "\n".join(i for i in cases if "[builtin:local:" not in i)
+    # ... and what they leave out starts no pool: no world-size-8 case of another engine remains.
+    assert "deselected" in done.stdout

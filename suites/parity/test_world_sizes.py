@@ -53,8 +53,9 @@ from suites.parity.world_sizes import (
     shard_group_size,
 )
 
-# Both pools are module-scoped: under pytest-xdist the module must stay on one worker.
-pytestmark = pytest.mark.xdist_group("parity-world-sizes")
+# Both pools are module-scoped: under pytest-xdist the module must stay on one worker. Every case is a
+# parameter, so --engine and --reference deselect the others (engine_cases) and no pool starts for them.
+pytestmark = [pytest.mark.xdist_group("parity-world-sizes"), pytest.mark.engine_cases]
 
 STEPS = 3
 FSDP1 = ("builtin", "torch-fsdp")
@@ -269,8 +270,9 @@ def test_bf16_transformer_at_world_size_8(pool8: RankPool, case: CaseConfig) -> 
 FP32_WS8 = _case("builtin", model="transformer", reference="ddp", world_size=8, steps=5)
 
 
-def test_fp32_transformer_against_ddp_at_world_size_8(pool8: RankPool) -> None:
-    record = _passes(pool8, FP32_WS8)
+@pytest.mark.parametrize("case", [FP32_WS8], ids=lambda c: c.full_id)
+def test_fp32_transformer_against_ddp_at_world_size_8(pool8: RankPool, case: CaseConfig) -> None:
+    record = _passes(pool8, case)
     assert record.detail["budget_source"] == "reference"
     rtol, atol = DEFAULT_TOLERANCES[torch.float32]
     assert all(e.rtol == rtol and e.atol >= atol for e in record.errors), "a budget may only widen atol"
@@ -283,8 +285,9 @@ def test_fp32_transformer_against_ddp_at_world_size_8(pool8: RankPool) -> None:
 PLANTED_REL = 1e-5
 
 
-def test_planted_reduction_bug_fails_at_world_size_8(pool8: RankPool) -> None:
-    record = run_planted_case(pool8, FP32_WS8, PLANTED_REL)
+@pytest.mark.parametrize("case", [FP32_WS8], ids=lambda c: c.full_id)
+def test_planted_reduction_bug_fails_at_world_size_8(pool8: RankPool, case: CaseConfig) -> None:
+    record = run_planted_case(pool8, case, PLANTED_REL)
     assert record.verdict == "fail", f"passed with a planted bug: worst ratio {record.worst_ratio}"
     assert record.detail["budget_source"] == "reference", "the bug must fail under the widened tolerance"
     assert any(e.name.startswith("grad:") and not e.passed for e in record.errors), record.reason

@@ -184,3 +184,21 @@ def test_a_spent_budget_writes_every_page_but_no_more_plots(tmp_path: Path) -> N
     assert not list((tmp_path / "out" / "cases").glob("*.png")) and any(f.endswith(".html") for f in summary.files)
     reports.build(results, tmp_path / "whole", plot_deadline=time.monotonic() + 600)
     assert list((tmp_path / "whole" / "cases").glob("*.png"))
+
+
+def test_a_case_page_links_the_same_case_against_the_other_reference(tmp_path: Path) -> None:
+    # Mixed precision against DDP is unsupported ("see this case against local"): its page leads there.
+    against_ddp = CaseConfig(engine="builtin", precision="bf16", reference="ddp")
+    against_local = against_ddp.replace(reference="local")
+    alone = CaseConfig(engine="torch-fsdp", precision="fp16", reference="ddp")
+    records = [record(against_ddp, "unsupported", None, "mixed precision (bf16) against ddp: see this case against local"),
+               record(against_local, "fail", 3.0), record(alone, "unsupported", None, "mixed precision (fp16) against ddp")]
+    reports.build(write_results(tmp_path / "results.jsonl", records), tmp_path / "out")
+    page = (tmp_path / "out" / case_href(against_ddp.full_id)).read_text()
+    assert f'<a href="{case_slug(against_local.full_id)}.html">fail: <code>{against_local.full_id}</code></a>' in page
+    back = (tmp_path / "out" / case_href(against_local.full_id)).read_text()
+    assert f'<a href="{case_slug(against_ddp.full_id)}.html">unsupported' in back
+    # Not in the results: the command that runs it there.
+    lone = (tmp_path / "out" / case_href(alone.full_id)).read_text()
+    other = alone.replace(reference="local")
+    assert "not in these results" in lone and html_escape(rerun_command(other.to_dict(), other.full_id, "gloo")) in lone
