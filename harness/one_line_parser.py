@@ -1,12 +1,14 @@
 """The argument parser of every command line (``python -m harness``, ``python -m reports``): an error is
-one line naming the option, exit status 2; the usage is what ``--help`` is for."""
+one line naming the option, exit status 2; the usage is what ``--help`` is for. The value types both
+front ends share live here too (they import nothing: ``reports`` runs without torch)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["OneLineParser"]
+__all__ = ["OneLineParser", "non_empty", "non_empty_path"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -14,3 +16,15 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (--help for usage)\n")
+
+
+def non_empty(text: str) -> str:
+    """An option value that must not be blank (an empty ``--filter ""`` would match every case)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}")
+    return text
+
+
+def non_empty_path(text: str) -> Path:
+    """A path option that must not be blank (``--out ""`` must not silently mean the default path or ``.``)."""
+    return Path(non_empty(text))

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from harness.collector import out_path_problem
-from harness.one_line_parser import OneLineParser
+from harness.one_line_parser import OneLineParser, non_empty_path
 from harness.records import parse_not_run
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="build a report directory from results files")
     b.add_argument("results", nargs="+", type=Path, help="results files (JSON Lines) or report directories")
-    b.add_argument("--out", required=True, type=Path, help="report directory to write")
+    b.add_argument("--out", required=True, type=non_empty_path, help="report directory to write")
     b.add_argument("--cases", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=[],
                    help="comma list of full ids (engine:reference:case_id) that get a case page even if they pass")
     b.add_argument("--not-run", type=Path, default=None,
@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("history", help="trend page over several nightly directories")
     h.add_argument("dirs", nargs="+", type=Path, help="nightly (or run) directories, ordered by name")
-    h.add_argument("--out", required=True, type=Path, help="directory to write history.md/.html/.json and plots into")
+    h.add_argument("--out", required=True, type=non_empty_path, help="directory to write history.md/.html/.json and plots into")
 
     d = sub.add_parser("diff", help="compare two results; exits 1 on a regression")
     d.add_argument("old", type=Path, help="report directory or results file")

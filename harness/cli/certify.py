@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.cli.options import add_placement
+from harness.cli.options import add_placement, non_empty_path, positive_float
 from harness.case import CaseConfig
 from harness.placement import Lane
 from harness.records import CaseRecord
@@ -360,10 +360,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what CI can afford: the core seed checks and the smoke cases of one small model (2 steps)")
     p.add_argument("--families", default=",".join(f.name for f in FAMILIES),
                    help=f"comma list of families (default all: {','.join(f.name for f in FAMILIES)})")
-    p.add_argument("--out", default=None, help="directory for the certificate (default certificates/NAME-TIME)")
+    p.add_argument("--out", type=non_empty_path, default=None, help="directory for the certificate (default certificates/NAME-TIME)")
     p.add_argument("--world-size", type=int, default=None, help="ranks per case (default: every local GPU where there are 2 or more, else 2)")
     add_placement(p)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

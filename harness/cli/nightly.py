@@ -48,7 +48,7 @@ from typing import Any
 from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
-from harness.cli.options import add_execution, add_placement, add_selection, positive_float
+from harness.cli.options import add_execution, add_placement, add_selection, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, resolve_shard, shard_dir, shard_text
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import (
@@ -241,6 +241,10 @@ def _nightly(config: NightlyConfig) -> int:
     problem = out_dir_problem(out)
     if problem:
         print(f"harness nightly: --out: {problem}", file=sys.stderr)
+        return 2
+    if config.resume and not (out / RESULTS_NAME).exists():  # a typo must not start a fresh night
+        print(f"harness nightly: --resume: {out / RESULTS_NAME} does not exist, so there is no nightly to continue; "
+              "check --out, or drop --resume to start one", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / NIGHTLY_NAME
@@ -541,14 +545,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The selection options and the nightly's own."""
     add_selection(p)
     p.set_defaults(matrix="full")
-    p.add_argument("--out", required=True, type=Path, help="the nightly's directory, e.g. reports/nightly/$(date +%%F)")
+    p.add_argument("--out", required=True, type=non_empty_path, help="the nightly's directory, e.g. reports/nightly/$(date +%%F)")
     p.add_argument("--resume", action="store_true", help="continue the nightly in --out (recorded cases and a finished fuzz are kept)")
     p.add_argument("--previous", type=Path, default=None,
                    help="nightly directory or results file to diff against (default: the newest earlier sibling of --out)")
     p.add_argument("--fuzz-profile", default="nightly", choices=("nightly", "ci", "dev", "none"),
                    help="Hypothesis profile of the fuzz campaign; none skips it")
     p.add_argument("--fuzz-max-examples", type=int, default=None, help="examples per fuzz property, overriding the profile")
-    p.add_argument("--time-budget-s", type=float, default=None,
+    p.add_argument("--time-budget-s", type=positive_float, default=None,
                    help="the whole nightly's seconds: cases run sampled (every value of every axis early, then every pair) "
                         "and none starts after the budget (the rest are listed in not_run.txt); the fuzz campaign "
                         "gets what is left less 30 s for the report")

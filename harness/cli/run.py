@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.case import CaseConfig
-from harness.cli.options import add_execution, add_placement, add_selection, positive_float
+from harness.cli.options import add_execution, add_placement, add_selection, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, shard_text
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.shards import ShardError
@@ -79,6 +79,8 @@ def _open_results(out: Path, info: Any, resume: bool) -> "ResultWriter | str":
     """The results writer for ``--out``, or the one line refusing it (under torchrun too)."""
     from harness.collector import ResultsLocked, ResultWriter
 
+    if resume and not out.exists():  # a typo must not start a fresh run
+        return f"--resume: {out} does not exist, so there is nothing to continue; check the path, or drop --resume to start a new run"
     try:
         return ResultWriter(out, info, resume=resume)
     except FileExistsError:
@@ -376,7 +378,7 @@ def main_models(args: argparse.Namespace) -> int:
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_selection(p)
     add_sharding(p)
-    p.add_argument("--out", default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
+    p.add_argument("--out", type=non_empty_path, default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
     p.add_argument("--resume", action="store_true",
                    help="continue --out, skipping the cases it records; the exit status covers every case in the file")
     p.add_argument("--rerun-failed", action="store_true",

@@ -79,6 +79,44 @@ def test_nightly_refuses_a_timeout_that_is_not_positive(capsys: pytest.CaptureFi
     assert "argument --timeout: must be a positive" in _usage_error(capsys, "nightly", "--out", str(tmp_path / "n"), "--timeout", "0")
 
 
+@pytest.mark.parametrize("argv, option", [
+    (["nightly", "--time-budget-s", "nan"], "--time-budget-s"), (["nightly", "--time-budget-s", "inf"], "--time-budget-s"),
+    (["nightly", "--time-budget-s", "1e300"], "--time-budget-s"), (["run", "--timeout", "1e300"], "--timeout"),
+    (["run", "--timeout", "nan"], "--timeout"), (["nightly", "--timeout=-inf"], "--timeout"),
+])
+def test_seconds_that_are_nan_infinite_or_huge_are_refused_at_parsing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], option: str
+) -> None:
+    out = tmp_path / "n"
+    err = _usage_error(capsys, *argv, "--out", str(out)).strip()
+    assert f"argument {option}: must be a positive number of seconds, at most 604800" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [["run", *TINY], ["nightly"], ["history", "d"], ["certify", "--engine", "builtin"]])
+def test_an_empty_out_is_refused_not_taken_for_the_default(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    from reports.__main__ import main as reports_main
+
+    assert "argument --out: must not be empty" in _usage_error(capsys, *argv, "--out", "")
+    with pytest.raises(SystemExit) as info:
+        reports_main(["build", "r.jsonl", "--out", " "])
+    assert info.value.code == 2 and "argument --out: must not be empty" in capsys.readouterr().err
+
+
+def test_resume_of_an_out_that_does_not_exist_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_run_case: list[str]
+) -> None:
+    typo = tmp_path / "r.jsnol"
+    assert main(["run", *TINY, "--limit", "1", "--out", str(typo), "--resume"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"--resume: {typo} does not exist" in line and "drop --resume" in line
+    assert fake_run_case == [] and not typo.exists() and not Path(f"{typo}.selection.json").exists()
+    night = tmp_path / "night"
+    assert main(["nightly", "--out", str(night), "--resume", "--matrix", "smoke", "--limit", "1", "--no-progress"]) == 2
+    assert f"--resume: {night / 'results.jsonl'} does not exist" in _one_line(capsys.readouterr().err)
+    assert not night.exists()
+
+
 def test_a_repeated_world_size_runs_once(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["list", "--matrix", "smoke", "--world-size", "2,2"]) == 0
     twice = capsys.readouterr().out.split()
