@@ -29,7 +29,7 @@ With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.
 Exit status: 0 when every case passed or is unsupported (a flaky case is bad), the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
 ranks could not start, ``--out`` cannot be the nightly's directory, or the results file could not be
-written; 130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
+written; 130 on Ctrl-C, 143 on SIGTERM and 129 on SIGHUP (rerun with the shell-quoted ``--resume`` line printed).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongsid
 from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import add_execution, add_placement, add_selection, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, resolve_shard, shard_dir, shard_text
-from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
 from harness.placement import (
     PlacementError,
     available_memory,
@@ -229,7 +229,7 @@ def nightly(config: NightlyConfig) -> int:
         try:
             return _nightly(config)
         except KeyboardInterrupt as exc:  # between phases; the phases say where they stopped
-            print(f"\ninterrupted; rerun with: python -m harness nightly --out {config.out} --resume", file=sys.stderr)
+            print(f"\ninterrupted; rerun with: {_resume_line(config)}", file=sys.stderr)
             return interrupt_exit_status(exc)
 
 
@@ -345,7 +345,7 @@ def _nightly(config: NightlyConfig) -> int:
             progress.close()
             state["cases"].update(recorded=runner.recorded, interrupted=True)
             save()
-            print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
+            print(f"\ninterrupted; rerun with: {_resume_line(config)}", file=sys.stderr)
             return interrupt_exit_status(exc)
         except OSError as exc:  # the results file could not be written (runner.write_error)
             runner.interrupt()
@@ -355,7 +355,7 @@ def _nightly(config: NightlyConfig) -> int:
             state["cases"].update(recorded=runner.recorded, write_error=str(exc))
             save()
             print(f"harness nightly: {exc}; the records written before it are kept: free space and rerun "
-                  f"with --out {out} --resume", file=sys.stderr)
+                  f"with: {_resume_line(config)}", file=sys.stderr)
             return 2
         progress.close()
     _write_not_run(out / NOT_RUN_NAME, not_run)
@@ -384,7 +384,7 @@ def _nightly(config: NightlyConfig) -> int:
                              fuzz_budget(config.time_budget_s, time.monotonic() - start), config.progress))
             except KeyboardInterrupt as exc:
                 save()
-                print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
+                print(f"\ninterrupted; rerun with: {_resume_line(config)}", file=sys.stderr)
                 return interrupt_exit_status(exc)
     save()
 
@@ -458,6 +458,12 @@ def _nightly(config: NightlyConfig) -> int:
     save()
     print(_summary_text(state))
     return code
+
+
+def _resume_line(config: NightlyConfig) -> str:
+    """The command that continues this nightly (its shard), shell-quoted."""
+    shard = ("--shard", str(config.shard)) if config.shard is not None else ()
+    return resume_command("python", "-m", "harness", "nightly", "--out", config.out, *shard, "--resume")
 
 
 def _other_shard(shard: Mapping[str, Any] | None) -> bool:

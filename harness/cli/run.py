@@ -12,7 +12,7 @@ world (``harness.torchrun_world``: the other ranks serve it) and records, and th
 Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
 is unsupported, 1 when some failed, errored, timed out or crashed, 2 when an option cannot work
 (checked before any case runs), the ranks could not start or the results file could not be written,
-130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
+130 on Ctrl-C, 143 on SIGTERM and 129 on SIGHUP (rerun with ``--resume``: the line printed is shell-quoted).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from harness.case import CaseConfig
 from harness.cli.options import add_execution, add_placement, add_selection, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, shard_text
-from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
 from harness.shards import ShardError
 from harness.stored_selection import (
     StoredSelection,
@@ -169,11 +169,11 @@ def main(args: argparse.Namespace) -> int:
         except ResultWriteError as exc:
             progress.close()
             return _refuse(f"--out: {exc}; every record written before it is kept: "
-                           f"free space and continue with --out {out} --resume")
+                           f"free space and continue with {resume_command('--out', out, '--resume')}")
         except KeyboardInterrupt as exc:
             runner.interrupt()
             progress.close()
-            print(f"\ninterrupted; the ranks are stopped. Continue with: --out {out} --resume", file=sys.stderr)
+            print(f"\ninterrupted; the ranks are stopped. Continue with: {resume_command('--out', out, '--resume')}", file=sys.stderr)
             return interrupt_exit_status(exc)
         progress.close()
     if pools_failed:
@@ -332,7 +332,7 @@ def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "
             runner.run([lane], todo)
     except ResultWriteError as exc:
         return _refuse(f"--out: {exc}; every record written before it is kept: "
-                       f"free space and continue with --out {out} --resume")
+                       f"free space and continue with {resume_command('--out', out, '--resume')}")
     except KeyboardInterrupt:
         runner.interrupt(wait_s=0)  # the case under way is not recorded
         raise

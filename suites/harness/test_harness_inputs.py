@@ -413,15 +413,21 @@ def _start_run(tmp_path: Path, out: Path) -> tuple[subprocess.Popen[str], Path]:
     return proc, tmp
 
 
-def test_sigterm_stops_like_ctrl_c_with_the_resume_hint_and_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signame, status, name", [("SIGTERM", 143, "r.jsonl"), ("SIGHUP", 129, "it's mine/r.jsonl")])
+def test_sigterm_and_sighup_stop_like_ctrl_c_with_the_resume_hint_and_leave_nothing(
+    tmp_path: Path, signame: str, status: int, name: str
+) -> None:
+    import shlex
     import signal
 
-    out = tmp_path / "r.jsonl"
+    out = tmp_path / name
+    out.parent.mkdir(exist_ok=True)
     proc, tmp = _start_run(tmp_path, out)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, signame))
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stderr
-    assert f"Continue with: --out {out} --resume" in stderr and "Traceback" not in stderr
+    assert proc.returncode == status, stderr
+    hint = stderr.rpartition("Continue with: ")[2].strip()
+    assert shlex.split(hint) == ["--out", str(out), "--resume"] and "Traceback" not in stderr
     # torch's own compile cache (torchinductor_<user>) may appear there too, as in any torch process.
     assert not list(tmp.glob("harness-pool-*")), "the pool's directory is removed"
     assert read_records(out) == ([], []) and not Path(f"{out}.lock").exists()
