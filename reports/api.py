@@ -62,7 +62,7 @@ def selection_ids(path: Path) -> set[str]:
     # A merged night's selection is its shards' (``shards/K-of-N``, every shard shares the selection's id).
     files = (sorted([*path.glob("*" + SELECTION_SUFFIX), *path.glob("shards/*/*" + SELECTION_SUFFIX)]) if path.is_dir()
              else [selection_path(path)])
-    found = (read_selection(f.with_name(f.name[: -len(SELECTION_SUFFIX)])) for f in files)
+    found = (read_selection(f.with_name(f.name[: -len(SELECTION_SUFFIX)]), unreadable_ok=True) for f in files)
     return {s.id for s in found if s is not None}
 
 
@@ -114,7 +114,7 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
         bad_lines += bad
         records += recs
         scopes.append(read_scope(path if path.is_dir() else path.parent, selection_ids(path)))
-        stored = None if path.is_dir() else read_selection(path)
+        stored = None if path.is_dir() else read_selection(path, unreadable_ok=True)
         if stored is not None and stored.shard is not None:
             shards.append(ShardInput(str(path), stored.shard, stored.case_ids, frozenset(map(record_full_id, recs)),
                                      frozenset(n.full_id for n in scopes[-1].not_run) if scopes[-1] is not None else frozenset()))

@@ -71,7 +71,9 @@ from harness.runner import (
 )
 from harness.sampling import sample_order
 from harness.shards import ShardError
-from harness.stored_selection import StoredSelection, legacy_warning, read_selection, selection_options, write_selection
+from harness.stored_selection import (
+    StoredSelection, StoredSelectionError, legacy_warning, read_selection, selection_options, write_selection,
+)
 
 RESULTS_NAME = "results.jsonl"
 FUZZ_NAME = "fuzz.txt"
@@ -249,14 +251,17 @@ def _nightly(config: NightlyConfig) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / NIGHTLY_NAME
     earlier = read_json(state_path) if config.resume else {}
-    stored = read_selection(out / RESULTS_NAME) if config.resume else None
     if config.resume:
         try:
+            stored = read_selection(out / RESULTS_NAME)
             config = resumed_config(config, stored.options if stored else None, earlier.get("config") or {},
                                     config.given_options)
-        except SelectionError as exc:
-            print(f"harness nightly: {exc}", file=sys.stderr)
+        except ValueError as exc:  # SelectionError, StoredSelectionError
+            print(f"harness nightly: --resume: {exc}" if isinstance(exc, StoredSelectionError) else f"harness nightly: {exc}",
+                  file=sys.stderr)
             return 2
+    else:
+        stored = None
     state: dict[str, Any] = {
         "out": str(out), "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resumed": config.resume, "config": config.to_dict(),

@@ -67,7 +67,10 @@ def merge_shards(config: NightlyConfig) -> int:
         return _fail(f"--out {out}: no shard in {out / SHARDS_DIR}; run `python -m harness nightly --out {out} "
                      "--shard K/N` for each shard first")
     files = [d / RESULTS_NAME for d in shard_dirs]
-    stored = read_selection(files[0])
+    try:
+        stored = read_selection(files[0])
+    except ValueError as exc:  # StoredSelectionError
+        return _fail(str(exc))
     if stored is None or stored.shard is None:
         return _fail(f"{files[0]} is not a shard's results (its selection file is missing or holds a whole run)")
     try:

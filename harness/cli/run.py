@@ -32,6 +32,7 @@ from harness.cli.signals import interrupt_exit_status, resume_command, terminate
 from harness.shards import ShardError
 from harness.stored_selection import (
     StoredSelection,
+    StoredSelectionError,
     contradictions,
     legacy_warning,
     option_key,
@@ -195,7 +196,10 @@ def resumed_selection(args: argparse.Namespace, out: Path, world_sizes: list[int
     """The selection to run: the one stored beside ``out`` when resuming it, else the options'. Raises
     ``SelectionError`` naming every option given again with another value than the stored one."""
     selection = Selection.from_args(args)
-    stored = read_selection(out) if args.resume or args.rerun_failed else None
+    try:
+        stored = read_selection(out) if args.resume or args.rerun_failed else None
+    except StoredSelectionError as exc:
+        raise SelectionError(f"--resume: {exc}") from None
     if stored is None:
         return selection, world_sizes, None
     clash = contradictions(stored.options, selection_options(selection, world_sizes),
