@@ -81,11 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             not_run = parse_not_run(args.not_run.read_text(encoding="utf-8")) if args.not_run else None
             if not not_run:
                 loaded = api.load(args.results)
-                if loaded.frame.empty:
-                    for bad in loaded.bad_lines:
-                        print(f"warning: unreadable line {bad}", file=sys.stderr)
+                if loaded.frame.empty:  # one line: a file that is no results file has thousands of lines
+                    first = f", the first {loaded.bad_lines[0]}" if loaded.bad_lines else ""
                     print(f"python -m reports build: no readable record in {', '.join(map(str, args.results))} "
-                          f"({len(loaded.bad_lines)} unreadable line(s)); nothing to report, no report written",
+                          f"({len(loaded.bad_lines)} unreadable line(s){first}); nothing to report, no report written",
                           file=sys.stderr)
                     return 2
             summary = api.build(args.results, args.out, cases=args.cases, not_run=not_run, selected=args.selected)

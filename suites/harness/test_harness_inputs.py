@@ -389,8 +389,13 @@ def test_a_report_of_no_readable_record_exits_2(capsys: pytest.CaptureFixture[st
     out.write_text('{"cut": \n')
     assert reports_main(["build", str(out), "--out", str(tmp_path / "report")]) == 2
     err = capsys.readouterr().err
-    assert "no readable record" in err and f"unreadable line {out}:1" in err
+    assert "no readable record" in err and f"(1 unreadable line(s), the first {out}:1: not JSON" in err
     assert not (tmp_path / "report").exists()
+    # A file that is no results file: the one line, with the count, not a warning per line first.
+    readme = ROOT / "README.md"
+    assert reports_main(["build", str(readme), "--out", str(tmp_path / "report")]) == 2
+    lines = sum(1 for line in readme.read_text().splitlines() if line.strip())
+    assert f"({lines} unreadable line(s), the first {readme}:1:" in _one_line(capsys.readouterr().err)
 
 
 # ---------------------------------------------------------------------------------------------------
