@@ -12,7 +12,9 @@ One run writes a results file at a time: ``ResultWriter`` holds an advisory ``fl
 kernel drops it when the process dies, even by ``kill -9``) and names its owner, pid and start time,
 in a ``<file>.lock`` note beside it, so a second run on the same file refuses instead of recording
 every case twice. A write that fails (disk full) raises ``ResultWriteError`` naming the file; every
-line written before it was already flushed and synced.
+line written before it was already flushed and synced. A file deleted or replaced while the run writes
+it (its lines would go to a file no path names) raises ``ResultsFileGone`` at the next record and at
+``check_present``, which a run calls at its end.
 
 Control characters (a NUL byte written by a dying process, say) are escaped where lines are read
 (``printable``), so nothing downstream copies them raw into a report. A UTF-8 byte order mark at the
@@ -81,6 +83,16 @@ def _printable_tree(value: Any) -> Any:
 
 class ResultWriteError(OSError):
     """Writing the results file failed (disk full, file system gone); the message names the file."""
+
+    #: whether the records written before the error are still in the file (a resume goes on from them).
+    records_kept = True
+
+
+class ResultsFileGone(ResultWriteError):
+    """The results file was deleted or replaced while a run wrote it: what it wrote is not in the file
+    its path names now."""
+
+    records_kept = False
 
 
 class ResultsLocked(RuntimeError):
@@ -307,6 +319,8 @@ class ResultWriter:
             raise ValueError(f"ResultWriter: {problem}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        #: a regular file can be deleted under the run (``check_present``); ``/dev/null`` cannot.
+        self._regular = self.path.is_file()
         try:
             self._take_lock()
             exists = self.path.is_file() and self.path.stat().st_size > 0
@@ -388,12 +402,29 @@ class ResultWriter:
             if exc.errno not in (errno.EINVAL, errno.EROFS, errno.ENOTSUP):
                 raise ResultWriteError(exc.errno, f"cannot sync results to {self.path}: {exc.strerror or exc}") from exc
 
+    def check_present(self) -> None:
+        """Raise ``ResultsFileGone`` when the file this writer appends to is no longer the one its path
+        names (deleted, or replaced by another file)."""
+        if not self._regular or self._file.closed:
+            return
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            what = "deleted"
+        else:
+            held = os.fstat(self._file.fileno())
+            if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+                return
+            what = "replaced by another file"
+        raise ResultsFileGone(f"{self.path} was {what} while this run wrote it: the records this run wrote went "
+                              "with it; rerun into a path that nothing else deletes")
+
     def append(self, record: CaseRecord) -> None:
         """Write one record as one line and make it durable before returning.
 
         Fills ``record.run`` with this writer's run and ``record.time`` with now if they are unset.
         Raises ``ResultWriteError`` (naming the file) when the write fails; the records appended
-        before stay in the file.
+        before stay in the file. Raises ``ResultsFileGone`` when the file was deleted or replaced.
         """
         if record.run is None:
             record.run = self.run
@@ -403,6 +434,7 @@ class ResultWriter:
         with self._lock:
             if self._file.closed:
                 raise ValueError(f"ResultWriter: {self.path} is closed; append inside the `with` block")
+            self.check_present()
             self._write_durably(line)
             self._ids.add(record_full_id(record))
 

@@ -343,6 +343,7 @@ def _nightly(config: NightlyConfig) -> int:
                             repeat=config.repeat, repeat_failures=config.repeat_failures)
         try:
             not_run, pools_failed = runner.run_all(lanes, todo, config.time_budget_s)
+            writer.check_present()  # deleted after its last record: the report would read a file that is gone
         except KeyboardInterrupt as exc:
             runner.interrupt()
             if alongside is not None:
@@ -359,8 +360,9 @@ def _nightly(config: NightlyConfig) -> int:
             progress.close()
             state["cases"].update(recorded=runner.recorded, write_error=str(exc))
             save()
-            print(f"harness nightly: {exc}; the records written before it are kept: free space and rerun "
-                  f"with: {_resume_line(config)}", file=sys.stderr)
+            kept = getattr(exc, "records_kept", True)  # not a ResultsFileGone
+            print(f"harness nightly: {exc}" + (f"; the records written before it are kept: free space and rerun "
+                                                f"with: {_resume_line(config)}" if kept else ""), file=sys.stderr)
             return 2
         progress.close()
     _write_not_run(out / NOT_RUN_NAME, not_run)

@@ -92,6 +92,14 @@ def _open_results(out: Path, info: Any, resume: bool) -> "ResultWriter | str":
         return f"--out {out}: {exc}"
 
 
+def write_error_text(exc: "ResultWriteError", out: Path) -> str:
+    """The one line of a results file that could not be written: what to do next."""
+    if not exc.records_kept:
+        return f"--out: {exc}"
+    return (f"--out: {exc}; every record written before it is kept: "
+            f"free space and continue with {resume_command('--out', out, '--resume')}")
+
+
 def _reruns(recorded: dict[str, Any], rerun_failed: bool) -> set[str]:
     """The recorded cases (full id -> record) that run again: with ``--rerun-failed`` those not passing."""
     return {i for i, r in recorded.items() if r.verdict in BAD_VERDICTS} if rerun_failed else set()
@@ -169,14 +177,17 @@ def main(args: argparse.Namespace) -> int:
             not_run, pools_failed = runner.run_all(lanes, todo)
         except ResultWriteError as exc:
             progress.close()
-            return _refuse(f"--out: {exc}; every record written before it is kept: "
-                           f"free space and continue with {resume_command('--out', out, '--resume')}")
+            return _refuse(write_error_text(exc, out))
         except KeyboardInterrupt as exc:
             runner.interrupt()
             progress.close()
             print(f"\ninterrupted; the ranks are stopped. Continue with: {resume_command('--out', out, '--resume')}", file=sys.stderr)
             return interrupt_exit_status(exc)
         progress.close()
+        try:
+            writer.check_present()  # deleted after its last record: the summary would name a file that is gone
+        except ResultWriteError as exc:
+            return _refuse(write_error_text(exc, out))
     if pools_failed:
         return _refuse(f"{len(not_run)} case(s) not run: {not_run[0][1]}")
     elapsed = time.monotonic() - start
@@ -335,8 +346,7 @@ def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "
         with writer:
             runner.run([lane], todo)
     except ResultWriteError as exc:
-        return _refuse(f"--out: {exc}; every record written before it is kept: "
-                       f"free space and continue with {resume_command('--out', out, '--resume')}")
+        return _refuse(write_error_text(exc, out))
     except KeyboardInterrupt:
         runner.interrupt(wait_s=0)  # the case under way is not recorded
         raise

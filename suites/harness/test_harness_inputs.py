@@ -532,3 +532,30 @@ def test_the_nightly_runner_stops_at_a_write_error(monkeypatch: pytest.MonkeyPat
 def test_an_empty_value_or_option_error_is_one_line_not_all(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     err = _usage_error(capsys, *argv).strip()
     assert needle in err and len(err.splitlines()) == 1 and "usage:" not in err and "(--help for usage)" in err
+
+
+@pytest.mark.parametrize("when", ["mid-run", "after the last case", "replaced"])
+def test_a_results_file_deleted_under_the_run_is_noticed_with_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, when: str
+) -> None:
+    import harness.runner as runner
+
+    out = tmp_path / "del.jsonl"
+    ran: list[str] = []
+
+    def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
+        ran.append(case.full_id)
+        if len(ran) == (1 if when == "mid-run" else 3):
+            out.unlink()
+            if when == "replaced":
+                out.write_text("")
+        return _record(case, "pass", when=time.time())
+
+    monkeypatch.setattr(runner, "run_case", run_case)
+    assert main(["run", *TINY, "--limit", "3", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    line = captured.err.strip().splitlines()[-1]
+    assert f"--out: {out} was {'replaced by another file' if when == 'replaced' else 'deleted'} while this run wrote it" in line
+    assert "cases ->" not in captured.out and "--resume" not in line, "no summary of a file that is gone, no resume of it"
+    assert len(ran) == (1 if when == "mid-run" else 3)
