@@ -320,7 +320,7 @@ def _torch_testing_missing() -> str | None:
     try:
         importlib.import_module("torch.testing._internal.common_fsdp")
     except ImportError as exc:
-        return f"torch's testing extras do not import (torch.testing._internal.common_fsdp: {exc}); pip install expecttest"
+        return f"torch's testing extras do not import (torch.testing._internal.common_fsdp: {exc}); install what it names"
     return None
 
 
