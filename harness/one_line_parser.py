@@ -12,10 +12,15 @@ __all__ = ["OneLineParser", "non_empty", "non_empty_path"]
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (argparse's own print the whole usage first)."""
+    """An argument parser whose errors are one line (argparse's own print the whole usage first), and
+    whose ``--help`` shows no backticks: the descriptions are module docstrings, whose ````code````
+    marks are for the source, not the terminal."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (--help for usage)\n")
+
+    def format_help(self) -> str:
+        return super().format_help().replace("`", "")
 
 
 def non_empty(text: str) -> str:

@@ -559,3 +559,16 @@ def test_a_results_file_deleted_under_the_run_is_noticed_with_exit_2(
     assert f"--out: {out} was {'replaced by another file' if when == 'replaced' else 'deleted'} while this run wrote it" in line
     assert "cases ->" not in captured.out and "--resume" not in line, "no summary of a file that is gone, no resume of it"
     assert len(ran) == (1 if when == "mid-run" else 3)
+
+
+@pytest.mark.parametrize("front, argv", [
+    *(("harness", argv) for argv in ([], ["run"], ["nightly"], ["certify"], ["history"], ["perf"])),
+    ("reports", []), ("reports", ["build"]), ("reports", ["diff"]),
+])
+def test_help_texts_show_no_backticks(capsys: pytest.CaptureFixture[str], front: str, argv: list[str]) -> None:
+    from reports.__main__ import main as reports_main
+
+    with pytest.raises(SystemExit) as info:
+        (main if front == "harness" else reports_main)([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "usage:" in out and "`" not in out

@@ -363,3 +363,10 @@ def test_an_endless_line_is_one_unreadable_line_read_in_bounded_pieces(
     err = capsys.readouterr().err
     assert "(1 unreadable line(s), the first /dev/zero:1: longer than 4096" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_the_html_header_shows_code_not_backticks(built) -> None:
+    _, out, summary = built
+    html = (out / "matrix.html").read_text(encoding="utf-8")
+    assert "`" not in html
+    assert f"<code>{summary.runs[0]['run_id']}</code>" in html
