@@ -184,3 +184,20 @@ def test_a_spent_budget_writes_every_page_but_no_more_plots(tmp_path: Path) -> N
     assert not list((tmp_path / "out" / "cases").glob("*.png")) and any(f.endswith(".html") for f in summary.files)
     reports.build(results, tmp_path / "whole", plot_deadline=time.monotonic() + 600)
     assert list((tmp_path / "whole" / "cases").glob("*.png"))
+
+
+def test_a_plug_in_engine_not_importable_here_is_labelled_by_its_stored_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = write_results(tmp_path / "r.jsonl", [record(CaseConfig(engine="mine=fsdp1:no_such_module_here"), "fail"),
+                                                   record(CaseConfig(engine="theirs=no_such_module_either:Engine"))])
+    assert main(["build", str(results), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    assert "2 cases (pass 1, fail 1)" in capsys.readouterr().out
+    assert "mine vs ddp" in (tmp_path / "out" / "matrix.md").read_text()
+    page = tmp_path / "out" / case_href("mine:ddp:" + CaseConfig().case_id)
+    assert page.exists()
+    # A rule of the matrix itself still shows; only the engine's own rules need the engine.
+    assert rerun_caveats(CaseConfig(engine="mine=fsdp1:no_such_module_here").to_dict()) == []
+    hybrid = {**CaseConfig(engine="mine=fsdp1:no_such_module_here").to_dict(), "sharding_strategy": "hybrid_shard"}
+    (caveat,) = rerun_caveats(hybrid)
+    assert "the world size must be >= 4" in caveat
