@@ -2,7 +2,8 @@
 ``python -m reports history NIGHTLY_DIR... --out DIR``.
 
 ``build`` exits 2 when its inputs hold no readable record (and no ``--not-run`` list): an empty
-report must not pass for a green one.
+report must not pass for a green one. ``history`` warns of unreadable lines in the newest night and
+exits 1 when that night holds no readable record at all (its cases are unknown, never green).
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(result.nights)} nights, {len(result.of_kind('regressed'))} regression(s), "
                   f"{len(result.of_kind('fixed'))} fix(es), {len(result.failing)} failing now -> {args.out}/: "
                   f"{', '.join(result.files)}")
-            return 0
+            if result.newest_unreadable:
+                print(f"warning: {result.newest_unreadable}", file=sys.stderr)
+            # A newest night with no readable record says nothing of the cases: never a green exit.
+            return 1 if result.newest_unknown else 0
         if args.command == "build":
             not_run = parse_not_run(args.not_run.read_text(encoding="utf-8")) if args.not_run else None
             if not not_run:

@@ -56,6 +56,17 @@ class Night:
     scope: RunScope | None = None
     #: where the report of the night is, relative to the history's directory (None: no report there).
     report: str | None = None
+    #: lines of its results that are no readable record (cut by a kill, a newer schema).
+    bad_lines: int = 0
+
+    def unreadable(self) -> str | None:
+        """What the night's unreadable lines hide, or None when it has none."""
+        if not self.bad_lines:
+            return None
+        if self.frame.empty:
+            return (f"{self.name} is unreadable: its {self.bad_lines} line(s) hold no readable record (cut, or a "
+                    "newer schema); its cases are unknown, not passing")
+        return f"{self.name}: {self.bad_lines} unreadable line(s); their cases are missing from that night"
 
 
 def flatten_numbers(data: Any, prefix: str = "") -> dict[str, float]:
@@ -80,7 +91,8 @@ def load_night(directory: Path, out: Path | None = None) -> Night:
     source = directory / RESULTS_NAME if (directory / RESULTS_NAME).exists() else directory
     if source == directory and not (directory / CSV_NAME).exists():
         raise FileNotFoundError(f"history: {directory} holds neither {RESULTS_NAME} nor {CSV_NAME}")
-    frame = load(source).frame
+    loaded = load(source)
+    frame = loaded.frame
     frame = frame.assign(verdict=frame["verdict"].where(~expected_failures(frame), "expected"))
     perf: dict[str, float] = {}
     nightly = directory / NIGHTLY_NAME
@@ -92,7 +104,7 @@ def load_night(directory: Path, out: Path | None = None) -> Night:
     report = None
     if (directory / "matrix.html").exists() and out is not None:
         report = _relative(directory / "matrix.html", out)
-    return Night(directory.name, frame, perf, read_scope(directory), report)
+    return Night(directory.name, frame, perf, read_scope(directory), report, len(loaded.bad_lines))
 
 
 def sibling_nights(directory: Path | str, limit: int | None = None) -> list[Path]:
@@ -274,17 +286,27 @@ class History:
     changes: list[dict[str, Any]]
     failing: list[dict[str, Any]]
     files: list[str] = field(default_factory=list)
+    #: what the newest night's unreadable lines hide (``Night.unreadable``); None when it has none.
+    newest_unreadable: str | None = None
+    #: the newest night has unreadable lines and no readable record: nothing is known of its cases.
+    newest_unknown: bool = False
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [c for c in self.changes if c["kind"] == kind]
 
     def to_dict(self) -> dict[str, Any]:
         return {"out_dir": self.out_dir, "nights": self.nights, "changes": self.changes, "failing": self.failing,
-                "files": self.files}
+                "files": self.files, "newest_unreadable": self.newest_unreadable, "newest_unknown": self.newest_unknown}
 
 
 def _banners(nights: Sequence[Night]) -> list[str]:
-    return [f"{n.name}: {n.scope.banner()}" for n in nights if n.scope is not None and n.scope.partial]
+    partial = [f"{n.name}: {n.scope.banner()}" for n in nights if n.scope is not None and n.scope.partial]
+    return partial + [text for n in nights if (text := n.unreadable())]
+
+
+def _green(nights: Sequence[Night], failing: pd.DataFrame) -> bool:
+    """Nothing fails on the newest night and all of it could be read."""
+    return not len(failing) and bool(nights) and not nights[-1].bad_lines
 
 
 def _ratio_table(ratios: pd.DataFrame) -> pd.DataFrame:
@@ -297,7 +319,7 @@ def history_markdown(nights: Sequence[Night], counts: pd.DataFrame, ratios: pd.D
     newest = nights[-1].name if nights else "-"
     regressed = [c for c in changes if c.kind == "regressed"]
     fixed = [c for c in changes if c.kind == "fixed"]
-    head = "❌" if len(failing) else "✅"
+    head = "❌" if len(failing) else "✅" if _green(nights, failing) else "⚠️"
     lines = [f"# {head} Parity history: {len(nights)} nights, newest {newest}", ""]
     lines += [f"> ⚠️ **{b}**" for b in _banners(nights)] + ([""] if _banners(nights) else [])
     lines += [f"{len(failing)} case(s) failing on {newest}; {len(regressed)} regression(s) and {len(fixed)} fix(es) "
@@ -412,6 +434,7 @@ def history(dirs: Iterable[Path | str], out: Path | str) -> History:
     }
     (out / "history.md").write_text(history_markdown(nights, counts, ratios, changes, failing, perf), encoding="utf-8")
     (out / "history.html").write_text(history_html(nights, counts, ratios, changes, failing, perf, images, case_links), encoding="utf-8")
-    result = History(str(out), names, [c.__dict__ for c in changes], failing.to_dict("records"), [*files, "history.json"])
+    result = History(str(out), names, [c.__dict__ for c in changes], failing.to_dict("records"), [*files, "history.json"],
+                     nights[-1].unreadable(), bool(nights[-1].bad_lines) and nights[-1].frame.empty)
     (out / "history.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n", encoding="utf-8")
     return result
