@@ -4,6 +4,8 @@
 ``build`` exits 2 when its inputs hold no readable record (and no ``--not-run`` list): an empty
 report must not pass for a green one. ``history`` warns of unreadable lines in the newest night and
 exits 1 when that night holds no readable record at all (its cases are unknown, never green).
+``build`` and ``history`` write their report whole or not at all (``reports.api.staged``): a read-only or
+full disk is one line and exit 2, Ctrl-C exit 130, and the directory is left as it was.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def _out_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _left_as_it_was(args: argparse.Namespace) -> str:
+    out = getattr(args, "out", None)  # diff writes no directory
+    return f"; no report written, {out} is left as it was" if out is not None else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     problem = _out_problem(args)
@@ -106,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"python -m reports {args.command}: {e}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a read-only or full disk: the report is written whole or not at all (api.staged)
+        print(f"python -m reports {args.command}: {exc.strerror or exc}: {exc.filename}{_left_as_it_was(args)}",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"python -m reports {args.command}: interrupted{_left_as_it_was(args)}", file=sys.stderr)
+        return 130
     text = render.diff_markdown(result, str(args.old), str(args.new))
     print(text, end="")
     try:

@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from tabulate import tabulate
 
 from harness.records import VERDICTS
-from reports.api import CSV_NAME, NIGHTLY_NAME, load, read_scope
+from reports.api import CSV_NAME, NIGHTLY_NAME, load, read_scope, staged
 from reports.attribution import FAILING
 from reports.case_page import case_href
 from reports.matrix import expected_failures, fmt_ratio, ordered
@@ -405,36 +405,42 @@ def history(dirs: Iterable[Path | str], out: Path | str) -> History:
     history.md, history.html, history_verdicts.png, history_ratios.png, history_perf.png (when a
     night measured performance) and history.json. The entry point of ``python -m reports history``."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     directories = sorted({Path(d).resolve(): Path(d) for d in dirs}.values(), key=lambda d: d.name)
     if not directories:
         raise ValueError("history: give at least one nightly directory")
     nights = [load_night(d, out) for d in directories]
+    with staged(out) as stage:
+        result = _write_history(nights, directories, out, stage)
+    for stale in ("history_verdicts.png", "history_ratios.png", "history_perf.png"):
+        if stale not in result.files:
+            (out / stale).unlink(missing_ok=True)
+    return result
+
+
+def _write_history(nights: list[Night], directories: list[Path], out: Path, stage: Path) -> History:
+    """``history``'s files, written into ``stage`` for ``out``."""
     counts, ratios, timeline = verdict_counts(nights), worst_ratios(nights), timelines(nights)
     changes, failing, perf = transitions(timeline), failing_now(timeline), perf_table(nights)
     names = [n.name for n in nights]
     images: dict[str, str] = {}
     files = ["history.md", "history.html"]
     if not counts.empty:
-        plot_verdicts(counts, names, out / "history_verdicts.png")
+        plot_verdicts(counts, names, stage / "history_verdicts.png")
         images["verdicts"] = "history_verdicts.png"
     if not ratios.empty and ratios.notna().any().any():
-        plot_lines(ratios, out / "history_ratios.png", "worst error / tolerance", log=True, threshold=1.0)
+        plot_lines(ratios, stage / "history_ratios.png", "worst error / tolerance", log=True, threshold=1.0)
         images["ratios"] = "history_ratios.png"
     if not perf.empty:
-        plot_lines(perf, out / "history_perf.png", "value", log=False)
+        plot_lines(perf, stage / "history_perf.png", "value", log=False)
         images["perf"] = "history_perf.png"
-    for stale in ("history_verdicts.png", "history_ratios.png", "history_perf.png"):
-        if stale not in images.values():
-            (out / stale).unlink(missing_ok=True)
     files += list(images.values())
     newest = directories[-1]
     case_links = {
         str(i): _relative(newest / case_href(str(i)), out) for i in failing["full_id"] if (newest / case_href(str(i))).exists()
     }
-    (out / "history.md").write_text(history_markdown(nights, counts, ratios, changes, failing, perf), encoding="utf-8")
-    (out / "history.html").write_text(history_html(nights, counts, ratios, changes, failing, perf, images, case_links), encoding="utf-8")
+    (stage / "history.md").write_text(history_markdown(nights, counts, ratios, changes, failing, perf), encoding="utf-8")
+    (stage / "history.html").write_text(history_html(nights, counts, ratios, changes, failing, perf, images, case_links), encoding="utf-8")
     result = History(str(out), names, [c.__dict__ for c in changes], failing.to_dict("records"), [*files, "history.json"],
                      nights[-1].unreadable(), bool(nights[-1].bad_lines) and nights[-1].frame.empty)
-    (out / "history.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n", encoding="utf-8")
+    (stage / "history.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n", encoding="utf-8")
     return result

@@ -47,6 +47,7 @@ from harness.cli.options import add_placement, non_empty_path, positive_float
 from harness.case import CaseConfig
 from harness.placement import Lane
 from harness.records import CaseRecord
+from reports.api import staged
 from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
 
 __all__ = ["FAMILIES", "Family", "add_arguments", "main"]
@@ -391,7 +392,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"harness certify: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("certificates") / f"{adapter.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # read-only, or a file in the way
+        print(f"harness certify: --out {out}: {exc.strerror or exc}; choose another directory", file=sys.stderr)
+        return 2
     if (out / "results.jsonl").exists():
         print(f"harness certify: --out {out} already holds a certification; choose a new directory", file=sys.stderr)
         return 2
@@ -414,9 +419,15 @@ def main(args: argparse.Namespace) -> int:
         results.append(result)
     cert = Certificate(adapter.name, spec, adapter.version(), _environment(run, n_gpus), results,
                        _case_pages(out, results))
-    (out / "certificate.md").write_text(markdown(cert))
-    (out / "certificate.html").write_text(render_html(cert))
-    (out / "certificate.json").write_text(to_json(cert))
+    try:
+        with staged(out) as stage:  # the three files whole, or none of them
+            for name, text in (("certificate.md", markdown(cert)), ("certificate.html", render_html(cert)),
+                               ("certificate.json", to_json(cert))):
+                (stage / name).write_text(text, encoding="utf-8")
+    except OSError as exc:  # a full or read-only disk: one line, not a traceback
+        print(f"harness certify: cannot write the certificate into {out}: {exc.strerror or exc}: {exc.filename}",
+              file=sys.stderr)
+        return 2
     print(markdown(cert))
     print(f"certificate: {out / 'certificate.md'} (.html, .json)")
     return 0 if cert.ok else 1

@@ -572,3 +572,27 @@ def test_help_texts_show_no_backticks(capsys: pytest.CaptureFixture[str], front:
         (main if front == "harness" else reports_main)([*argv, "--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0 and "usage:" in out and "`" not in out
+
+
+def test_certify_into_a_disk_that_fills_is_one_line_and_writes_no_half_certificate(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import harness.cli.certify as certify
+
+    out = tmp_path / "cert"
+    quick = ["certify", "--engine", "builtin", "--families", "torch-common-fsdp", "--device", "cpu", "--no-progress"]
+    real = certify.to_json
+
+    def full(cert: Any) -> str:  # the disk fills at the last file
+        real(cert)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "certificate.json"))
+
+    monkeypatch.setattr(certify, "to_json", full)
+    assert main([*quick, "--out", str(out)]) == 2
+    line = _one_line(capsys.readouterr().err.replace("certify builtin: torch-common-fsdp ...", ""))
+    assert line.startswith(f"harness certify: cannot write the certificate into {out}: No space left on device")
+    assert not list(out.glob("certificate.*")), "no certificate.md without its .json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cert"], "no staging directory left"
+    (tmp_path / "file").write_text("x")
+    assert main([*quick, "--out", str(tmp_path / "file" / "cert")]) == 2
+    assert _one_line(capsys.readouterr().err).startswith(f"harness certify: --out {tmp_path / 'file' / 'cert'}: ")

@@ -370,3 +370,39 @@ def test_the_html_header_shows_code_not_backticks(built) -> None:
     html = (out / "matrix.html").read_text(encoding="utf-8")
     assert "`" not in html
     assert f"<code>{summary.runs[0]['run_id']}</code>" in html
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("command", ["build", "history"])
+@pytest.mark.parametrize("fault, status", [(OSError(28, "No space left on device", "heatmap.png"), 2),
+                                           (KeyboardInterrupt(), 130)])
+def test_a_report_is_written_whole_or_not_at_all(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    command: str, fault: BaseException, status: int
+) -> None:
+    import matplotlib.figure
+
+    night = tmp_path / "nightly" / "2026-11-22"
+    night.mkdir(parents=True)
+    results = write_results(night / "results.jsonl", [record(CaseConfig(steps=1), "fail", 3.0), record(CaseConfig(steps=2))])
+    argv = [command, str(results if command == "build" else night)]
+    out = tmp_path / "report"
+    assert main([*argv, "--out", str(out)]) == 0
+    before = _tree(out)
+    capsys.readouterr()
+    (night / "results.jsonl").write_text((night / "results.jsonl").read_text().replace('"fail"', '"pass"'))
+
+    def fail(*args: object, **kwargs: object) -> None:  # the disk fills, or Ctrl-C, half-way through the plots
+        raise fault
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", fail)
+    for target in (out, tmp_path / "fresh"):
+        assert main([*argv, "--out", str(target)]) == status
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err and f"{target} is left as it was" in err, err
+        assert ("No space left on device: heatmap.png" in err) if status == 2 else ("interrupted" in err)
+    assert _tree(out) == before, "the earlier report is whole and untouched"
+    assert not (tmp_path / "fresh").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["nightly", "report"]
