@@ -48,7 +48,7 @@ from typing import Any
 from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
-from harness.cli.options import add_execution, add_placement, add_selection, non_empty_path, positive_float
+from harness.cli.options import add_execution, add_placement, add_selection, budget_seconds, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, resolve_shard, shard_dir, shard_text
 from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
 from harness.placement import (
@@ -565,7 +565,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuzz-profile", default="nightly", choices=("nightly", "ci", "dev", "none"),
                    help="Hypothesis profile of the fuzz campaign; none skips it")
     p.add_argument("--fuzz-max-examples", type=int, default=None, help="examples per fuzz property, overriding the profile")
-    p.add_argument("--time-budget-s", type=positive_float, default=None,
+    p.add_argument("--time-budget-s", type=budget_seconds, default=None,
                    help="the whole nightly's seconds: cases run sampled (every value of every axis early, then every pair) "
                         "and none starts after the budget (the rest are listed in not_run.txt); the fuzz campaign "
                         "gets what is left less 30 s for the report")

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from harness.one_line_parser import non_empty, non_empty_path
 from harness.placement import OPTION_HELP
 
-__all__ = ["MAX_SECONDS", "add_execution", "add_placement", "add_selection", "csv_list", "given_options",
+__all__ = ["MAX_SECONDS", "add_execution", "budget_seconds", "add_placement", "add_selection", "csv_list", "given_options",
            "non_empty", "non_empty_path", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
 
 #: the longest time an option of seconds may name (a week): a larger one (``1e300``) overflows the
@@ -58,17 +58,26 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1, "positive")
 
 
-def positive_float(text: str) -> float:
-    """An option value that must be a number of seconds above 0 and at most ``MAX_SECONDS`` (nan and
-    inf refused; argparse names the option)."""
-    words = f"a positive number of seconds, at most {MAX_SECONDS:.0f} (a week)"
+def _seconds(text: str, zero_ok: bool) -> float:
+    words = f"a {'non-negative' if zero_ok else 'positive'} number of seconds, at most {MAX_SECONDS:.0f} (a week)"
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
-    if not 0 < value <= MAX_SECONDS:  # false for nan too
+    if not (0 <= value if zero_ok else 0 < value) or not value <= MAX_SECONDS:  # nan fails both
         raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An option value that must be a number of seconds above 0 and at most ``MAX_SECONDS`` (nan and
+    inf refused; argparse names the option)."""
+    return _seconds(text, zero_ok=False)
+
+
+def budget_seconds(text: str) -> float:
+    """A time budget: like ``positive_float``, but 0 is a budget spent before anything starts."""
+    return _seconds(text, zero_ok=True)
 
 
 def world_sizes(text: str) -> list[int]:
