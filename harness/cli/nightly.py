@@ -10,7 +10,8 @@ One straight line, every product written into the out directory as it is made:
    under ``--time-budget-s`` the cases run in sampled order (``harness.sampling.sample_order``: every value
    of every axis first, then every pair);
 2. the flat-parameter fuzz campaign (``harness.conformance.fuzz_campaign``, profile ``nightly``; under a time
-   budget, what is left of it: ``fuzz_budget``): ``fuzz.txt``, its output with examples per second;
+   budget, what is left of it: ``fuzz_budget``, at least the ``FUZZ_SHARE`` the cases leave it when it
+   runs after them): ``fuzz.txt``, its output with examples per second;
    then the performance section (``harness.perf_section``): step time and peak memory of our engine
    and torch FSDP1 on two GPUs, or a smoke check on CPU, kept under ``perf`` in ``nightly.json``;
 3. the report (``reports.build``): ``matrix.md``, ``matrix.html``, ``results.csv``, heatmaps, ``summary.json``;
@@ -18,8 +19,9 @@ One straight line, every product written into the out directory as it is made:
    name sorts before this one, or ``--previous``): ``diff.md``, ``diff.json``; and its performance ratios
    (a ratio to torch FSDP1 more than 5% worse on the same device is a regression): ``perf_diff``;
 5. ``nightly.json``: counts per verdict, cases per second, wall times, nondeterministic engines per
-   configuration, what was not run and why (rewritten after every phase, ``complete: false`` until the
-   end); ``not_run.txt`` lists the cases a time budget left out.
+   configuration, what was not run and why (rewritten after every phase; ``finished`` is set at the end,
+   ``complete`` is true only when nothing was left out: every case, the fuzz campaign and the
+   performance section that were asked for); ``not_run.txt`` lists the cases a time budget left out.
 
 With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.shards``) into
 ``OUT/shards/K-of-N``, the fuzz campaign and the performance section on shard 1 only and no diff;
@@ -307,10 +309,13 @@ def _nightly(config: NightlyConfig) -> int:
         print(f"harness nightly: --out: {exc}", file=sys.stderr)
         return 2
     cases_start = time.monotonic()
-    deadline = cases_deadline(start, config.time_budget_s)  # the budget holds the report too
     fuzz_path = out / FUZZ_NAME
+    beside = fuzz_alongside(lanes, host.cpu_cores) and not _other_shard(shard)
+    # The budget holds the report too, and a share for a fuzz campaign that runs after the cases.
+    fuzz_after = not beside and _fuzz_not_run(config, earlier, fuzz_path, None, shard) is None
+    deadline = cases_deadline(start, config.time_budget_s, fuzz_after)
     alongside: FuzzRun | None = None
-    if fuzz_alongside(lanes, host.cpu_cores) and not _other_shard(shard):
+    if beside:
         budget = fuzz_budget(config.time_budget_s, time.monotonic() - start)
         if _fuzz_not_run(config, earlier, fuzz_path, budget) is None:
             alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, fuzz_path, budget, progress=False).start()  # one bar on the terminal: the cases'
@@ -460,7 +465,9 @@ def _nightly(config: NightlyConfig) -> int:
     fuzz_exit = state["fuzz"].get("exit_code")
     code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed,
                                 empty_part=shard is not None and not shard["case_ids"])
-    state.update(complete=True, exit_code=code, exit_reasons=reasons, partial=partial_reasons(state),
+    partial = partial_reasons(state)
+    # ``finished``: it ran to its end; ``complete``: and left nothing out (cases, fuzz, perf).
+    state.update(complete=not partial, exit_code=code, exit_reasons=reasons, partial=partial,
                  finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     save()
     print(_summary_text(state))
