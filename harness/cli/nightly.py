@@ -10,8 +10,7 @@ One straight line, every product written into the out directory as it is made:
    under ``--time-budget-s`` the cases run in sampled order (``harness.sampling.sample_order``: every value
    of every axis first, then every pair);
 2. the flat-parameter fuzz campaign (``harness.conformance.fuzz_campaign``, profile ``nightly``; under a time
-   budget, what is left of it: ``fuzz_budget``, at least the ``FUZZ_SHARE`` the cases leave it when it
-   runs after them): ``fuzz.txt``, its output with examples per second;
+   budget what is left of it, ``fuzz_budget``, after the cases at least ``FUZZ_SHARE``): ``fuzz.txt``;
    then the performance section (``harness.perf_section``): step time and peak memory of our engine
    and torch FSDP1 on two GPUs, or a smoke check on CPU, kept under ``perf`` in ``nightly.json``;
 3. the report (``reports.build``): ``matrix.md``, ``matrix.html``, ``results.csv``, heatmaps, ``summary.json``;
@@ -52,7 +51,7 @@ from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongsid
 from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import add_execution, add_placement, add_selection, budget_seconds, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, resolve_shard, shard_dir, shard_text
-from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
+from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import (
     PlacementError,
     available_memory,
@@ -233,7 +232,7 @@ def nightly(config: NightlyConfig) -> int:
         try:
             return _nightly(config)
         except KeyboardInterrupt as exc:  # between phases; the phases say where they stopped
-            print(f"\ninterrupted; rerun with: {_resume_line(config)}", file=sys.stderr)
+            print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
             return interrupt_exit_status(exc)
 
 
@@ -246,24 +245,20 @@ def _nightly(config: NightlyConfig) -> int:
     if problem:
         print(f"harness nightly: --out: {problem}", file=sys.stderr)
         return 2
-    if config.resume and not (out / RESULTS_NAME).exists():  # a typo must not start a fresh night
-        print(f"harness nightly: --resume: {out / RESULTS_NAME} does not exist, so there is no nightly to continue; "
-              "check --out, or drop --resume to start one", file=sys.stderr)
-        return 2
-    out.mkdir(parents=True, exist_ok=True)
-    state_path = out / NIGHTLY_NAME
+    state_path, stored = out / NIGHTLY_NAME, None
     earlier = read_json(state_path) if config.resume else {}
     if config.resume:
         try:
+            if not (out / RESULTS_NAME).exists():  # a typo must not start a fresh night
+                raise StoredSelectionError(f"{out / RESULTS_NAME} does not exist, so there is no nightly to continue; "
+                                           "check --out, or drop --resume to start one")
             stored = read_selection(out / RESULTS_NAME)
             config = resumed_config(config, stored.options if stored else None, earlier.get("config") or {},
                                     config.given_options)
         except ValueError as exc:  # SelectionError, StoredSelectionError
-            print(f"harness nightly: --resume: {exc}" if isinstance(exc, StoredSelectionError) else f"harness nightly: {exc}",
-                  file=sys.stderr)
+            print(f"harness nightly: {'--resume: ' * isinstance(exc, StoredSelectionError)}{exc}", file=sys.stderr)
             return 2
-    else:
-        stored = None
+    out.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {
         "out": str(out), "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resumed": config.resume, "config": config.to_dict(),
@@ -356,7 +351,7 @@ def _nightly(config: NightlyConfig) -> int:
             progress.close()
             state["cases"].update(recorded=runner.recorded, interrupted=True)
             save()
-            print(f"\ninterrupted; rerun with: {_resume_line(config)}", file=sys.stderr)
+            print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
             return interrupt_exit_status(exc)
         except OSError as exc:  # the results file could not be written (runner.write_error)
             runner.interrupt()
@@ -367,7 +362,7 @@ def _nightly(config: NightlyConfig) -> int:
             save()
             kept = getattr(exc, "records_kept", True)  # not a ResultsFileGone
             print(f"harness nightly: {exc}" + (f"; the records written before it are kept: free space and rerun "
-                                                f"with: {_resume_line(config)}" if kept else ""), file=sys.stderr)
+                                                f"with: {config.resume_line()}" if kept else ""), file=sys.stderr)
             return 2
         progress.close()
     _write_not_run(out / NOT_RUN_NAME, not_run)
@@ -396,7 +391,7 @@ def _nightly(config: NightlyConfig) -> int:
                              fuzz_budget(config.time_budget_s, time.monotonic() - start), config.progress))
             except KeyboardInterrupt as exc:
                 save()
-                print(f"\ninterrupted; rerun with: {_resume_line(config)}", file=sys.stderr)
+                print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
                 return interrupt_exit_status(exc)
     save()
 
@@ -472,12 +467,6 @@ def _nightly(config: NightlyConfig) -> int:
     save()
     print(_summary_text(state))
     return code
-
-
-def _resume_line(config: NightlyConfig) -> str:
-    """The command that continues this nightly (its shard), shell-quoted."""
-    shard = ("--shard", str(config.shard)) if config.shard is not None else ()
-    return resume_command("python", "-m", "harness", "nightly", "--out", config.out, *shard, "--resume")
 
 
 def _other_shard(shard: Mapping[str, Any] | None) -> bool:
