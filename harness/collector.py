@@ -12,10 +12,14 @@ One run writes a results file at a time: ``ResultWriter`` holds an advisory ``fl
 kernel drops it when the process dies, even by ``kill -9``) and names its owner, pid and start time,
 in a ``<file>.lock`` note beside it, so a second run on the same file refuses instead of recording
 every case twice. A write that fails (disk full) raises ``ResultWriteError`` naming the file; every
-line written before it was already flushed and synced.
+line written before it was already flushed and synced. A file deleted or replaced while the run writes
+it (its lines would go to a file no path names) raises ``ResultsFileGone`` at the next record and at
+``check_present``, which a run calls at its end.
 
 Control characters (a NUL byte written by a dying process, say) are escaped where lines are read
-(``printable``), so nothing downstream copies them raw into a report.
+(``printable``), so nothing downstream copies them raw into a report. A UTF-8 byte order mark at the
+start of a file (an editor's) is skipped; a line longer than ``MAX_LINE_CHARS`` (``/dev/zero``, a file
+that is no results file) is one unreadable line, read in bounded pieces, never held whole.
 
 Reading needs nothing but the standard library and ``harness.records``, so reports can read
 results without importing torch; only ``run_info`` imports torch, lazily.
@@ -33,7 +37,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -47,6 +51,10 @@ if TYPE_CHECKING:
 
 #: how many characters of an unreadable line a ``BadLine`` keeps: enough to recognise the case.
 BAD_LINE_HEAD = 200
+
+#: the longest line read as a record (a record's tracebacks and stacks are far shorter); a longer line
+#: is unreadable, and its rest is skipped in pieces of this size, so no input grows memory without bound.
+MAX_LINE_CHARS = 16 * 1024 * 1024
 
 PathLike = str | os.PathLike[str]
 
@@ -75,6 +83,16 @@ def _printable_tree(value: Any) -> Any:
 
 class ResultWriteError(OSError):
     """Writing the results file failed (disk full, file system gone); the message names the file."""
+
+    #: whether the records written before the error are still in the file (a resume goes on from them).
+    records_kept = True
+
+
+class ResultsFileGone(ResultWriteError):
+    """The results file was deleted or replaced while a run wrote it: what it wrote is not in the file
+    its path names now."""
+
+    records_kept = False
 
 
 class ResultsLocked(RuntimeError):
@@ -232,24 +250,44 @@ def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[Path]:
     return [Path(p) for p in paths]
 
 
+def _lines(path: Path) -> Iterator[tuple[int, str, BadLine | None]]:
+    """Every line of ``path`` that is not blank: its number, its text (without the newline) and, for a
+    line longer than ``MAX_LINE_CHARS``, the ``BadLine`` it is (its text then only the head). The rest
+    of an over-long line is skipped in bounded pieces; in a file that is not a regular file (a device,
+    ``/dev/zero``, whose line never ends) reading stops there."""
+    regular = path.is_file()
+    # errors="replace": a kill can cut a multi-byte character too; that line becomes a BadLine instead
+    # of making the whole file unreadable. utf-8-sig: a byte order mark is no part of the first record.
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        number = 0
+        while line := f.readline(MAX_LINE_CHARS + 1):
+            number += 1
+            if len(line) <= MAX_LINE_CHARS or line.endswith("\n"):
+                text = line.rstrip("\n")
+                if text.strip():
+                    yield number, text, None
+                continue
+            head = printable(line[:BAD_LINE_HEAD])
+            rest = "skipped" if regular else f"not read, nor the rest of {path} (not a regular file)"
+            yield number, head, BadLine(str(path), number, f"longer than {MAX_LINE_CHARS} characters, no record; its rest {rest}", head)
+            if not regular:
+                return
+            while (rest_piece := f.readline(MAX_LINE_CHARS)) and not rest_piece.endswith("\n"):
+                pass
+
+
 def read_records(paths: PathLike | Iterable[PathLike]) -> tuple[list[CaseRecord], list[BadLine]]:
     """Every record of the given results files, in file order, and every line that is not one.
 
     Blank lines are skipped; any other unreadable line (a record cut by a kill, a newer schema,
-    garbage) comes back as a ``BadLine`` so callers can show it.
+    garbage, a line longer than ``MAX_LINE_CHARS``) comes back as a ``BadLine`` so callers can show it.
     """
     records: list[CaseRecord] = []
     bad: list[BadLine] = []
     for path in _as_paths(paths):
-        # errors="replace": a kill can cut a multi-byte character too; that line becomes a
-        # BadLine instead of making the whole file unreadable.
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, start=1):
-                text = line.rstrip("\n")
-                if not text.strip():
-                    continue
-                parsed = _parse_line(str(path), number, text)
-                (bad if isinstance(parsed, BadLine) else records).append(parsed)
+        for number, text, too_long in _lines(path):
+            parsed = too_long or _parse_line(str(path), number, text)
+            (bad if isinstance(parsed, BadLine) else records).append(parsed)
     return records, bad
 
 
@@ -281,6 +319,8 @@ class ResultWriter:
             raise ValueError(f"ResultWriter: {problem}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        #: a regular file can be deleted under the run (``check_present``); ``/dev/null`` cannot.
+        self._regular = self.path.is_file()
         try:
             self._take_lock()
             exists = self.path.is_file() and self.path.stat().st_size > 0
@@ -362,12 +402,29 @@ class ResultWriter:
             if exc.errno not in (errno.EINVAL, errno.EROFS, errno.ENOTSUP):
                 raise ResultWriteError(exc.errno, f"cannot sync results to {self.path}: {exc.strerror or exc}") from exc
 
+    def check_present(self) -> None:
+        """Raise ``ResultsFileGone`` when the file this writer appends to is no longer the one its path
+        names (deleted, or replaced by another file)."""
+        if not self._regular or self._file.closed:
+            return
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            what = "deleted"
+        else:
+            held = os.fstat(self._file.fileno())
+            if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+                return
+            what = "replaced by another file"
+        raise ResultsFileGone(f"{self.path} was {what} while this run wrote it: the records this run wrote went "
+                              "with it; rerun into a path that nothing else deletes")
+
     def append(self, record: CaseRecord) -> None:
         """Write one record as one line and make it durable before returning.
 
         Fills ``record.run`` with this writer's run and ``record.time`` with now if they are unset.
         Raises ``ResultWriteError`` (naming the file) when the write fails; the records appended
-        before stay in the file.
+        before stay in the file. Raises ``ResultsFileGone`` when the file was deleted or replaced.
         """
         if record.run is None:
             record.run = self.run
@@ -377,6 +434,7 @@ class ResultWriter:
         with self._lock:
             if self._file.closed:
                 raise ValueError(f"ResultWriter: {self.path} is closed; append inside the `with` block")
+            self.check_present()
             self._write_durably(line)
             self._ids.add(record_full_id(record))
 
@@ -425,8 +483,8 @@ def worker_results_files(base: PathLike) -> list[Path]:
 def merge_results(paths: PathLike | Iterable[PathLike], out: PathLike) -> int:
     """Concatenate results files into ``out`` (replaced atomically); returns the records merged.
 
-    Lines are copied verbatim, bad ones included, so a cut record stays visible to the reports of
-    the merged file instead of vanishing in the merge.
+    Lines are copied verbatim, bad ones included (of a line longer than ``MAX_LINE_CHARS``, its head),
+    so a cut record stays visible to the reports of the merged file instead of vanishing in the merge.
     """
     sources = _as_paths(paths)
     out = Path(out)
@@ -437,14 +495,10 @@ def merge_results(paths: PathLike | Iterable[PathLike], out: PathLike) -> int:
     merged = 0
     with open(tmp, "w", encoding="utf-8") as dst:
         for path in sources:
-            with open(path, encoding="utf-8", errors="replace") as src:
-                for number, line in enumerate(src, start=1):
-                    text = line.rstrip("\n")
-                    if not text.strip():
-                        continue
-                    if isinstance(_parse_line(str(path), number, text), CaseRecord):
-                        merged += 1
-                    dst.write(text + "\n")
+            for number, text, too_long in _lines(path):  # an over-long line keeps its head: still unreadable
+                if too_long is None and isinstance(_parse_line(str(path), number, text), CaseRecord):
+                    merged += 1
+                dst.write(text + "\n")
         dst.flush()
         os.fsync(dst.fileno())
     os.replace(tmp, out)

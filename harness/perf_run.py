@@ -252,7 +252,9 @@ def _jobs(config: PerfConfig) -> list[tuple[str, str | None, str, Any, Any]]:
 
 def run(config: PerfConfig) -> tuple[list[PerfRow], str]:
     """Every planned run on one pool, in order, and the device the ranks ran on (asked of the ranks, so
-    this process never touches the GPUs); raises ``PoolStartError`` when the ranks cannot start."""
+    this process never touches the GPUs); raises ``PoolStartError`` when the ranks cannot start. One
+    line per run goes to stderr as it ends, after a header line saying what they are (so in a log file
+    no line of a run comes before a header)."""
     from harness.pool import PoolConfig, RankPool
 
     pool_config = PoolConfig(world_size=config.world_size, backend=config.backend, devices=config.devices,
@@ -262,8 +264,11 @@ def run(config: PerfConfig) -> tuple[list[PerfRow], str]:
     tokens = config.model.tokens_per_rank if gpt else None
     rows: list[PerfRow] = []
     device = "?"
+    jobs = _jobs(config)
+    print(f"perf: {len(jobs)} run(s) of {config.steps} timed steps on {config.world_size} ranks ({config.backend}), "
+          "one line per engine and strategy as it ends:", file=sys.stderr, flush=True)
     with RankPool(pool_config) as pool:
-        for engine_name, strategy, model, fn, job in _jobs(config):
+        for engine_name, strategy, model, fn, job in jobs:
             outcome = pool.run(fn, job)
             if outcome.status == "ok":
                 first = outcome.values[0]

@@ -305,8 +305,10 @@ class Progress:
     """The progress bar and the per-verdict counts; problems are printed above the bar as they come.
 
     The bar's total is the cases to run and stays so; under a deadline its postfix says when the budget
-    ends and how many cases it will have run by then (``expected_total``). Without a bar (``--no-progress``,
-    a log file) a status line is printed every ``log_every_s`` seconds instead: cases, verdicts, ETA.
+    ends and how many cases it will have run by then (``expected_total``), and the ETA (``eta_s``) never
+    runs past the deadline (tqdm's own, over every case to run, is left out of the bar). Without a bar
+    (``--no-progress``, a log file) a status line is printed every ``log_every_s`` seconds instead: cases,
+    verdicts, ETA.
     """
 
     def __init__(self, total: int, enabled: bool, deadline: float | None = None, log_every_s: float | None = 60.0) -> None:
@@ -322,7 +324,9 @@ class Progress:
         self.done = 0
         self.log_every_s = None if enabled else log_every_s
         self._last_log = self.start
-        self.bar = tqdm(total=total, unit="case", dynamic_ncols=True, disable=not enabled, file=sys.stderr)
+        # Under a deadline tqdm's remaining time (every case to run at the rate so far) would run past it.
+        shape = {} if deadline is None else {"bar_format": "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"}
+        self.bar = tqdm(total=total, unit="case", dynamic_ncols=True, disable=not enabled, file=sys.stderr, **shape)
 
     def update(self, record: CaseRecord, full_id: str) -> None:
         self.counts[record.verdict] += 1
@@ -335,6 +339,7 @@ class Progress:
         postfix: dict[str, Any] = dict(self.counts)
         if self.deadline is not None:
             postfix["budget"] = f"{max(self.deadline - now, 0):.0f}s left, ~{self.expected(now)} cases"
+            postfix["ETA"] = self._eta_text(now)
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
         if self.log_every_s is not None and now - self._last_log >= self.log_every_s:
@@ -345,12 +350,25 @@ class Progress:
         """The cases this run will have run: all of them, or what the budget's rest fits."""
         return expected_total(self.todo, self.done, now - self.start, self.deadline - now if self.deadline is not None else None)
 
+    def eta_s(self, now: float) -> float | None:
+        """Seconds until the expected cases are done at the rate so far, never past the deadline; None
+        before the first case."""
+        elapsed = now - self.start
+        if not self.done or elapsed <= 0:
+            return None
+        eta = (self.expected(now) - self.done) * elapsed / self.done
+        return eta if self.deadline is None else min(eta, max(self.deadline - now, 0.0))
+
+    def _eta_text(self, now: float) -> str:
+        eta = self.eta_s(now)
+        return "?" if eta is None else f"{eta:.0f} s"
+
     def status_line(self, now: float) -> str:
         """``120/451 cases (pass 117, fail 3); 2.0 cases/s; ETA 166 s``."""
         elapsed = now - self.start
         expected = self.expected(now)
         verdicts = ", ".join(f"{v} {n}" for v, n in self.counts.most_common()) or "none yet"
-        eta = f"{(expected - self.done) * elapsed / self.done:.0f} s" if self.done and elapsed > 0 else "?"
+        eta = self._eta_text(now)
         of = f"{expected} (budget; {self.todo} selected)" if expected < self.todo else str(self.todo)
         return f"{self.done}/{of} cases ({verdicts}); {rate_text(self.done, elapsed)}; ETA {eta}"
 

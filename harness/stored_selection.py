@@ -9,7 +9,9 @@ results of the same id, and a nightly diffs only against a night of the same id.
 Resuming, an option given again with another value than the stored one contradicts the selection
 (``contradictions``), a larger ``--limit`` too: the limit picks a sample (``harness.sampling``), so
 another limit is another selection. A file written before selections were stored resumes with the
-options given now, and ``legacy_warning`` names the options to pass.
+options given now, and ``legacy_warning`` names the options to pass; a selection file that is there but
+cannot be read (truncated, not an object) is no such file: ``read_selection`` raises
+``StoredSelectionError`` naming it and what to do, so a resume never continues with today's defaults.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SELECTION_SUFFIX",
     "StoredSelection",
+    "StoredSelectionError",
     "contradictions",
     "legacy_warning",
     "option_flag",
@@ -58,6 +61,10 @@ def option_key(dest: str) -> str:
     return by_flag.get("--" + dest.replace("_", "-"), dest)
 
 
+class StoredSelectionError(ValueError):
+    """A stored selection file is there but cannot be read; the message names it and what to do."""
+
+
 @dataclass(frozen=True)
 class StoredSelection:
     """What selected the cases of one results file."""
@@ -83,6 +90,8 @@ class StoredSelection:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StoredSelection":
+        if not isinstance(d, Mapping) or not isinstance(d.get("options"), Mapping) or not isinstance(d.get("case_ids"), list):
+            raise ValueError("not a selection: an object with options and case_ids")
         shard = d.get("shard")
         return cls(dict(d["options"]), tuple(d["case_ids"]), dict(shard) if isinstance(shard, Mapping) else None)
 
@@ -103,12 +112,27 @@ def selection_from_options(options: Mapping[str, Any]) -> tuple["Selection", lis
 
 def contradictions(stored: Mapping[str, Any], given: Mapping[str, Any], explicit: Iterable[str]) -> list[str]:
     """``--flag VALUE (stored: VALUE)`` for every option set on the command line (``explicit``, by stored
-    key) to another value than the stored selection's."""
+    key) to another value than the stored selection's. A value that means what the stored one does
+    (``--engines builtin,torch-fsdp,torch-fsdp2`` over a stored default) selects the same cases: no
+    contradiction."""
     out = []
     for key in explicit:
-        if key in stored and key in given and given[key] != stored[key]:
+        if key in stored and key in given and given[key] != stored[key] and not _same_cases(stored, key, given[key]):
             out.append(f"{option_flag(key)} {_shown(given[key])} (the file's: {_shown(stored[key])})")
     return sorted(out)
+
+
+def _same_cases(stored: Mapping[str, Any], key: str, value: Any) -> bool:
+    """Whether the stored options with ``key`` set to ``value`` select the same cases as they do."""
+    from harness.runner import SelectionError, select_cases
+
+    def ids(options: Mapping[str, Any]) -> list[str]:
+        return [case.full_id for case in select_cases(*selection_from_options(options))]
+
+    try:
+        return ids({**stored, key: value}) == ids(stored)
+    except (SelectionError, TypeError, ValueError):
+        return False
 
 
 def _shown(value: Any) -> str:
@@ -147,9 +171,24 @@ def write_selection(results: os.PathLike[str] | str, stored: StoredSelection) ->
     os.replace(tmp, path)
 
 
-def read_selection(results: os.PathLike[str] | str) -> StoredSelection | None:
-    """The selection stored beside ``results``; None when there is none or it cannot be read."""
+def read_selection(results: os.PathLike[str] | str, unreadable_ok: bool = False) -> StoredSelection | None:
+    """The selection stored beside ``results``; None when there is none. One that is there but cannot be
+    read raises ``StoredSelectionError`` (naming the file and what to do), or is None with
+    ``unreadable_ok`` (the reports: a banner is not worth refusing the results)."""
+    path = selection_path(results)
     try:
-        return StoredSelection.from_dict(json.loads(selection_path(results).read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    else:
+        try:
+            return StoredSelection.from_dict(json.loads(text))
+        except (ValueError, KeyError, TypeError) as exc:
+            problem = str(exc)
+    if unreadable_ok:
+        return None
+    raise StoredSelectionError(
+        f"{path} cannot be read ({problem}): it holds the selection that --resume continues; restore it, "
+        f"or delete it and resume {Path(results).name} with the options of the run that wrote it")

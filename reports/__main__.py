@@ -2,7 +2,10 @@
 ``python -m reports history NIGHTLY_DIR... --out DIR``.
 
 ``build`` exits 2 when its inputs hold no readable record (and no ``--not-run`` list): an empty
-report must not pass for a green one.
+report must not pass for a green one. ``history`` warns of unreadable lines in the newest night and
+exits 1 when that night holds no readable record at all (its cases are unknown, never green).
+``build`` and ``history`` write their report whole or not at all (``reports.api.staged``): a read-only or
+full disk is one line and exit 2, Ctrl-C exit 130, and the directory is left as it was.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import sys
 from pathlib import Path
 
 from harness.collector import out_path_problem
-from harness.one_line_parser import OneLineParser
+from harness.one_line_parser import OneLineParser, non_empty_path
 from harness.records import parse_not_run
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
@@ -25,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="build a report directory from results files")
     b.add_argument("results", nargs="+", type=Path, help="results files (JSON Lines) or report directories")
-    b.add_argument("--out", required=True, type=Path, help="report directory to write")
+    b.add_argument("--out", required=True, type=non_empty_path, help="report directory to write")
     b.add_argument("--cases", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=[],
                    help="comma list of full ids (engine:reference:case_id) that get a case page even if they pass")
     b.add_argument("--not-run", type=Path, default=None,
@@ -36,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("history", help="trend page over several nightly directories")
     h.add_argument("dirs", nargs="+", type=Path, help="nightly (or run) directories, ordered by name")
-    h.add_argument("--out", required=True, type=Path, help="directory to write history.md/.html/.json and plots into")
+    h.add_argument("--out", required=True, type=non_empty_path, help="directory to write history.md/.html/.json and plots into")
 
     d = sub.add_parser("diff", help="compare two results; exits 1 on a regression")
     d.add_argument("old", type=Path, help="report directory or results file")
@@ -62,6 +65,11 @@ def _out_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _left_as_it_was(args: argparse.Namespace) -> str:
+    out = getattr(args, "out", None)  # diff writes no directory
+    return f"; no report written, {out} is left as it was" if out is not None else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     problem = _out_problem(args)
@@ -76,16 +84,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(result.nights)} nights, {len(result.of_kind('regressed'))} regression(s), "
                   f"{len(result.of_kind('fixed'))} fix(es), {len(result.failing)} failing now -> {args.out}/: "
                   f"{', '.join(result.files)}")
-            return 0
+            if result.newest_unreadable:
+                print(f"warning: {result.newest_unreadable}", file=sys.stderr)
+            # A newest night with no readable record says nothing of the cases: never a green exit.
+            return 1 if result.newest_unknown else 0
         if args.command == "build":
             not_run = parse_not_run(args.not_run.read_text(encoding="utf-8")) if args.not_run else None
             if not not_run:
                 loaded = api.load(args.results)
-                if loaded.frame.empty:
-                    for bad in loaded.bad_lines:
-                        print(f"warning: unreadable line {bad}", file=sys.stderr)
+                if loaded.frame.empty:  # one line: a file that is no results file has thousands of lines
+                    first = f", the first {loaded.bad_lines[0]}" if loaded.bad_lines else ""
                     print(f"python -m reports build: no readable record in {', '.join(map(str, args.results))} "
-                          f"({len(loaded.bad_lines)} unreadable line(s)); nothing to report, no report written",
+                          f"({len(loaded.bad_lines)} unreadable line(s){first}); nothing to report, no report written",
                           file=sys.stderr)
                     return 2
             summary = api.build(args.results, args.out, cases=args.cases, not_run=not_run, selected=args.selected)
@@ -103,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"python -m reports {args.command}: {e}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a read-only or full disk: the report is written whole or not at all (api.staged)
+        print(f"python -m reports {args.command}: {exc.strerror or exc}: {exc.filename}{_left_as_it_was(args)}",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"python -m reports {args.command}: interrupted{_left_as_it_was(args)}", file=sys.stderr)
+        return 130
     text = render.diff_markdown(result, str(args.old), str(args.new))
     print(text, end="")
     try:

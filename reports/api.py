@@ -10,9 +10,13 @@ gets one page per case that did not pass (``reports.case_page``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,13 +60,39 @@ class Loaded:
     scope: RunScope | None = None
 
 
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A fresh sibling directory of ``out`` to write a report into. When the block ends, each of its
+    entries takes the place of the one of the same name in ``out`` (``out`` itself when it did not
+    exist): a file by ``os.replace``, a directory (``cases/``) by moving the old one aside first. When
+    the block raises (a full or read-only disk, Ctrl-C), ``out`` is left as it was. The staging directory
+    is removed either way; a ``kill -9`` leaves it as a hidden ``.NAME.*.tmp`` beside ``out``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        report = tmp / "report"
+        report.mkdir()
+        yield report
+        if not out.exists():
+            os.rename(report, out)
+            return
+        for entry in sorted(report.iterdir()):
+            target = out / entry.name
+            if entry.is_dir() and target.is_dir():
+                os.rename(target, tmp / f"old-{entry.name}")
+            os.replace(entry, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def selection_ids(path: Path) -> set[str]:
     """The ids of the selections ``path`` holds results of (``harness.stored_selection``): a results
     file's own, or those of the results files in a directory."""
     # A merged night's selection is its shards' (``shards/K-of-N``, every shard shares the selection's id).
     files = (sorted([*path.glob("*" + SELECTION_SUFFIX), *path.glob("shards/*/*" + SELECTION_SUFFIX)]) if path.is_dir()
              else [selection_path(path)])
-    found = (read_selection(f.with_name(f.name[: -len(SELECTION_SUFFIX)])) for f in files)
+    found = (read_selection(f.with_name(f.name[: -len(SELECTION_SUFFIX)]), unreadable_ok=True) for f in files)
     return {s.id for s in found if s is not None}
 
 
@@ -114,7 +144,7 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
         bad_lines += bad
         records += recs
         scopes.append(read_scope(path if path.is_dir() else path.parent, selection_ids(path)))
-        stored = None if path.is_dir() else read_selection(path)
+        stored = None if path.is_dir() else read_selection(path, unreadable_ok=True)
         if stored is not None and stored.shard is not None:
             shards.append(ShardInput(str(path), stored.shard, stored.case_ids, frozenset(map(record_full_id, recs)),
                                      frozenset(n.full_id for n in scopes[-1].not_run) if scopes[-1] is not None else frozenset()))
@@ -147,7 +177,22 @@ def build(
     """
     loaded = load(paths)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with staged(out) as stage:
+        summary, wanted, case_files = _write_report(loaded, out, stage, cases, not_run, selected, plot_deadline)
+    # Heatmaps and case pages from an earlier build into the same directory would read as current.
+    for stale in out.glob("heatmap_*.png"):
+        if stale.name not in wanted:
+            stale.unlink()
+    for stale in (out / CASES_DIR).glob("*"):
+        if stale.is_file() and f"{CASES_DIR}/{stale.name}" not in case_files:
+            stale.unlink()
+    return summary
+
+
+def _write_report(loaded: Loaded, out: Path, stage: Path, cases: Iterable[str],
+                  not_run: Sequence[NotRun | tuple[str, str]] | None, selected: int | None,
+                  plot_deadline: float | None) -> tuple[Summary, set[str], set[str]]:
+    """``build``'s files, written into ``stage`` for ``out``; the summary, the heatmaps and case pages."""
     frame = loaded.frame
     scope = loaded.scope
     if not_run is not None or selected is not None:
@@ -164,13 +209,9 @@ def build(
     summary.attribution = attributions_dict(attributions)
     summary.scope = scope.to_dict() if scope is not None else None
 
-    # Heatmaps and case pages from an earlier build into the same directory would read as current.
     wanted = {m.heatmap for m in summary.matrices}
-    for stale in out.glob("heatmap_*.png"):
-        if stale.name not in wanted:
-            stale.unlink()
     for matrix, ms in zip(matrices, summary.matrices):
-        render.heatmap(matrix, str(out / ms.heatmap))
+        render.heatmap(matrix, str(stage / ms.heatmap))
 
     asked = set(cases)
     unknown = asked - set(frame["full_id"]) if not frame.empty else asked
@@ -183,27 +224,23 @@ def build(
         chosen = pd.concat([chosen, frame[frame["full_id"].isin(asked) & (frame["verdict"] == "pass")]])
     chosen = chosen.drop_duplicates("full_id")
     page_rows = [row for _, row in chosen.iterrows()]
-    case_files = write_case_pages(page_rows, loaded.records, out, banner=banner, plot_deadline=plot_deadline)
-    current = set(case_files)
-    for stale in (out / CASES_DIR).glob("*"):
-        if stale.is_file() and f"{CASES_DIR}/{stale.name}" not in current:
-            stale.unlink()
+    case_files = write_case_pages(page_rows, loaded.records, stage, banner=banner, plot_deadline=plot_deadline)
 
     links = {"Markdown": MARKDOWN_NAME, "results.csv": CSV_NAME}
     links.update({name: name for name in DIFF_NAMES if (out / name).exists()})
-    frame.to_csv(out / CSV_NAME, index=False)
+    frame.to_csv(stage / CSV_NAME, index=False)
     grid = build_grid(frame, not_run_frame(scope))
     pages = {str(row["full_id"]) for row in page_rows}
-    (out / MARKDOWN_NAME).write_text(render_md.markdown(
+    (stage / MARKDOWN_NAME).write_text(render_md.markdown(
         summary, matrices, margs, frame, attributions=attributions, banner=banner,
         links={"HTML report": HTML_NAME, **{k: v for k, v in links.items() if k != "Markdown"}}, pages=pages,
     ), encoding="utf-8")
-    (out / HTML_NAME).write_text(render_html.html_page(
+    (stage / HTML_NAME).write_text(render_html.html_page(
         summary, matrices, margs, frame=frame, grid=grid, attributions=attributions, banner=banner, links=links,
     ), encoding="utf-8")
     summary.files = [MARKDOWN_NAME, HTML_NAME, CSV_NAME, *sorted(wanted), *case_files, SUMMARY_NAME]
-    (out / SUMMARY_NAME).write_text(json.dumps(summary.to_dict(), indent=2, allow_nan=False, default=_json_default) + "\n", encoding="utf-8")
-    return summary
+    (stage / SUMMARY_NAME).write_text(json.dumps(summary.to_dict(), indent=2, allow_nan=False, default=_json_default) + "\n", encoding="utf-8")
+    return summary, wanted, set(case_files)
 
 
 def _json_default(value: object) -> object:

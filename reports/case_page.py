@@ -22,7 +22,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from harness.case import ReferenceName
-from harness.matrix import invalid_reason
+from harness.matrix import RULES, invalid_reason, invalid_reasons
 from harness.records import CaseRecord, QuantityError
 from reports.matrix import UNEXPECTED_PASS_NOTE, fmt_ratio, is_expected_failure
 from reports.page import banner_html, esc, page
@@ -83,8 +83,11 @@ def rerun_caveats(case: Mapping[str, Any]) -> list[str]:
             out.append(f"{key}={case[key]} (the CLI runs {default})")
     if case.get("extras"):
         out.append(f"extras={case['extras']} (a test-only setting such as an injected fault)")
+    values = {k: v for k, v in case.items() if k != "extras"}
     try:
-        invalid = invalid_reason({k: v for k, v in case.items() if k != "extras"})
+        invalid = invalid_reason(values)
+    except ValueError:  # EngineSpecError: a plug-in engine not importable here; the matrix's own rules still hold
+        invalid = "; ".join(invalid_reasons(values, RULES)) or None
     except (KeyError, TypeError):
         invalid = None
     if invalid:

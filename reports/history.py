@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from tabulate import tabulate
 
 from harness.records import VERDICTS
-from reports.api import CSV_NAME, NIGHTLY_NAME, load, read_scope
+from reports.api import CSV_NAME, NIGHTLY_NAME, load, read_scope, staged
 from reports.attribution import FAILING
 from reports.case_page import case_href
 from reports.matrix import expected_failures, fmt_ratio, ordered
@@ -56,6 +56,17 @@ class Night:
     scope: RunScope | None = None
     #: where the report of the night is, relative to the history's directory (None: no report there).
     report: str | None = None
+    #: lines of its results that are no readable record (cut by a kill, a newer schema).
+    bad_lines: int = 0
+
+    def unreadable(self) -> str | None:
+        """What the night's unreadable lines hide, or None when it has none."""
+        if not self.bad_lines:
+            return None
+        if self.frame.empty:
+            return (f"{self.name} is unreadable: its {self.bad_lines} line(s) hold no readable record (cut, or a "
+                    "newer schema); its cases are unknown, not passing")
+        return f"{self.name}: {self.bad_lines} unreadable line(s); their cases are missing from that night"
 
 
 def flatten_numbers(data: Any, prefix: str = "") -> dict[str, float]:
@@ -80,7 +91,8 @@ def load_night(directory: Path, out: Path | None = None) -> Night:
     source = directory / RESULTS_NAME if (directory / RESULTS_NAME).exists() else directory
     if source == directory and not (directory / CSV_NAME).exists():
         raise FileNotFoundError(f"history: {directory} holds neither {RESULTS_NAME} nor {CSV_NAME}")
-    frame = load(source).frame
+    loaded = load(source)
+    frame = loaded.frame
     frame = frame.assign(verdict=frame["verdict"].where(~expected_failures(frame), "expected"))
     perf: dict[str, float] = {}
     nightly = directory / NIGHTLY_NAME
@@ -92,7 +104,7 @@ def load_night(directory: Path, out: Path | None = None) -> Night:
     report = None
     if (directory / "matrix.html").exists() and out is not None:
         report = _relative(directory / "matrix.html", out)
-    return Night(directory.name, frame, perf, read_scope(directory), report)
+    return Night(directory.name, frame, perf, read_scope(directory), report, len(loaded.bad_lines))
 
 
 def sibling_nights(directory: Path | str, limit: int | None = None) -> list[Path]:
@@ -274,17 +286,27 @@ class History:
     changes: list[dict[str, Any]]
     failing: list[dict[str, Any]]
     files: list[str] = field(default_factory=list)
+    #: what the newest night's unreadable lines hide (``Night.unreadable``); None when it has none.
+    newest_unreadable: str | None = None
+    #: the newest night has unreadable lines and no readable record: nothing is known of its cases.
+    newest_unknown: bool = False
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [c for c in self.changes if c["kind"] == kind]
 
     def to_dict(self) -> dict[str, Any]:
         return {"out_dir": self.out_dir, "nights": self.nights, "changes": self.changes, "failing": self.failing,
-                "files": self.files}
+                "files": self.files, "newest_unreadable": self.newest_unreadable, "newest_unknown": self.newest_unknown}
 
 
 def _banners(nights: Sequence[Night]) -> list[str]:
-    return [f"{n.name}: {n.scope.banner()}" for n in nights if n.scope is not None and n.scope.partial]
+    partial = [f"{n.name}: {n.scope.banner()}" for n in nights if n.scope is not None and n.scope.partial]
+    return partial + [text for n in nights if (text := n.unreadable())]
+
+
+def _green(nights: Sequence[Night], failing: pd.DataFrame) -> bool:
+    """Nothing fails on the newest night and all of it could be read."""
+    return not len(failing) and bool(nights) and not nights[-1].bad_lines
 
 
 def _ratio_table(ratios: pd.DataFrame) -> pd.DataFrame:
@@ -297,7 +319,7 @@ def history_markdown(nights: Sequence[Night], counts: pd.DataFrame, ratios: pd.D
     newest = nights[-1].name if nights else "-"
     regressed = [c for c in changes if c.kind == "regressed"]
     fixed = [c for c in changes if c.kind == "fixed"]
-    head = "❌" if len(failing) else "✅"
+    head = "❌" if len(failing) else "✅" if _green(nights, failing) else "⚠️"
     lines = [f"# {head} Parity history: {len(nights)} nights, newest {newest}", ""]
     lines += [f"> ⚠️ **{b}**" for b in _banners(nights)] + ([""] if _banners(nights) else [])
     lines += [f"{len(failing)} case(s) failing on {newest}; {len(regressed)} regression(s) and {len(fixed)} fix(es) "
@@ -383,35 +405,42 @@ def history(dirs: Iterable[Path | str], out: Path | str) -> History:
     history.md, history.html, history_verdicts.png, history_ratios.png, history_perf.png (when a
     night measured performance) and history.json. The entry point of ``python -m reports history``."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     directories = sorted({Path(d).resolve(): Path(d) for d in dirs}.values(), key=lambda d: d.name)
     if not directories:
         raise ValueError("history: give at least one nightly directory")
     nights = [load_night(d, out) for d in directories]
+    with staged(out) as stage:
+        result = _write_history(nights, directories, out, stage)
+    for stale in ("history_verdicts.png", "history_ratios.png", "history_perf.png"):
+        if stale not in result.files:
+            (out / stale).unlink(missing_ok=True)
+    return result
+
+
+def _write_history(nights: list[Night], directories: list[Path], out: Path, stage: Path) -> History:
+    """``history``'s files, written into ``stage`` for ``out``."""
     counts, ratios, timeline = verdict_counts(nights), worst_ratios(nights), timelines(nights)
     changes, failing, perf = transitions(timeline), failing_now(timeline), perf_table(nights)
     names = [n.name for n in nights]
     images: dict[str, str] = {}
     files = ["history.md", "history.html"]
     if not counts.empty:
-        plot_verdicts(counts, names, out / "history_verdicts.png")
+        plot_verdicts(counts, names, stage / "history_verdicts.png")
         images["verdicts"] = "history_verdicts.png"
     if not ratios.empty and ratios.notna().any().any():
-        plot_lines(ratios, out / "history_ratios.png", "worst error / tolerance", log=True, threshold=1.0)
+        plot_lines(ratios, stage / "history_ratios.png", "worst error / tolerance", log=True, threshold=1.0)
         images["ratios"] = "history_ratios.png"
     if not perf.empty:
-        plot_lines(perf, out / "history_perf.png", "value", log=False)
+        plot_lines(perf, stage / "history_perf.png", "value", log=False)
         images["perf"] = "history_perf.png"
-    for stale in ("history_verdicts.png", "history_ratios.png", "history_perf.png"):
-        if stale not in images.values():
-            (out / stale).unlink(missing_ok=True)
     files += list(images.values())
     newest = directories[-1]
     case_links = {
         str(i): _relative(newest / case_href(str(i)), out) for i in failing["full_id"] if (newest / case_href(str(i))).exists()
     }
-    (out / "history.md").write_text(history_markdown(nights, counts, ratios, changes, failing, perf), encoding="utf-8")
-    (out / "history.html").write_text(history_html(nights, counts, ratios, changes, failing, perf, images, case_links), encoding="utf-8")
-    result = History(str(out), names, [c.__dict__ for c in changes], failing.to_dict("records"), [*files, "history.json"])
-    (out / "history.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n", encoding="utf-8")
+    (stage / "history.md").write_text(history_markdown(nights, counts, ratios, changes, failing, perf), encoding="utf-8")
+    (stage / "history.html").write_text(history_html(nights, counts, ratios, changes, failing, perf, images, case_links), encoding="utf-8")
+    result = History(str(out), names, [c.__dict__ for c in changes], failing.to_dict("records"), [*files, "history.json"],
+                     nights[-1].unreadable(), bool(nights[-1].bad_lines) and nights[-1].frame.empty)
+    (stage / "history.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n", encoding="utf-8")
     return result

@@ -226,11 +226,13 @@ def diff_markdown(result: DiffResult, old: str, new: str) -> str:
     """A diff as Markdown: regressions first, then fixes, new cells and cases, removed, other changes."""
     counts = {k: len(result.of_kind(k)) for k in ("regression", "fix", "new", "not_run", "removed", "changed")}
     new_failing = len(result.new_failing)
-    # New failing cases do not block (reports.diff), but a headline over them is never green.
-    head = "❌" if result.exit_code else "⚠️" if new_failing else "✅"
+    # New failing cases do not block (reports.diff), but a headline over them is never green; nor one
+    # over unreadable lines: a regressed case cut there would read as removed.
+    bad = len(result.bad_lines)
+    head = "❌" if result.exit_code else "⚠️" if new_failing or bad else "✅"
     lines = [
         f"# {head} Parity diff: {counts['regression']} regression(s), {new_failing} new failing case(s), "
-        f"{counts['fix']} fix(es)",
+        f"{counts['fix']} fix(es)" + (f", {bad} unreadable line(s) not compared" if bad else ""),
         "",
         f"old: `{old}` ({result.old_cases} cases) → new: `{new}` ({result.new_cases} cases)",
     ]

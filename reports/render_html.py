@@ -299,7 +299,7 @@ def html_page(
         banner_html(banner),
         f"<h1>{esc(headline(summary))}</h1>",
         "<p>" + esc(verdict_line(summary)) + "</p>",
-        "<ul>" + "".join(f"<li>{esc(line[2:])}</li>" for line in run_lines(summary)) + "</ul>",
+        "<ul>" + "".join(f"<li>{_code(line[2:])}</li>" for line in run_lines(summary)) + "</ul>",
     ]
     if links:
         parts.append("<p>" + " · ".join(f'<a href="{esc(href)}">{esc(label)}</a>' for label, href in links.items()) + "</p>")

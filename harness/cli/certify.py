@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.cli.options import add_placement
+from harness.cli.options import add_placement, non_empty_path, positive_float
 from harness.case import CaseConfig
 from harness.placement import Lane
 from harness.records import CaseRecord
+from reports.api import staged
 from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
 
 __all__ = ["FAMILIES", "Family", "add_arguments", "main"]
@@ -320,7 +321,7 @@ def _torch_testing_missing() -> str | None:
     try:
         importlib.import_module("torch.testing._internal.common_fsdp")
     except ImportError as exc:
-        return f"torch's testing extras do not import (torch.testing._internal.common_fsdp: {exc}); pip install expecttest"
+        return f"torch's testing extras do not import (torch.testing._internal.common_fsdp: {exc}); install what it names"
     return None
 
 
@@ -360,10 +361,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what CI can afford: the core seed checks and the smoke cases of one small model (2 steps)")
     p.add_argument("--families", default=",".join(f.name for f in FAMILIES),
                    help=f"comma list of families (default all: {','.join(f.name for f in FAMILIES)})")
-    p.add_argument("--out", default=None, help="directory for the certificate (default certificates/NAME-TIME)")
+    p.add_argument("--out", type=non_empty_path, default=None, help="directory for the certificate (default certificates/NAME-TIME)")
     p.add_argument("--world-size", type=int, default=None, help="ranks per case (default: every local GPU where there are 2 or more, else 2)")
     add_placement(p)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -391,7 +392,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"harness certify: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("certificates") / f"{adapter.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # read-only, or a file in the way
+        print(f"harness certify: --out {out}: {exc.strerror or exc}; choose another directory", file=sys.stderr)
+        return 2
     if (out / "results.jsonl").exists():
         print(f"harness certify: --out {out} already holds a certification; choose a new directory", file=sys.stderr)
         return 2
@@ -414,9 +419,15 @@ def main(args: argparse.Namespace) -> int:
         results.append(result)
     cert = Certificate(adapter.name, spec, adapter.version(), _environment(run, n_gpus), results,
                        _case_pages(out, results))
-    (out / "certificate.md").write_text(markdown(cert))
-    (out / "certificate.html").write_text(render_html(cert))
-    (out / "certificate.json").write_text(to_json(cert))
+    try:
+        with staged(out) as stage:  # the three files whole, or none of them
+            for name, text in (("certificate.md", markdown(cert)), ("certificate.html", render_html(cert)),
+                               ("certificate.json", to_json(cert))):
+                (stage / name).write_text(text, encoding="utf-8")
+    except OSError as exc:  # a full or read-only disk: one line, not a traceback
+        print(f"harness certify: cannot write the certificate into {out}: {exc.strerror or exc}: {exc.filename}",
+              file=sys.stderr)
+        return 2
     print(markdown(cert))
     print(f"certificate: {out / 'certificate.md'} (.html, .json)")
     return 0 if cert.ok else 1

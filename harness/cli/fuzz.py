@@ -4,7 +4,8 @@ in the package) in a child process, its share of a time budget, whether it runs 
 A nightly on GPUs leaves cores idle: the campaign (one CPU process) then runs alongside the cases
 (``fuzz_alongside``); on CPU, where the ranks take every core, it runs after them. Either way a time
 budget covers it: it gets what the budget has left when it starts, less ``REPORT_RESERVE_S`` for the
-report (``fuzz_budget``), and caps its examples to fit (the campaign's ``--time-budget-s``).
+report (``fuzz_budget``), and caps its examples to fit (the campaign's ``--time-budget-s``); run after
+the cases, it is left at least ``FUZZ_SHARE`` of the budget (``cases_deadline``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from typing import Any
 
 from harness.placement import RESERVED_CORES, Lane
 
-__all__ = ["REPORT_RESERVE_S", "FuzzOutcome", "FuzzRun", "cases_deadline", "fuzz_alongside", "fuzz_budget", "report_reserve", "parse_fuzz_totals", "run_fuzz"]
+__all__ = ["FUZZ_SHARE", "REPORT_RESERVE_S", "FuzzOutcome", "FuzzRun", "cases_deadline", "fuzz_alongside", "fuzz_budget", "report_reserve", "parse_fuzz_totals", "run_fuzz"]
 
 #: the directory holding the ``harness`` package (a checkout or site-packages), for the child's import path.
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 #: seconds of a time budget kept for the report and the diff after the fuzz campaign.
 REPORT_RESERVE_S = 30.0
+
+#: the share of a budget (less the report's reserve) the cases leave to a fuzz campaign that runs after
+#: them (on CPU): cases that would fill any budget must not leave the campaign nothing.
+FUZZ_SHARE = 0.2
 
 
 def report_reserve(time_budget_s: float) -> float:
@@ -36,9 +41,13 @@ def report_reserve(time_budget_s: float) -> float:
     return min(REPORT_RESERVE_S, time_budget_s / 4)
 
 
-def cases_deadline(start: float, time_budget_s: float | None) -> float | None:
-    """When the last case may start: the budget's end less the report's reserve; None without a budget."""
-    return None if time_budget_s is None else start + time_budget_s - report_reserve(time_budget_s)
+def cases_deadline(start: float, time_budget_s: float | None, fuzz_after: bool = False) -> float | None:
+    """When the last case may start: the budget's end less the report's reserve and, when the fuzz
+    campaign runs after the cases (``fuzz_after``), less its ``FUZZ_SHARE``; None without a budget."""
+    if time_budget_s is None:
+        return None
+    usable = time_budget_s - report_reserve(time_budget_s)
+    return start + usable * (1 - FUZZ_SHARE if fuzz_after else 1)
 
 
 def fuzz_budget(time_budget_s: float | None, elapsed_s: float) -> float | None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from harness.one_line_parser import non_empty_path
+
 __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dirs", nargs="+", type=Path, help="nightly (or run) directories, ordered by name")
-    p.add_argument("--out", required=True, type=Path, help="directory to write history.md/.html/.json and plots into")
+    p.add_argument("--out", required=True, type=non_empty_path, help="directory to write history.md/.html/.json and plots into")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ One straight line, every product written into the out directory as it is made:
    under ``--time-budget-s`` the cases run in sampled order (``harness.sampling.sample_order``: every value
    of every axis first, then every pair);
 2. the flat-parameter fuzz campaign (``harness.conformance.fuzz_campaign``, profile ``nightly``; under a time
-   budget, what is left of it: ``fuzz_budget``): ``fuzz.txt``, its output with examples per second;
+   budget what is left of it, ``fuzz_budget``, after the cases at least ``FUZZ_SHARE``): ``fuzz.txt``;
    then the performance section (``harness.perf_section``): step time and peak memory of our engine
    and torch FSDP1 on two GPUs, or a smoke check on CPU, kept under ``perf`` in ``nightly.json``;
 3. the report (``reports.build``): ``matrix.md``, ``matrix.html``, ``results.csv``, heatmaps, ``summary.json``;
@@ -18,8 +18,9 @@ One straight line, every product written into the out directory as it is made:
    name sorts before this one, or ``--previous``): ``diff.md``, ``diff.json``; and its performance ratios
    (a ratio to torch FSDP1 more than 5% worse on the same device is a regression): ``perf_diff``;
 5. ``nightly.json``: counts per verdict, cases per second, wall times, nondeterministic engines per
-   configuration, what was not run and why (rewritten after every phase, ``complete: false`` until the
-   end); ``not_run.txt`` lists the cases a time budget left out.
+   configuration, what was not run and why (rewritten after every phase; ``finished`` is set at the end,
+   ``complete`` is true only when nothing was left out: every case, the fuzz campaign and the
+   performance section that were asked for); ``not_run.txt`` lists the cases a time budget left out.
 
 With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.shards``) into
 ``OUT/shards/K-of-N``, the fuzz campaign and the performance section on shard 1 only and no diff;
@@ -29,7 +30,7 @@ With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.
 Exit status: 0 when every case passed or is unsupported (a flaky case is bad), the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
 ranks could not start, ``--out`` cannot be the nightly's directory, or the results file could not be
-written; 130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
+written; 130 on Ctrl-C, 143 on SIGTERM and 129 on SIGHUP (rerun with the shell-quoted ``--resume`` line printed).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any
 from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
-from harness.cli.options import add_execution, add_placement, add_selection, positive_float
+from harness.cli.options import add_execution, add_placement, add_selection, budget_seconds, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, resolve_shard, shard_dir, shard_text
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.placement import (
@@ -71,7 +72,9 @@ from harness.runner import (
 )
 from harness.sampling import sample_order
 from harness.shards import ShardError
-from harness.stored_selection import StoredSelection, legacy_warning, read_selection, selection_options, write_selection
+from harness.stored_selection import (
+    StoredSelection, StoredSelectionError, legacy_warning, read_selection, selection_options, write_selection,
+)
 
 RESULTS_NAME = "results.jsonl"
 FUZZ_NAME = "fuzz.txt"
@@ -229,7 +232,7 @@ def nightly(config: NightlyConfig) -> int:
         try:
             return _nightly(config)
         except KeyboardInterrupt as exc:  # between phases; the phases say where they stopped
-            print(f"\ninterrupted; rerun with: python -m harness nightly --out {config.out} --resume", file=sys.stderr)
+            print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
             return interrupt_exit_status(exc)
 
 
@@ -242,17 +245,20 @@ def _nightly(config: NightlyConfig) -> int:
     if problem:
         print(f"harness nightly: --out: {problem}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    state_path = out / NIGHTLY_NAME
+    state_path, stored = out / NIGHTLY_NAME, None
     earlier = read_json(state_path) if config.resume else {}
-    stored = read_selection(out / RESULTS_NAME) if config.resume else None
     if config.resume:
         try:
+            if not (out / RESULTS_NAME).exists():  # a typo must not start a fresh night
+                raise StoredSelectionError(f"{out / RESULTS_NAME} does not exist, so there is no nightly to continue; "
+                                           "check --out, or drop --resume to start one")
+            stored = read_selection(out / RESULTS_NAME)
             config = resumed_config(config, stored.options if stored else None, earlier.get("config") or {},
                                     config.given_options)
-        except SelectionError as exc:
-            print(f"harness nightly: {exc}", file=sys.stderr)
+        except ValueError as exc:  # SelectionError, StoredSelectionError
+            print(f"harness nightly: {'--resume: ' * isinstance(exc, StoredSelectionError)}{exc}", file=sys.stderr)
             return 2
+    out.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {
         "out": str(out), "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "resumed": config.resume, "config": config.to_dict(),
@@ -298,10 +304,13 @@ def _nightly(config: NightlyConfig) -> int:
         print(f"harness nightly: --out: {exc}", file=sys.stderr)
         return 2
     cases_start = time.monotonic()
-    deadline = cases_deadline(start, config.time_budget_s)  # the budget holds the report too
     fuzz_path = out / FUZZ_NAME
+    beside = fuzz_alongside(lanes, host.cpu_cores) and not _other_shard(shard)
+    # The budget holds the report too, and a share for a fuzz campaign that runs after the cases.
+    fuzz_after = not beside and _fuzz_not_run(config, earlier, fuzz_path, None, shard) is None
+    deadline = cases_deadline(start, config.time_budget_s, fuzz_after)
     alongside: FuzzRun | None = None
-    if fuzz_alongside(lanes, host.cpu_cores) and not _other_shard(shard):
+    if beside:
         budget = fuzz_budget(config.time_budget_s, time.monotonic() - start)
         if _fuzz_not_run(config, earlier, fuzz_path, budget) is None:
             alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, fuzz_path, budget, progress=False).start()  # one bar on the terminal: the cases'
@@ -334,6 +343,7 @@ def _nightly(config: NightlyConfig) -> int:
                             repeat=config.repeat, repeat_failures=config.repeat_failures)
         try:
             not_run, pools_failed = runner.run_all(lanes, todo, config.time_budget_s)
+            writer.check_present()  # deleted after its last record: the report would read a file that is gone
         except KeyboardInterrupt as exc:
             runner.interrupt()
             if alongside is not None:
@@ -341,7 +351,7 @@ def _nightly(config: NightlyConfig) -> int:
             progress.close()
             state["cases"].update(recorded=runner.recorded, interrupted=True)
             save()
-            print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
+            print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
             return interrupt_exit_status(exc)
         except OSError as exc:  # the results file could not be written (runner.write_error)
             runner.interrupt()
@@ -350,8 +360,9 @@ def _nightly(config: NightlyConfig) -> int:
             progress.close()
             state["cases"].update(recorded=runner.recorded, write_error=str(exc))
             save()
-            print(f"harness nightly: {exc}; the records written before it are kept: free space and rerun "
-                  f"with --out {out} --resume", file=sys.stderr)
+            kept = getattr(exc, "records_kept", True)  # not a ResultsFileGone
+            print(f"harness nightly: {exc}" + (f"; the records written before it are kept: free space and rerun "
+                                                f"with: {config.resume_line()}" if kept else ""), file=sys.stderr)
             return 2
         progress.close()
     _write_not_run(out / NOT_RUN_NAME, not_run)
@@ -380,7 +391,7 @@ def _nightly(config: NightlyConfig) -> int:
                              fuzz_budget(config.time_budget_s, time.monotonic() - start), config.progress))
             except KeyboardInterrupt as exc:
                 save()
-                print(f"\ninterrupted; rerun with: python -m harness nightly --out {out} --resume", file=sys.stderr)
+                print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
                 return interrupt_exit_status(exc)
     save()
 
@@ -449,7 +460,9 @@ def _nightly(config: NightlyConfig) -> int:
     fuzz_exit = state["fuzz"].get("exit_code")
     code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed,
                                 empty_part=shard is not None and not shard["case_ids"])
-    state.update(complete=True, exit_code=code, exit_reasons=reasons, partial=partial_reasons(state),
+    partial = partial_reasons(state)
+    # ``finished``: it ran to its end; ``complete``: and left nothing out (cases, fuzz, perf).
+    state.update(complete=not partial, exit_code=code, exit_reasons=reasons, partial=partial,
                  finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     save()
     print(_summary_text(state))
@@ -541,14 +554,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The selection options and the nightly's own."""
     add_selection(p)
     p.set_defaults(matrix="full")
-    p.add_argument("--out", required=True, type=Path, help="the nightly's directory, e.g. reports/nightly/$(date +%%F)")
+    p.add_argument("--out", required=True, type=non_empty_path, help="the nightly's directory, e.g. reports/nightly/$(date +%%F)")
     p.add_argument("--resume", action="store_true", help="continue the nightly in --out (recorded cases and a finished fuzz are kept)")
     p.add_argument("--previous", type=Path, default=None,
                    help="nightly directory or results file to diff against (default: the newest earlier sibling of --out)")
     p.add_argument("--fuzz-profile", default="nightly", choices=("nightly", "ci", "dev", "none"),
                    help="Hypothesis profile of the fuzz campaign; none skips it")
     p.add_argument("--fuzz-max-examples", type=int, default=None, help="examples per fuzz property, overriding the profile")
-    p.add_argument("--time-budget-s", type=float, default=None,
+    p.add_argument("--time-budget-s", type=budget_seconds, default=None,
                    help="the whole nightly's seconds: cases run sampled (every value of every axis early, then every pair) "
                         "and none starts after the budget (the rest are listed in not_run.txt); the fuzz campaign "
                         "gets what is left less 30 s for the report")

@@ -94,6 +94,13 @@ class NightlyConfig:
             shard=args.shard, shard_costs=args.shard_costs,
         )
 
+    def resume_line(self) -> str:
+        """The command that continues this nightly (its shard), shell-quoted."""
+        from harness.cli.signals import resume_command
+
+        shard = ("--shard", str(self.shard)) if self.shard is not None else ()
+        return resume_command("python", "-m", "harness", "nightly", "--out", self.out, *shard, "--resume")
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["out"] = str(self.out)

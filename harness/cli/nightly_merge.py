@@ -24,6 +24,7 @@ from harness.cli.nightly import (
     NOT_RUN_NAME,
     RESULTS_NAME,
     baseline_source,
+    partial_reasons,
     config_from_args,
     exit_status,
     find_previous,
@@ -67,7 +68,10 @@ def merge_shards(config: NightlyConfig) -> int:
         return _fail(f"--out {out}: no shard in {out / SHARDS_DIR}; run `python -m harness nightly --out {out} "
                      "--shard K/N` for each shard first")
     files = [d / RESULTS_NAME for d in shard_dirs]
-    stored = read_selection(files[0])
+    try:
+        stored = read_selection(files[0])
+    except ValueError as exc:  # StoredSelectionError
+        return _fail(str(exc))
     if stored is None or stored.shard is None:
         return _fail(f"{files[0]} is not a shard's results (its selection file is missing or holds a whole run)")
     try:
@@ -79,7 +83,7 @@ def merge_shards(config: NightlyConfig) -> int:
     nights = {d.name: read_json(d / NIGHTLY_NAME) for d in shard_dirs}
     for name, night in sorted(nights.items()):
         label = name.replace("-of-", "/")
-        if not night.get("complete") and not any(p.startswith(f"shard {label} ") for p in problems):
+        if not night.get("finished") and not any(p.startswith(f"shard {label} ") for p in problems):
             problems.append(f"shard {label}'s nightly did not finish (its fuzz, performance or report): --resume it")
     not_run = "".join((d / NOT_RUN_NAME).read_text(encoding="utf-8") for d in shard_dirs if (d / NOT_RUN_NAME).is_file())
     if not_run:
@@ -88,11 +92,11 @@ def merge_shards(config: NightlyConfig) -> int:
         (out / NOT_RUN_NAME).unlink(missing_ok=True)
     first = next((n for n in nights.values() if (n.get("shard") or {}).get("index") == 0), {})
     state: dict[str, Any] = {
-        "out": str(out), "complete": True, "merged_shards": True,
+        "out": str(out), "complete": False, "merged_shards": True,
         "selection": {"id": stored.id, "options": stored.options},
         "shards": {"count": stored.shard["count"], "partition": stored.shard["partition"],
                    "merged": [d.name for d in shard_dirs], "problems": problems,
-                   "unfinished_runs": sorted(name for name, n in nights.items() if not n.get("complete"))},
+                   "unfinished_runs": sorted(name for name, n in nights.items() if not n.get("finished"))},
         "cases": {"selected": len(stored.case_ids), "not_run": len(not_run.splitlines()),
                   "world_sizes_skipped": {}},
         "verdicts": dict(summary.verdicts), "fuzz": first.get("fuzz") or {"skipped": "shard 1 did not finish"},
@@ -112,8 +116,9 @@ def merge_shards(config: NightlyConfig) -> int:
     code, reasons = exit_status(summary.verdicts, (state["fuzz"] or {}).get("exit_code"), regressions, False)
     if problems:
         code, reasons = max(code, 1), [*reasons, *problems]
-    state.update(exit_code=code, exit_reasons=reasons, wall_s=round(time.monotonic() - start, 3),
-                 finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    partial = partial_reasons(state)
+    state.update(exit_code=code, exit_reasons=reasons, wall_s=round(time.monotonic() - start, 3), partial=partial,
+                 complete=not problems and not partial, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     write_json(out / NIGHTLY_NAME, state)
     verdicts = ", ".join(f"{v} {n}" for v, n in summary.verdicts.items() if n) or "no case"
     print(f"{len(shard_dirs)} of {stored.shard['count']} shards merged: {summary.cases} cases ({verdicts})")

@@ -110,7 +110,9 @@ class ShardTask:
         import submitit
 
         again = ShardTask(self.args, self.shard.index, self.shard.count)
-        again.args.resume = True  # the records written before the requeue are kept
+        # The records written before the requeue are kept; a task stopped before it opened its results
+        # file starts afresh (``--resume`` refuses a nightly that does not exist).
+        again.args.resume = (self.out / nightly.RESULTS_NAME).exists()
         return submitit.helpers.DelayedSubmission(again)
 
 

@@ -7,10 +7,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterable, Sequence
 
+from harness.one_line_parser import non_empty, non_empty_path
 from harness.placement import OPTION_HELP
 
-__all__ = ["add_execution", "add_placement", "add_selection", "csv_list", "given_options", "non_negative_int",
-           "positive_float", "positive_int", "world_sizes"]
+__all__ = ["MAX_SECONDS", "add_execution", "budget_seconds", "add_placement", "add_selection", "csv_list", "given_options",
+           "non_empty", "non_empty_path", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
+
+#: the longest time an option of seconds may name (a week): a larger one (``1e300``) overflows the
+#: deadlines computed from it, so every case would end "not run".
+MAX_SECONDS = 7 * 24 * 3600.0
 
 
 class _Unset(list):  # type: ignore[type-arg]
@@ -38,13 +43,6 @@ def csv_list(text: str) -> list[str]:
     return parts
 
 
-def non_empty(text: str) -> str:
-    """An option value that must not be blank (an empty ``--filter ""`` would match every case)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}")
-    return text
-
-
 def _int_at_least(text: str, low: int, words: str) -> int:
     try:
         value = int(text)
@@ -60,15 +58,26 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1, "positive")
 
 
-def positive_float(text: str) -> float:
-    """An option value that must be a number of seconds above 0 (argparse names the option)."""
+def _seconds(text: str, zero_ok: bool) -> float:
+    words = f"a {'non-negative' if zero_ok else 'positive'} number of seconds, at most {MAX_SECONDS:.0f} (a week)"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
+    if not (0 <= value if zero_ok else 0 < value) or not value <= MAX_SECONDS:  # nan fails both
+        raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An option value that must be a number of seconds above 0 and at most ``MAX_SECONDS`` (nan and
+    inf refused; argparse names the option)."""
+    return _seconds(text, zero_ok=False)
+
+
+def budget_seconds(text: str) -> float:
+    """A time budget: like ``positive_float``, but 0 is a budget spent before anything starts."""
+    return _seconds(text, zero_ok=True)
 
 
 def world_sizes(text: str) -> list[int]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from harness.cli.options import add_placement
+from harness.cli.options import add_placement, positive_float
 from harness.benchmark import CPU_MODEL, ENGINES, SIZES, STRATEGIES, GPTConfig, count_params
 from harness.perf_run import BASELINE, ZOO_MODELS, PerfConfig, ratio_lines, run, table
 
@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--world-size", type=int, default=2)
     add_placement(p)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per engine run before it is a timeout")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per engine run before it is a timeout")
     p.add_argument("--loss-rtol", type=float, default=1e-3, help="allowed relative difference of final losses")
     p.add_argument("--profile", type=Path, default=None,
                    help="write torch profiler Chrome traces (a few steps after the timed ones) per engine, strategy and rank here")

@@ -12,7 +12,7 @@ world (``harness.torchrun_world``: the other ranks serve it) and records, and th
 Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
 is unsupported, 1 when some failed, errored, timed out or crashed, 2 when an option cannot work
 (checked before any case runs), the ranks could not start or the results file could not be written,
-130 on Ctrl-C and 143 on SIGTERM (rerun with ``--resume``).
+130 on Ctrl-C, 143 on SIGTERM and 129 on SIGHUP (rerun with ``--resume``: the line printed is shell-quoted).
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.case import CaseConfig
-from harness.cli.options import add_execution, add_placement, add_selection, positive_float
+from harness.cli.options import add_execution, add_placement, add_selection, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, shard_text
-from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
 from harness.shards import ShardError
 from harness.stored_selection import (
     StoredSelection,
+    StoredSelectionError,
     contradictions,
     legacy_warning,
     option_key,
@@ -79,6 +80,8 @@ def _open_results(out: Path, info: Any, resume: bool) -> "ResultWriter | str":
     """The results writer for ``--out``, or the one line refusing it (under torchrun too)."""
     from harness.collector import ResultsLocked, ResultWriter
 
+    if resume and not out.exists():  # a typo must not start a fresh run
+        return f"--resume: {out} does not exist, so there is nothing to continue; check the path, or drop --resume to start a new run"
     try:
         return ResultWriter(out, info, resume=resume)
     except FileExistsError:
@@ -87,6 +90,14 @@ def _open_results(out: Path, info: Any, resume: bool) -> "ResultWriter | str":
         return f"--out: {exc}"
     except (ValueError, OSError) as exc:
         return f"--out {out}: {exc}"
+
+
+def write_error_text(exc: "ResultWriteError", out: Path) -> str:
+    """The one line of a results file that could not be written: what to do next."""
+    if not exc.records_kept:
+        return f"--out: {exc}"
+    return (f"--out: {exc}; every record written before it is kept: "
+            f"free space and continue with {resume_command('--out', out, '--resume')}")
 
 
 def _reruns(recorded: dict[str, Any], rerun_failed: bool) -> set[str]:
@@ -166,14 +177,17 @@ def main(args: argparse.Namespace) -> int:
             not_run, pools_failed = runner.run_all(lanes, todo)
         except ResultWriteError as exc:
             progress.close()
-            return _refuse(f"--out: {exc}; every record written before it is kept: "
-                           f"free space and continue with --out {out} --resume")
+            return _refuse(write_error_text(exc, out))
         except KeyboardInterrupt as exc:
             runner.interrupt()
             progress.close()
-            print(f"\ninterrupted; the ranks are stopped. Continue with: --out {out} --resume", file=sys.stderr)
+            print(f"\ninterrupted; the ranks are stopped. Continue with: {resume_command('--out', out, '--resume')}", file=sys.stderr)
             return interrupt_exit_status(exc)
         progress.close()
+        try:
+            writer.check_present()  # deleted after its last record: the summary would name a file that is gone
+        except ResultWriteError as exc:
+            return _refuse(write_error_text(exc, out))
     if pools_failed:
         return _refuse(f"{len(not_run)} case(s) not run: {not_run[0][1]}")
     elapsed = time.monotonic() - start
@@ -193,7 +207,10 @@ def resumed_selection(args: argparse.Namespace, out: Path, world_sizes: list[int
     """The selection to run: the one stored beside ``out`` when resuming it, else the options'. Raises
     ``SelectionError`` naming every option given again with another value than the stored one."""
     selection = Selection.from_args(args)
-    stored = read_selection(out) if args.resume or args.rerun_failed else None
+    try:
+        stored = read_selection(out) if args.resume or args.rerun_failed else None
+    except StoredSelectionError as exc:
+        raise SelectionError(f"--resume: {exc}") from None
     if stored is None:
         return selection, world_sizes, None
     clash = contradictions(stored.options, selection_options(selection, world_sizes),
@@ -329,8 +346,7 @@ def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "
         with writer:
             runner.run([lane], todo)
     except ResultWriteError as exc:
-        return _refuse(f"--out: {exc}; every record written before it is kept: "
-                       f"free space and continue with --out {out} --resume")
+        return _refuse(write_error_text(exc, out))
     except KeyboardInterrupt:
         runner.interrupt(wait_s=0)  # the case under way is not recorded
         raise
@@ -376,7 +392,7 @@ def main_models(args: argparse.Namespace) -> int:
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_selection(p)
     add_sharding(p)
-    p.add_argument("--out", default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
+    p.add_argument("--out", type=non_empty_path, default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
     p.add_argument("--resume", action="store_true",
                    help="continue --out, skipping the cases it records; the exit status covers every case in the file")
     p.add_argument("--rerun-failed", action="store_true",

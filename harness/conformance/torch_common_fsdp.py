@@ -26,13 +26,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from harness.placement import n_gpus, place
-from harness.pytest_plugin import needs_gpus
+from harness.pytest_plugin import gpus_missing, needs_gpus
 from harness.pytest_plugin.cases import ParityOptions
 from harness.fsdp1_api import FSDPApi, load_api
 
-common_fsdp = pytest.importorskip(
-    "torch.testing._internal.common_fsdp", reason="package missing: torch's testing extras (expecttest) do not import"
-)
+# The first reason that holds, named as it is: without a GPU nothing here can run, whatever imports.
+if (_no_gpu := gpus_missing(1)) is not None:
+    pytest.skip(_no_gpu, allow_module_level=True)
+try:
+    import torch.testing._internal.common_fsdp as common_fsdp
+except ImportError as _exc:  # the module's own words: which package is missing (expecttest, ...)
+    pytest.skip(f"torch's testing extras do not import (torch.testing._internal.common_fsdp: {_exc})",
+                allow_module_level=True)
 
 #: what a collector of these checks imports: the test class, its fixture and its marks.
 __all__ = ["TestTorchParityMachinery", "_engine", "pytestmark"]

@@ -79,6 +79,45 @@ def test_nightly_refuses_a_timeout_that_is_not_positive(capsys: pytest.CaptureFi
     assert "argument --timeout: must be a positive" in _usage_error(capsys, "nightly", "--out", str(tmp_path / "n"), "--timeout", "0")
 
 
+@pytest.mark.parametrize("argv, option", [
+    (["nightly", "--time-budget-s", "nan"], "--time-budget-s"), (["nightly", "--time-budget-s", "inf"], "--time-budget-s"),
+    (["nightly", "--time-budget-s", "1e300"], "--time-budget-s"), (["run", "--timeout", "1e300"], "--timeout"),
+    (["run", "--timeout", "nan"], "--timeout"), (["nightly", "--timeout=-inf"], "--timeout"),
+])
+def test_seconds_that_are_nan_infinite_or_huge_are_refused_at_parsing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], option: str
+) -> None:
+    out = tmp_path / "n"
+    err = _usage_error(capsys, *argv, "--out", str(out)).strip()
+    assert f"argument {option}: must be a " in err and "number of seconds, at most 604800 (a week)" in err
+    assert len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [["run", *TINY], ["nightly"], ["history", "d"], ["certify", "--engine", "builtin"]])
+def test_an_empty_out_is_refused_not_taken_for_the_default(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    from reports.__main__ import main as reports_main
+
+    assert "argument --out: must not be empty" in _usage_error(capsys, *argv, "--out", "")
+    with pytest.raises(SystemExit) as info:
+        reports_main(["build", "r.jsonl", "--out", " "])
+    assert info.value.code == 2 and "argument --out: must not be empty" in capsys.readouterr().err
+
+
+def test_resume_of_an_out_that_does_not_exist_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_run_case: list[str]
+) -> None:
+    typo = tmp_path / "r.jsnol"
+    assert main(["run", *TINY, "--limit", "1", "--out", str(typo), "--resume"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"--resume: {typo} does not exist" in line and "drop --resume" in line
+    assert fake_run_case == [] and not typo.exists() and not Path(f"{typo}.selection.json").exists()
+    night = tmp_path / "night"
+    assert main(["nightly", "--out", str(night), "--resume", "--matrix", "smoke", "--limit", "1", "--no-progress"]) == 2
+    assert f"--resume: {night / 'results.jsonl'} does not exist" in _one_line(capsys.readouterr().err)
+    assert not night.exists()
+
+
 def test_a_repeated_world_size_runs_once(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["list", "--matrix", "smoke", "--world-size", "2,2"]) == 0
     twice = capsys.readouterr().out.split()
@@ -351,8 +390,13 @@ def test_a_report_of_no_readable_record_exits_2(capsys: pytest.CaptureFixture[st
     out.write_text('{"cut": \n')
     assert reports_main(["build", str(out), "--out", str(tmp_path / "report")]) == 2
     err = capsys.readouterr().err
-    assert "no readable record" in err and f"unreadable line {out}:1" in err
+    assert "no readable record" in err and f"(1 unreadable line(s), the first {out}:1: not JSON" in err
     assert not (tmp_path / "report").exists()
+    # A file that is no results file: the one line, with the count, not a warning per line first.
+    readme = ROOT / "README.md"
+    assert reports_main(["build", str(readme), "--out", str(tmp_path / "report")]) == 2
+    lines = sum(1 for line in readme.read_text().splitlines() if line.strip())
+    assert f"({lines} unreadable line(s), the first {readme}:1:" in _one_line(capsys.readouterr().err)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -375,15 +419,21 @@ def _start_run(tmp_path: Path, out: Path) -> tuple[subprocess.Popen[str], Path]:
     return proc, tmp
 
 
-def test_sigterm_stops_like_ctrl_c_with_the_resume_hint_and_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signame, status, name", [("SIGTERM", 143, "r.jsonl"), ("SIGHUP", 129, "it's mine/r.jsonl")])
+def test_sigterm_and_sighup_stop_like_ctrl_c_with_the_resume_hint_and_leave_nothing(
+    tmp_path: Path, signame: str, status: int, name: str
+) -> None:
+    import shlex
     import signal
 
-    out = tmp_path / "r.jsonl"
+    out = tmp_path / name
+    out.parent.mkdir(exist_ok=True)
     proc, tmp = _start_run(tmp_path, out)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, signame))
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stderr
-    assert f"Continue with: --out {out} --resume" in stderr and "Traceback" not in stderr
+    assert proc.returncode == status, stderr
+    hint = stderr.rpartition("Continue with: ")[2].strip()
+    assert shlex.split(hint) == ["--out", str(out), "--resume"] and "Traceback" not in stderr
     # torch's own compile cache (torchinductor_<user>) may appear there too, as in any torch process.
     assert not list(tmp.glob("harness-pool-*")), "the pool's directory is removed"
     assert read_records(out) == ([], []) and not Path(f"{out}.lock").exists()
@@ -483,3 +533,67 @@ def test_the_nightly_runner_stops_at_a_write_error(monkeypatch: pytest.MonkeyPat
 def test_an_empty_value_or_option_error_is_one_line_not_all(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     err = _usage_error(capsys, *argv).strip()
     assert needle in err and len(err.splitlines()) == 1 and "usage:" not in err and "(--help for usage)" in err
+
+
+@pytest.mark.parametrize("when", ["mid-run", "after the last case", "replaced"])
+def test_a_results_file_deleted_under_the_run_is_noticed_with_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, when: str
+) -> None:
+    import harness.runner as runner
+
+    out = tmp_path / "del.jsonl"
+    ran: list[str] = []
+
+    def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
+        ran.append(case.full_id)
+        if len(ran) == (1 if when == "mid-run" else 3):
+            out.unlink()
+            if when == "replaced":
+                out.write_text("")
+        return _record(case, "pass", when=time.time())
+
+    monkeypatch.setattr(runner, "run_case", run_case)
+    assert main(["run", *TINY, "--limit", "3", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    line = captured.err.strip().splitlines()[-1]
+    assert f"--out: {out} was {'replaced by another file' if when == 'replaced' else 'deleted'} while this run wrote it" in line
+    assert "cases ->" not in captured.out and "--resume" not in line, "no summary of a file that is gone, no resume of it"
+    assert len(ran) == (1 if when == "mid-run" else 3)
+
+
+@pytest.mark.parametrize("front, argv", [
+    *(("harness", argv) for argv in ([], ["run"], ["nightly"], ["certify"], ["history"], ["perf"])),
+    ("reports", []), ("reports", ["build"]), ("reports", ["diff"]),
+])
+def test_help_texts_show_no_backticks(capsys: pytest.CaptureFixture[str], front: str, argv: list[str]) -> None:
+    from reports.__main__ import main as reports_main
+
+    with pytest.raises(SystemExit) as info:
+        (main if front == "harness" else reports_main)([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "usage:" in out and "`" not in out
+
+
+def test_certify_into_a_disk_that_fills_is_one_line_and_writes_no_half_certificate(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import harness.cli.certify as certify
+
+    out = tmp_path / "cert"
+    quick = ["certify", "--engine", "builtin", "--families", "torch-common-fsdp", "--device", "cpu", "--no-progress"]
+    real = certify.to_json
+
+    def full(cert: Any) -> str:  # the disk fills at the last file
+        real(cert)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "certificate.json"))
+
+    monkeypatch.setattr(certify, "to_json", full)
+    assert main([*quick, "--out", str(out)]) == 2
+    line = _one_line(capsys.readouterr().err.replace("certify builtin: torch-common-fsdp ...", ""))
+    assert line.startswith(f"harness certify: cannot write the certificate into {out}: No space left on device")
+    assert not list(out.glob("certificate.*")), "no certificate.md without its .json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cert"], "no staging directory left"
+    (tmp_path / "file").write_text("x")
+    assert main([*quick, "--out", str(tmp_path / "file" / "cert")]) == 2
+    assert _one_line(capsys.readouterr().err).startswith(f"harness certify: --out {tmp_path / 'file' / 'cert'}: ")

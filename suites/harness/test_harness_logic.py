@@ -382,3 +382,23 @@ def test_default_shard_size() -> None:
     assert default_shard_size(4) == 2
     assert default_shard_size(16, local_world_size=8) == 8
     assert default_shard_size(3) == 3
+
+
+def test_the_torch_common_fsdp_check_skips_for_the_reason_that_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import sys
+
+    import harness.pytest_plugin as plugin
+
+    name = "harness.conformance.torch_common_fsdp"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    # On CPU the reason is the missing GPU, whether torch's testing extras import or not.
+    monkeypatch.setattr(plugin, "gpus_missing", lambda n, why="": f"needs {n} CUDA GPU(s); this machine has 0")
+    with pytest.raises(pytest.skip.Exception, match=r"needs 1 CUDA GPU\(s\); this machine has 0") as info:
+        importlib.import_module(name)
+    assert "expecttest" not in str(info.value)
+    # With a GPU, an extra that does not import is named by its own import error, not guessed.
+    monkeypatch.setattr(plugin, "gpus_missing", lambda n, why="": None)
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.common_fsdp", None)
+    with pytest.raises(pytest.skip.Exception, match=r"torch's testing extras do not import \(.*common_fsdp.*None in sys.modules"):
+        importlib.import_module(name)

@@ -47,6 +47,10 @@ def test_a_requeued_task_resumes_its_own_shard(tmp_path: Path) -> None:
     task = plan_array(args, submit_options(args)).tasks[1]
     assert not task.args.resume
     again = task.checkpoint().function
+    assert again.shard == ShardSpec(1, 2) and not again.args.resume, "stopped before its results file: starts afresh"
+    task.out.mkdir(parents=True)
+    (task.out / "results.jsonl").write_text("")
+    again = task.checkpoint().function
     assert again.shard == ShardSpec(1, 2) and again.args.resume and not task.args.resume
 
 

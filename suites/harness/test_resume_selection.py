@@ -114,3 +114,40 @@ def test_stored_options_round_trip_and_contradictions_are_pure() -> None:
     a = StoredSelection(options, ("x", "y"))
     assert a.id == StoredSelection(dict(options), ("y", "x")).id != StoredSelection(options, ("x",)).id
     assert StoredSelection.from_dict(a.to_dict()) == a
+
+
+def test_the_default_engines_given_again_explicitly_are_no_contradiction(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_run_case: list[str]
+) -> None:
+    from harness.case import DEFAULT_ENGINES
+
+    out = tmp_path / "r.jsonl"
+    small = ["--matrix", "smoke", "--models", "nested", "--limit", "3", "--no-progress"]
+    assert main(["run", *small, "--out", str(out)]) == 0
+    assert read_selection(out).options["engines"] is None  # type: ignore[union-attr]
+    _interrupted(out, 1)
+    fake_run_case.clear()
+    assert main(["run", *small, "--engines", ",".join(DEFAULT_ENGINES), "--out", str(out), "--resume"]) == 0
+    assert len(fake_run_case) == 2 and len(_ids(out)) == 3
+    assert main(["run", *small, "--engines", "builtin", "--out", str(out), "--resume"]) == 2, "another value still is refused"
+
+
+@pytest.mark.parametrize("text, why", [("[]", "not a selection"), ('{"id": "ab", "options": {"matr', "Unterminated string"),
+                                       ('{"options": [], "case_ids": []}', "not a selection")])
+@pytest.mark.parametrize("command", ["run", "nightly"])
+def test_an_unreadable_selection_file_is_one_line_naming_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_run_case: list[str], text: str, why: str, command: str
+) -> None:
+    out = tmp_path / "r.jsonl" if command == "run" else tmp_path / "night" / "results.jsonl"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("")
+    selection_path(out).write_text(text)
+    where = str(out) if command == "run" else str(out.parent)
+    assert main([command, "--out", where, "--resume", "--no-progress", "--matrix", "smoke", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--resume: {selection_path(out)} cannot be read ({why}" in err and "restore it, or delete it" in err
+    assert fake_run_case == [] and out.read_text() == "" and selection_path(out).read_text() == text
+    from reports.api import selection_ids
+
+    assert selection_ids(out) == set(), "the reports read such results without a selection"

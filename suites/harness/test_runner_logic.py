@@ -121,6 +121,36 @@ def test_without_a_bar_a_status_line_comes_every_minute_and_a_budget_keeps_the_t
     quiet.close()
 
 
+def test_the_eta_never_runs_past_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    import harness.runner as runner
+    from harness.cli.fuzz import FUZZ_SHARE, cases_deadline, report_reserve
+
+    clock = [1000.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    record = CaseRecord(CaseConfig().to_dict(), CaseConfig().case_id, "pass", reason="x")  # type: ignore[arg-type]
+    progress = runner.Progress(100, enabled=True, deadline=1000.0 + 150)
+    progress.bar.fp = io.StringIO()
+    for n in range(3):
+        clock[0] += 60.0  # slow cases: at this rate 97 more would take 97 min
+        progress.update(record, f"c{n}")
+    assert progress.eta_s(clock[0]) == 0.0, "the budget is spent: nothing runs after it"
+    assert "ETA 0 s" in progress.status_line(clock[0]) and "ETA=0 s" in str(progress.bar)
+    assert "<" not in str(progress.bar), "no tqdm remaining time over every case to run"
+    clock[0] = 1000.0 + 130
+    assert progress.eta_s(clock[0]) <= 20.0  # at most the 20 s left
+    progress.close()
+    free = runner.Progress(10, enabled=False)
+    clock[0] += 10.0
+    free.update(record, "c")
+    assert free.eta_s(clock[0]) == 90.0, "without a budget: the rate so far"
+    # A fuzz campaign after the cases keeps its share of the budget.
+    assert cases_deadline(0.0, 150.0) == 150.0 - report_reserve(150.0)
+    assert cases_deadline(0.0, 150.0, fuzz_after=True) == pytest.approx((150.0 - report_reserve(150.0)) * (1 - FUZZ_SHARE))
+    assert cases_deadline(0.0, None, fuzz_after=True) is None
+
+
 def test_stress_is_unsupported_on_cpu_with_the_reason() -> None:
     assert unsupported_reason("none", "cpu") is None
     assert unsupported_reason("delay", "cuda") is None

@@ -154,6 +154,7 @@ def test_a_spent_time_budget_lists_every_case_not_run(tmp_path: Path) -> None:
     assert f"{len(cases)} not run" in done.stdout
     assert state["partial"] == [f"{len(cases)} of {len(cases)} cases not run", "fuzz skipped (time budget of 0 s spent by the cases)",
                                 "perf skipped (time budget of 0 s spent)"]
+    assert state["finished"] and state["complete"] is False, "it ran to its end, but left things out: not complete"
     # Nothing in common with the previous results: no diff, said so; never a regression.
     assert state["diff"]["previous"] is None and "no case in common" in state["diff"]["note"]
     assert not (out / "diff.json").exists()

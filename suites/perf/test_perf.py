@@ -228,3 +228,31 @@ def test_perf_on_two_gpus_reports_memory_and_traces(tmp_path: Path) -> None:
     assert {r["strategy"] for r in rows} == {"full_shard", "no_shard"}
     assert all(r["reserved_gib"] >= r["peak_gib"] > 0 for r in rows)
     assert len(list((tmp_path / "traces").iterdir())) == 2 * 2 * 2
+
+
+def test_a_log_of_perf_runs_starts_with_a_header_before_any_run_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import harness.pool as pool
+    from harness.cli import main
+
+    class NoRanks:
+        """A pool whose every run errs at once: what is tested is the order of the lines."""
+
+        def __init__(self, config: object) -> None:
+            pass
+
+        def __enter__(self) -> "NoRanks":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def run(self, fn: object, job: object) -> pool.PoolOutcome:
+            return pool.PoolOutcome("error", [None, None], reason="no ranks here")
+
+    monkeypatch.setattr(pool, "RankPool", NoRanks)
+    assert main(["perf", "--engines", "builtin,torch-fsdp", "--steps", "2", "--warmup", "1"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("perf: 2 run(s) of 2 timed steps on 2 ranks") and err[0].endswith("as it ends:")
+    assert [line.strip() for line in err[1:3]] == ["builtin full_shard: error", "torch-fsdp full_shard: error"]

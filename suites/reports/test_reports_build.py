@@ -336,3 +336,73 @@ def test_a_run_whose_only_failures_are_expected_is_ok() -> None:
     frame = latest(records_frame([record(a, "pass", 0.1), record(b, "crash", None, expected_failure=KNOWN)]))[0]
     summary = summarize(frame, parity_matrices(frame), out_dir="", inputs=[], superseded=0, bad_lines=[])
     assert summary.ok and summary.expected_failures == 1 and summary.ran == 1
+
+
+def test_a_byte_order_mark_does_not_make_the_first_record_unreadable(small_results: Path, tmp_path: Path) -> None:
+    plain, _ = read_records(small_results)
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + small_results.read_bytes())
+    records, bad = read_records(marked)
+    assert bad == [] and [r.case_id for r in records] == [r.case_id for r in plain]
+
+
+def test_an_endless_line_is_one_unreadable_line_read_in_bounded_pieces(
+    monkeypatch: pytest.MonkeyPatch, small_results: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import harness.collector as collector
+
+    monkeypatch.setattr(collector, "MAX_LINE_CHARS", 4096)
+    plain, _ = read_records(small_results)
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"case": "' + "x" * 10_000 + '"}\n' + small_results.read_text())
+    records, bad = read_records(long)
+    assert len(records) == len(plain) and len(bad) == 1, "the records after it are read"
+    assert bad[0].line == 1 and "longer than 4096 characters" in bad[0].reason and len(bad[0].head) <= 200
+    # /dev/zero never ends its line: reading stops at the cap, one unreadable line, exit 2.
+    assert main(["build", "/dev/zero", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "(1 unreadable line(s), the first /dev/zero:1: longer than 4096" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_html_header_shows_code_not_backticks(built) -> None:
+    _, out, summary = built
+    html = (out / "matrix.html").read_text(encoding="utf-8")
+    assert "`" not in html
+    assert f"<code>{summary.runs[0]['run_id']}</code>" in html
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("command", ["build", "history"])
+@pytest.mark.parametrize("fault, status", [(OSError(28, "No space left on device", "heatmap.png"), 2),
+                                           (KeyboardInterrupt(), 130)])
+def test_a_report_is_written_whole_or_not_at_all(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    command: str, fault: BaseException, status: int
+) -> None:
+    import matplotlib.figure
+
+    night = tmp_path / "nightly" / "2026-11-22"
+    night.mkdir(parents=True)
+    results = write_results(night / "results.jsonl", [record(CaseConfig(steps=1), "fail", 3.0), record(CaseConfig(steps=2))])
+    argv = [command, str(results if command == "build" else night)]
+    out = tmp_path / "report"
+    assert main([*argv, "--out", str(out)]) == 0
+    before = _tree(out)
+    capsys.readouterr()
+    (night / "results.jsonl").write_text((night / "results.jsonl").read_text().replace('"fail"', '"pass"'))
+
+    def fail(*args: object, **kwargs: object) -> None:  # the disk fills, or Ctrl-C, half-way through the plots
+        raise fault
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", fail)
+    for target in (out, tmp_path / "fresh"):
+        assert main([*argv, "--out", str(target)]) == status
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err and f"{target} is left as it was" in err, err
+        assert ("No space left on device: heatmap.png" in err) if status == 2 else ("interrupted" in err)
+    assert _tree(out) == before, "the earlier report is whole and untouched"
+    assert not (tmp_path / "fresh").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["nightly", "report"]

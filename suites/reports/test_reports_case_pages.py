@@ -202,3 +202,20 @@ def test_a_case_page_links_the_same_case_against_the_other_reference(tmp_path: P
     lone = (tmp_path / "out" / case_href(alone.full_id)).read_text()
     other = alone.replace(reference="local")
     assert "not in these results" in lone and html_escape(rerun_command(other.to_dict(), other.full_id, "gloo")) in lone
+
+
+def test_a_plug_in_engine_not_importable_here_is_labelled_by_its_stored_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = write_results(tmp_path / "r.jsonl", [record(CaseConfig(engine="mine=fsdp1:no_such_module_here"), "fail"),
+                                                   record(CaseConfig(engine="theirs=no_such_module_either:Engine"))])
+    assert main(["build", str(results), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    assert "2 cases (pass 1, fail 1)" in capsys.readouterr().out
+    assert "mine vs ddp" in (tmp_path / "out" / "matrix.md").read_text()
+    page = tmp_path / "out" / case_href("mine:ddp:" + CaseConfig().case_id)
+    assert page.exists()
+    # A rule of the matrix itself still shows; only the engine's own rules need the engine.
+    assert rerun_caveats(CaseConfig(engine="mine=fsdp1:no_such_module_here").to_dict()) == []
+    hybrid = {**CaseConfig(engine="mine=fsdp1:no_such_module_here").to_dict(), "sharding_strategy": "hybrid_shard"}
+    (caveat,) = rerun_caveats(hybrid)
+    assert "the world size must be >= 4" in caveat

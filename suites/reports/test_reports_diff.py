@@ -239,3 +239,16 @@ def test_an_expected_failure_is_never_a_regression_and_an_expected_pass_is_a_vis
     ]
     assert result.new_failing == [] and result.exit_code == 1
     assert diff_frames(old, new[new["full_id"] != C[2].full_id]).exit_code == 0
+
+
+def test_a_case_lost_to_an_unreadable_line_never_leaves_the_headline_green(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = write_results(tmp_path / "old.jsonl", [record(C[0], "pass", 0.1), record(C[1], "pass", 0.1)])
+    new = write_results(tmp_path / "new.jsonl", [record(C[0], "pass", 0.1)])
+    with open(new, "a") as f:
+        f.write(json.dumps(record(C[1], "fail", 9.0).to_dict())[:80])  # the regression, cut by a kill
+    main(["diff", str(old), str(new)])
+    out = capsys.readouterr().out
+    assert out.startswith("# ⚠️ Parity diff: 0 regression(s), 0 new failing case(s), 0 fix(es), "
+                          "1 unreadable line(s) not compared") and "✅" not in out

@@ -121,3 +121,32 @@ def test_a_zero_ratio_is_not_drawn_as_a_small_one_on_the_log_plot() -> None:
     assert notes == ["0 (exact match), not drawn on the log scale: builtin on n1; builtin on n3"]
     # On a linear scale a zero is a value like any other.
     assert list(line_figure(table, "value", log=False).axes[0].get_lines()[0].get_ydata()) == [0.0, 0.2, 0.0]
+
+
+@pytest.mark.parametrize("garbage, unknown", [
+    ('{"case": {"engine": "builtin", "ste\n', True),  # only a cut line
+    ('{"schema": 99, "case_id": "from-the-future", "verdict": "pass"}\n', True),  # a newer schema
+    (None, False),  # readable records and one cut line after them
+])
+def test_an_unreadable_newest_night_is_never_green(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], garbage: str | None, unknown: bool
+) -> None:
+    old, new = tmp_path / "nightly" / NIGHTS[0], tmp_path / "nightly" / NIGHTS[1]
+    for night in (old, new):
+        night.mkdir(parents=True)
+        with ResultWriter(night / "results.jsonl", RUN) as writer:
+            writer.append(record(night_cases()[0], "pass", 0.1))
+    if garbage is not None:
+        (new / "results.jsonl").write_text(garbage)
+    else:
+        with open(new / "results.jsonl", "a") as f:
+            f.write('{"case": {"engine"\n')
+    code = main(["history", str(old), str(new), "--out", str(tmp_path / "history")])
+    captured = capsys.readouterr()
+    assert code == (1 if unknown else 0)
+    md = (tmp_path / "history" / "history.md").read_text()
+    assert md.startswith("# ⚠️ Parity history") and "✅" not in md
+    said = f"{NIGHTS[1]} is unreadable: its 1 line(s) hold no readable record" if unknown else f"{NIGHTS[1]}: 1 unreadable line(s)"
+    assert said in md and said in (tmp_path / "history" / "history.html").read_text()
+    assert f"warning: {said}" in captured.err
+    assert json.loads((tmp_path / "history" / "history.json").read_text())["newest_unknown"] is unknown
