@@ -7,8 +7,9 @@ registration (also after a state-dict round trip), eval output equals no_grad ou
 parameters are Tensor views during compute even with prefetching. The parity checks are harness cases
 (``harness.conformance.seeds.seed_parity``); the others run here in one rank session per engine and device.
 
-The seed's delayed variants (GPU sleeps) are in suites/engine/test_gpu.py; its CUDA init modes
-have no CPU meaning (the full product is in suites/engine/test_parity.py and suites/parity/).
+The seed's delayed variants (GPU sleeps, our engine, the parity checks' whole product, the mixture of
+experts included) are in suites/engine/test_gpu.py; its CUDA init modes have no CPU meaning: the parity
+checks run them on CUDA ranks (``seed_parity``), the hook checks build the model both ways on every device.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def init_modes(offload: bool, device: str) -> list[str]:
     return ["before", "never"] if offload else ["before", "after"]
 
 
-def _subtests(model: str, offload: bool, smoke: bool = False, device: str = "cpu") -> list[CaseConfig]:
+def seed_subtests(model: str, offload: bool, smoke: bool = False, device: str = "cpu") -> list[CaseConfig]:
     """The seed's subtests against DDP: every strategy x backward prefetch x forward prefetch x
     use_orig_params x init mode (``init_modes``). ``smoke`` (the CI lane) keeps, per strategy, one backward
     prefetch with both use_orig_params values, forward prefetch alternating and the init modes taking turns:
@@ -101,11 +101,11 @@ def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, par
     model, offload = PARITY_CHECKS[check]
     device = parity_runner.device_type(CaseConfig().world_size)
     cases = [case.replace(engine=fsdp_api)
-             for case in _subtests(model, offload, smoke=parity_options.matrix == "smoke", device=device)]
+             for case in seed_subtests(model, offload, smoke=parity_options.matrix == "smoke", device=device)]
     if TORCH_FSDP1_MOE_OFFLOAD.applies(cases[0], device):
         # A race: one run of the subtests passed once on a lightly loaded GPU, so the strict expectation
         # gets every subtest, RACE_REPEATS times, to show it.
-        cases = [case.replace(engine=fsdp_api) for case in _subtests(model, offload, device=device)] * RACE_REPEATS
+        cases = [case.replace(engine=fsdp_api) for case in seed_subtests(model, offload, device=device)] * RACE_REPEATS
         request.applymarker(expect_failure(TORCH_FSDP1_MOE_OFFLOAD.reason))
     else:
         cases = [case for case in cases if not _no_shard_offload_race(case, device)]
@@ -120,7 +120,7 @@ def _no_shard_offload_race(case: CaseConfig, device: str) -> bool:
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
 def test_the_subtests_are_the_seeds_product_and_smoke_shows_every_value(device: str, offload: bool) -> None:
-    smoke, every = _subtests(NESTED, offload, smoke=True, device=device), _subtests(NESTED, offload, device=device)
+    smoke, every = seed_subtests(NESTED, offload, smoke=True, device=device), seed_subtests(NESTED, offload, device=device)
     modes = init_modes(offload, device)
     assert len(every) == 36 * len(modes) == len(set(every)), "strategy x bwd x fwd x orig x init mode, each once"
     assert len(smoke) == 6 and set(smoke) <= set(every)
@@ -137,7 +137,7 @@ def test_the_moe_offload_expectation_covers_torch_fsdp1_on_cuda_only() -> None:
     """The strict expectation applies to torch FSDP1's offload subtests of the mixture of experts on CUDA
     ranks, and to nothing our engine runs, on CPU ranks or without offload."""
     for check, (model, offload) in PARITY_CHECKS.items():
-        for case in _subtests(model, offload, device="cuda"):
+        for case in seed_subtests(model, offload, device="cuda"):
             for engine, device in itertools.product(("torch-fsdp", "builtin"), ("cuda", "cpu")):
                 expected = engine == "torch-fsdp" and device == "cuda" and check == "check_parity_mixture_of_experts_offload"
                 assert TORCH_FSDP1_MOE_OFFLOAD.applies(case.replace(engine=engine), device) == expected, (check, engine, device)
