@@ -6,8 +6,11 @@ multiple forwards before backward, summon between two forwards, access after for
 and gradient writeback (and shape mismatch), no-reshard changes between forward and backward,
 FQNs in forward, no_sync correctness and mixed-precision dtypes, non-uniform requires_grad.
 
-DDP is the reference where the seed uses it; the seed's CUDA-only parts (compile) are left out; no_sync
-against the all-data reference is harness cases (``seed_parity``). ``_train_parity`` stays (SGD and Adam family with and
+DDP is the reference where the seed uses it; no_sync against the all-data reference is harness cases
+(``seed_parity``). The CI lane runs a representative part of the seed's test_diff_hyperparams (6 subtests
+that show every value of every axis) and of its test_fsdp_compile (FULL_SHARD, with activation
+checkpointing); the slow lane (``--matrix pairwise|full``, ``SLOW_CHECKS``) runs their whole products,
+10 iterations each, with the seed's init modes on CUDA ranks and inductor there. ``_train_parity`` stays (SGD and Adam family with and
 without ``foreach``, per-group hyperparameters, ``set_to_none=False``, frozen parameters): the optimizer
 axis (``adamw_groups``, ``two_optimizers``) does not express those.
 """
@@ -35,7 +38,8 @@ from harness.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
-__all__ = ["session", "test_check"]
+__all__ = ["session", "test_check",
+           "test_hyperparam_subtests_are_the_seeds_product_and_smoke_shows_every_value"]
 
 
 def _input(step: int, rank: int) -> tuple[torch.Tensor, ...]:
@@ -66,14 +70,10 @@ def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
     return groups
 
 
-def _sgd(groups: Any, foreach: bool) -> torch.optim.Optimizer:
-    return torch.optim.SGD(groups, lr=5e-3, momentum=0.9, weight_decay=0.0, foreach=foreach)
-
-
-def _adam_family(groups: Any, foreach: bool, offload: bool) -> torch.optim.Optimizer:
-    """The seed's test_diff_hyperparams optimizer: AdamW, and Adam for its CPU-offload twin."""
-    kind = torch.optim.Adam if offload else torch.optim.AdamW
-    return kind(groups, lr=5e-3, foreach=foreach)
+def _adam_family(groups: Any, foreach: bool, adamw: bool) -> torch.optim.Optimizer:
+    """The seed's optimizers over the parameter groups: AdamW for test_diff_hyperparams, Adam for its
+    CPU-offload twin and for test_diff_trainability."""
+    return (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, lr=5e-3, foreach=foreach)
 
 
 def _fsdp_transformer(api: FSDPApi, **kwargs: Any) -> nn.Module:
@@ -110,7 +110,12 @@ def _key_bias_bound(ddp_bias: torch.Tensor, fsdp_bias: torch.Tensor, bound: floa
     return torch.cat([q, v]), torch.cat([fq, fv])
 
 
-def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, set_to_none: bool, iters: int = 6) -> None:
+#: the seed's training iterations per parity subtest (its ``_check_train_parity`` and test_fsdp_compile).
+SEED_ITERS = 10
+
+
+def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, set_to_none: bool,
+                  iters: int = SEED_ITERS) -> None:
     adam = isinstance(ddp_opt, torch.optim.Adam | torch.optim.AdamW)
     rank = dist.get_rank()
     for i in range(iters):
@@ -131,46 +136,82 @@ def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, se
     _check_param_parity(api, ddp, fsdp, adam_steps=iters if adam else 0, lr=lr)
 
 
-def _diff_hyperparams(api: FSDPApi, offload: bool) -> None:
+#: The axes of the seed's test_diff_hyperparams subtests, each with its values (the sharding strategy by its
+#: member name; the init mode: ``harness.conformance.seeds.seed_parity.init_modes``).
+HYPERPARAM_AXES = ("strategy", "init_mode", "optim_before_wrap", "foreach", "set_to_none", "prefetch", "skip_writeback_check")
+
+
+def hyperparam_subtests(offload: bool, device: str, smoke: bool) -> list[dict[str, Any]]:
+    """The seed's test_diff_hyperparams subtests: every strategy x init mode (before and after wrapping on
+    CUDA ranks; before with offload, as the seed's offload twin) x optimizer built before or after wrapping x
+    ``foreach`` x ``set_to_none`` x backward prefetch x writeback check skipped or not. ``smoke`` (the CI
+    lane) keeps 6 of them that show every value of every axis."""
+    modes = ["before", "after"] if device == "cuda" and not offload else ["before"]
+    values = (["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"], modes, [False, True], [False, True], [False, True],
+              [None, "BACKWARD_PRE", "BACKWARD_POST"], [False, True])
+    if not smoke:
+        return [dict(zip(HYPERPARAM_AXES, combo)) for combo in itertools.product(*values)]
+    # Row i takes a value of each axis by its own turn, so that 6 rows show them all.
+    turns = (lambda i: i % 3, lambda i: i, lambda i: i % 2, lambda i: i // 3, lambda i: (i // 2) % 2,
+             lambda i: (i + i // 3) % 3, lambda i: ((i + 1) // 2) % 2)
+    return [{axis: vals[turn(i) % len(vals)] for axis, vals, turn in zip(HYPERPARAM_AXES, values, turns)} for i in range(6)]
+
+
+def _diff_hyperparams(api: FSDPApi, offload: bool, smoke: bool) -> None:
     api.require_offload(offload)
-    prefetches = [None, api.BackwardPrefetch.BACKWARD_PRE, api.BackwardPrefetch.BACKWARD_POST]
-    # torch FSDP1's NO_SHARD offload race (``harness.fsdp1_api.no_shard_offload_race``) is stress's to show.
-    strategies = [s for s in _strategies(api)
-                  if not no_shard_offload_race(api.name, rank_device().type, s.name.lower(), offload, True)]
-    combos = itertools.product(strategies, [False, True], [False, True], prefetches, [False, True])
-    for strategy, before_wrap, set_to_none, prefetch, skip_check in combos:
-        if skip_check:
+    device = rank_device()
+    for sub in hyperparam_subtests(offload, device.type, smoke):
+        strategy = getattr(api.ShardingStrategy, sub["strategy"])
+        # torch FSDP1's NO_SHARD offload race (``harness.fsdp1_api.no_shard_offload_race``) is stress's to show.
+        if no_shard_offload_race(api.name, device.type, sub["strategy"].lower(), offload, True):
+            continue
+        if sub["skip_writeback_check"]:
             os.environ["FSDP_SKIP_WRITEBACK_CHECK"] = "1"
         try:
-            ddp = DDP(SharedTransformer(rank_device()))
-            ddp_opt = _adam_family(_param_groups(ddp), set_to_none, offload)
+            ddp = DDP(SharedTransformer(device))
+            ddp_opt = _adam_family(_param_groups(ddp), sub["foreach"], adamw=not offload)
+            prefetch = sub["prefetch"] and getattr(api.BackwardPrefetch, sub["prefetch"])
             kwargs = dict(sharding_strategy=strategy, backward_prefetch=prefetch, cpu_offload=api.CPUOffload(offload))
-            if before_wrap:
-                module = SharedTransformer(rank_device())
-                fsdp_opt = _adam_family(_param_groups(module), not set_to_none, offload)
+            # The seed's CUDA_AFTER: built on the CPU, wrapped there, moved to the GPU after.
+            after = sub["init_mode"] == "after"
+            module = SharedTransformer("cpu" if after else device)
+            if sub["optim_before_wrap"]:
+                fsdp_opt = _adam_family(_param_groups(module), sub["foreach"], adamw=not offload)
                 fsdp = api.wrap(module, auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
             else:
-                fsdp = _fsdp_transformer(api, **kwargs)
-                fsdp_opt = _adam_family(_param_groups(fsdp), not set_to_none, offload)
-            _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none)
+                fsdp = api.wrap(module, auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
+                fsdp_opt = _adam_family(_param_groups(fsdp), sub["foreach"], adamw=not offload)
+            if after:
+                fsdp = fsdp.to(device)
+            _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, sub["set_to_none"])
         finally:
             os.environ.pop("FSDP_SKIP_WRITEBACK_CHECK", None)
 
 
 def check_diff_hyperparams(api: FSDPApi, rank: int, world_size: int) -> None:
-    _diff_hyperparams(api, offload=False)
+    _diff_hyperparams(api, offload=False, smoke=True)
 
 
 def check_diff_hyperparams_cpu_offload(api: FSDPApi, rank: int, world_size: int) -> None:
-    _diff_hyperparams(api, offload=True)
+    _diff_hyperparams(api, offload=True, smoke=True)
+
+
+def check_diff_hyperparams_every_subtest(api: FSDPApi, rank: int, world_size: int) -> None:
+    _diff_hyperparams(api, offload=False, smoke=False)
+
+
+def check_diff_hyperparams_cpu_offload_every_subtest(api: FSDPApi, rank: int, world_size: int) -> None:
+    _diff_hyperparams(api, offload=True, smoke=False)
 
 
 def check_diff_trainability(api: FSDPApi, rank: int, world_size: int) -> None:
+    """The seed's: Adam over the three parameter groups, BACKWARD_PRE, the biases (one group) frozen, every
+    strategy x ``foreach``."""
     for strategy, foreach in itertools.product(_strategies(api), [False, True]):
         ddp = DDP(SharedTransformer(rank_device()), find_unused_parameters=True)
-        ddp_opt = _sgd(_param_groups(ddp), foreach)
-        fsdp = _fsdp_transformer(api, sharding_strategy=strategy)
-        fsdp_opt = _sgd(_param_groups(fsdp), foreach)
+        ddp_opt = _adam_family(_param_groups(ddp), foreach, adamw=False)
+        fsdp = _fsdp_transformer(api, sharding_strategy=strategy, backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE)
+        fsdp_opt = _adam_family(_param_groups(fsdp), foreach, adamw=False)
         for model in (ddp, fsdp):
             for name, p in model.named_parameters():
                 if "bias" in name:
@@ -221,37 +262,55 @@ def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
         _check_param_parity(api, ddp, fsdp)
 
 
-def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's test_fsdp_compile: the wrapped transformer (layers as units, original parameters,
-    BACKWARD_PRE) under ``torch.compile`` trains as the same engine's eager model, with activation
-    checkpointing inside the units, and Dynamo compiles graphs (inductor on GPUs; ``aot_eager`` on CPU ranks,
-    where inductor takes about a minute per graph on two cores). One strategy here; the parity matrix's ``compile`` axis has the rest."""
+def _compiled_parity(api: FSDPApi, strategy: Any, iters: int, skip_fsdp_guards: bool | None = None) -> None:
+    """The wrapped transformer (layers as units, original parameters, BACKWARD_PRE) under ``torch.compile``
+    trains as the same engine's eager model, losses compared every iteration, and Dynamo compiles graphs
+    (inductor on GPUs; ``aot_eager`` on CPU ranks, where inductor takes about a minute per graph on two
+    cores). The compiled model checkpoints activations inside its units: without that Dynamo skips the
+    FSDP1 modules' forward whole (both engines; measured with torch 2.13) and compiles no graph, so the
+    seed's check would compare eager with eager. ``skip_fsdp_guards``: Dynamo's ``skip_fsdp_guards`` for
+    the run (None keeps the default)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
     from harness.compiling import backend_for, check_compiled, compiled_counts
 
-    kwargs = dict(auto_wrap_policy=_layer_policy(api), use_orig_params=True,
-                  sharding_strategy=api.ShardingStrategy.FULL_SHARD, backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE)
+    kwargs = dict(auto_wrap_policy=_layer_policy(api), use_orig_params=True, sharding_strategy=strategy,
+                  backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE)
     ref = api.wrap(SharedTransformer(rank_device()), **kwargs)
     model = api.wrap(SharedTransformer(rank_device()), **kwargs)
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.TransformerEncoderLayer))
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend=backend_for(rank_device().type))
-    ref_opt, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
-    for i in range(3):
-        losses = []
-        inputs = _input(i, rank)
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            o.zero_grad()
-            loss = SharedTransformer.get_loss(inputs, m(*inputs))
-            loss.backward()
-            o.step()
-            losses.append(loss.detach())
-        assert_match(f"loss@{i}", losses[1], losses[0], "compiled against eager")
+    guards = {} if skip_fsdp_guards is None else {"skip_fsdp_guards": skip_fsdp_guards}
+    with torch._dynamo.config.patch(**guards):
+        compiled = torch.compile(model, backend=backend_for(rank_device().type))
+        ref_opt, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
+        for i in range(iters):
+            losses = []
+            inputs = _input(i, dist.get_rank())
+            for m, o in ((ref, ref_opt), (compiled, opt)):
+                o.zero_grad()
+                loss = SharedTransformer.get_loss(inputs, m(*inputs))
+                loss.backward()
+                o.step()
+                losses.append(loss.detach())
+            where = f"compiled against eager, {strategy}, skip_fsdp_guards={skip_fsdp_guards}"
+            assert_match(f"loss@{i}", losses[1], losses[0], where)
     check_compiled(compiled_counts())
+
+
+def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
+    """The seed's test_fsdp_compile in the CI lane: FULL_SHARD, 3 iterations (the seed's product:
+    ``check_fsdp_compile_every_subtest``; the parity matrix's ``compile`` axis has the rest)."""
+    _compiled_parity(api, api.ShardingStrategy.FULL_SHARD, iters=3)
+
+
+def check_fsdp_compile_every_subtest(api: FSDPApi, rank: int, world_size: int) -> None:
+    """The seed's test_fsdp_compile: every strategy x Dynamo's ``skip_fsdp_guards``, 10 iterations each."""
+    for strategy, skip_guards in itertools.product(_strategies(api), (True, False)):
+        _compiled_parity(api, strategy, iters=SEED_ITERS, skip_fsdp_guards=skip_guards)
 
 
 def _orig_and_flat_models(api: FSDPApi, strategy: Any, offload: bool):
@@ -591,4 +650,24 @@ CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
     check_no_sync_mixed_precision,
     check_non_uniform_requires_grad,
 ]
-session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=400)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+def test_hyperparam_subtests_are_the_seeds_product_and_smoke_shows_every_value(device: str, offload: bool) -> None:
+    smoke, every = hyperparam_subtests(offload, device, smoke=True), hyperparam_subtests(offload, device, smoke=False)
+    after = device == "cuda" and not offload
+    assert len(every) == 144 * (2 if after else 1) and len(smoke) == 6 and all(sub in every for sub in smoke)
+    for axis in HYPERPARAM_AXES:
+        assert {sub[axis] for sub in smoke} == {sub[axis] for sub in every}, axis
+    assert ("after" in {sub["init_mode"] for sub in every}) == after
+
+
+#: The seed's whole products where the checks above run a representative part (``slow_checks``: the slow
+#: lane, ``--matrix pairwise|full``, on GPUs too).
+SLOW_CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
+    check_diff_hyperparams_every_subtest,
+    check_diff_hyperparams_cpu_offload_every_subtest,
+    check_fsdp_compile_every_subtest,
+]
+session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=600, slow_checks=SLOW_CHECKS)
