@@ -191,6 +191,11 @@ def _session_device(request: pytest.FixtureRequest, devices: tuple[DeviceChoice,
 ExpectedFailures = dict[tuple[str, DeviceChoice, str], str]
 
 
+#: why a check of ``slow_checks`` did not run: the lane.
+SLOW_LANE = ("runs with --matrix pairwise|full (the slow lane: the seed's whole product); the CI lane runs a "
+             "representative part of it")
+
+
 def api_session_tests(
     checks: Sequence[Check],
     load_api: Callable[[str], Any],
@@ -198,6 +203,7 @@ def api_session_tests(
     device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
     timeout_s: float = 240.0,
     expected_failures: ExpectedFailures | None = None,
+    slow_checks: Sequence[Check] = (),
 ):
     """``session_tests`` once per engine of the ``fsdp_api`` parametrization (``harness.pytest_plugin``:
     the engines with torch FSDP1's API that ``--engine`` names) and per device. Each check is called
@@ -208,20 +214,32 @@ def api_session_tests(
 
     ``expected_failures`` names what an engine gets wrong on a device, with the reason: those tests are
     strict xfails there (a pass fails the test, so a fixed engine is noticed).
+
+    ``slow_checks`` (a seed's whole product, where a check of ``checks`` runs a representative part) run
+    after ``checks`` in the same session with ``--matrix pairwise|full`` only; their tests are marked
+    ``slow`` and skip, saying so, in the smoke lane (the CI lane).
     """
     devices, params = _device_params(device)
     known = expected_failures or {}
+    slow_names = {c.__name__ for c in slow_checks}
 
     @pytest.fixture(scope="module", **params)
     def session(request: pytest.FixtureRequest, fsdp_api: str) -> RankSession:
         where = _session_device(request, devices)
         api = load_api(fsdp_api)
-        outcomes = run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s, args=(api,))
+        slow = request.config.getoption("matrix", default="smoke") != "smoke"
+        run = [*checks, *(slow_checks if slow else ())]
+        outcomes = run_checks(run, world_size=world_size, device=where, timeout_s=timeout_s, args=(api,))
         return RankSession(outcomes, engine=fsdp_api, device=where)
 
+    every = [pytest.param(c, id=c.__name__, marks=[pytest.mark.slow] if c.__name__ in slow_names else [])
+             for c in [*checks, *slow_checks]]
+
     @_one_xdist_worker(checks)
-    @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
+    @pytest.mark.parametrize("check", every)
     def test_check(request: pytest.FixtureRequest, session: RankSession, check: Check) -> None:
+        if check.__name__ not in session.outcomes:
+            pytest.skip(reason=SLOW_LANE)
         # Applied during the call: the engine and device are the session's, known only once it ran.
         if (reason := known.get((session.engine, session.device, check.__name__))) is not None:
             request.applymarker(pytest.mark.xfail(reason=reason, strict=True))

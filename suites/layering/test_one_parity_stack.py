@@ -31,10 +31,11 @@ FACTORY_KEYWORDS = {"SGD": {"lr", "momentum"}, "AdamW": {"lr", "betas", "eps", "
 ALLOWED = {
     "harness/conformance/mixed_precision/precision_logic.py": "plain data-parallel training by hand is the oracle "
     "the local reference is tested against",
-    "harness/conformance/seeds/fsdp_use_orig_params.py": "the seed's checks against DDP cross optimizers the case's "
-    "optimizer axis does not express (SGD and the Adam family with and without foreach, per-group "
-    "hyperparameters, set_to_none=False, frozen parameters), parameter and gradient writeback, and engine "
-    "twins compared with each other",
+    "harness/conformance/seeds/orig_params_ddp.py": "the seed's checks against DDP cross optimizers the case's "
+    "optimizer axis does not express (the Adam family with and without foreach, per-group hyperparameters, "
+    "set_to_none=False, frozen parameters)",
+    "harness/conformance/seeds/fsdp_use_orig_params.py": "parameter and gradient writeback, and engine twins "
+    "compared with each other",
 }
 
 

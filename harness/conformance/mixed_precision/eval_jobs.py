@@ -70,12 +70,15 @@ def _transformer(api: FSDPApi, mp: Any, ctx: RankContext, recursive: bool, **kwa
 
 
 def full_precision_in_eval(ctx: RankContext, payload: dict[str, Any]) -> None:
-    """In eval with FSDP_USE_FULL_PREC_IN_EVAL=1 the loss is full precision; in train it is low
-    (the seed's product, each combination under a different strategy and use_orig_params)."""
+    """In eval with FSDP_USE_FULL_PREC_IN_EVAL=1 the loss is full precision; in train it is low: the
+    seed's product (``cast_forward_inputs`` x full precision in eval) on the seed's layout (FULL_SHARD,
+    flat parameters), and each combination again under another strategy and use_orig_params."""
     api = engine_api(payload)
     low = dtype_of(payload.get("low", "float16"))
-    layouts = itertools.cycle([("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False), ("FULL_SHARD", True)])
-    for (cast_inputs, use_full), (name, orig) in zip(itertools.product([True, False], [True, False]), layouts):
+    others = [("SHARD_GRAD_OP", True), ("NO_SHARD", False), ("FULL_SHARD", True), ("NO_SHARD", True)]
+    combos = list(itertools.product([True, False], [True, False]))
+    runs = [(("FULL_SHARD", False), *combo) for combo in combos] + [(layout, *combo) for layout, combo in zip(others, combos)]
+    for (name, orig), cast_inputs, use_full in runs:
         mp = api.MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low, cast_forward_inputs=cast_inputs)
         with full_prec_in_eval(use_full):
             model = _transformer(api, mp, ctx, recursive=True, sharding_strategy=strategy(api, name), use_orig_params=orig)

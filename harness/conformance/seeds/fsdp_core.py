@@ -7,15 +7,16 @@ registration (also after a state-dict round trip), eval output equals no_grad ou
 parameters are Tensor views during compute even with prefetching. The parity checks are harness cases
 (``harness.conformance.seeds.seed_parity``); the others run here in one rank session per engine and device.
 
-The seed's delayed variants (GPU sleeps) are in suites/engine/test_gpu.py; its CUDA init modes
-have no CPU meaning (the full product is in suites/engine/test_parity.py and suites/parity/).
+The seed's delayed variants (GPU sleeps, our engine, the parity checks' whole product, the mixture of
+experts included) are in suites/engine/test_gpu.py; its CUDA init modes have no CPU meaning: the parity
+checks run them on CUDA ranks (``seed_parity``), the hook checks build the model both ways on every device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Iterator
+from typing import Any, Iterator
 from unittest import mock
 
 import torch
@@ -68,8 +69,18 @@ def _check_pre_backward_hook_registration(model: nn.Module) -> None:
     assert len(out._backward_hooks) == 1
 
 
+def _transformer(api: FSDPApi, cuda_first: bool, **kwargs: Any) -> nn.Module:
+    """The seed's recursively wrapped transformer: built on the rank's device and wrapped (its
+    ``CUDA_BEFORE``, ``cuda_first``), or built on the CPU, wrapped there and moved after (``CUDA_AFTER``).
+    On CPU ranks the two are the same model."""
+    device = rank_device()
+    model = wrap_bottom_up(SharedTransformer(device if cuda_first else "cpu"), api.wrap, **kwargs)
+    return model if cuda_first else model.to(device)
+
+
 def check_pre_backward_hook_registration(api: FSDPApi, rank: int, world_size: int) -> None:
-    _check_pre_backward_hook_registration(wrap_bottom_up(SharedTransformer(rank_device()), api.wrap))
+    for cuda_first in (False, True):
+        _check_pre_backward_hook_registration(_transformer(api, cuda_first))
 
 
 def check_pre_backward_hook_registration_after_state_dict(api: FSDPApi, rank: int, world_size: int) -> None:
@@ -84,12 +95,11 @@ def check_pre_backward_hook_registration_after_state_dict(api: FSDPApi, rank: in
     _check_pre_backward_hook_registration(model)
 
 
-def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
+def _hooks_registered_builtin(api: FSDPApi, rank: int, model: nn.Module) -> None:
     """Our engine registers the pre-backward hooks on the outputs in ``ModuleState.post_forward`` and
     keeps each unit's post-backward hook handle on the unit."""
     from engine.state import ModuleState
 
-    model = wrap_bottom_up(SharedTransformer(rank_device()), api.wrap)
     calls = {"pre_backward_registered": 0}
     orig_post_forward = ModuleState.post_forward
 
@@ -107,11 +117,10 @@ def _hooks_registered_builtin(api: FSDPApi, rank: int) -> None:
     assert units and all(u._post_backward_hook is not None for u in units), "post-backward hooks registered"
 
 
-def _hooks_registered_torch(api: FSDPApi, rank: int) -> None:
+def _hooks_registered_torch(api: FSDPApi, rank: int, model: nn.Module) -> None:
     """torch FSDP1 registers them in ``_runtime_utils`` (as the seed checks, by patching)."""
     import torch.distributed.fsdp._runtime_utils as runtime_utils
 
-    model = wrap_bottom_up(SharedTransformer(rank_device()), api.wrap)
     with mock.patch.object(
         runtime_utils, "_register_pre_backward_hooks", wraps=runtime_utils._register_pre_backward_hooks
     ) as pre, mock.patch.object(
@@ -123,8 +132,12 @@ def _hooks_registered_torch(api: FSDPApi, rank: int) -> None:
 
 
 def check_register_functions_called(api: FSDPApi, rank: int, world_size: int) -> None:
+    """The seed's product: built before or after the move to the device, with and without (default)
+    mixed precision."""
     # The functions that register the hooks are internals, named differently in each engine.
-    (_hooks_registered_torch if api.is_torch else _hooks_registered_builtin)(api, rank)
+    registered = _hooks_registered_torch if api.is_torch else _hooks_registered_builtin
+    for cuda_first, mp in itertools.product((False, True), (None, api.MixedPrecision())):
+        registered(api, rank, _transformer(api, cuda_first, mixed_precision=mp))
 
 
 def check_transformer_eval_equals_no_grad(api: FSDPApi, rank: int, world_size: int) -> None:

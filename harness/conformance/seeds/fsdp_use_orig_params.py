@@ -6,10 +6,12 @@ multiple forwards before backward, summon between two forwards, access after for
 and gradient writeback (and shape mismatch), no-reshard changes between forward and backward,
 FQNs in forward, no_sync correctness and mixed-precision dtypes, non-uniform requires_grad.
 
-DDP is the reference where the seed uses it; the seed's CUDA-only parts (compile) are left out; no_sync
-against the all-data reference is harness cases (``seed_parity``). ``_train_parity`` stays (SGD and Adam family with and
-without ``foreach``, per-group hyperparameters, ``set_to_none=False``, frozen parameters): the optimizer
-axis (``adamw_groups``, ``two_optimizers``) does not express those.
+DDP is the reference where the seed uses it; no_sync against the all-data reference is harness cases
+(``seed_parity``). The training against DDP (parameter groups, trainability, multiple optimizers,
+compile) is ``orig_params_ddp``'s. The CI lane runs a representative part of the seed's
+test_diff_hyperparams (6 subtests that show every value of every axis) and of its test_fsdp_compile
+(FULL_SHARD, 3 iterations); the slow lane (``--matrix pairwise|full``, ``SLOW_CHECKS``) runs their whole
+products, 10 iterations each, with the seed's init modes on CUDA ranks and inductor there.
 """
 
 from __future__ import annotations
@@ -26,232 +28,32 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
 from harness.conformance.engine_models import SharedTransformer
-from harness.conformance.fsdp1_checks import FSDPApi, assert_match, clean as _clean, load_api
+from harness.conformance.fsdp1_checks import FSDPApi, clean as _clean, load_api
 from harness.conformance.rank_sessions import api_session_tests
-from harness.fsdp1_api import no_shard_offload_race
-from harness.model_protocol import to_device, wrap_bottom_up
+from harness.conformance.seeds.orig_params_ddp import (
+    HYPERPARAM_AXES,
+    _check_param_parity,
+    _input,
+    _linear_policy,
+    _strategies,
+    check_diff_hyperparams,
+    check_diff_hyperparams_cpu_offload,
+    check_diff_hyperparams_cpu_offload_every_subtest,
+    check_diff_hyperparams_every_subtest,
+    check_diff_trainability,
+    check_fsdp_compile,
+    check_fsdp_compile_every_subtest,
+    check_multiple_optimizers,
+    hyperparam_subtests,
+)
+from harness.model_protocol import wrap_bottom_up
 from harness.optim import sgd
 from harness.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
-__all__ = ["session", "test_check"]
-
-
-def _input(step: int, rank: int) -> tuple[torch.Tensor, ...]:
-    """The transformer's batch of ``step`` on this rank's device."""
-    return to_device(SharedTransformer.get_input(step=step, rank=rank), rank_device())
-
-
-def _strategies(api: FSDPApi) -> list:
-    return [api.ShardingStrategy.NO_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.FULL_SHARD]
-
-
-def _layer_policy(api: FSDPApi) -> object:
-    return api.policy("ModuleWrapPolicy")({nn.TransformerEncoderLayer})
-
-
-def _linear_policy(api: FSDPApi) -> object:
-    return api.policy("ModuleWrapPolicy")({nn.Linear})
-
-
-def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
-    groups: list[dict[str, Any]] = [
-        {"params": [], "weight_decay": 0.1, "lr": 1e-2},
-        {"params": [], "weight_decay": 0.01, "lr": 1e-3},
-        {"params": []},
-    ]
-    for name, p in model.named_parameters():
-        groups[0 if "weight" in name else 1 if "bias" in name else 2]["params"].append(p)
-    return groups
-
-
-def _sgd(groups: Any, foreach: bool) -> torch.optim.Optimizer:
-    return torch.optim.SGD(groups, lr=5e-3, momentum=0.9, weight_decay=0.0, foreach=foreach)
-
-
-def _adam_family(groups: Any, foreach: bool, offload: bool) -> torch.optim.Optimizer:
-    """The seed's test_diff_hyperparams optimizer: AdamW, and Adam for its CPU-offload twin."""
-    kind = torch.optim.Adam if offload else torch.optim.AdamW
-    return kind(groups, lr=5e-3, foreach=foreach)
-
-
-def _fsdp_transformer(api: FSDPApi, **kwargs: Any) -> nn.Module:
-    return api.wrap(SharedTransformer(rank_device()), auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
-
-
-def _check_param_parity(api: FSDPApi, ddp: DDP, fsdp: nn.Module, adam_steps: int = 0, lr: float = 0.0) -> None:
-    """Full parameters equal DDP's. ``adam_steps``/``lr``: see ``_key_bias_bound``."""
-    with api.FSDP.summon_full_params(fsdp):
-        pairs = list(zip(ddp.module.named_parameters(), fsdp.named_parameters()))
-        assert len(pairs) == len(list(ddp.module.parameters()))
-        for (n1, p1), (n2, p2) in pairs:
-            assert n1 == _clean(n2), (n1, n2)
-            # Where summoned parameters live is the engine's: torch FSDP1 leaves NO_SHARD's offloaded
-            # parameters on the CPU (nothing to unshard), so values are compared on DDP's device.
-            p2 = p2.to(p1.device)
-            if adam_steps and n1.endswith("self_attn.in_proj_bias") and p1.device.type == "cuda":
-                p1, p2 = _key_bias_bound(p1, p2, adam_steps * lr, n1)
-            assert_match(f"param:{n1}", p1, p2, "against DDP")
-
-
-def _key_bias_bound(ddp_bias: torch.Tensor, fsdp_bias: torch.Tensor, bound: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the key projection's bias (the middle third of ``in_proj_bias``) within Adam's step bound
-    and return the query and value thirds for the exact comparison.
-
-    Adding a constant to every key shifts each attention row's scores by one constant, which softmax
-    ignores: the key bias's gradient is zero in exact arithmetic, so what trains it is rounding noise,
-    and Adam scales noise to steps of up to ``lr``. On CPU ranks both sides round alike and the check
-    stays exact; on CUDA ranks (measured on an H100) DDP's and both FSDP1 engines' noise differ, every
-    sharding strategy alike, in this third only. It is held to the bound an Adam step allows."""
-    q, k, v = ddp_bias.detach().chunk(3)
-    fq, fk, fv = fsdp_bias.detach().chunk(3)
-    assert_close(fk, k, rtol=0.0, atol=bound, msg=lambda m: f"{name} (key third, within lr x steps = {bound}): {m}")
-    return torch.cat([q, v]), torch.cat([fq, fv])
-
-
-def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, set_to_none: bool, iters: int = 6) -> None:
-    adam = isinstance(ddp_opt, torch.optim.Adam | torch.optim.AdamW)
-    rank = dist.get_rank()
-    for i in range(iters):
-        losses = []
-        for model, opt in ((ddp, ddp_opt), (fsdp, fsdp_opt)):
-            if i % 2 == 0:
-                opt.zero_grad(set_to_none=set_to_none)
-            inputs = _input(i, rank)
-            loss = SharedTransformer.get_loss(inputs, model(*inputs))
-            losses.append(loss)
-            if i % 2 == 1:
-                # Zeroing between forward and backward must not keep the old gradient.
-                opt.zero_grad(set_to_none=set_to_none)
-            loss.backward()
-            opt.step()
-        assert_match(f"loss@{i}", losses[0].detach(), losses[1].detach(), "against DDP")
-    lr = max(group["lr"] for group in ddp_opt.param_groups)
-    _check_param_parity(api, ddp, fsdp, adam_steps=iters if adam else 0, lr=lr)
-
-
-def _diff_hyperparams(api: FSDPApi, offload: bool) -> None:
-    api.require_offload(offload)
-    prefetches = [None, api.BackwardPrefetch.BACKWARD_PRE, api.BackwardPrefetch.BACKWARD_POST]
-    # torch FSDP1's NO_SHARD offload race (``harness.fsdp1_api.no_shard_offload_race``) is stress's to show.
-    strategies = [s for s in _strategies(api)
-                  if not no_shard_offload_race(api.name, rank_device().type, s.name.lower(), offload, True)]
-    combos = itertools.product(strategies, [False, True], [False, True], prefetches, [False, True])
-    for strategy, before_wrap, set_to_none, prefetch, skip_check in combos:
-        if skip_check:
-            os.environ["FSDP_SKIP_WRITEBACK_CHECK"] = "1"
-        try:
-            ddp = DDP(SharedTransformer(rank_device()))
-            ddp_opt = _adam_family(_param_groups(ddp), set_to_none, offload)
-            kwargs = dict(sharding_strategy=strategy, backward_prefetch=prefetch, cpu_offload=api.CPUOffload(offload))
-            if before_wrap:
-                module = SharedTransformer(rank_device())
-                fsdp_opt = _adam_family(_param_groups(module), not set_to_none, offload)
-                fsdp = api.wrap(module, auto_wrap_policy=_layer_policy(api), use_orig_params=True, **kwargs)
-            else:
-                fsdp = _fsdp_transformer(api, **kwargs)
-                fsdp_opt = _adam_family(_param_groups(fsdp), not set_to_none, offload)
-            _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none)
-        finally:
-            os.environ.pop("FSDP_SKIP_WRITEBACK_CHECK", None)
-
-
-def check_diff_hyperparams(api: FSDPApi, rank: int, world_size: int) -> None:
-    _diff_hyperparams(api, offload=False)
-
-
-def check_diff_hyperparams_cpu_offload(api: FSDPApi, rank: int, world_size: int) -> None:
-    _diff_hyperparams(api, offload=True)
-
-
-def check_diff_trainability(api: FSDPApi, rank: int, world_size: int) -> None:
-    for strategy, foreach in itertools.product(_strategies(api), [False, True]):
-        ddp = DDP(SharedTransformer(rank_device()), find_unused_parameters=True)
-        ddp_opt = _sgd(_param_groups(ddp), foreach)
-        fsdp = _fsdp_transformer(api, sharding_strategy=strategy)
-        fsdp_opt = _sgd(_param_groups(fsdp), foreach)
-        for model in (ddp, fsdp):
-            for name, p in model.named_parameters():
-                if "bias" in name:
-                    p.requires_grad_(False)
-        _train_parity(api, ddp, ddp_opt, fsdp, fsdp_opt, set_to_none=False)
-
-
-def _grads_between_forward_and_backward(model: nn.Module) -> list[str]:
-    """Per parameter: ``none`` or ``zero`` (what ``zero_grad`` left) or ``stale`` (an old gradient kept)."""
-    out = []
-    for p in model.parameters():
-        out.append("none" if p.grad is None else "zero" if not p.grad.count_nonzero() else "stale")
-    return out
-
-
-def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's two optimizers: Adam (5e-3) over the weights, AdamW (1e-2) over the rest, the first
-    zeroing to None and the second to zeros; at one step the first's gradients are dropped before stepping
-    (Adam skips a None gradient but steps a zero one); ``.grad`` between forward and backward holds no
-    stale gradient."""
-    for strategy in (api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP):
-        ddp = DDP(SharedTransformer(rank_device()))
-        fsdp = _fsdp_transformer(api, sharding_strategy=strategy)
-        opts = []
-        for model in (ddp, fsdp):
-            groups = _param_groups(model)
-            opts.append((torch.optim.Adam(groups[:1], lr=5e-3, foreach=False),
-                         torch.optim.AdamW(groups[1:], lr=1e-2, foreach=False)))
-        for i in range(6):
-            losses, seen = [], []
-            for model, (a, b) in zip((ddp, fsdp), opts):
-                if i > 0:
-                    a.zero_grad(set_to_none=True)
-                    b.zero_grad(set_to_none=False)
-                inputs = _input(i, rank)
-                loss = SharedTransformer.get_loss(inputs, model(*inputs))
-                seen.append(sorted(_grads_between_forward_and_backward(model)))
-                loss.backward()
-                if i == 3:
-                    a.zero_grad(set_to_none=True)  # a step with None gradients for the first optimizer
-                a.step()
-                b.step()
-                losses.append(loss)
-            # A sharded parameter's gradient outside its rank's shard may be None where DDP has zeros;
-            # neither may keep the previous step's gradient.
-            assert "stale" not in seen[0] + seen[1], f"{strategy} step {i}: .grad between forward and backward {seen}"
-            assert_match(f"loss@{i}", losses[0].detach(), losses[1].detach(), str(strategy))
-        _check_param_parity(api, ddp, fsdp)
-
-
-def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's test_fsdp_compile: the wrapped transformer (layers as units, original parameters,
-    BACKWARD_PRE) under ``torch.compile`` trains as the same engine's eager model, with activation
-    checkpointing inside the units, and Dynamo compiles graphs (inductor on GPUs; ``aot_eager`` on CPU ranks,
-    where inductor takes about a minute per graph on two cores). One strategy here; the parity matrix's ``compile`` axis has the rest."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-    from harness.compiling import backend_for, check_compiled, compiled_counts
-
-    kwargs = dict(auto_wrap_policy=_layer_policy(api), use_orig_params=True,
-                  sharding_strategy=api.ShardingStrategy.FULL_SHARD, backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE)
-    ref = api.wrap(SharedTransformer(rank_device()), **kwargs)
-    model = api.wrap(SharedTransformer(rank_device()), **kwargs)
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.TransformerEncoderLayer))
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend=backend_for(rank_device().type))
-    ref_opt, opt = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
-    for i in range(3):
-        losses = []
-        inputs = _input(i, rank)
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            o.zero_grad()
-            loss = SharedTransformer.get_loss(inputs, m(*inputs))
-            loss.backward()
-            o.step()
-            losses.append(loss.detach())
-        assert_match(f"loss@{i}", losses[1], losses[0], "compiled against eager")
-    check_compiled(compiled_counts())
+__all__ = ["session", "test_check",
+           "test_hyperparam_subtests_are_the_seeds_product_and_smoke_shows_every_value"]
 
 
 def _orig_and_flat_models(api: FSDPApi, strategy: Any, offload: bool):
@@ -591,4 +393,24 @@ CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
     check_no_sync_mixed_precision,
     check_non_uniform_requires_grad,
 ]
-session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=400)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+def test_hyperparam_subtests_are_the_seeds_product_and_smoke_shows_every_value(device: str, offload: bool) -> None:
+    smoke, every = hyperparam_subtests(offload, device, smoke=True), hyperparam_subtests(offload, device, smoke=False)
+    after = device == "cuda" and not offload
+    assert len(every) == 144 * (2 if after else 1) and len(smoke) == 6 and all(sub in every for sub in smoke)
+    for axis in HYPERPARAM_AXES:
+        assert {sub[axis] for sub in smoke} == {sub[axis] for sub in every}, axis
+    assert ("after" in {sub["init_mode"] for sub in every}) == after
+
+
+#: The seed's whole products where the checks above run a representative part (``slow_checks``: the slow
+#: lane, ``--matrix pairwise|full``, on GPUs too).
+SLOW_CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
+    check_diff_hyperparams_every_subtest,
+    check_diff_hyperparams_cpu_offload_every_subtest,
+    check_fsdp_compile_every_subtest,
+]
+session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=600, slow_checks=SLOW_CHECKS)

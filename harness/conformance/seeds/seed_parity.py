@@ -5,8 +5,11 @@ starting the session again).
 
 - test_fsdp_core.py: parity with DDP of the nested, always-wrap nested, tied transformer and mixture of
   experts models (the engine suites' zoo models; the experts are rank-local, which DDP leaves out: the
-  model's declared reduction), with and without CPU offload, over a Latin square of strategy x backward
-  prefetch x use_orig_params x forward prefetch; each seed check is one test of its subtests.
+  model's declared reduction), with and without CPU offload, over the seed's product of strategy x backward
+  prefetch x forward prefetch x use_orig_params x init mode (the init modes on CUDA ranks, where they
+  differ); each seed check is one test of its subtests. The CI lane (``--matrix smoke``) runs 6 of them
+  that show every value of every axis; ``--matrix pairwise|full`` (the slow lanes) and the GPU runs with
+  them run the whole product.
 - test_fsdp_use_orig_params.py: no_sync with original parameters against the all-data reference, per
   strategy.
 
@@ -27,22 +30,41 @@ from harness.pytest_plugin.cases import ExpectedFailure, ParityOptions
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
-__all__ = ["test_seed_parity", "test_the_smoke_subtests_show_every_value_of_every_axis",
+__all__ = ["test_seed_parity", "test_the_subtests_are_the_seeds_product_and_smoke_shows_every_value",
            "test_the_moe_offload_expectation_covers_torch_fsdp1_on_cuda_only", "test_no_sync_parity"]
 
 
-def _subtests(model: str, offload: bool, smoke: bool = False) -> list[CaseConfig]:
-    """Every strategy, each with every backward prefetch x use_orig_params value and forward prefetch
-    alternating (a Latin square instead of the full product), against DDP. ``smoke`` (the CI lane) keeps
-    one backward prefetch per strategy, each with both use_orig_params and forward prefetch values: every
-    value of every axis, 6 subtests of 18."""
-    return [
-        CaseConfig(reference="ddp", model=model, sharding_strategy=strategy, cpu_offload=offload, backward_prefetch=bwd,
-                   forward_prefetch=bool((i + j + offload) % 2), use_orig_params=orig)
-        for i, strategy in enumerate(FLAT_STRATEGIES)
-        for j, (bwd, orig) in enumerate(itertools.product(["none", "pre", "post"], [False, True]))
-        if not smoke or j // 2 == i
-    ]
+#: The seed's init modes (its ``CUDAInitMode``) as the harness's ``init_mode``: CUDA_BEFORE and CUDA_AFTER, and
+#: CUDA_NEVER with offload only, as the seed runs them. CUDA_AFTER with offload is the seed's expected error
+#: (a module moved to the GPU after offload wrapping; the harness's invalid ``offload_after_wrap``, whose
+#: error suites/engine/test_gpu_placement.py checks on both engines). On CPU ranks every mode builds the same
+#: model (nothing moves), so there ``before`` stands for them all.
+def init_modes(offload: bool, device: str) -> list[str]:
+    if device != "cuda":
+        return ["before"]
+    return ["before", "never"] if offload else ["before", "after"]
+
+
+def seed_subtests(model: str, offload: bool, smoke: bool = False, device: str = "cpu") -> list[CaseConfig]:
+    """The seed's subtests against DDP: every strategy x backward prefetch x forward prefetch x
+    use_orig_params x init mode (``init_modes``). ``smoke`` (the CI lane) keeps, per strategy, one backward
+    prefetch with both use_orig_params values, forward prefetch alternating and the init modes taking turns:
+    every value of every axis in 6 subtests."""
+    modes = init_modes(offload, device)
+    every = itertools.product(FLAT_STRATEGIES, ["none", "pre", "post"], [False, True], [False, True], modes)
+    cases = [CaseConfig(reference="ddp", model=model, sharding_strategy=strategy, cpu_offload=offload, backward_prefetch=bwd,
+                        forward_prefetch=fwd, use_orig_params=orig, init_mode=init)
+             for strategy, bwd, fwd, orig, init in every]
+    if not smoke:
+        return cases
+    kept = []
+    for i, strategy in enumerate(FLAT_STRATEGIES):
+        for orig in (False, True):
+            k = 2 * i + orig
+            want = dict(sharding_strategy=strategy, backward_prefetch=["none", "pre", "post"][i], use_orig_params=orig,
+                        forward_prefetch=bool((k + offload) % 2), init_mode=modes[k % len(modes)])
+            kept += [c for c in cases if all(getattr(c, axis) == value for axis, value in want.items())]
+    return kept
 
 
 #: The seed's parity checks, each a set of harness cases (the engine suites' zoo models; the mixture of
@@ -75,14 +97,15 @@ RACE_REPEATS = 3
 def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, parity_options: ParityOptions,
                      request: pytest.FixtureRequest) -> None:
     """One seed check: its subtests as harness cases on the plugin's pool (the smoke lane's selection
-    there, every subtest in the others), failing if any fails."""
+    there, every subtest in the others: ``--matrix pairwise|full``), failing if any fails."""
     model, offload = PARITY_CHECKS[check]
-    cases = [case.replace(engine=fsdp_api) for case in _subtests(model, offload, smoke=parity_options.matrix == "smoke")]
-    device = parity_runner.device_type(cases[0].world_size)
+    device = parity_runner.device_type(CaseConfig().world_size)
+    cases = [case.replace(engine=fsdp_api)
+             for case in seed_subtests(model, offload, smoke=parity_options.matrix == "smoke", device=device)]
     if TORCH_FSDP1_MOE_OFFLOAD.applies(cases[0], device):
         # A race: one run of the subtests passed once on a lightly loaded GPU, so the strict expectation
         # gets every subtest, RACE_REPEATS times, to show it.
-        cases = [case.replace(engine=fsdp_api) for case in _subtests(model, offload)] * RACE_REPEATS
+        cases = [case.replace(engine=fsdp_api) for case in seed_subtests(model, offload, device=device)] * RACE_REPEATS
         request.applymarker(expect_failure(TORCH_FSDP1_MOE_OFFLOAD.reason))
     else:
         cases = [case for case in cases if not _no_shard_offload_race(case, device)]
@@ -94,22 +117,27 @@ def _no_shard_offload_race(case: CaseConfig, device: str) -> bool:
                                  case.use_orig_params)
 
 
-def test_the_smoke_subtests_show_every_value_of_every_axis() -> None:
-    smoke, every = _subtests(NESTED, False, smoke=True), _subtests(NESTED, False)
-    assert len(smoke) == 6 and len(every) == 18 and set(smoke) <= set(every)
-    for axis in ("sharding_strategy", "backward_prefetch", "use_orig_params", "forward_prefetch"):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+def test_the_subtests_are_the_seeds_product_and_smoke_shows_every_value(device: str, offload: bool) -> None:
+    smoke, every = seed_subtests(NESTED, offload, smoke=True, device=device), seed_subtests(NESTED, offload, device=device)
+    modes = init_modes(offload, device)
+    assert len(every) == 36 * len(modes) == len(set(every)), "strategy x bwd x fwd x orig x init mode, each once"
+    assert len(smoke) == 6 and set(smoke) <= set(every)
+    axes = ("sharding_strategy", "backward_prefetch", "use_orig_params", "forward_prefetch", "init_mode")
+    for axis in axes:
         assert {getattr(c, axis) for c in smoke} == {getattr(c, axis) for c in every}, axis
+    assert {c.init_mode for c in every} == set(modes) and ("after" in modes) == (device == "cuda" and not offload)
     for strategy in FLAT_STRATEGIES:
         mine = [c for c in smoke if c.sharding_strategy == strategy]
         assert {c.use_orig_params for c in mine} == {c.forward_prefetch for c in mine} == {False, True}, strategy
-
 
 
 def test_the_moe_offload_expectation_covers_torch_fsdp1_on_cuda_only() -> None:
     """The strict expectation applies to torch FSDP1's offload subtests of the mixture of experts on CUDA
     ranks, and to nothing our engine runs, on CPU ranks or without offload."""
     for check, (model, offload) in PARITY_CHECKS.items():
-        for case in _subtests(model, offload):
+        for case in seed_subtests(model, offload, device="cuda"):
             for engine, device in itertools.product(("torch-fsdp", "builtin"), ("cuda", "cpu")):
                 expected = engine == "torch-fsdp" and device == "cuda" and check == "check_parity_mixture_of_experts_offload"
                 assert TORCH_FSDP1_MOE_OFFLOAD.applies(case.replace(engine=engine), device) == expected, (check, engine, device)
