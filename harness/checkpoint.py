@@ -333,14 +333,17 @@ def load_checkpoint(
     its fresh ``optimizer``; collective over ``ctx``'s ranks. ``fault`` plants a load bug (module docstring)."""
     if kind in ("full", "local"):
         template = _state(adapter, module, optimizer, kind, ctx)["model"] if kind == "local" else None
+        source = path / (_FULL_FILE if kind == "full" else f"local-rank{ctx.rank}.pt")
         if fault == "corrupt_checkpoint_rank1" and ctx.rank == 1:
-            (path / (_FULL_FILE if kind == "full" else f"local-rank{ctx.rank}.pt")).write_bytes(b"not a checkpoint")
+            # A copy of its own: the full file is shared, and rank 0 must still read it intact.
+            source = source.with_name(f"corrupt-{source.name}")
+            source.write_bytes(b"not a checkpoint")
         error: BaseException | None = None
         try:  # each rank reads its own file (or rank 0's): a failure here is this rank's alone
             if kind == "full":
-                state = torch.load(path / _FULL_FILE, weights_only=True)
+                state = torch.load(source, weights_only=True)
             else:
-                saved = torch.load(path / f"local-rank{ctx.rank}.pt", weights_only=True)
+                saved = torch.load(source, weights_only=True)
                 state = {"model": _fill_local(template, saved["model"]), "optim": saved["optim"]}
         except Exception as exc:  # noqa: BLE001 - every rank raises it below, after agreeing
             error = exc

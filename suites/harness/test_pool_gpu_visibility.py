@@ -19,6 +19,10 @@ from suites.harness.visible_devices import report_visible_devices
 VISIBLE = "0,1,2,3"
 
 
+#: seconds a child gets to report; a child that never reports fails the test instead of hanging the worker.
+REPORT_S = 60
+
+
 def _start_and_read(hide: bool, seen: list[str | None]) -> None:
     context = mp.get_context("spawn")
     parent, child = context.Pipe()
@@ -26,8 +30,14 @@ def _start_and_read(hide: bool, seen: list[str | None]) -> None:
     with gpus_hidden(hide):
         proc.start()
     child.close()
-    seen.append(parent.recv())
-    proc.join(timeout=30)
+    try:
+        seen.append(parent.recv() if parent.poll(REPORT_S) else f"no report (exit code {proc.exitcode})")
+    except EOFError:
+        seen.append(f"no report (exit code {proc.exitcode})")
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
 
 
 def test_gpu_pools_started_beside_cpu_pools_see_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,12 +50,14 @@ def test_gpu_pools_started_beside_cpu_pools_see_the_gpus(monkeypatch: pytest.Mon
         for _ in range(rounds):
             _start_and_read(hide, seen)
 
-    threads = [threading.Thread(target=starts, args=(hide, seen)) for hide, seen in
+    # Daemon threads: one stuck in a start cannot keep the pytest worker from exiting.
+    threads = [threading.Thread(target=starts, args=(hide, seen), daemon=True) for hide, seen in
                ((True, hidden), (False, shown), (True, hidden), (False, shown))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=4 * rounds * REPORT_S)
+    assert not any(t.is_alive() for t in threads), "a process start did not return"
     assert len(hidden) == len(shown) == 2 * rounds
     assert set(hidden) == {""}, hidden
     assert set(shown) == {VISIBLE}, f"a child started beside a CPU pool saw CUDA_VISIBLE_DEVICES={shown}"
