@@ -110,6 +110,11 @@ class FSDP2Adapter(EngineAdapter):
             return f"{name}: MixedPrecisionPolicy has no buffer dtype; this model has floating buffers (buffer={spec.buffer})"
         if model.rank_local_modules() and is_hybrid(case.sharding_strategy):
             return f"{name}: rank-local modules on a one-rank mesh inside a 2-D hybrid mesh are not supported"
+        if case.cpu_offload and case.clip_grad != "none" and ctx.backend == "nccl":
+            # Measured on 4 GPUs (torch 2.11): clip_grad_norm_ all-reduces the offloaded gradients' norm on
+            # the CPU through a functional collective, and an NCCL-only group refuses CPU tensors.
+            return (f"{name}: clipping CPU-offloaded gradients all-reduces a CPU tensor, which an NCCL-only process "
+                    "group refuses (torch expects init_process_group('cpu:gloo,cuda:nccl') with CPUOffloadPolicy)")
         fsdp1_only = sorted(k for k in FSDP1_EXTRAS if k in case.extra)
         if fsdp1_only:
             return f"{name}: extras {fsdp1_only} are FSDP1 constructor forms (harness.case.FSDP1_EXTRAS)"

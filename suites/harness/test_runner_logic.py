@@ -268,3 +268,22 @@ def test_the_sampled_axes_are_the_matrix_table(monkeypatch: pytest.MonkeyPatch) 
     assert "init_mode" in sample_axes(cases)
     monkeypatch.setattr(harness.matrix, "AXES", {k: v for k, v in harness.matrix.AXES.items() if k != "init_mode"})
     assert "init_mode" not in sample_axes(cases)
+
+
+def test_fsdp2_offload_clipping_is_unsupported_on_nccl_only_groups() -> None:
+    """Seen on 4 GPUs: torch FSDP2 clips offloaded gradients with a CPU all-reduce that NCCL refuses. The
+    same case runs on gloo (CPU ranks, ranks sharing a GPU), where the CPU collective is taken."""
+    from harness.rank import RankContext
+    from harness.registry import resolve
+
+    adapter = resolve("torch-fsdp2")
+    case = CaseConfig(engine="torch-fsdp2", cpu_offload=True, use_orig_params=True, clip_grad="norm",
+                      backward_prefetch="pre")
+    model = build_model(case.model, seed=case.seed, rank=0, world_size=case.world_size)
+
+    def reason(backend: str, case: CaseConfig = case) -> str | None:
+        return adapter.unsupported_reason(case, model, RankContext(0, 2, 0, 2, backend, torch.device("cpu")))
+
+    assert "NCCL-only process group refuses" in str(reason("nccl"))
+    assert reason("gloo") is None
+    assert reason("nccl", case.replace(clip_grad="none")) is None
