@@ -118,7 +118,7 @@ class FSDPApi:
 
 def no_shard_offload_race(engine: str, device: str, sharding: str, cpu_offload: bool, use_orig_params: bool) -> bool:
     """Whether a configuration is torch FSDP1's NO_SHARD + CPU offload + ``use_orig_params`` race on CUDA
-    ranks (README's GPU findings): the optimizer step can read an offloaded gradient before its
+    ranks (docs/gpus.md, known torch bugs): the optimizer step can read an offloaded gradient before its
     non-blocking copy to the host lands. Whether a run shows it depends on the GPU's load (a third to
     most of such cases fail in a night on one H100), so no expectation of it is stable; checks leave these
     configurations to ``suites/harness/test_stress.py``, which shows the race in every stressed run.

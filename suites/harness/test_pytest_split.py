@@ -1,5 +1,5 @@
-"""The suites split over CI jobs with pytest-split (``--splits N --group K``, README "Splitting the pytest
-suites"): the groups are disjoint and cover the suite, its default algorithm (``duration_based_chunks``)
+"""The suites split over CI jobs with pytest-split (``--splits N --group K``, docs/testing.md "Splitting the
+pytest suites"): the groups are disjoint and cover the suite, its default algorithm (``duration_based_chunks``)
 cuts the collection order into contiguous runs, so at most N - 1 modules are split (their rank session
 then starts in two groups), and a group that drew no test passes (``harness.pytest_plugin.split_groups``)."""
 

@@ -1,5 +1,5 @@
-"""README's Layout table names every module of ``engine/`` and ``harness/``: a new module gets its line
-there, so a reader following a case finds each one and what it is."""
+"""The Layout section of ``docs/architecture.md`` names every module of ``engine/`` and ``harness/``: a new
+module gets its word there, in its layer's entry, so a reader following a case finds each one and what it is."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _layout_section() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "architecture.md").read_text()
     start = text.index("\n## Layout\n")
     return text[start : text.index("\n## ", start + 1)]
 
@@ -23,7 +23,7 @@ def unnamed_modules(section: str, root: Path = ROOT) -> list[str]:
 
 def test_the_layout_table_names_every_module() -> None:
     missing = unnamed_modules(_layout_section())
-    assert not missing, f"README's Layout table does not name {missing}: give each a word in its layer's row"
+    assert not missing, f"docs/architecture.md's Layout section does not name {missing}: give each a word in its layer's entry"
 
 
 def test_a_module_left_out_of_the_table_is_found(tmp_path: Path) -> None:

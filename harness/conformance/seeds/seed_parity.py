@@ -81,7 +81,7 @@ PARITY_CHECKS = {
 #: engine in none; without offload, and on the nested and transformer models with offload, both agree.
 #: The experts are units over one-rank groups, which issue no collective; the likely cause (not yet
 #: confirmed) is that nothing then orders the gradient's non-blocking copy to the host before the
-#: optimizer step reads it, the race README's findings name for NO_SHARD with CPU offload on busy GPUs.
+#: optimizer step reads it, the race docs/gpus.md's known torch bugs name for NO_SHARD with CPU offload on busy GPUs.
 TORCH_FSDP1_MOE_OFFLOAD = ExpectedFailure(
     "torch FSDP1 with CPU offload on the experts' one-rank-group units disagrees with the reference on "
     "CUDA ranks (measured on an H100, gloo ranks sharing it); our engine agrees",
