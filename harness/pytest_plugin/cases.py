@@ -29,7 +29,7 @@ from typing import Any, Literal, get_args
 from harness.case import CaseConfig, ReferenceName
 from harness.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
 from harness.placement import DeviceChoice, Lane, PlacementError, place
-from harness.records import CaseRecord
+from harness.records import SEVERITY, CaseRecord
 from harness.registry import DEFAULT_ENGINES, check_engines, fsdp1_engines
 
 __all__ = [
@@ -382,11 +382,15 @@ def outcome_of(record: CaseRecord) -> TestOutcome:
     return TestOutcome("fail", describe_failure(record))
 
 
-#: how bad an outcome is, to keep the worst of a test's phases (setup, call, teardown).
-_SEVERITY = {"passed": 0, "pass": 0, "skipped": 1, "unsupported": 1, "fail": 2, "failed": 2, "error": 3,
-             "timeout": 3, "crash": 3}
+#: pytest's outcome of a test as the verdict it stands for, so both rank on one scale (``SEVERITY``).
+_VERDICT_OF_OUTCOME = {"passed": "pass", "skipped": "unsupported", "failed": "fail"}
 #: outcomes that mean "did not run here": a difference in them is a capability, not a disagreement.
 NOT_RUN = ("skipped", "unsupported")
+
+
+def _severity(outcome: str) -> int:
+    """``SEVERITY`` (worst first) of a verdict or a pytest outcome; anything else counts as an error."""
+    return SEVERITY.get(_VERDICT_OF_OUTCOME.get(outcome, outcome), SEVERITY["error"])
 
 
 @dataclass
@@ -403,7 +407,7 @@ class Agreement:
 
     def add(self, key: str, engine: str, outcome: str) -> None:
         seen = self.outcomes.setdefault(key, {})
-        if engine not in seen or _SEVERITY.get(outcome, 3) > _SEVERITY.get(seen[engine], 3):
+        if engine not in seen or _severity(outcome) < _severity(seen[engine]):
             seen[engine] = outcome
 
     def engines(self) -> list[str]:
