@@ -24,9 +24,10 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
+from harness.expectations import ExpectedFailure, expected_failure
 from harness.placement import DeviceChoice
 from harness.pool import PoolConfig, PoolOutcome, RankPool
-from harness.pytest_plugin import gpus_missing
+from harness.pytest_plugin import expect_failure, gpus_missing
 from harness.rank import RankContext
 
 __all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_tests"]
@@ -187,10 +188,6 @@ def _session_device(request: pytest.FixtureRequest, devices: tuple[DeviceChoice,
     return where
 
 
-#: ``(engine spec, device, check name) -> reason``: what an engine is known to get wrong there.
-ExpectedFailures = dict[tuple[str, DeviceChoice, str], str]
-
-
 #: why a check of ``slow_checks`` did not run: the lane.
 SLOW_LANE = ("runs with --matrix pairwise|full (the slow lane: the seed's whole product); the CI lane runs a "
              "representative part of it")
@@ -202,7 +199,7 @@ def api_session_tests(
     world_size: int = 2,
     device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
     timeout_s: float = 240.0,
-    expected_failures: ExpectedFailures | None = None,
+    expected_failures: Sequence[ExpectedFailure] = (),
     slow_checks: Sequence[Check] = (),
 ):
     """``session_tests`` once per engine of the ``fsdp_api`` parametrization (``harness.pytest_plugin``:
@@ -212,15 +209,14 @@ def api_session_tests(
 
         session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"))
 
-    ``expected_failures`` names what an engine gets wrong on a device, with the reason: those tests are
-    strict xfails there (a pass fails the test, so a fixed engine is noticed).
+    ``expected_failures`` names what an engine gets wrong (its checks by name, ``ExpectedFailure.checks``,
+    on a device): those tests are strict xfails there (a pass fails the test, so a fixed engine is noticed).
 
     ``slow_checks`` (a seed's whole product, where a check of ``checks`` runs a representative part) run
     after ``checks`` in the same session with ``--matrix pairwise|full`` only; their tests are marked
     ``slow`` and skip, saying so, in the smoke lane (the CI lane).
     """
     devices, params = _device_params(device)
-    known = expected_failures or {}
     slow_names = {c.__name__ for c in slow_checks}
 
     @pytest.fixture(scope="module", **params)
@@ -241,8 +237,9 @@ def api_session_tests(
         if check.__name__ not in session.outcomes:
             pytest.skip(reason=SLOW_LANE)
         # Applied during the call: the engine and device are the session's, known only once it ran.
-        if (reason := known.get((session.engine, session.device, check.__name__))) is not None:
-            request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+        expected = expected_failure(expected_failures, session.device, engine=session.engine, check=check.__name__)
+        if expected is not None:
+            request.applymarker(expect_failure(expected))
         session.assert_passed(check)
 
     return session, test_check

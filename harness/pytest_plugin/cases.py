@@ -22,11 +22,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from harness.case import CaseConfig, ReferenceName
+from harness.expectations import ExpectedFailure, expected_failure
 from harness.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
 from harness.placement import DeviceChoice, Lane, PlacementError, place
 from harness.records import SEVERITY, CaseRecord
@@ -156,17 +157,6 @@ def _engine_baseline(engine: str) -> tuple[tuple[str, Any], ...]:
 
 
 @dataclass(frozen=True)
-class ExpectedFailure:
-    """What an engine gets wrong in a suite's slice: its cases are strict expected failures (an
-    unexpected pass fails the run, so a fixed engine is noticed), with the reason, which their records
-    carry (``CaseRecord.expected_failure``) so a report tells a known bug from new breakage."""
-
-    reason: str
-    #: ``(case, device type of its ranks) -> bool``: the cases it covers.
-    applies: Callable[[CaseConfig, str], bool]
-
-
-@dataclass(frozen=True)
 class SuiteMatrix:
     """The slice of the case matrix one generated parity suite runs (see [Note: suite slices and lanes])."""
 
@@ -192,7 +182,7 @@ class SuiteMatrix:
 
     def expected_failure(self, case: CaseConfig, device_type: str) -> ExpectedFailure | None:
         """The first expected failure covering ``case`` on ranks of ``device_type``, if any."""
-        return next((x for x in self.expected_failures if x.applies(case, device_type)), None)
+        return expected_failure(self.expected_failures, device_type, case=case)
 
     def __post_init__(self) -> None:
         owned = [a for a in [*self.axes, *self.fixed] if a in _OPTION_AXES]
