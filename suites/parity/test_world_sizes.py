@@ -30,8 +30,6 @@ are complete as soon as recorded), so it needs real GPUs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -39,9 +37,10 @@ from harness.case import CaseConfig
 from harness.compare import worst_budgets
 from harness.expectations import ExpectedFailure
 from harness.tolerance import DEFAULT_TOLERANCES
-from harness.pool import PoolConfig, RankPool
+from harness.pool import RankPool
 from harness.pytest_plugin import expect_failure
 from harness.pytest_plugin.cases import outcome_of
+from harness.pytest_plugin.pools import rank_pool_fixture
 from harness.records import CaseRecord
 from suites.parity.world_sizes import (
     GAIN_NUMEL,
@@ -71,25 +70,8 @@ def _case(engine: str, **fields: object) -> CaseConfig:
     return CaseConfig(engine=engine, **{"steps": STEPS, **fields})  # type: ignore[arg-type]
 
 
-def _pool(world_size: int) -> Iterator[RankPool]:
-    # gloo on CPU even on a GPU host: these cases stand in for GPUs that are not there.
-    with RankPool(PoolConfig(world_size=world_size, backend="gloo", case_timeout_s=180.0)) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool2() -> Iterator[RankPool]:
-    yield from _pool(2)
-
-
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[RankPool]:
-    yield from _pool(4)
-
-
-@pytest.fixture(scope="module")
-def pool8() -> Iterator[RankPool]:
-    yield from _pool(8)
+# gloo on CPU even on a GPU host: these cases stand in for GPUs that are not there.
+pool2, pool4, pool8 = (rank_pool_fixture(n, "cpu", timeout_s=180.0) for n in (2, 4, 8))
 
 
 def _passes(pool: RankPool, case: CaseConfig) -> CaseRecord:
