@@ -11,7 +11,7 @@ Each engine family is driven through its own public checkpoint API, as a user wo
   engine at the same world size can take back).
 - FSDP2 (``torch-fsdp2``): ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` and
   ``get_optimizer_state_dict`` in their sharded form; a full checkpoint is gathered from it and split
-  back with plain collectives, ``engine.dtensors``, since the helpers' own full form crashes on gloo
+  back with plain collectives, ``harness.dtensors``, since the helpers' own full form crashes on gloo
   with CUDA tensors) with DCP for the sharded files; it has no local type.
 - a plain ``nn.Module`` (the 1-rank end of a reshard): the same DCP helpers, loading without a
   process group.
@@ -42,8 +42,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from engine.dtensors import distribute, full_tensor
 from harness.adapters import EngineAdapter, FSDP1Adapter
+from harness.dtensors import distribute, full_tensor
 from harness.fsdp2_adapter import FSDP2Adapter
 from harness.optim import init_optimizer_state
 from harness.rank import RankContext
@@ -228,7 +228,7 @@ def _sharded_options() -> Any:
 
     # Always the sharded (DTensor) form: the helpers' full_state_dict gathers and scatters through
     # functional collectives, which crash on gloo with CUDA tensors (ranks sharing a GPU); "full" state
-    # is gathered and split here with plain collectives instead (engine.dtensors).
+    # is gathered and split here with plain collectives instead (harness.dtensors).
     return StateDictOptions(full_state_dict=False)
 
 

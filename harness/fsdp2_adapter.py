@@ -18,7 +18,6 @@ from typing import Any
 
 import torch.nn as nn
 
-from engine.dtensors import chunk_rows, full_tensor
 from harness.adapters import (
     EngineAdapter,
     EngineFacts,
@@ -30,6 +29,7 @@ from harness.adapters import (
     has_float_buffers,
     module_version,
 )
+from harness.dtensors import chunk_rows, full_tensor
 from harness.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.capabilities import Rule
 from harness.case import FSDP1_EXTRAS, CaseConfig, PrecisionSpec, is_hybrid

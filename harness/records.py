@@ -19,6 +19,18 @@ if TYPE_CHECKING:
 #: ``flaky``: the runs of a repeated case disagreed (``CaseRecord.outcomes`` counts each); never a pass.
 Verdict = Literal["pass", "fail", "unsupported", "error", "timeout", "crash", "flaky"]
 VERDICTS: tuple[str, ...] = get_args(Verdict)
+#: The verdicts of a case that ran but did not finish cleanly.
+ERRORED: tuple[str, ...] = ("error", "timeout", "crash")
+#: The verdicts of a case that never finished (it hung or its ranks died): ``reports diff`` calls a new one
+#: a regression on sight.
+ABORTED: tuple[str, ...] = ("timeout", "crash")
+#: The failing verdicts (``unsupported`` is neither failing nor passing): any of them makes ``harness run``
+#: and ``nightly`` exit 1, ``--rerun-failed`` reruns them, reports count them as failing. A flaky case
+#: failed at least once (``harness.repeats``).
+FAILING: tuple[str, ...] = ("fail", *ERRORED, "flaky")
+#: How bad a verdict is, worst first: orders failing cases, picks a cell's status, keeps the worst of a
+#: test's phases. A flaky case failed in some of its runs: as bad as a failure.
+SEVERITY: dict[str, int] = {"crash": 0, "timeout": 1, "error": 2, "fail": 3, "flaky": 3, "unsupported": 4, "pass": 5}
 
 #: bump when a field changes meaning; readers refuse newer majors.
 SCHEMA_VERSION = 1

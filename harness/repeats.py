@@ -12,13 +12,9 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from harness.records import CaseRecord
+from harness.records import FAILING, CaseRecord
 
 __all__ = ["decide", "merge_runs", "needs_rerun", "outcome_text"]
-
-#: verdicts a ``--repeat-failures`` rerun leaves alone: a pass, or a case the engine cannot express.
-SETTLED = ("pass", "unsupported")
-
 
 def decide(verdicts: Sequence[str]) -> tuple[str, dict[str, int]]:
     """The verdict of a case from the verdicts of its runs, and the count of each (in first-seen order)."""
@@ -34,8 +30,9 @@ def outcome_text(counts: dict[str, int]) -> str:
 
 
 def needs_rerun(record: CaseRecord) -> bool:
-    """Whether ``--repeat-failures`` reruns a case after this (merged) record."""
-    return record.verdict not in SETTLED
+    """Whether ``--repeat-failures`` reruns a case after this (merged) record: a failing one (it leaves
+    alone a pass, or a case the engine cannot express)."""
+    return record.verdict in FAILING
 
 
 def merge_runs(runs: Sequence[CaseRecord]) -> CaseRecord:

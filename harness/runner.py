@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from harness.case import CaseConfig
 from harness.placement import Lane
-from harness.records import CaseRecord
+from harness.records import FAILING, CaseRecord
 from harness.repeats import merge_runs, needs_rerun
 from harness.sampling import sample_order
 
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     Pool = RankPool | TorchrunWorld
 
 __all__ = [
-    "BAD_VERDICTS",
     "CaseRunner",
     "Progress",
     "Selection",
@@ -124,10 +123,6 @@ def loop_optimizers(args: Any) -> list[str] | None:
 
     given = getattr(args, "optimizers", None)
     return given or (list(LOOP_SLICE["optimizer"]) if getattr(args, "loop_axes", False) else None)
-
-
-#: verdicts that make ``run`` exit with status 1 (a flaky case failed at least once: see ``harness.repeats``).
-BAD_VERDICTS = ("fail", "error", "timeout", "crash", "flaky")
 
 
 class SelectionError(ValueError):
@@ -333,7 +328,7 @@ class Progress:
         if record.verdict == "unsupported":
             self.unsupported[record.reason or "no reason given"] += 1
         self.done += 1
-        if record.verdict in BAD_VERDICTS:
+        if record.verdict in FAILING:
             self.bar.write(f"{record.verdict:8s} {full_id}: {record.reason}", file=sys.stderr)
         now = time.monotonic()
         postfix: dict[str, Any] = dict(self.counts)
@@ -397,8 +392,8 @@ def summary(counts: collections.Counter[str], out: Path, elapsed: float,
 
 
 def exit_status(counts: Mapping[str, int]) -> int:
-    """1 when any count of a ``BAD_VERDICTS`` verdict is non-zero, else 0."""
-    return 1 if any(counts.get(v, 0) for v in BAD_VERDICTS) else 0
+    """1 when any count of a ``harness.records.FAILING`` verdict is non-zero, else 0."""
+    return 1 if any(counts.get(v, 0) for v in FAILING) else 0
 
 
 def file_counts(latest: Mapping[str, CaseRecord]) -> collections.Counter[str]:

@@ -37,9 +37,7 @@ def _parser() -> argparse.ArgumentParser:
                         "default: not_run.txt/nightly.json next to the results")
     b.add_argument("--selected", type=int, default=None, help="how many cases the run selected (for the banner)")
 
-    h = sub.add_parser("history", help="trend page over several nightly directories")
-    h.add_argument("dirs", nargs="+", type=Path, help="nightly (or run) directories, ordered by name")
-    h.add_argument("--out", required=True, type=non_empty_path, help="directory to write history.md/.html/.json and plots into")
+    add_history_arguments(sub.add_parser("history", help="trend page over several nightly directories"))
 
     d = sub.add_parser("diff", help="compare two results; exits 1 on a regression")
     d.add_argument("old", type=Path, help="report directory or results file")
@@ -51,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--md", type=Path, help="also write the diff as Markdown here")
     d.add_argument("--json", type=Path, help="also write the diff as JSON here")
     return parser
+
+
+def add_history_arguments(p: argparse.ArgumentParser) -> None:
+    """``history``'s arguments (``python -m harness history`` has the same: its alias)."""
+    p.add_argument("dirs", nargs="+", type=Path, help="nightly (or run) directories, ordered by name")
+    p.add_argument("--out", required=True, type=non_empty_path, help="directory to write history.md/.html/.json and plots into")
 
 
 def _out_problem(args: argparse.Namespace) -> str | None:
@@ -71,7 +75,12 @@ def _left_as_it_was(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    return run(_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The parsed command ``args.command`` with its arguments: what ``main`` runs, and the one
+    implementation of ``python -m harness history`` (an alias) too."""
     problem = _out_problem(args)
     if problem:
         print(f"python -m reports {args.command}: {problem}", file=sys.stderr)

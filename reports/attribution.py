@@ -46,12 +46,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.matrix import AXIS_COLUMNS, ERRORED, expected_failures, ordered
+from harness.records import FAILING
+from reports.matrix import AXIS_COLUMNS, expected_failures, ordered
 
 #: Axes a term may use: everything that describes a case except the engine and reference it is grouped by.
 TERM_AXES: tuple[str, ...] = tuple(a for a in AXIS_COLUMNS if a not in ("engine", "reference"))
-#: Failing verdicts; ``unsupported`` is neither failing nor passing.
-FAILING: tuple[str, ...] = ("fail", "flaky", *ERRORED)
 MAX_LITERALS = 3
 MIN_SUPPORT = 2
 #: cases per axis value a sample needs before its terms are more than candidates (see the module note).

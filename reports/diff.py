@@ -42,13 +42,14 @@ from typing import Any, Literal
 import pandas as pd
 
 from harness.collector import BadLine
-from reports.matrix import ERRORED, SEVERITY, fmt_ratio, is_expected_row
+from harness.records import ABORTED, ERRORED, FAILING, SEVERITY
+from reports.matrix import fmt_ratio, is_expected_row
 from reports.resume_matrix import resume_suffix
 
 ChangeKind = Literal["regression", "fix", "new", "not_run", "removed", "changed"]
 KIND_ORDER: dict[str, int] = {"regression": 0, "fix": 1, "new": 2, "not_run": 3, "removed": 4, "changed": 5}
 #: verdicts of a new case that the headline counts as failing (timeouts and crashes are regressions).
-NEW_FAILING = ("fail", "error", "flaky")
+NEW_FAILING = tuple(v for v in FAILING if v not in ABORTED)
 
 #: default: a worst ratio must more than double to count ...
 RATIO_FACTOR = 2.0
@@ -148,19 +149,19 @@ def _classify(old: pd.Series, new: pd.Series, ratio_factor: float, ratio_floor: 
     severity = SEVERITY[nv]
     if is_expected_row(new):
         return ("changed", f"{ov} → {nv} (expected)", (severity, 0)) if ov != nv else None
-    if nv in ("timeout", "crash") and ov != nv:
+    if nv in ABORTED and ov != nv:
         return "regression", f"new {nv} (was {ov})", (severity, 0)
-    if ov == "pass" and nv in ("fail", "error", "flaky"):
+    if ov == "pass" and nv in NEW_FAILING:
         return "regression", f"pass → {nv}", (severity, -(n_ratio or 0.0))
     if ov == "pass" and nv == "unsupported":
-        return "regression", "pass → unsupported", (4, 0)
+        return "regression", "pass → unsupported", (SEVERITY["unsupported"], 0)
     if (
         o_ratio is not None and n_ratio is not None and n_ratio >= ratio_floor
         and n_ratio > ratio_factor * o_ratio and nv not in ERRORED
     ):
         growth = "×inf" if o_ratio == 0 else f"×{n_ratio / o_ratio:.3g}"
         return "regression", f"ratio {growth} ({fmt_ratio(o_ratio)} → {fmt_ratio(n_ratio)})", (5, -(n_ratio / max(o_ratio, 1e-300)))
-    if ov not in ("pass", "unsupported", "flaky") and nv == "pass":
+    if ov in FAILING and ov != "flaky" and nv == "pass":
         was_expected = " (was expected to fail)" if is_expected_row(old) else ""
         return "fix", f"{ov} → pass{was_expected}", (SEVERITY[ov], 0)
     if ov != nv:
@@ -187,7 +188,7 @@ def diff_frames(
         o = old_by_id.get(full_id)
         if o is None:
             nv, expected = n["verdict"], is_expected_row(n)
-            kind: ChangeKind = "regression" if nv in ("timeout", "crash") and not expected else "new"
+            kind: ChangeKind = "regression" if nv in ABORTED and not expected else "new"
             what = (f"new case, {nv}" + (" (expected)" if expected else "")) if kind == "new" else f"new {nv} (new case)"
             rank = (SEVERITY[nv], 1)  # after an existing case's change of the same severity
             changes.append(Change(kind, what, full_id, cell_name(n), None, nv, None, _ratio(n["worst_ratio"]), str(n["reason"]),

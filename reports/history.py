@@ -30,9 +30,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from tabulate import tabulate
 
-from harness.records import VERDICTS
+from harness.records import FAILING, VERDICTS
 from reports.api import CSV_NAME, NIGHTLY_NAME, load, read_scope, staged
-from reports.attribution import FAILING
 from reports.case_page import case_href
 from reports.matrix import expected_failures, fmt_ratio, ordered
 from reports.page import banner_html, esc, page

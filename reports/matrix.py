@@ -29,7 +29,7 @@ import pandas as pd
 
 from harness.case import DEFAULT_ENGINES, FIELD_VALUES, LOOP_SEGMENTS, CaseConfig, engine_name
 from harness.collector import BadLine, record_full_id
-from harness.records import VERDICTS, CaseRecord
+from harness.records import ERRORED, FAILING, SEVERITY, VERDICTS, CaseRecord
 
 #: The case fields reports group by, in display order.
 AXIS_COLUMNS: tuple[str, ...] = (
@@ -52,12 +52,6 @@ OUTCOME_COLUMNS: tuple[str, ...] = (
     "expected_failure",
 )
 COLUMNS: tuple[str, ...] = ("full_id", "case_id", *AXIS_COLUMNS, *OUTCOME_COLUMNS, *RUN_COLUMNS, "source")
-
-#: The verdicts of a case that ran but did not finish cleanly.
-ERRORED = ("error", "timeout", "crash")
-#: How bad a verdict is, worst first: orders failing cases and picks a cell's status. A flaky case failed
-#: in some of its runs: as bad as a failure.
-SEVERITY: dict[str, int] = {"crash": 0, "timeout": 1, "error": 2, "fail": 3, "flaky": 3, "unsupported": 4, "pass": 5}
 
 #: Display order of the values of literal axes; other values sort after them, alphabetically.
 VALUE_ORDER: dict[str, list[Any]] = {
@@ -91,7 +85,7 @@ def _carries_expectation(expected_failure: Any) -> bool:
 def is_expected_failure(verdict: str, expected_failure: Any) -> bool:
     """Whether a case is an expected failure: it ran and did not pass, and its record says the suite
     expected that (``CaseRecord.expected_failure``)."""
-    return verdict not in ("pass", "unsupported") and _carries_expectation(expected_failure)
+    return verdict in FAILING and _carries_expectation(expected_failure)
 
 
 def is_expected_row(row: Mapping[str, Any]) -> bool:
@@ -474,7 +468,7 @@ class Summary:
     @property
     def ok(self) -> bool:
         """Every case that ran passed or failed as expected, and every input line was readable."""
-        failing = sum(self.verdicts.get(v, 0) for v in ("fail", "flaky", *ERRORED))
+        failing = sum(self.verdicts.get(v, 0) for v in FAILING)
         return not self.bad_lines and failing == self.expected_failures
 
     def to_dict(self) -> dict[str, Any]:

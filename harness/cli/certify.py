@@ -46,7 +46,7 @@ from typing import Any
 from harness.cli.options import add_placement, non_empty_path, positive_float
 from harness.case import CaseConfig
 from harness.placement import Lane
-from harness.records import CaseRecord
+from harness.records import ERRORED, CaseRecord
 from reports.api import staged
 from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
 
@@ -84,7 +84,6 @@ QUICK_SEEDS = ("--pyargs", "harness.conformance.seeds.seed_parity",
 FULL_SEEDS = ("--pyargs", *SEED_MODULES)
 FLAT_PARAM_TESTS = ("--pyargs", "harness.conformance.engine_layout")
 TORCH_COMMON_TESTS = ("--pyargs", "harness.conformance.torch_common_fsdp")
-ERRORED = ("error", "timeout", "crash")
 #: the report of the certification's cases, beside the certificate: its case pages are linked from it.
 REPORT_DIR = "report"
 

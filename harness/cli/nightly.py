@@ -60,9 +60,8 @@ from harness.placement import (
     n_gpus,
     plan_lanes,
 )
-from harness.records import not_run_text
+from harness.records import FAILING, not_run_text
 from harness.runner import (
-    BAD_VERDICTS,
     CaseRunner,
     Progress,
     Selection,
@@ -159,7 +158,7 @@ def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions:
     reasons: list[str] = []
     if not sum(verdicts.values()) and not empty_part:
         reasons.append("no case was run")  # an empty nightly checked nothing: never a green one
-    bad = {v: verdicts.get(v, 0) for v in BAD_VERDICTS if verdicts.get(v, 0)}
+    bad = {v: verdicts.get(v, 0) for v in FAILING if verdicts.get(v, 0)}
     if bad:
         reasons.append("cases " + ", ".join(f"{v}: {n}" for v, n in bad.items()))
     if fuzz_exit:

@@ -29,6 +29,7 @@ from harness.case import CaseConfig
 from harness.cli.options import add_execution, add_placement, add_selection, non_empty_path, positive_float
 from harness.cli.sharding import add_sharding, cut_shard, shard_text
 from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
+from harness.records import FAILING
 from harness.shards import ShardError
 from harness.stored_selection import (
     StoredSelection,
@@ -43,7 +44,6 @@ from harness.stored_selection import (
     write_selection,
 )
 from harness.runner import (
-    BAD_VERDICTS,
     CaseRunner,
     Progress,
     Selection,
@@ -102,7 +102,7 @@ def write_error_text(exc: "ResultWriteError", out: Path) -> str:
 
 def _reruns(recorded: dict[str, Any], rerun_failed: bool) -> set[str]:
     """The recorded cases (full id -> record) that run again: with ``--rerun-failed`` those not passing."""
-    return {i for i, r in recorded.items() if r.verdict in BAD_VERDICTS} if rerun_failed else set()
+    return {i for i, r in recorded.items() if r.verdict in FAILING} if rerun_failed else set()
 
 
 def _refuse(message: str) -> int:

@@ -24,12 +24,14 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
+from harness.expectations import ExpectedFailure, expected_failure
 from harness.placement import DeviceChoice
-from harness.pool import PoolConfig, PoolOutcome, RankPool
-from harness.pytest_plugin import gpus_missing
+from harness.pool import PoolOutcome
+from harness.pytest_plugin import expect_failure, gpus_missing
+from harness.pytest_plugin.pools import placed_pool
 from harness.rank import RankContext
 
-__all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_tests"]
+__all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_fixture", "session_tests"]
 
 Check = Callable[..., None]
 
@@ -102,10 +104,8 @@ def run_checks(
     on this worker's GPUs by ``harness.placement.place`` (NCCL with one GPU per rank where there are
     enough, gloo ranks sharing them where there are fewer); a check finds its device with
     ``harness.rank.rank_device()``."""
-    config = PoolConfig.placed(world_size, device=device, case_timeout_s=timeout_s,
-                               threads_per_rank=1 if device == "cpu" else None)
     outcomes: dict[str, CheckOutcome] = {}
-    with RankPool(config) as pool:
+    with placed_pool(world_size, device, timeout_s=timeout_s, threads_per_rank=1 if device == "cpu" else None) as pool:
         for check in checks:
             outcomes[check.__name__] = outcome_of_check(check.__name__, pool.run(_run_check, (check, args)), world_size)
     return outcomes
@@ -140,15 +140,17 @@ def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:
     return pytest.mark.xdist_group(name=f"rank-session:{checks[0].__module__}")
 
 
-def session_tests(
+def session_fixture(
     checks: Sequence[Check],
     world_size: int = 2,
     device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
     timeout_s: float = 240.0,
+    args: tuple[Any, ...] = (),
 ):
-    """A module-scoped ``session`` fixture and a test per check, for a test module's namespace::
+    """A module-scoped fixture whose value is the :class:`RankSession` of ``checks`` (``run_checks``: one
+    spawn of the ranks for them all), named as the module binds it::
 
-        session, test_check = session_tests(CHECKS)
+        session_4 = session_fixture(CHECKS_4, world_size=4)
 
     ``device=("cpu", "cuda")`` runs every check on CPU ranks and again on ranks on the GPUs (sharing one
     where there are fewer GPUs than ranks); the CUDA session skips, with the reason, on a host without.
@@ -158,7 +160,24 @@ def session_tests(
     @pytest.fixture(scope="module", **params)
     def session(request: pytest.FixtureRequest) -> RankSession:
         where = _session_device(request, devices)
-        return RankSession(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s))
+        return RankSession(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s, args=args),
+                           device=where)
+
+    return session
+
+
+def session_tests(
+    checks: Sequence[Check],
+    world_size: int = 2,
+    device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
+    timeout_s: float = 240.0,
+):
+    """A module-scoped ``session`` fixture (``session_fixture``) and a test per check, for a test module's
+    namespace::
+
+        session, test_check = session_tests(CHECKS)
+    """
+    session = session_fixture(checks, world_size, device, timeout_s)
 
     @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
@@ -187,10 +206,6 @@ def _session_device(request: pytest.FixtureRequest, devices: tuple[DeviceChoice,
     return where
 
 
-#: ``(engine spec, device, check name) -> reason``: what an engine is known to get wrong there.
-ExpectedFailures = dict[tuple[str, DeviceChoice, str], str]
-
-
 #: why a check of ``slow_checks`` did not run: the lane.
 SLOW_LANE = ("runs with --matrix pairwise|full (the slow lane: the seed's whole product); the CI lane runs a "
              "representative part of it")
@@ -202,7 +217,7 @@ def api_session_tests(
     world_size: int = 2,
     device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
     timeout_s: float = 240.0,
-    expected_failures: ExpectedFailures | None = None,
+    expected_failures: Sequence[ExpectedFailure] = (),
     slow_checks: Sequence[Check] = (),
 ):
     """``session_tests`` once per engine of the ``fsdp_api`` parametrization (``harness.pytest_plugin``:
@@ -212,15 +227,14 @@ def api_session_tests(
 
         session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"))
 
-    ``expected_failures`` names what an engine gets wrong on a device, with the reason: those tests are
-    strict xfails there (a pass fails the test, so a fixed engine is noticed).
+    ``expected_failures`` names what an engine gets wrong (its checks by name, ``ExpectedFailure.checks``,
+    on a device): those tests are strict xfails there (a pass fails the test, so a fixed engine is noticed).
 
     ``slow_checks`` (a seed's whole product, where a check of ``checks`` runs a representative part) run
     after ``checks`` in the same session with ``--matrix pairwise|full`` only; their tests are marked
     ``slow`` and skip, saying so, in the smoke lane (the CI lane).
     """
     devices, params = _device_params(device)
-    known = expected_failures or {}
     slow_names = {c.__name__ for c in slow_checks}
 
     @pytest.fixture(scope="module", **params)
@@ -241,8 +255,9 @@ def api_session_tests(
         if check.__name__ not in session.outcomes:
             pytest.skip(reason=SLOW_LANE)
         # Applied during the call: the engine and device are the session's, known only once it ran.
-        if (reason := known.get((session.engine, session.device, check.__name__))) is not None:
-            request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+        expected = expected_failure(expected_failures, session.device, engine=session.engine, check=check.__name__)
+        if expected is not None:
+            request.applymarker(expect_failure(expected))
         session.assert_passed(check)
 
     return session, test_check

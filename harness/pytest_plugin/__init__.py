@@ -20,7 +20,8 @@ Loaded by the root ``conftest.py``. What it adds:
   process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
   verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
   with the details; ``run_all`` runs the cases of one check, a seed check's subtests, under one verdict;
-  a test's strict xfail, ``expect_failure``, puts its reason on its records: ``CaseRecord.expected_failure``);
+  a test's strict xfail, ``expect_failure`` of a ``harness.expectations.ExpectedFailure``, puts its reason on
+  its records: ``CaseRecord.expected_failure``);
 - a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
 
 Under pytest-xdist every worker's pools take a disjoint block of the GPUs where there are enough, and
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import pytest
 
 from harness.case import CaseConfig, engine_name
+from harness.expectations import ExpectedFailure
 from harness.placement import OPTION_HELP
 from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
 from harness.records import CaseRecord
@@ -168,7 +170,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         def case_marks(case: CaseConfig) -> list[pytest.MarkDecorator]:
             device = "cuda" if gpu[case.world_size] else "cpu"
             expected = suite.expected_failure(case, device)
-            xfail = [expect_failure(expected.reason)] if expected else []
+            xfail = [expect_failure(expected)] if expected else []
             return [*marks, *([pytest.mark.gpu] if device == "cuda" else []), *xfail]
 
         metafunc.parametrize("parity_case", [pytest.param(c, id=c.full_id, marks=case_marks(c)) for c in suite.cases(options)])
@@ -226,12 +228,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             skip_here("marked gpu: needs CUDA GPUs; torch.cuda.is_available() is False on this machine")
 
 
-def expect_failure(reason: str) -> pytest.MarkDecorator:
-    """The strict xfail mark of a known engine bug (a pass fails the run, so a fixed engine is noticed):
-    what a generated case whose suite expects it to fail carries, and what a test applies to itself
-    (``request.applymarker``) when the expectation depends on where its ranks run. ``ParityRunner``
-    records its reason on the test's records (``expected_failure_of``)."""
-    return pytest.mark.xfail(strict=True, reason=reason)
+def expect_failure(expected: ExpectedFailure) -> pytest.MarkDecorator:
+    """The strict xfail mark of a known engine bug (``harness.expectations.ExpectedFailure``; a pass fails
+    the run, so a fixed engine is noticed): what a generated case whose suite expects it to fail carries,
+    and what a test applies to itself (``request.applymarker``) when the expectation depends on where its
+    ranks run. ``ParityRunner`` records its reason on the test's records (``expected_failure_of``)."""
+    return pytest.mark.xfail(strict=True, reason=expected.reason)
 
 
 def expected_failure_of(node: pytest.Item) -> str | None:

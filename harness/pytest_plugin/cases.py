@@ -22,14 +22,15 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from harness.case import CaseConfig, ReferenceName
+from harness.expectations import ExpectedFailure, expected_failure
 from harness.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
 from harness.placement import DeviceChoice, Lane, PlacementError, place
-from harness.records import CaseRecord
+from harness.records import SEVERITY, CaseRecord
 from harness.registry import DEFAULT_ENGINES, check_engines, fsdp1_engines
 
 __all__ = [
@@ -156,17 +157,6 @@ def _engine_baseline(engine: str) -> tuple[tuple[str, Any], ...]:
 
 
 @dataclass(frozen=True)
-class ExpectedFailure:
-    """What an engine gets wrong in a suite's slice: its cases are strict expected failures (an
-    unexpected pass fails the run, so a fixed engine is noticed), with the reason, which their records
-    carry (``CaseRecord.expected_failure``) so a report tells a known bug from new breakage."""
-
-    reason: str
-    #: ``(case, device type of its ranks) -> bool``: the cases it covers.
-    applies: Callable[[CaseConfig, str], bool]
-
-
-@dataclass(frozen=True)
 class SuiteMatrix:
     """The slice of the case matrix one generated parity suite runs (see [Note: suite slices and lanes])."""
 
@@ -192,7 +182,7 @@ class SuiteMatrix:
 
     def expected_failure(self, case: CaseConfig, device_type: str) -> ExpectedFailure | None:
         """The first expected failure covering ``case`` on ranks of ``device_type``, if any."""
-        return next((x for x in self.expected_failures if x.applies(case, device_type)), None)
+        return expected_failure(self.expected_failures, device_type, case=case)
 
     def __post_init__(self) -> None:
         owned = [a for a in [*self.axes, *self.fixed] if a in _OPTION_AXES]
@@ -382,11 +372,15 @@ def outcome_of(record: CaseRecord) -> TestOutcome:
     return TestOutcome("fail", describe_failure(record))
 
 
-#: how bad an outcome is, to keep the worst of a test's phases (setup, call, teardown).
-_SEVERITY = {"passed": 0, "pass": 0, "skipped": 1, "unsupported": 1, "fail": 2, "failed": 2, "error": 3,
-             "timeout": 3, "crash": 3}
+#: pytest's outcome of a test as the verdict it stands for, so both rank on one scale (``SEVERITY``).
+_VERDICT_OF_OUTCOME = {"passed": "pass", "skipped": "unsupported", "failed": "fail"}
 #: outcomes that mean "did not run here": a difference in them is a capability, not a disagreement.
 NOT_RUN = ("skipped", "unsupported")
+
+
+def _severity(outcome: str) -> int:
+    """``SEVERITY`` (worst first) of a verdict or a pytest outcome; anything else counts as an error."""
+    return SEVERITY.get(_VERDICT_OF_OUTCOME.get(outcome, outcome), SEVERITY["error"])
 
 
 @dataclass
@@ -403,7 +397,7 @@ class Agreement:
 
     def add(self, key: str, engine: str, outcome: str) -> None:
         seen = self.outcomes.setdefault(key, {})
-        if engine not in seen or _SEVERITY.get(outcome, 3) > _SEVERITY.get(seen[engine], 3):
+        if engine not in seen or _severity(outcome) < _severity(seen[engine]):
             seen[engine] = outcome
 
     def engines(self) -> list[str]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType, comm_hooks
-from harness.conformance.rank_sessions import RankSession, run_checks, session_tests
+from harness.conformance.rank_sessions import RankSession, session_fixture, session_tests
 from harness.pytest_plugin import needs_gpus
 from suites.checkpoint.training import CkptNet, device_for, full_state, hybrid_groups, make_optimizer, train, wrapped
 
@@ -161,9 +161,7 @@ session, test_check = session_tests(CHECKS, world_size=2)
 GPU_CHECKS = [check_default_hooks_match_torch, check_compression_hooks_match_torch]
 
 
-@pytest.fixture(scope="module")
-def gpu_session() -> RankSession:
-    return RankSession(run_checks(GPU_CHECKS, world_size=2, device="cuda", timeout_s=600))
+gpu_session = session_fixture(GPU_CHECKS, world_size=2, device="cuda", timeout_s=600)
 
 
 @pytest.mark.gpu

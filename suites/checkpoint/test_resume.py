@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 
 from engine import ShardingStrategy as S
-from harness.conformance.rank_sessions import RankSession, run_checks
+from harness.conformance.rank_sessions import RankSession, run_checks, session_fixture
 from harness.pytest_plugin import needs_gpus
 from suites.checkpoint import training
 from suites.checkpoint.training import SD_TYPES, Setup
@@ -74,15 +74,8 @@ CHECKS_4 = _checks(CI_4, 4)
 FULL_2 = _checks(FULL_PRODUCT, 2)
 FULL_4 = _checks(FULL_PRODUCT, 4)
 
-
-@pytest.fixture(scope="module")
-def session_2() -> RankSession:
-    return RankSession(run_checks(CHECKS_2, world_size=2, timeout_s=600))
-
-
-@pytest.fixture(scope="module")
-def session_4() -> RankSession:
-    return RankSession(run_checks(CHECKS_4, world_size=4, timeout_s=600))
+session_2 = session_fixture(CHECKS_2, world_size=2, timeout_s=600)
+session_4 = session_fixture(CHECKS_4, world_size=4, timeout_s=600)
 
 
 @pytest.mark.parametrize("check", CHECKS_2, ids=lambda c: c.__name__)
@@ -111,9 +104,7 @@ def test_resume_full_product(full_product: dict[int, RankSession], check: Callab
     full_product[4 if check.__name__.startswith("check_ws4") else 2].assert_passed(check)
 
 
-@pytest.fixture(scope="module")
-def gpu_session() -> RankSession:
-    return RankSession(run_checks(CHECKS_2, world_size=2, device="cuda", timeout_s=600))
+gpu_session = session_fixture(CHECKS_2, world_size=2, device="cuda", timeout_s=600)
 
 
 @pytest.mark.gpu

@@ -2,9 +2,9 @@
 
 NCCL refuses a collective on a CPU tensor ("No backend type associated with device type cpu"); gloo,
 on which CI's ranks run, takes it. Inside :func:`groups_refusing_cpu` every collective refuses a CPU
-tensor unless it went through the engine's staging rule (``engine.collectives.staged``), which here
-stands for the copy to the group's accelerator, so a check on CPU ranks fails where a real NCCL node
-would.
+tensor unless it went through a staging rule (the engine's ``engine.collectives.staged``, or the
+harness's own copy, ``harness.dtensors.staged``), which here stands for the copy to the group's
+accelerator, so a check on CPU ranks fails where a real NCCL node would.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engine import collectives
+from harness import dtensors
+
+#: the modules whose ``staged`` the block replaces: the engine's staging rule and the harness's copy.
+STAGING = (collectives, dtensors)
 
 #: the collectives the engine issues, with the positions of the tensors they send.
 SENT = {"all_gather": 1, "all_gather_into_tensor": 1, "broadcast": 0, "all_reduce": 0, "reduce_scatter_tensor": 1}
@@ -51,7 +55,8 @@ def groups_refusing_cpu() -> Iterator[list[Tensor]]:
         return collective
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(collectives, "staged", stage)
+        for module in STAGING:
+            patch.setattr(module, "staged", stage)
         for name, position in SENT.items():
             patch.setattr(dist, name, refusing(name, position))
         yield staged

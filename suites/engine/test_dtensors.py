@@ -1,26 +1,38 @@
-"""``engine.dtensors``: DTensors gathered and split with plain collectives, against DTensor's own
+"""``engine.dtensors`` and the harness's own copy, ``harness.dtensors`` (the reference side never imports
+the engine): DTensors gathered and split with plain collectives, against DTensor's own
 ``full_tensor``/``distribute_tensor`` on CPU ranks, and on ranks on the GPUs (sharing one where there
-are fewer GPUs than ranks, where DTensor's own functional collectives crash)."""
+are fewer GPUs than ranks, where DTensor's own functional collectives crash). Every check runs on both
+copies."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+from types import ModuleType
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing import assert_close
 
-from engine.dtensors import chunk_rows, distribute, full_tensor, local_chunk
+import engine.collectives
+import engine.dtensors
+import harness.dtensors
 from engine.materialize import sync_states
 from harness.conformance.rank_sessions import session_tests
 from harness.rank import rank_device
 from suites.engine.refusing_groups import groups_refusing_cpu
 
 
-def test_chunk_rows_follow_torch_chunk() -> None:
+#: the two copies: the engine's, and the harness's own for the reference side.
+COPIES = (engine.dtensors, harness.dtensors)
+
+
+@pytest.mark.parametrize("copy", COPIES, ids=lambda m: m.__name__)
+def test_chunk_rows_follow_torch_chunk(copy: ModuleType) -> None:
+    chunk_rows = copy.chunk_rows
     for size in range(0, 12):
         for n in range(1, 6):
             pieces = torch.arange(size).chunk(n) if size else ()
@@ -37,6 +49,12 @@ def _values(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def check_uneven_shards_round_trip(rank: int, world_size: int) -> None:
     device = rank_device()
     mesh = init_device_mesh(device.type, (world_size,))
+    for copy in COPIES:
+        _uneven_shards_round_trip(copy, mesh, device)
+
+
+def _uneven_shards_round_trip(copy: ModuleType, mesh: DeviceMesh, device: torch.device) -> None:
+    distribute, full_tensor, local_chunk = copy.distribute, copy.full_tensor, copy.local_chunk
     # 3 rows on 2 ranks (uneven), 1 row (a rank with nothing), 0 rows, and dim 1.
     for shape, placement in [((3, 4), Shard(0)), ((1, 5), Shard(0)), ((0, 3), Shard(0)), ((2, 5), Shard(1)),
                              ((4,), Replicate())]:
@@ -59,9 +77,10 @@ def check_matches_dtensor_on_cpu(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     full = _values((7, 3), torch.device("cpu"))
     theirs = distribute_tensor(full, mesh, [Shard(0)])
-    ours = distribute(full, mesh, [Shard(0)])
-    assert_close(ours.to_local(), theirs.to_local(), rtol=0, atol=0)
-    assert_close(full_tensor(theirs), theirs.full_tensor(), rtol=0, atol=0)
+    for copy in COPIES:
+        ours = copy.distribute(full, mesh, [Shard(0)])
+        assert_close(ours.to_local(), theirs.to_local(), rtol=0, atol=0)
+        assert_close(copy.full_tensor(theirs), theirs.full_tensor(), rtol=0, atol=0)
 
 
 def check_two_dimensional_mesh(rank: int, world_size: int) -> None:
@@ -70,10 +89,10 @@ def check_two_dimensional_mesh(rank: int, world_size: int) -> None:
         return
     device = rank_device()
     mesh = init_device_mesh(device.type, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    for placements in ([Replicate(), Shard(0)], [Shard(0), Shard(1)], [Shard(1), Shard(0)]):
+    for copy, placements in itertools.product(COPIES, ([Replicate(), Shard(0)], [Shard(0), Shard(1)], [Shard(1), Shard(0)])):
         full = _values((5, 6), device)
-        dt = distribute(full, mesh, placements)
-        assert_close(full_tensor(dt), full, rtol=0, atol=0, msg=lambda m: f"{placements}: {m}")
+        dt = copy.distribute(full, mesh, placements)
+        assert_close(copy.full_tensor(dt), full, rtol=0, atol=0, msg=lambda m: f"{copy.__name__} {placements}: {m}")
     dist.barrier()
 
 
@@ -85,17 +104,40 @@ def check_cpu_values_travel_through_the_accelerator(rank: int, world_size: int) 
     device = rank_device()
     mesh = init_device_mesh(device.type, (world_size,))
     full = _values((5, 3), device)
-    on_cpu = distribute(full, mesh, [Shard(0)]).cpu()
+    on_cpu = [(copy, copy.distribute(full, mesh, [Shard(0)]).cpu()) for copy in COPIES]
     states = [torch.full((3,), float(rank)), torch.full((2,), float(rank) + 1)]
     refusal = groups_refusing_cpu() if device.type == "cpu" else contextlib.nullcontext([])
     with refusal as staged:
-        gathered = full_tensor(on_cpu)
+        gathered = []
+        for copy, value in on_cpu:
+            before = len(staged)
+            gathered.append(copy.full_tensor(value))
+            assert device.type != "cpu" or len(staged) > before, f"{copy.__name__}: its gather was not staged"
         sync_states(states, [mesh.get_group(0)])
-    assert gathered.device.type == "cpu"
-    assert_close(gathered, full.cpu(), rtol=0, atol=0)
+    for got in gathered:
+        assert got.device.type == "cpu"
+        assert_close(got, full.cpu(), rtol=0, atol=0)
     assert_close(states, [torch.zeros(3), torch.ones(2)], rtol=0, atol=0)
     if device.type == "cpu":
         assert staged, "nothing was staged: the check did not reach the collectives it guards"
+
+
+@pytest.mark.parametrize("rule", [engine.collectives, harness.dtensors], ids=lambda m: m.__name__)
+def test_the_staging_rule_is_the_same_in_both_copies(rule: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a backend takes, and where a CPU tensor goes on a group that refuses it: the engine's rule
+    (``engine.collectives``) and the harness's copy alike ([Note: CPU tensors on accelerator groups])."""
+    assert rule.device_types_of("nccl") == {"cuda"} and rule.device_types_of("gloo") == {"cpu", "cuda"}
+    assert rule.device_types_of("cpu:gloo,cuda:nccl") == {"cpu", "cuda"}
+    assert rule.device_types_of("no-such-backend") == {"cpu", "cuda"}
+    cpu = torch.ones(2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert rule.staged(cpu, object()) is cpu, "a group that takes CPU tensors gets the tensor itself"
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    bound = type("Group", (), {"bound_device_id": torch.device("cuda", 1)})()
+    assert rule.comm_device(bound, cpu.device) == torch.device("cuda", 1), "the group's bound device first"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no such device to stage them on"):
+        rule.staged(cpu, object())
 
 
 def test_groups_refusing_cpu_refuse_what_nccl_refuses() -> None:

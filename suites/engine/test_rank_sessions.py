@@ -54,6 +54,7 @@ session, test_check = session_tests([check_ok], device=("cpu", "cuda"))
 '''
 _SCRATCH_KNOWN = '''
 from harness.conformance.rank_sessions import api_session_tests
+from harness.expectations import ExpectedFailure
 
 
 def check_fails(api, rank, world_size):
@@ -64,10 +65,10 @@ def check_passes(api, rank, world_size):
     pass
 
 
-KNOWN = {
-    ("builtin", "cpu", "check_fails"): "planted: the engine gets this wrong",
-    ("builtin", "cpu", "check_passes"): "planted: said to fail, but passes",
-}
+KNOWN = (
+    ExpectedFailure("planted: the engine gets this wrong", engine="builtin", device="cpu", checks=("check_fails",)),
+    ExpectedFailure("planted: said to fail, but passes", engine="builtin", device="cpu", checks=("check_passes",)),
+)
 session, test_check = api_session_tests([check_fails, check_passes], lambda spec: spec, expected_failures=KNOWN)
 '''
 

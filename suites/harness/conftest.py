@@ -13,35 +13,20 @@ from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
 from harness.case import CaseConfig
 from harness.parity import run_case_on_rank
-from harness.pool import PoolConfig, RankPool
+from harness.pool import RankPool
+from harness.pytest_plugin.pools import placed_pool, rank_pool_fixture
 from harness.records import CaseRecord
 
-
-def parity_config(world_size: int = 2) -> PoolConfig:
-    """Where ``harness.placement.place`` puts ``world_size`` ranks on this worker: the GPUs (one per rank,
-    or shared through gloo) where there are any, else gloo on CPU."""
-    return PoolConfig.placed(world_size, case_timeout_s=180.0)
-
-
-@pytest.fixture(scope="session")
-def parity_pool() -> Iterator[RankPool]:
-    """Two ranks for parity cases, started once for the whole harness suite."""
-    with RankPool(parity_config()) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def gpu_pool() -> Iterator[RankPool]:
-    """Two ranks on the GPUs, for the GPU-only tests: NCCL with one GPU each, or gloo with both on one GPU."""
-    with RankPool(PoolConfig.placed(2, device="cuda", case_timeout_s=300.0)) as pool:
-        yield pool
+parity_pool = rank_pool_fixture(2, timeout_s=180.0, scope="session",
+                                doc="Two ranks for parity cases, started once for the whole harness suite.")
+gpu_pool = rank_pool_fixture(2, "cuda", timeout_s=300.0, doc=(
+    "Two ranks on the GPUs, for the GPU-only tests: NCCL with one GPU each, or gloo with both on one GPU."))
 
 
 @pytest.fixture(scope="module")
 def fault_pool() -> Iterator[RankPool]:
     """Two gloo CPU ranks with a short case timeout, for cases that hang, crash or raise."""
-    config = PoolConfig(world_size=2, backend="gloo", case_timeout_s=FAULT_TIMEOUT_S, error_grace_s=2.0, stack_wait_s=2.0)
-    with RankPool(config) as pool:
+    with placed_pool(2, "cpu", timeout_s=FAULT_TIMEOUT_S, error_grace_s=2.0, stack_wait_s=2.0) as pool:
         # A first case imports the engines on the ranks; on a loaded host that alone can outlast the
         # short timeout, so it runs here, untimed by the tests (after a fault, the tests' healthy case
         # warms the respawned ranks the same way).

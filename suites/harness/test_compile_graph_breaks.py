@@ -6,20 +6,16 @@ yet measured (on one H100 with gloo ranks sharing it this comparison failed, cau
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from harness.case import CaseConfig
 from harness.compiling import CompileCounts
 from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import PoolConfig, RankPool
+from harness.pool import RankPool
+from harness.pytest_plugin.pools import rank_pool_fixture
 
 
-@pytest.fixture(scope="module")
-def cpu_pool() -> Iterator[RankPool]:
-    with RankPool(PoolConfig.placed(2, device="cpu", case_timeout_s=300.0)) as pool:
-        yield pool
+cpu_pool = rank_pool_fixture(2, "cpu", timeout_s=300.0)
 
 
 def _counts(pool: RankPool, case: CaseConfig) -> CompileCounts:

@@ -13,8 +13,6 @@ parameter and its device::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from stray_engine import NAME, run_case_with_stray_engine, stray_parameter
 
@@ -24,8 +22,9 @@ from harness.matrix import generate
 from harness.models import build_model
 from harness.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, PlacementLog
 from harness.parity import record_from_outcome
-from harness.pool import PoolConfig, RankPool
+from harness.pool import RankPool
 from harness.pytest_plugin import needs_gpus
+from harness.pytest_plugin.pools import rank_pool_fixture
 from harness.records import CaseRecord
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,10 +174,7 @@ def _check_engines(pool: RankPool, world_size: int) -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.fixture(scope="module")
-def one_gpu_pool() -> Iterator[RankPool]:
-    with RankPool(PoolConfig.placed(1, device="cuda", case_timeout_s=300.0)) as pool:
-        yield pool
+one_gpu_pool = rank_pool_fixture(1, "cuda", timeout_s=300.0)
 
 
 @pytest.mark.gpu

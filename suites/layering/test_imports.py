@@ -1,6 +1,7 @@
 """Layering: no import circle among the modules of engine/, harness/ and reports/ (imports anywhere
 in a module count), imports pointing down the layers only (engine < harness library < reports <
-front ends < suites), and every engine module imports alone, from a clean start.
+front ends < suites), every engine module imports alone, from a clean start, and nothing in harness/
+(but the conformance checks of the engine's own internals) or reports/ imports the engine.
 """
 
 from __future__ import annotations
@@ -148,3 +149,47 @@ def test_every_engine_module_imports_alone() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(len(modules))
+
+
+#: the modules of harness/ that check the engine's own internals (its flat-parameter handle, wrap policies,
+#: precision rules, hook registration) and so import ``engine``. Nothing else in harness/ or reports/ may:
+#: the reference side never runs the engine under test's code (the engine is loaded by its spec, as any
+#: other engine is; what both sides need is the harness's own, e.g. ``harness.dtensors``).
+ENGINE_INTERNAL_CHECKS: frozenset[str] = frozenset({
+    "harness.conformance.flat_handles",
+    "harness.conformance.flat_param_properties",
+    "harness.conformance.mixed_precision.mixed_precision",
+    "harness.conformance.mixed_precision.precision_logic",
+    "harness.conformance.seeds.fsdp_core",
+    "harness.conformance.wrap.wrap_models",
+    "harness.conformance.wrap.wrap_oracle",
+    "harness.conformance.wrap.wrap_policies",
+})
+
+
+def engine_importers(graph: dict[str, set[str]]) -> set[str]:
+    """The modules of harness/ and reports/ in ``graph`` that import ``engine`` or a module of it."""
+    return {module for module, targets in graph.items() if module.split(".")[0] in ("harness", "reports")
+            and any(t == "engine" or t.startswith("engine.") for t in targets)}
+
+
+def test_planted_engine_import_is_found(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/dtensors.py": "",
+        "harness/__init__.py": "",
+        "harness/checkpoint.py": "def f():\n    from engine.dtensors import full_tensor\n",
+        "harness/registry.py": "BUILTIN = 'engine'\n",
+        "reports/__init__.py": "",
+        "reports/page.py": "import engine\n",
+    })
+    assert engine_importers(import_graph(root, ["engine", "harness", "reports"])) == {"harness.checkpoint", "reports.page"}
+
+
+def test_the_reference_side_never_imports_the_engine() -> None:
+    found = engine_importers(import_graph(ROOT, ["engine", "harness", "reports"]))
+    assert not found - ENGINE_INTERNAL_CHECKS, (
+        f"modules of harness/ or reports/ importing engine (use the harness's own helpers, e.g. harness.dtensors): "
+        f"{sorted(found - ENGINE_INTERNAL_CHECKS)}")
+    assert not ENGINE_INTERNAL_CHECKS - found, (
+        f"no longer import engine: drop them from ENGINE_INTERNAL_CHECKS: {sorted(ENGINE_INTERNAL_CHECKS - found)}")

@@ -14,8 +14,9 @@ import torch
 
 from harness.case import FLAT_STRATEGIES, PrecisionName, ShardingName
 from harness.conformance.engine_models import MOE, NESTED, TRANSFORMER
+from harness.expectations import ExpectedFailure
 from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
-from harness.pytest_plugin.cases import ExpectedFailure, SuiteMatrix
+from harness.pytest_plugin.cases import SuiteMatrix
 
 STRATEGIES = list(get_args(ShardingName))
 

@@ -191,7 +191,8 @@ def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_pat
 
 
 EXPECTED_FAILURES = '''
-from harness.pytest_plugin.cases import ExpectedFailure, SuiteMatrix
+from harness.expectations import ExpectedFailure
+from harness.pytest_plugin.cases import SuiteMatrix
 
 PERTURB = (("fault", "perturb_grad_rank1"),)
 SLICE = SuiteMatrix(

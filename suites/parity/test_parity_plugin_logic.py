@@ -326,6 +326,17 @@ def test_agreement_separates_disagreements_from_capabilities() -> None:
     assert "differ" in text and "offload" in text and "alone" not in text
 
 
+def test_agreement_ranks_verdicts_and_pytest_outcomes_on_one_severity() -> None:
+    """The worst outcome is kept by ``harness.records.SEVERITY``: a flaky case counts as failing, a crash
+    is worse than an error, pytest's ``failed`` as a failure."""
+    agreement = Agreement()
+    for key, outcomes in (("flaky", ("pass", "flaky", "pass")), ("crash", ("error", "crash", "fail")),
+                          ("seed", ("passed", "failed", "skipped"))):
+        for outcome in outcomes:
+            agreement.add(key, "builtin", outcome)
+    assert agreement.outcomes == {"flaky": {"builtin": "flaky"}, "crash": {"builtin": "crash"}, "seed": {"builtin": "failed"}}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Hand-written cases obey --engine and --reference (engine_cases)
 

@@ -30,16 +30,17 @@ are complete as soon as recorded), so it needs real GPUs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from harness.case import CaseConfig
 from harness.compare import worst_budgets
+from harness.expectations import ExpectedFailure
 from harness.tolerance import DEFAULT_TOLERANCES
-from harness.pool import PoolConfig, RankPool
+from harness.pool import RankPool
+from harness.pytest_plugin import expect_failure
 from harness.pytest_plugin.cases import outcome_of
+from harness.pytest_plugin.pools import rank_pool_fixture
 from harness.records import CaseRecord
 from suites.parity.world_sizes import (
     GAIN_NUMEL,
@@ -69,25 +70,8 @@ def _case(engine: str, **fields: object) -> CaseConfig:
     return CaseConfig(engine=engine, **{"steps": STEPS, **fields})  # type: ignore[arg-type]
 
 
-def _pool(world_size: int) -> Iterator[RankPool]:
-    # gloo on CPU even on a GPU host: these cases stand in for GPUs that are not there.
-    with RankPool(PoolConfig(world_size=world_size, backend="gloo", case_timeout_s=180.0)) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool2() -> Iterator[RankPool]:
-    yield from _pool(2)
-
-
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[RankPool]:
-    yield from _pool(4)
-
-
-@pytest.fixture(scope="module")
-def pool8() -> Iterator[RankPool]:
-    yield from _pool(8)
+# gloo on CPU even on a GPU host: these cases stand in for GPUs that are not there.
+pool2, pool4, pool8 = (rank_pool_fixture(n, "cpu", timeout_s=180.0) for n in (2, 4, 8))
 
 
 def _passes(pool: RankPool, case: CaseConfig) -> CaseRecord:
@@ -152,16 +136,17 @@ def test_hybrid_2x4_and_4x2_at_world_size_8(pool8: RankPool, case: CaseConfig) -
 #: torch FSDP1 switches every strategy to NO_SHARD when its shard group has one rank, and its NO_SHARD
 #: all-reduces over that one-rank group only: the replicas never average their gradients and drift
 #: apart from the first step (seen with torch 2.11 and 2.13).
-TORCH_FSDP1_ONE_RANK_SHARD_GROUP = pytest.mark.xfail(
-    strict=True,
-    reason="torch FSDP1 runs hybrid sharding with a one-rank shard group as NO_SHARD over that group, "
+TORCH_FSDP1_ONE_RANK_SHARD_GROUP = ExpectedFailure(
+    "torch FSDP1 runs hybrid sharding with a one-rank shard group as NO_SHARD over that group, "
     "so replicas never average gradients",
+    engine="torch-fsdp",
 )
 
 WS2_HYBRID_ONE_RANK_SHARDS = [
     pytest.param(_case(engine, sharding_strategy=strategy, model="nested", reference="ddp", world_size=2,
                        extras=(("shard_size", 1),)),
-                 marks=[TORCH_FSDP1_ONE_RANK_SHARD_GROUP] if engine == "torch-fsdp" else [])
+                 marks=[expect_failure(TORCH_FSDP1_ONE_RANK_SHARD_GROUP)] if TORCH_FSDP1_ONE_RANK_SHARD_GROUP.covers(
+                     "cpu", engine=engine) else [])
     for engine in ENGINES
     for strategy in ("hybrid_shard", "hybrid_shard_zero2")
 ]

@@ -97,6 +97,14 @@ def test_harness_history_is_the_same_page(three_nights, tmp_path: Path, capsys: 
     assert (tmp_path / "h" / "history.html").exists()
 
 
+def test_harness_history_is_an_alias_of_the_one_implementation() -> None:
+    """``python -m harness history`` runs ``python -m reports history``'s code with its arguments, no argv rebuilt."""
+    import reports.__main__ as reports_cli
+    from harness.cli import history
+
+    assert history.main is reports_cli.run and history.add_arguments is reports_cli.add_history_arguments
+
+
 def test_a_nightly_finds_itself_and_the_nights_before_it(three_nights, tmp_path: Path) -> None:
     nights, _ = three_nights
     (nights[0].parent / "2026-11-19-empty").mkdir(exist_ok=True)  # no results: not a night

@@ -16,10 +16,11 @@ from typing import get_args
 import pytest
 
 from harness.case import CaseConfig, ShardingName, is_hybrid
+from harness.expectations import ExpectedFailure
 from harness.matrix import WIDE_AXES
 from harness.placement import hybrid_shard_size
 from harness.pytest_plugin import ParityRunner
-from harness.pytest_plugin.cases import ExpectedFailure, SuiteMatrix
+from harness.pytest_plugin.cases import SuiteMatrix
 
 #: torch FSDP1's local state dict under hybrid sharding wraps each flat parameter in a ShardedTensor over
 #: the shard group, placed by the rank within that group, which ShardedTensor reads as a global rank: on

@@ -8,6 +8,7 @@ from tabulate import tabulate
 
 from harness.case import PRECISIONS, CaseConfig, PrecisionSpec, PrefetchName
 from harness.conformance.mixed_precision.models import PARITY_NET
+from harness.expectations import ExpectedFailure
 from harness.records import CaseRecord
 
 #: the prefetch subtests of the seed's e2e test: forward prefetch x backward prefetch.
@@ -34,19 +35,23 @@ SCALER_CASES: dict[str, dict[str, Any]] = {
     "bf16_low_grads": {"low": "bfloat16", "keep_low": True},
     "fp32_offload": {"offload": True},
 }
-#: Scaler scenarios torch FSDP1 fails on CUDA (measured on torch 2.11, 2 x H200), with why. The GPU test
-#: expects the failure strictly: the day torch passes one, the test fails and this entry goes.
-TORCH_FSDP1_CUDA_SCALER_FAILURES: dict[str, str] = {
-    "bf16_low_grads": "torch FSDP1's ShardedGradScaler unscales with torch._amp_foreach_non_finite_check_and_unscale_, "
-                      "which has no bfloat16 CUDA kernel (NotImplementedError); ours checks bfloat16 gradients itself",
-    "fp16_low_grads_offload": "torch FSDP1 with keep_low_precision_grads and CPU offload assigns the float16 CPU gradient "
-                              "to the float32 flat parameter, which torch >= 2.11 refuses (grad_dtype check) at the end "
-                              "of backward",
-    "fp32_offload": "torch FSDP1's ShardedGradScaler copies the scale and the inf flag to the CPU gradients' device "
-                    "with non_blocking=True (_GeneralMultiDeviceReplicator.get) and reads them on CPU without waiting: "
-                    "with the GPU busy (the job keeps it busy) the first step unscales by an unset scale and leaves the "
-                    "parameters unchanged, and the inf on rank 1 is overwritten by the late copy, so nobody skips",
-}
+#: Scaler scenarios (``SCALER_CASES``, by name) torch FSDP1 fails on CUDA (measured on torch 2.11, 2 x H200),
+#: with why. The GPU test expects the failure strictly: the day torch passes one, the test fails and this
+#: entry goes.
+TORCH_FSDP1_CUDA_SCALER_FAILURES: tuple[ExpectedFailure, ...] = tuple(
+    ExpectedFailure(reason, engine="torch-fsdp", device="cuda", checks=(scenario,)) for scenario, reason in (
+        ("bf16_low_grads", "torch FSDP1's ShardedGradScaler unscales with torch._amp_foreach_non_finite_check_and_unscale_, "
+                           "which has no bfloat16 CUDA kernel (NotImplementedError); ours checks bfloat16 gradients itself"),
+        ("fp16_low_grads_offload", "torch FSDP1 with keep_low_precision_grads and CPU offload assigns the float16 CPU "
+                                   "gradient to the float32 flat parameter, which torch >= 2.11 refuses (grad_dtype "
+                                   "check) at the end of backward"),
+        ("fp32_offload", "torch FSDP1's ShardedGradScaler copies the scale and the inf flag to the CPU gradients' device "
+                         "with non_blocking=True (_GeneralMultiDeviceReplicator.get) and reads them on CPU without "
+                         "waiting: with the GPU busy (the job keeps it busy) the first step unscales by an unset scale "
+                         "and leaves the parameters unchanged, and the inf on rank 1 is overwritten by the late copy, "
+                         "so nobody skips"),
+    )
+)
 #: the gradient dtype each scenario must produce (float32 unless listed).
 SCALER_GRAD_DTYPE = {
     "fp16_low_grads": "torch.float16",

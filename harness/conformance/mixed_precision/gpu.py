@@ -27,9 +27,10 @@ from harness.conformance.mixed_precision.cases import (
 )
 from harness.conformance.mixed_precision.pools import gpu_pair
 from harness.conformance.mixed_precision.rank_api import MP_CONFIGS, assert_ok
+from harness.expectations import expected_failure
 from harness.parity import record_from_outcome
 from harness.pool import RankPool
-from harness.pytest_plugin import needs_gpus
+from harness.pytest_plugin import expect_failure, needs_gpus
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
@@ -118,8 +119,8 @@ def test_job(gpu_pair: RankPool, fsdp_api: str, job: Any, job_payload: dict[str,
 
 @pytest.mark.parametrize("case", list(SCALER_CASES))
 def test_sharded_grad_scaler(request: pytest.FixtureRequest, gpu_pair: RankPool, fsdp_api: str, case: str) -> None:
-    if fsdp_api == "torch-fsdp" and case in TORCH_FSDP1_CUDA_SCALER_FAILURES:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=TORCH_FSDP1_CUDA_SCALER_FAILURES[case]))
+    if expected := expected_failure(TORCH_FSDP1_CUDA_SCALER_FAILURES, "cuda", engine=fsdp_api, check=case):
+        request.applymarker(expect_failure(expected))
     outcome = gpu_pair.run(scaler_jobs.grad_scaler_agreement, {"engine": fsdp_api, **SCALER_CASES[case]})
     check_scaler_agreement(assert_ok(outcome), case)
 

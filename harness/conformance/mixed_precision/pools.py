@@ -6,12 +6,7 @@ serves every test module of the folder; a module that imports them (``pytest --p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
-from harness.pool import PoolConfig, RankPool
-from harness.pytest_plugin import gpus_missing
+from harness.pytest_plugin.pools import rank_pool_fixture
 
 __all__ = ["cpu_pair", "gpu_pair"]
 
@@ -19,18 +14,6 @@ __all__ = ["cpu_pair", "gpu_pair"]
 #: ranks sharing one: ``harness.placement.place``) or on two gloo CPU ranks.
 WORLD = 2
 
-
-@pytest.fixture(scope="package")
-def cpu_pair() -> Iterator[RankPool]:
-    """Two gloo ranks on CPU."""
-    with RankPool(PoolConfig(world_size=WORLD, backend="gloo", case_timeout_s=240.0)) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="package")
-def gpu_pair() -> Iterator[RankPool]:
-    """Two ranks on this worker's GPUs (one each, or sharing one)."""
-    if reason := gpus_missing(1):
-        pytest.skip(reason=reason)
-    with RankPool(PoolConfig.placed(WORLD, device="cuda", case_timeout_s=240.0)) as pool:
-        yield pool
+cpu_pair = rank_pool_fixture(WORLD, "cpu", timeout_s=240.0, scope="package", doc="Two gloo ranks on CPU.")
+gpu_pair = rank_pool_fixture(WORLD, "cuda", timeout_s=240.0, scope="package",
+                             doc="Two ranks on this worker's GPUs (one each, or sharing one).")

@@ -23,10 +23,11 @@ import itertools
 import pytest
 
 from harness.case import FLAT_STRATEGIES, CaseConfig, engine_name
+from harness.expectations import ExpectedFailure
 from harness.conformance.engine_models import ALWAYS_WRAP, MOE, NESTED, TRANSFORMER
 from harness.fsdp1_api import no_shard_offload_race
 from harness.pytest_plugin import ParityRunner, expect_failure
-from harness.pytest_plugin.cases import ExpectedFailure, ParityOptions
+from harness.pytest_plugin.cases import ParityOptions
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
@@ -102,11 +103,11 @@ def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, par
     device = parity_runner.device_type(CaseConfig().world_size)
     cases = [case.replace(engine=fsdp_api)
              for case in seed_subtests(model, offload, smoke=parity_options.matrix == "smoke", device=device)]
-    if TORCH_FSDP1_MOE_OFFLOAD.applies(cases[0], device):
+    if TORCH_FSDP1_MOE_OFFLOAD.covers(device, case=cases[0]):
         # A race: one run of the subtests passed once on a lightly loaded GPU, so the strict expectation
         # gets every subtest, RACE_REPEATS times, to show it.
         cases = [case.replace(engine=fsdp_api) for case in seed_subtests(model, offload, device=device)] * RACE_REPEATS
-        request.applymarker(expect_failure(TORCH_FSDP1_MOE_OFFLOAD.reason))
+        request.applymarker(expect_failure(TORCH_FSDP1_MOE_OFFLOAD))
     else:
         cases = [case for case in cases if not _no_shard_offload_race(case, device)]
     parity_runner.run_all(cases)

@@ -23,15 +23,14 @@ Skips (decided here, in the test process, before any rank starts a collective, s
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
 
 import pytest
 import torch
 
 from harness.conformance.fsdp1_checks import FSDPApi, api
 from harness.conformance.wrap import wrap_jobs
-from harness.pool import PoolConfig, PoolOutcome, RankPool
-from harness.pytest_plugin import gpus_missing
+from harness.pool import PoolOutcome, RankPool
+from harness.pytest_plugin.pools import rank_pool_fixture
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
@@ -51,37 +50,10 @@ __all__ = [
 GPU_WORLD = 2
 
 
-def _pool(config: PoolConfig) -> Iterator[RankPool]:
-    with RankPool(config) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def cpu_pair() -> Iterator[RankPool]:
-    """Two gloo ranks on CPU, started once for the module."""
-    yield from _pool(PoolConfig(world_size=2, backend="gloo", case_timeout_s=120.0))
-
-
-@pytest.fixture(scope="module")
-def cpu_single() -> Iterator[RankPool]:
-    """One gloo rank on CPU: the seed's world-size-1 default group."""
-    yield from _pool(PoolConfig(world_size=1, backend="gloo", case_timeout_s=120.0))
-
-
-@pytest.fixture(scope="module")
-def gpu_pair() -> Iterator[RankPool]:
-    """Two ranks on this worker's GPUs (one each, or sharing one)."""
-    if reason := gpus_missing(1):
-        pytest.skip(reason=reason)
-    yield from _pool(PoolConfig.placed(GPU_WORLD, device="cuda", case_timeout_s=120.0))
-
-
-@pytest.fixture(scope="module")
-def gpu_single() -> Iterator[RankPool]:
-    """One rank on this worker's first GPU."""
-    if reason := gpus_missing(1):
-        pytest.skip(reason=reason)
-    yield from _pool(PoolConfig.placed(1, device="cuda", case_timeout_s=120.0))
+cpu_pair = rank_pool_fixture(2, "cpu", timeout_s=120.0, doc="Two gloo ranks on CPU, started once for the module.")
+cpu_single = rank_pool_fixture(1, "cpu", timeout_s=120.0, doc="One gloo rank on CPU: the seed's world-size-1 default group.")
+gpu_pair = rank_pool_fixture(GPU_WORLD, "cuda", timeout_s=120.0, doc="Two ranks on this worker's GPUs (one each, or sharing one).")
+gpu_single = rank_pool_fixture(1, "cuda", timeout_s=120.0, doc="One rank on this worker's first GPU.")
 
 INIT_MODES = [
     pytest.param("cpu", id="cpu"),
