@@ -211,3 +211,32 @@ def test_the_probe_sees_a_broken_page(tmp_path: Path) -> None:
     errors = _probe(page, tmp_path / "profile")["errors"]
     assert any("undefinedFunction" in e for e in errors) and any("missing.png" in e for e in errors), errors
     assert diverging().case_id  # the shared records import cleanly
+
+
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """README's main job as a newcomer runs it (``harness run --matrix smoke``), and its report."""
+    import sys
+
+    tmp = tmp_path_factory.mktemp("quick-start")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    proc = subprocess.run([sys.executable, "-m", "harness", "run", "--matrix", "smoke", "--out", str(tmp / "smoke.jsonl"),
+                           "--no-progress"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports.build(tmp / "smoke.jsonl", tmp / "report")
+    return tmp / "report"
+
+
+def test_the_quick_start_judges_every_case(quick_start: Path) -> None:
+    counts = json.loads((quick_start / "summary.json").read_text())
+    verdicts = counts.get("verdicts", counts)
+    assert verdicts.get("unsupported", 0) == 0 and verdicts.get("pass", 0) > 0, verdicts
+
+
+@needs_browser
+def test_the_quick_start_report_renders_in_a_browser(quick_start: Path, tmp_path: Path) -> None:
+    result = _probe(quick_start / "matrix.html", tmp_path / "profile")
+    assert result["errors"] == [], result["errors"]
+    assert result["filtered"] > 0 and result["unlabelled"] == 0, result
