@@ -29,6 +29,7 @@ import copy
 import functools
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,7 +43,8 @@ from harness.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSli
 from harness.capabilities import Rule
 from harness.case import CaseConfig
 from harness.checkpoint import agree_loaded
-from harness.models import ZooModel
+from harness.dtypes import dtype_of
+from harness.models import ZooModel, to_device
 from harness.optim import build_optimizers
 from harness.owned_step import FINDING, NEUTRAL_FULL_FILE, OwnedStep, neutral_param_groups
 from harness.rank import RankContext
@@ -218,7 +220,16 @@ class DeepSpeedAdapter(EngineAdapter):
                                                config=copy.deepcopy(self.config), dist_init_required=False)
         _trace_deepspeed_collectives()
         notes: list[str] = []
-        owned = _DeepSpeedStep(self.name, engine, named, float(self.config.get("gradient_clipping", 0.0) or 0.0), notes)
+
+        def prime() -> None:
+            """One step over a zero loss: the optimizer state a fresh engine lacks until its first step."""
+            inputs = to_device(model.get_input(seed=case.seed, step=0, rank=ctx.rank), ctx.device,
+                               dtype_of(case.precision_spec.full))
+            engine.backward(model.get_loss(inputs, engine(*inputs)) * 0.0)
+            engine.step()
+
+        clipping = float(self.config.get("gradient_clipping", 0.0) or 0.0)
+        owned = _DeepSpeedStep(self.name, engine, named, clipping, notes, prime)
         return EngineTrainee(
             engine, model,
             read_grads=owned.grads,
@@ -246,7 +257,8 @@ class _DeepSpeedStep:
     """The training step, readers and checkpoint hooks of one DeepSpeed engine on one rank."""
 
     def __init__(self, name: str, engine: Any, named: list[tuple[str, nn.Parameter]], clipping: float,
-                 notes: list[str]) -> None:
+                 notes: list[str], prime: Callable[[], None]) -> None:
+        self.prime = prime
         self.name = name
         self.engine = engine
         self.named = named
@@ -335,6 +347,9 @@ class _DeepSpeedStep:
             except Exception as exc:  # noqa: BLE001 - every rank raises it below, after agreeing
                 error = exc
             agree_loaded(error, ctx)
+            # safe_set_full_optimizer_state writes into state that exists: a fresh ZeRO engine has none (nor
+            # its views per parameter) until its first step. Whatever that step changes is overwritten.
+            self.prime()
             self._apply_neutral(state)
         if fault == "drop_optimizer_state":
             self._inner().state.clear()
@@ -350,7 +365,9 @@ class _DeepSpeedStep:
         missing = sorted({n for n, _ in self.named} - set(model))
         if missing:
             raise KeyError(f"the full checkpoint lacks parameters {missing}: saved from another model?")
-        keys, scalars = self._state_keys()
+        first = next(iter(optim["state"].values()), {})
+        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
+        scalars = [k for k in first if k not in keys]
         with deepspeed.zero.GatheredParameters([p for _, p in self.named], modifier_rank=0):
             for name, p in self.named:
                 p.data.copy_(model[name].reshape(p.shape).to(p.device, p.dtype))
@@ -361,9 +378,8 @@ class _DeepSpeedStep:
                 if key not in saved:
                     raise KeyError(f"the full checkpoint has no optimizer state {key!r} for {name}: saved with another optimizer?")
                 safe_set_full_optimizer_state(p, saved[key].to(p.device, torch.float32), key)
-        first = next(iter(optim["state"].values()), {})
         for entry in self._inner().state.values():
             for key in scalars:
-                if key in first:
-                    value = first[key]
-                    entry[key] = value.clone().to(entry[key].device) if torch.is_tensor(value) and torch.is_tensor(entry[key]) else value
+                value = first[key]
+                held = entry.get(key)
+                entry[key] = value.clone().to(held.device) if torch.is_tensor(value) and torch.is_tensor(held) else value

@@ -55,8 +55,8 @@ class OwnedStep:
 
 
 def findings(notes: Sequence[str]) -> list[str]:
-    """The findings among a case's notes, without their prefix, in order and without repeats."""
-    return list(dict.fromkeys(n[len(FINDING):] for n in notes if n.startswith(FINDING)))
+    """The findings among a case's notes (each a line starting ``finding: ``), in order, without repeats."""
+    return list(dict.fromkeys(n for n in notes if n.startswith(FINDING)))
 
 
 def neutral_param_groups(groups: Sequence[dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:

@@ -63,6 +63,7 @@ from harness.knobs import (
     check_sharding,
     check_use_orig_params,
 )
+from harness.owned_step import findings
 from harness.optim import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, adam_lr
 from harness.records import CaseRecord, QuantityError
 from harness.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
@@ -558,6 +559,10 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         reasons.append(f"not deterministic: {nondet}")
     if not errors:
         reasons.append("nothing was compared")
+    if reasons:
+        # What the engine says about itself (``harness.owned_step.FINDING``: a default that does not train
+        # like DDP) explains a failure better than its worst quantity: it leads the reason.
+        reasons[:0] = findings(sorted({n for v in values for n in v.notes}))
     curves = None
     if all(v.curves for v in values):
         curves = {q: {side: [list(v.curves[q][side]) for v in values] for side in ("engine", "reference")}
