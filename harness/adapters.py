@@ -139,6 +139,10 @@ class EngineAdapter(ABC):
     strategies: tuple[str, ...] = FSDP_STRATEGIES
     #: True when the engine owns its training step (``harness.owned_step``): its trainees carry ``owned``.
     owns_step: bool = False
+    #: True when the engine sums gradients in an order of its own even on CPU ranks (DeepSpeed ZeRO-3's
+    #: reduce-scatter of flat partitions): Adam's null-gradient elements are then held to its drift bound,
+    #: as on CUDA ranks (``harness.tolerance``).
+    sums_in_own_order: bool = False
 
     def capability_rules(self) -> tuple[Rule, ...]:
         """Combinations of case axes (``CaseConfig`` fields, not ``engine``) this engine cannot express,
