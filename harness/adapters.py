@@ -35,9 +35,10 @@ import torch.nn as nn
 
 from harness.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.capabilities import Rule, first_reason
-from harness.case import FSDP1_PREFETCHES, FSDP1_STRATEGIES, CaseConfig, PrecisionSpec, is_hybrid
+from harness.case import FSDP1_PREFETCHES, FSDP1_STRATEGIES, FSDP_STRATEGIES, CaseConfig, PrecisionSpec, is_hybrid
 from harness.dtypes import dtype_of
 from harness.models import ZooModel, wrap_bottom_up
+from harness.owned_step import OwnedStep
 from harness.placement import hybrid_shard_size
 from harness.rank import RankContext
 
@@ -132,17 +133,46 @@ class EngineAdapter(ABC):
     #: the module with torch FSDP1's public API the engine is driven through, or None when it has none
     #: (the seed suites run on every engine that has one).
     fsdp1_module: str | None = None
+    #: the strategies (``harness.case.ShardingName``, by what they shard) this engine maps; the others are
+    #: unsupported with the reason (``strategy_rule``). An engine declaring ZeRO-1/2 brings them onto the
+    #: strategy axis of a selection that holds it (``harness.matrix.resolve_axes``).
+    strategies: tuple[str, ...] = FSDP_STRATEGIES
+    #: True when the engine owns its training step (``harness.owned_step``): its trainees carry ``owned``.
+    owns_step: bool = False
+    #: True when the engine sums gradients in an order of its own even on CPU ranks (DeepSpeed ZeRO-3's
+    #: reduce-scatter of flat partitions): Adam's null-gradient elements are then held to its drift bound,
+    #: as on CUDA ranks (``harness.tolerance``).
+    sums_in_own_order: bool = False
 
     def capability_rules(self) -> tuple[Rule, ...]:
         """Combinations of case axes (``CaseConfig`` fields, not ``engine``) this engine cannot express,
         each with the reason; the matrix leaves them out of every generator for this engine."""
         return ()
 
+    def strategy_rule(self) -> Rule:
+        """The strategies outside ``strategies``, with the reason: what this engine shards by."""
+        mapped = self.strategies
+        return Rule(
+            "engine_strategies", ("sharding_strategy",),
+            f"the engine maps only the strategies {', '.join(mapped)} (what it can shard)",
+            lambda c: c["sharding_strategy"] not in mapped,
+        )
+
+    def all_rules(self) -> tuple[Rule, ...]:
+        """``capability_rules`` and the strategy rule: every rule cases on this engine obey."""
+        return (*self.capability_rules(), self.strategy_rule())
+
     def unsupported(self, values: Any) -> str | None:
         """Why the engine cannot express this case or mapping of axis values (every axis its rules
-        read), or None: the first of its ``capability_rules`` that matches."""
+        read), or None: the first of its rules (``all_rules``) that matches."""
         mapping = values.to_dict() if isinstance(values, CaseConfig) else values
-        return first_reason(self.capability_rules(), mapping)
+        return first_reason(self.all_rules(), mapping)
+
+    def checkpoint_kinds(self) -> tuple[str, ...] | None:
+        """The checkpoint kinds (``CaseConfig.checkpoint``) an engine that owns its step saves and loads
+        through its trainee's ``OwnedStep.save``/``load`` (``full``: the neutral full state dict); None:
+        the harness's own FSDP1/FSDP2 checkpoint paths (``harness.checkpoint``)."""
+        return None
 
     def check(self) -> None:
         """Import what the engine needs and raise (naming the missing module or name) if it is not there;
@@ -215,6 +245,8 @@ class EngineTrainee:
     #: ``clip_grad_norm_(max_norm)`` over every gradient the side holds, returning the total norm before
     #: clipping; None: ``torch.nn.utils.clip_grad_norm_`` over the trainable parameters (full gradients).
     clip: Callable[[float], Any] | None = None
+    #: the engine's own training step (``harness.owned_step``); None: the harness's optimizer steps it.
+    owned: OwnedStep | None = None
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]

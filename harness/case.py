@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 ReferenceName = Literal["ddp", "local"]
-ShardingName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+#: What a strategy shards: ``full_shard`` parameters, gradients and optimizer state (ZeRO-3);
+#: ``shard_grad_op`` gradients and optimizer state, parameters gathered in forward and kept through
+#: backward; ``no_shard`` nothing; the hybrid ones shard within a group and replicate across groups;
+#: ``zero1`` optimizer state only and ``zero2`` gradients and optimizer state, parameters never sharded
+#: (unlike ``shard_grad_op``, which still gathers them in forward). Each engine maps the ones it has.
+ShardingName = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "zero1", "zero2"]
 PrecisionName = Literal[
     "fp32", "fp64", "bf16", "fp16", "reduce_only", "param_buffer", "fp16_bf16buf_fp32reduce"
 ]
@@ -35,8 +40,14 @@ FSDP1_PREFETCHES: dict[str, str | None] = {"none": None, "pre": "BACKWARD_PRE", 
 
 #: The strategies that shard within a group of ranks and replicate across groups.
 HYBRID_STRATEGIES: tuple[str, ...] = ("hybrid_shard", "hybrid_shard_zero2")
+#: The strategies that never shard parameters (DeepSpeed ZeRO-1 and ZeRO-2): no FSDP engine has them, so
+#: they are off the default strategy axis (older selections and ids keep their cases) and join it only
+#: for engines that declare them (``EngineAdapter.strategies``, ``harness.matrix.resolve_axes``).
+ZERO_STRATEGIES: tuple[str, ...] = ("zero1", "zero2")
+#: The strategies of torch FSDP1's ``ShardingStrategy``: the default strategy axis.
+FSDP_STRATEGIES: tuple[str, ...] = tuple(s for s in get_args(ShardingName) if s not in ZERO_STRATEGIES)
 #: The strategies one group of ranks runs (the hybrid ones need groups of their own: 4 ranks or more).
-FLAT_STRATEGIES: list[str] = [s for s in get_args(ShardingName) if s not in HYBRID_STRATEGIES]
+FLAT_STRATEGIES: list[str] = [s for s in FSDP_STRATEGIES if s not in HYBRID_STRATEGIES]
 
 
 def is_hybrid(strategy: str) -> bool:

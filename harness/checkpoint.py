@@ -46,6 +46,7 @@ from harness.adapters import EngineAdapter, FSDP1Adapter
 from harness.dtensors import distribute, full_tensor
 from harness.fsdp2_adapter import FSDP2Adapter
 from harness.optim import init_optimizer_state
+from harness.owned_step import NEUTRAL_FULL_FILE, owned_checkpoint_reason
 from harness.rank import RankContext
 
 __all__ = [
@@ -78,7 +79,7 @@ def agree_loaded(error: BaseException | None, ctx: RankContext) -> None:
     if failed:
         raise CheckpointLoadError(f"the checkpoint could not be loaded ({'; '.join(failed)})") from error
 
-_FULL_FILE = "full.pt"
+_FULL_FILE = NEUTRAL_FULL_FILE
 _DCP_DIR = "dcp"
 
 
@@ -99,17 +100,26 @@ def shared_tempdir(ctx: RankContext) -> Iterator[Path]:
 
 
 def engine_family(adapter: EngineAdapter) -> str:
-    """``fsdp1`` (state_dict_type API), ``fsdp2`` (DCP state-dict helpers), or raises."""
+    """``fsdp1`` (state_dict_type API), ``fsdp2`` (DCP state-dict helpers), ``owned`` (the engine's own
+    hooks, ``EngineAdapter.checkpoint_kinds``), or ``none`` (no checkpoint path: unsupported)."""
+    if adapter.checkpoint_kinds() is not None:
+        return "owned"
     if isinstance(adapter, FSDP1Adapter):
         return "fsdp1"
     if isinstance(adapter, FSDP2Adapter):
         return "fsdp2"
-    raise ValueError(f"engine {adapter.name!r}: no checkpoint support in the harness for {type(adapter).__name__}")
+    return "none"
 
 
 def unsupported_checkpoint(saver: EngineAdapter, loader: EngineAdapter, kind: str, use_orig_params: bool) -> str | None:
     """Why ``loader`` cannot resume ``saver``'s checkpoint of type ``kind`` (one line), or None."""
     families = {engine_family(saver), engine_family(loader)}
+    for adapter in (saver, loader):
+        if engine_family(adapter) == "none":
+            return (f"{adapter.name}: its adapter ({type(adapter).__name__}) declares no checkpoint path; an engine "
+                    "that owns its step declares checkpoint_kinds() and saves through OwnedStep.save/load")
+    if "owned" in families:
+        return owned_checkpoint_reason(saver.name, saver.checkpoint_kinds(), loader.name, loader.checkpoint_kinds(), kind)
     if kind == "local" and use_orig_params and "torch-fsdp" in (saver.name, loader.name):
         return ("torch-fsdp: a LOCAL_STATE_DICT with use_orig_params=True holds the flat parameters and the "
                 "original parameters' views, and its own strict load_state_dict refuses the flat parameters as "

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from harness.case import PrecisionSpec, is_hybrid
+from harness.case import ZERO_STRATEGIES, PrecisionSpec, is_hybrid
 from harness.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, PlacementLog, offload_violations
 from harness.trace import CommEvent, movable_gathers, ops, signature
 
@@ -80,6 +80,8 @@ def check_sharding(
         ok = any(_on(e, replicate) for e in ar)
         expected = f"one-rank shard groups: gradients all-reduced across the replicas {list(replicate)}"
         return KnobCheck(knob, "ok", seen) if ok else KnobCheck(knob, "ignored", f"{strategy}: expected {expected}; saw {seen}")
+    if strategy in ZERO_STRATEGIES:
+        return _check_zero(strategy, events, seen)
     if strategy == "no_shard":
         ok = not fwd_ag and not bwd_ag and not rs and len(ar) > 0
         expected = "no all-gather or reduce-scatter, gradients all-reduced"
@@ -100,6 +102,23 @@ def check_sharding(
     if ok:
         return KnobCheck(knob, "ok", seen)
     return KnobCheck(knob, "ignored", f"{strategy}: expected {expected}; saw {seen}")
+
+
+def _check_zero(strategy: str, events: Sequence[CommEvent], seen: str) -> KnobCheck:
+    """ZeRO-1/2 never shard parameters: nothing is gathered for forward or backward, gradients are
+    reduced in backward (all-reduced or reduce-scattered), and each rank's updated partition is
+    all-gathered after the optimizer step. Which of the two it is (whether the gradients stay
+    partitioned between backward and step) shows in memory, not in the collectives of a small model."""
+    gathered = ops(events, op="all_gather", phase="forward") + ops(events, op="all_gather", phase="backward")
+    reduced = ops(events, op=("all_reduce", "reduce_scatter"), phase="backward")
+    after_step = ops(events, op="all_gather", phase="step")
+    seen = f"{seen}; all-gathers after the step {len(after_step)}"
+    ok = not gathered and bool(reduced) and bool(after_step)
+    if ok:
+        return KnobCheck("sharding_strategy", "ok", seen)
+    expected = ("no all-gather in forward or backward (parameters never sharded), gradients reduced in backward, "
+                "the updated partitions all-gathered after the step")
+    return KnobCheck("sharding_strategy", "ignored", f"{strategy}: expected {expected}; saw {seen}")
 
 
 def check_precision(spec: PrecisionSpec, events: Sequence[CommEvent]) -> KnobCheck:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from harness.capabilities import Rule, for_engine
-from harness.case import FIELD_VALUES, CaseConfig, is_hybrid
+from harness.case import FIELD_VALUES, FSDP_STRATEGIES, CaseConfig, is_hybrid
 from harness.registry import DEFAULT_ENGINES, resolve
 
 GeneratorName = Literal["full", "pairwise", "smoke"]
@@ -45,7 +45,8 @@ AXES: dict[str, list[Any]] = {
     "reference": list(FIELD_VALUES["reference"]),
     # Names from ``harness.models.MODELS``; override with ``axes={"model": [...]}``.
     "model": ["nested", "transformer"],
-    "sharding_strategy": list(FIELD_VALUES["sharding_strategy"]),
+    # FSDP's strategies; ZeRO-1/2 join for the engines that declare them (``resolve_axes``).
+    "sharding_strategy": list(FSDP_STRATEGIES),
     "precision": list(FIELD_VALUES["precision"]),
     "backward_prefetch": list(FIELD_VALUES["backward_prefetch"]),
     "forward_prefetch": [False, True],
@@ -197,7 +198,7 @@ def engine_rules(engines: Sequence[str]) -> tuple[Rule, ...]:
     out: list[Rule] = []
     for engine in dict.fromkeys(engines):
         adapter = resolve(engine)
-        out.extend(for_engine(engine, adapter.name, rule) for rule in adapter.capability_rules())
+        out.extend(for_engine(engine, adapter.name, rule) for rule in adapter.all_rules())
     return tuple(out)
 
 
@@ -225,6 +226,13 @@ def invalid_reason(case: CaseConfig | Mapping[str, Any]) -> str | None:
 # Axes
 
 
+def declared_strategies(engines: Sequence[str]) -> list[str]:
+    """The default strategy axis, and after it every strategy off it that one of ``engines`` declares
+    (ZeRO-1/2), in ``ShardingName`` order: a selection without such an engine keeps exactly its cases."""
+    extra = {s for engine in dict.fromkeys(engines) for s in resolve(engine).strategies if s not in AXES["sharding_strategy"]}
+    return [*AXES["sharding_strategy"], *(s for s in FIELD_VALUES["sharding_strategy"] if s in extra)]
+
+
 def resolve_axes(axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) -> tuple[dict[str, list[Any]], dict[str, Any]]:
     """The axes to vary and the fixed field values every case shares.
 
@@ -249,6 +257,8 @@ def resolve_axes(axes: Mapping[str, Sequence[Any]] | None = None, **fixed: Any) 
         if axes and name in axes:
             raise ValueError(f"generate: {name!r} is both an axis and pinned to {value!r}; give it only once")
         merged.pop(name, None)
+    if "sharding_strategy" in merged and not (axes and "sharding_strategy" in axes):
+        merged["sharding_strategy"] = declared_strategies(merged.get("engine", [fixed.get("engine", _DEFAULTS["engine"])]))
     for name, values in merged.items():
         for value in values:
             CaseConfig(**{name: value})  # the contract's own validation names the bad value

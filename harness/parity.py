@@ -63,6 +63,7 @@ from harness.knobs import (
     check_sharding,
     check_use_orig_params,
 )
+from harness.owned_step import findings
 from harness.optim import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, adam_lr
 from harness.records import CaseRecord, QuantityError
 from harness.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
@@ -338,12 +339,13 @@ def _resume_unsupported(adapter: EngineAdapter, case: CaseConfig, model: ZooMode
 
 
 def _null_gradient_policy(policy: TolerancePolicy, case: CaseConfig, model: ZooModel, reference: Observation,
-                          ctx: RankContext) -> TolerancePolicy:
-    """``policy`` holding the model's null-gradient elements to Adam's drift bound on CUDA ranks
+                          ctx: RankContext, sums_in_own_order: bool = False) -> TolerancePolicy:
+    """``policy`` holding the model's null-gradient elements to Adam's drift bound on CUDA ranks, and on any
+    rank for an engine that sums gradients in its own order (``EngineAdapter.sums_in_own_order``)
     (``harness.tolerance``: where rounding differs between the sides, Adam steps them on noise)."""
     lr = adam_lr(case)
     ranges = model.null_gradient_ranges()
-    if lr is None or ctx.device_type != "cuda" or not ranges:
+    if lr is None or (ctx.device_type != "cuda" and not sums_in_own_order) or not ranges:
         return policy
     values = {piece.name: piece.value.reshape(-1) for piece in reference.params}
     magnitude = max((float(values[n][a:b].abs().max()) for n, (a, b) in ranges.items() if n in values and b > a), default=0.0)
@@ -436,7 +438,8 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     engine_s = time.perf_counter() - t0
     peak = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device_type == "cuda" else 0
 
-    policy = _null_gradient_policy(TolerancePolicy.for_precision(spec, budgets, source), case, model, reference, ctx)
+    policy = _null_gradient_policy(TolerancePolicy.for_precision(spec, budgets, source), case, model, reference, ctx,
+                                   adapter.sums_in_own_order)
     findings = compare_observations(engine, reference, policy)
     checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
 
@@ -558,6 +561,10 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         reasons.append(f"not deterministic: {nondet}")
     if not errors:
         reasons.append("nothing was compared")
+    if reasons:
+        # What the engine says about itself (``harness.owned_step.FINDING``: a default that does not train
+        # like DDP) explains a failure better than its worst quantity: it leads the reason.
+        reasons[:0] = findings(sorted({n for v in values for n in v.notes}))
     curves = None
     if all(v.curves for v in values):
         curves = {q: {side: [list(v.curves[q][side]) for v in values] for side in ("engine", "reference")}

@@ -22,7 +22,15 @@ import torch.distributed as dist
 from harness.placement import xdist_worker
 from harness.rank import RankContext
 
-__all__ = ["Boot", "RankError", "die_with_parent", "rank_main", "serve"]
+__all__ = ["Boot", "RankError", "die_with_parent", "launcher_environment", "rank_main", "serve"]
+
+
+def launcher_environment(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The variables torchrun sets for a rank of a one-node job, which engines read (DeepSpeed asserts
+    ``LOCAL_RANK``; our engine's default hybrid groups read ``LOCAL_WORLD_SIZE``). One node: the pool's
+    ranks are all local, and the rendezvous is the pool's store."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
 @dataclass
@@ -94,6 +102,7 @@ def rank_main(boot: Boot, conn: mp_connection.Connection) -> None:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
 
     cfg = boot.config
+    os.environ.update(launcher_environment(boot.rank, cfg.world_size, boot.store_host, boot.store_port))
     if cfg.devices is not None:
         device = torch.device("cuda", cfg.devices[boot.rank])
         torch.cuda.set_device(device)

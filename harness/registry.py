@@ -9,6 +9,8 @@ records, reports):
 - ``NAME=fsdp1:MODULE``: a namespace with torch FSDP1's public API, through ``FSDP1Adapter``;
 - ``NAME=fsdp2:MODULE``: a namespace with ``fully_shard``, ``MixedPrecisionPolicy`` and
   ``CPUOffloadPolicy``, through ``FSDP2Adapter``;
+- ``NAME=deepspeed:PATH.json``: DeepSpeed ZeRO with a config file over the adapter's neutral defaults
+  (``harness.deepspeed_adapter``); ``deepspeed-zero1|2|3`` are registered with the defaults alone;
 - ``NAME=MODULE:OBJECT``: an ``EngineAdapter`` instance, or a factory called with the name (or with no
   argument) that returns one.
 
@@ -34,6 +36,7 @@ from importlib import metadata
 from typing import Any
 
 from harness.adapters import EngineAdapter, FSDP1Adapter
+from harness.deepspeed_adapter import DEEPSPEED_STAGES, DeepSpeedAdapter
 from harness.fsdp2_adapter import FSDP2Adapter
 from harness.case import DEFAULT_ENGINES, engine_name
 
@@ -54,7 +57,15 @@ ENTRY_POINT_GROUP = "fsdp_parity.engines"
 Factory = Callable[[str], EngineAdapter]
 
 #: the API kinds of a spec ``NAME=KIND:MODULE``: the adapter over a module with that public API.
-API_KINDS: dict[str, Callable[[str, str], EngineAdapter]] = {"fsdp1": FSDP1Adapter, "fsdp2": FSDP2Adapter}
+#: They take precedence over ``MODULE:OBJECT`` (a module named ``deepspeed`` is never imported for
+#: ``NAME=deepspeed:cfg.json``). ``deepspeed``'s is a config file, not a module.
+API_KINDS: dict[str, Callable[[str, str], EngineAdapter]] = {
+    "fsdp1": FSDP1Adapter,
+    "fsdp2": FSDP2Adapter,
+    "deepspeed": lambda name, path: DeepSpeedAdapter(name, config_path=path),
+}
+#: the API kinds whose target is a file path (which a comma list of engines cannot carry with a comma).
+PATH_KINDS = ("deepspeed",)
 
 #: name -> factory, filled below and by ``register``; entry points are read on first use.
 _REGISTERED: dict[str, Factory] = {}
@@ -78,6 +89,10 @@ register("builtin", lambda name: FSDP1Adapter(name, "engine"))
 register("torch-fsdp", lambda name: FSDP1Adapter(name, "torch.distributed.fsdp", offload_needs_accelerator=True,
                                                  offloaded_summon_needs_nccl=True, accumulates_with_offload=False))
 register("torch-fsdp2", lambda name: FSDP2Adapter(name, None))
+# DeepSpeed ZeRO by stage, with the adapter's neutral config (``harness.deepspeed_adapter``); without
+# deepspeed installed their cases are unsupported with the install line.
+for _stage in DEEPSPEED_STAGES:
+    register(f"deepspeed-zero{_stage}", functools.partial(lambda name, stage: DeepSpeedAdapter(name, stage=stage), stage=_stage))
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,6 +196,7 @@ def check_engines(specs: Iterable[str], option: str = "--engines") -> list[str]:
     """Every spec resolved and checked, in order, without repeats; raises ``EngineSpecError`` naming
     ``option`` and the engine. The one validation of engine names for every front end."""
     specs = [s.strip() for s in specs if s.strip()]
+    _refuse_split_path(specs, option)
     if not specs:
         raise EngineSpecError(f"{option}: give at least one engine (known: {', '.join(registered_names())})")
     names = [engine_name(s) for s in specs]
@@ -193,6 +209,17 @@ def check_engines(specs: Iterable[str], option: str = "--engines") -> list[str]:
         except EngineSpecError as exc:
             raise EngineSpecError(f"{option}: {exc}") from None
     return specs
+
+
+def _refuse_split_path(specs: Sequence[str], option: str) -> None:
+    """A ``NAME=deepspeed:PATH`` whose path held a comma arrives cut in two by the comma list: say so in
+    one line, instead of "not registered" about the path's tail."""
+    for before, after in zip(specs, specs[1:]):
+        kind = before.partition("=")[2].partition(":")[0]
+        if kind in PATH_KINDS and "=" not in after and after not in registered_names():
+            raise EngineSpecError(
+                f"{option}: {before},{after}: a {kind} config path with a comma cannot travel in a comma list "
+                "of engines; move or rename the file to a path without ','")
 
 
 def fsdp1_engines(specs: Sequence[str]) -> tuple[str, ...]:

@@ -57,6 +57,33 @@ def _fault(case: CaseConfig) -> str:
     return str(case.extra.get("fault", ""))
 
 
+def _optimizers(case: CaseConfig, trainee: EngineTrainee) -> list[torch.optim.Optimizer]:
+    """The harness's optimizer of ``trainee``; none for an engine that owns its step (it wraps its own)."""
+    return [] if trainee.owned is not None else [build_optimizer(case, trainee.trainable_parameters())]
+
+
+def _save(adapter: EngineAdapter, trainee: EngineTrainee, optimizers: list[torch.optim.Optimizer], kind: str,
+          path: Path, ctx: RankContext) -> None:
+    """Save through the engine's own hook where it owns its step, else the harness's FSDP paths."""
+    if trainee.owned is None:
+        save_checkpoint(adapter, trainee.module, optimizers[0], kind, path, ctx)
+    elif trainee.owned.save is None:
+        raise NotImplementedError(f"{adapter.name} owns its step and exposes no checkpoint save hook")
+    else:
+        trainee.owned.save(kind, path, ctx)
+
+
+def _load(adapter: EngineAdapter, trainee: EngineTrainee, optimizers: list[torch.optim.Optimizer], kind: str,
+          path: Path, ctx: RankContext, fault: str) -> None:
+    """Load through the engine's own hook where it owns its step, else the harness's FSDP paths."""
+    if trainee.owned is None:
+        load_checkpoint(adapter, trainee.module, optimizers[0], kind, path, ctx, fault)
+    elif trainee.owned.load is None:
+        raise NotImplementedError(f"{adapter.name} owns its step and exposes no checkpoint load hook")
+    else:
+        trainee.owned.load(kind, path, ctx, fault)
+
+
 @contextlib.contextmanager
 def _checkpoint_dir(ctx: RankContext, trace: CommTrace) -> Iterator[Path]:
     """``shared_tempdir`` with its own collectives (name broadcast, final barrier) left out of the trace."""
@@ -72,16 +99,16 @@ def _checkpoint_dir(ctx: RankContext, trace: CommTrace) -> Iterator[Path]:
 
 def _train_before_checkpoint(
     adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, trace: CommTrace, perturb: bool, obs: Observation
-) -> tuple[ZooModel, dict[str, ParamInfo], EngineTrainee, torch.optim.Optimizer]:
+) -> tuple[ZooModel, dict[str, ParamInfo], EngineTrainee, list[torch.optim.Optimizer]]:
     """Build the case's model and engine on ``ctx``'s ranks and train the steps before the checkpoint;
-    ``(model, parameter table, trainee, optimizer)``."""
+    ``(model, parameter table, trainee, optimizers)`` (no optimizer where the engine owns its step)."""
     model, table = fresh_model(case, ctx)
     trace.watch_modules(model)
     mark_phase(trace, "setup", 0)
     trainee = adapter.build(case, model, ctx)
-    optimizer = build_optimizer(case, trainee.trainable_parameters())
-    train_steps(trainee, optimizer, case, ctx, range(case.checkpoint_step), table, obs, trace=trace, perturb=perturb)
-    return model, table, trainee, optimizer
+    optimizers = _optimizers(case, trainee)
+    train_steps(trainee, optimizers, case, ctx, range(case.checkpoint_step), table, obs, trace=trace, perturb=perturb)
+    return model, table, trainee, optimizers
 
 
 def run_resumed(
@@ -93,19 +120,19 @@ def run_resumed(
         return _run_resharded(adapter, case, ctx, steps, trace, perturb)
     k = case.checkpoint_step
     obs = Observation()
-    model, table, trainee, optimizer = _train_before_checkpoint(adapter, case, ctx, trace, perturb, obs)
+    model, table, trainee, optimizers = _train_before_checkpoint(adapter, case, ctx, trace, perturb, obs)
     loader = resolve(case.resume_engine) if case.resume_engine else adapter
     mark_phase(trace, "checkpoint", k)
     with _checkpoint_dir(ctx, trace) as path, paused(trace):
-        save_checkpoint(adapter, trainee.module, optimizer, case.checkpoint, path, ctx)
+        _save(adapter, trainee, optimizers, case.checkpoint, path, ctx)
         obs.notes.extend(trainee.notes)
-        del trainee, optimizer, model
+        del trainee, optimizers, model
         resumed_case = case.replace(engine=loader.name, resume_engine=None) if case.resume_engine else case
         model, _ = fresh_model(case, ctx, seed=case.seed + RESUME_SEED_OFFSET)
         trainee = loader.build(resumed_case, model, ctx)
-        optimizer = build_optimizer(case, trainee.trainable_parameters())
-        load_checkpoint(loader, trainee.module, optimizer, case.checkpoint, path, ctx, _fault(case))
-    train_steps(trainee, optimizer, case, ctx, range(k, steps), table, obs, trace=trace, perturb=perturb)
+        optimizers = _optimizers(case, trainee)
+        _load(loader, trainee, optimizers, case.checkpoint, path, ctx, _fault(case))
+    train_steps(trainee, optimizers, case, ctx, range(k, steps), table, obs, trace=trace, perturb=perturb)
     with paused(trace):
         obs.params = trainee.final_params()
     obs.notes.extend(trainee.notes)
@@ -123,12 +150,12 @@ def _run_resharded(
     last: EngineTrainee | None = None
     with _checkpoint_dir(ctx, trace) as path:
         if save_ctx is not None:
-            model, table, trainee, optimizer = _train_before_checkpoint(adapter, case, save_ctx, trace, perturb, obs)
+            model, table, trainee, optimizers = _train_before_checkpoint(adapter, case, save_ctx, trace, perturb, obs)
             with paused(trace):
-                save_checkpoint(adapter, trainee.module, optimizer, "sharded", path, save_ctx)
+                save_checkpoint(adapter, trainee.module, optimizers[0], "sharded", path, save_ctx)
             obs.notes.extend(trainee.notes)
             last = trainee
-            del model, trainee, optimizer
+            del model, trainee, optimizers
         with paused(trace):
             # The resuming ranks read what the saving ranks wrote.
             dist.barrier(group=ctx.world_group())

@@ -11,7 +11,8 @@ A step of a case with ``grad_accum`` runs ``ACCUM_MICRO_BATCHES`` micro-batches
 gradient synchronization (``EngineTrainee.skip_sync``) and run in the trace phases ``accumulate_forward``
 and ``accumulate_backward``, so a knob check can see an engine that reduces them anyway. With
 ``clip_grad`` the side clips its gradients (``EngineTrainee.clip_grad_norm``, phase ``clip``) before they
-are read and stepped, and the total norm it returns is observed every step.
+are read and stepped, and the total norm it returns is observed every step. An engine that owns its training step
+(``EngineTrainee.owned``, ``harness.owned_step``) runs its own backward and step in the same loop.
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ def train(
     ``table`` describes the model's parameters, taken before wrapping; ``stress`` (engines of a
     stressed case) adds its optimizer and final-unshard delays.
     """
-    optimizers = build_optimizers(case, trainee.named_trainable_parameters(), {n: info.dim for n, info in table.items()})
+    # An engine that owns its step wraps its own optimizer (``harness.owned_step``): the harness builds none.
+    optimizers = [] if trainee.owned is not None else build_optimizers(
+        case, trainee.named_trainable_parameters(), {n: info.dim for n, info in table.items()})
     if stress is not None:
         for optimizer in optimizers:
             stress.watch_optimizer(optimizer)
@@ -163,7 +166,11 @@ def train_steps(
                 loss = zoo.get_loss(inputs, output)
                 mark_phase(trace, f"{ACCUMULATE}backward" if skip else "backward", step)
                 # One batch keeps its loss as it is (the cases without accumulation stay bitwise as they were).
-                zoo.run_backward(loss / len(batches) if len(batches) > 1 else loss)
+                scaled = loss / len(batches) if len(batches) > 1 else loss
+                if trainee.owned is not None:
+                    trainee.owned.backward(scaled)
+                else:
+                    zoo.run_backward(scaled)
             loss_seen += float(loss.detach().double()) / len(batches)
         if perturb:
             _perturb_gradient(trainee)
@@ -180,6 +187,8 @@ def train_steps(
             obs.coverage_gaps[name] = max(missing, obs.coverage_gaps.get(name, 0))
         mark_phase(trace, "step", step)
         gpu_sleep(zoo.sleeps.before_step_ms, ctx.device)
+        if trainee.owned is not None:
+            trainee.owned.step()
         for opt in optimizers:
             opt.step()
         zero_grads(case, optimizers)

@@ -70,10 +70,19 @@ class Certificate:
     families: list[FamilyResult]
     #: a failing case's page (full id -> path relative to the certificate), where the report wrote one.
     pages: dict[str, str] = field(default_factory=dict)
+    #: per case family that ran, per axis, the declared values it never exercised (``harness.coverage``).
+    coverage: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not any(f.status == "fail" for f in self.families)
+
+    @property
+    def verdict(self) -> str:
+        """CONFORMS, PARTIAL (some declared strategy or precision never ran) or DOES NOT CONFORM."""
+        from harness.coverage import verdict
+
+        return verdict(self.ok, self.coverage)
 
     def family(self, name: str) -> FamilyResult:
         return next(f for f in self.families if f.name == name)
@@ -82,6 +91,7 @@ class Certificate:
 def to_json(cert: Certificate) -> str:
     data = asdict(cert)
     data["ok"] = cert.ok
+    data["verdict"] = cert.verdict
     for fam, result in zip(data["families"], cert.families):
         fam["status"] = result.status
     return json.dumps(data, indent=2, sort_keys=False)
@@ -92,7 +102,9 @@ def _ratio(r: float | None) -> str:
 
 
 def markdown(cert: Certificate) -> str:
-    verdict = "CONFORMS" if cert.ok else "DOES NOT CONFORM"
+    from harness.coverage import coverage_lines
+
+    verdict = cert.verdict
     lines = [
         f"# Conformance certificate: {cert.engine}",
         "",
@@ -111,6 +123,8 @@ def markdown(cert: Certificate) -> str:
             tablefmt="github",
         ),
     ]
+    if cert.coverage:
+        lines += ["", "## Coverage", "", *[f"- {line}" for line in coverage_lines(cert.coverage)]]
     for fam in cert.families:
         if not fam.failures:
             continue
@@ -128,7 +142,7 @@ _COLOURS = {"pass": "#1a9850", "fail": "#d73027", "unsupported": "#878787"}
 
 def render_html(cert: Certificate) -> str:
     e = html.escape
-    verdict = "conforms" if cert.ok else "does not conform"
+    verdict = cert.verdict.lower()
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>Conformance certificate: {e(cert.engine)}</title>",

@@ -417,7 +417,7 @@ def main(args: argparse.Namespace) -> int:
                 return 2
         results.append(result)
     cert = Certificate(adapter.name, spec, adapter.version(), _environment(run, n_gpus), results,
-                       _case_pages(out, results))
+                       _case_pages(out, results), _coverage(run, results))
     try:
         with staged(out) as stage:  # the three files whole, or none of them
             for name, text in (("certificate.md", markdown(cert)), ("certificate.html", render_html(cert)),
@@ -430,6 +430,28 @@ def main(args: argparse.Namespace) -> int:
     print(markdown(cert))
     print(f"certificate: {out / 'certificate.md'} (.html, .json)")
     return 0 if cert.ok else 1
+
+
+#: the families judged on the generated cases, and which of the run's records each judges.
+CASE_FAMILIES: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "parity-ddp": lambda case: case.get("reference") == "ddp",
+    "parity-local": lambda case: case.get("reference") == "local",
+    "knobs": lambda case: True,
+    "checkpoints": lambda case: case.get("checkpoint") not in (None, "none"),
+}
+
+
+def _coverage(run: CertifyRun, results: Sequence[FamilyResult]) -> dict[str, dict[str, list[Any]]]:
+    """Per case family that ran something, the declared strategies and precisions none of its cases ran
+    (``harness.coverage``): what makes a certificate PARTIAL rather than CONFORMS."""
+    from harness.coverage import declared_values, family_coverage
+
+    ran = [f.name for f in results if f.name in CASE_FAMILIES and (f.passed or f.failed)]
+    if not ran:
+        return {}
+    declared = declared_values(run.spec, run.world_size)
+    cases = [r.case for r in run.records() if r.verdict != "unsupported"]
+    return {name: family_coverage(name, [c for c in cases if CASE_FAMILIES[name](c)], declared) for name in ran}
 
 
 def _environment(run: CertifyRun, n_gpus: int) -> dict[str, Any]:

@@ -11,11 +11,9 @@ with its reason (FSDP2 has no local state dict).
 
 from __future__ import annotations
 
-from typing import get_args
-
 import pytest
 
-from harness.case import CaseConfig, ShardingName, is_hybrid
+from harness.case import FSDP_STRATEGIES, CaseConfig, is_hybrid
 from harness.expectations import ExpectedFailure
 from harness.matrix import WIDE_AXES
 from harness.placement import hybrid_shard_size
@@ -37,7 +35,7 @@ TORCH_FSDP1_HYBRID_LOCAL = ExpectedFailure(
 CHECKPOINT = SuiteMatrix(
     "checkpoint",
     axes={
-        "sharding_strategy": list(get_args(ShardingName)),
+        "sharding_strategy": list(FSDP_STRATEGIES),
         "use_orig_params": [False, True],
         "checkpoint": [c for c in WIDE_AXES["checkpoint"] if c != "none"],
         "optimizer": WIDE_AXES["optimizer"],
