@@ -152,6 +152,11 @@ class OptionSpec:
     #: the pytest plugin's help where the option does something else there (``--loop-axes`` deselects).
     pytest_help: str | None = None
 
+    @property
+    def metavar(self) -> str | None:
+        """``WORLD_SIZE`` for ``--world-size`` (argparse would say the field's ``WORLD_SIZES``); None with choices."""
+        return None if self.choices is not None or self.kind == "flag" else self.flag.lstrip("-").replace("-", "_").upper()
+
     def aliases_for(self, front: Front) -> tuple[str, ...]:
         # pytest-timeout registers pytest's own ``--timeout``: the plugin must not claim it.
         return tuple(a for a in self.aliases if not (front == "pytest" and a == "--timeout"))

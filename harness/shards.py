@@ -86,11 +86,10 @@ def parse_shard(text: str, env: Mapping[str, str] | None = None) -> ShardSpec:
 
 
 def resolve_shard(given: ShardSpec | str | None, env: Mapping[str, str] | None = None) -> ShardSpec | None:
-    """``--shard``'s value with ``auto`` read from the environment (``shard_from_env``; ``env`` defaults to
-    this process's)."""
-    if given == "auto":
-        return parse_shard("auto", os.environ if env is None else env)
-    assert given is None or isinstance(given, ShardSpec)
+    """``--shard``'s value: ``K/N`` text parsed, ``auto`` read from the environment (``shard_from_env``;
+    ``env`` defaults to this process's). Raises ``ShardError``."""
+    if isinstance(given, str):
+        return parse_shard(given, os.environ if env is None else env)
     return given
 
 
