@@ -1,6 +1,9 @@
 """``python -m harness nightly --out reports/nightly/<date>``: the whole nightly in one command.
 
-One straight line, every product written into the out directory as it is made:
+Named phases in one straight line (``Nightly``: ``take_back_earlier_attempt``, ``plan_cases``, ``run_cases``,
+``run_fuzz_campaign``, ``measure_perf``, ``build_report``, ``diff_previous``, ``conclude``), every product
+written into the out directory as it is made; the cases run through ``harness.session.RunSession`` as
+``harness run``'s do:
 
 1. the cases of the matrix (``full`` by default) on every local GPU (several pools on each group of
    GPUs side by side, as many as ``harness.placement.pools_per_group`` allows or ``--pools-per-gpu``

@@ -2,9 +2,9 @@
 
 ``run`` selects cases from a matrix generator (``harness.matrix``), runs them on persistent rank pools
 (several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
-``harness.runner.CaseRunner``) and appends one record per case to a JSON Lines file through the
+``harness.session.RunSession``) and appends one record per case to a JSON Lines file through the
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
-ranks are torchrun's own: rank 0 runs the cases through ``CaseRunner`` on one lane whose pool is the
+ranks are torchrun's own: rank 0 runs the cases through a ``RunSession`` on one lane whose pool is the
 world (``harness.torchrun_world``: the other ranks serve it) and records, and the watchdog is
 ``harness.torchrun_watch`` (a lost node is a crash naming it; the run then ends). ``--shard K/N`` runs
 (or lists) the K-th of N disjoint parts of the selection (``harness.cli.sharding``).
