@@ -62,7 +62,8 @@ __all__ = [
 
 @dataclass
 class Selection:
-    """Which cases of the matrix to run (the selection options of every front end)."""
+    """Which cases of the matrix to run: what ``harness.options.SelectionOptions.selection`` makes of the
+    options of every front end, and what a results file stores (``harness.stored_selection``)."""
 
     #: case generator of ``harness.matrix``: ``smoke``, ``pairwise`` or ``full``.
     matrix: str = "smoke"
@@ -90,39 +91,11 @@ class Selection:
     #: at most this many cases.
     limit: int | None = None
 
-    @classmethod
-    def from_args(cls, args: Any) -> "Selection":
-        """From the argparse namespace of a front end that added the selection options."""
-        return cls(
-            matrix=args.matrix, engines=args.engines, references=args.references, models=args.models,
-            steps=args.steps, optimizers=loop_optimizers(args), checkpoints=getattr(args, "checkpoints", None),
-            loop_axes=loop_axes_from_args(args),
-            check_determinism=bool(getattr(args, "check_determinism", False)),
-            stress="delay" if getattr(args, "stress", False) else "none",
-            filters=list(args.filter or []), limit=args.limit,
-        )
-
 
 #: The training-loop axes with an option of their own (``--clip-grad`` ...); ``--loop-axes`` widens them all.
 LOOP_OPTION_AXES = ("clip_grad", "grad_accum", "activation_checkpointing", "compile")
 
 
-def loop_axes_from_args(args: Any) -> dict[str, list[str]]:
-    """The training-loop axes an argparse namespace asks for: ``--loop-axes`` (every value of each, the
-    named slice ``harness.matrix.LOOP_SLICE``), then each axis's own option."""
-    from harness.matrix import LOOP_SLICE
-
-    chosen = {a: list(LOOP_SLICE[a]) for a in LOOP_OPTION_AXES} if getattr(args, "loop_axes", False) else {}
-    chosen.update({a: list(v) for a in LOOP_OPTION_AXES if (v := getattr(args, a, None))})
-    return chosen
-
-
-def loop_optimizers(args: Any) -> list[str] | None:
-    """``--optimizers``, else every optimizer under ``--loop-axes``, else None (the matrix's)."""
-    from harness.matrix import LOOP_SLICE
-
-    given = getattr(args, "optimizers", None)
-    return given or (list(LOOP_SLICE["optimizer"]) if getattr(args, "loop_axes", False) else None)
 
 
 class SelectionError(ValueError):

@@ -39,6 +39,7 @@ __all__ = [
     "parse_shard",
     "partition",
     "read_costs",
+    "resolve_shard",
     "shard_from_env",
 ]
 
@@ -82,6 +83,14 @@ def parse_shard(text: str, env: Mapping[str, str] | None = None) -> ShardSpec:
     if not slash or count < 1 or not 1 <= index <= count:
         raise ShardError(f"--shard {text}: K must be between 1 and N (K counted from 1, e.g. 1/4 .. 4/4)")
     return ShardSpec(index - 1, count)
+
+
+def resolve_shard(given: ShardSpec | str | None, env: Mapping[str, str] | None = None) -> ShardSpec | None:
+    """``--shard``'s value: ``K/N`` text parsed, ``auto`` read from the environment (``shard_from_env``;
+    ``env`` defaults to this process's). Raises ``ShardError``."""
+    if isinstance(given, str):
+        return parse_shard(given, os.environ if env is None else env)
+    return given
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:

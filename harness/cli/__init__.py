@@ -4,8 +4,9 @@ One module per command, each with ``add_arguments(parser)`` and ``main(args) -> 
 ``run`` and ``list`` (``harness.cli.run``), ``models``, ``bench`` (pool overhead), ``nightly`` (matrix,
 fuzz, report, diff in one directory; its shards merged, or submitted as one job array), ``history`` (trend
 over nightlies), ``certify`` (conformance certificate of one engine) and ``perf`` (training-step
-benchmark against torch). The shared selection options live in ``harness.cli.options``; every command
-runs cases through ``harness.runner``. Nothing in the library imports this package.
+benchmark against torch). The shared selection options are registered by ``harness.cli.options`` from the
+library's options model (``harness.options.SelectionOptions``); ``run``, ``nightly`` and ``certify`` run
+their cases through one ``harness.session.RunSession``. Nothing in the library imports this package.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from harness.cli import bench, certify, history, nightly_submit, perf, run
 from harness.cli.options import given_options
 from harness.one_line_parser import OneLineParser
+from harness.options import as_typed
 from harness.runner import SelectionError
 
 __all__ = ["build_parser", "main"]
@@ -58,5 +60,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except SelectionError as exc:
-        parser.error(str(exc))  # exits with status 2
+        parser.error(as_typed(str(exc), argv))  # exits with status 2
         raise  # unreachable: parser.error exits

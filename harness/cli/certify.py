@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.cli.options import add_placement, non_empty_path, positive_float
+from harness.cli.options import add_case_timeout, add_placement, non_empty_path
 from harness.case import CaseConfig
 from harness.placement import Lane
 from harness.records import ERRORED, CaseRecord
@@ -125,24 +125,22 @@ class CertifyRun:
         return self._records
 
     def _run_cases(self) -> list[CaseRecord]:
-        """The cases on one pool of the certificate's lane, through the runner every front end uses."""
+        """The cases on one pool of the certificate's lane, through the run session every front end uses."""
         from harness.collector import ResultWriter, run_info
         from harness.pool import PoolStartError
-        from harness.runner import CaseRunner, Progress, Tee
+        from harness.session import RunSession
 
         cases = self.cases()
-        records: list[CaseRecord] = []
-        progress = Progress(len(cases), enabled=self.progress)
-        try:
-            with ResultWriter(self.out / "results.jsonl", run_info([self.lane])) as writer:
-                runner = CaseRunner(Tee(writer, records.append), progress, None, self.case_timeout_s)
-                left = runner.run([self.lane], cases)
-        finally:
-            progress.close()
-        if left:
+        writer = ResultWriter(self.out / "results.jsonl", run_info([self.lane]))
+        with RunSession(writer, {self.world_size: [self.lane]}, case_timeout_s=self.case_timeout_s,
+                        show_progress=self.progress) as session:
+            session.run(cases)
+        if session.not_run:
             # Cases that did not run would read as a certificate with fewer cases: the ranks failed.
-            raise PoolStartError(f"{len(left)} of {len(cases)} cases not run: " + "; ".join(runner.lane_errors))
-        return records
+            assert session.runner is not None
+            raise PoolStartError(f"{len(session.not_run)} of {len(cases)} cases not run: "
+                                 + "; ".join(session.runner.lane_errors))
+        return session.records
 
     def pytest(self, label: str, args: Sequence[str], timeout_s: float) -> tuple[list[tuple[str, str, str]], str]:
         """Run pytest on ``args`` with ``--engine SPEC`` in a subprocess; ``(node, outcome, message)`` per
@@ -363,7 +361,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=non_empty_path, default=None, help="directory for the certificate (default certificates/NAME-TIME)")
     p.add_argument("--world-size", type=int, default=None, help="ranks per case (default: every local GPU where there are 2 or more, else 2)")
     add_placement(p)
-    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
+    add_case_timeout(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -401,7 +399,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     run = CertifyRun(
         spec=spec, name=adapter.name, quick=args.quick, lane=lane, out=out,
-        case_timeout_s=args.timeout, progress=not args.no_progress,
+        case_timeout_s=args.case_timeout_s, progress=not args.no_progress,
     )
     results = []
     for family in FAMILIES:

@@ -1,6 +1,9 @@
 """``python -m harness nightly --out reports/nightly/<date>``: the whole nightly in one command.
 
-One straight line, every product written into the out directory as it is made:
+Named phases in one straight line (``Nightly``: ``take_back_earlier_attempt``, ``plan_cases``, ``run_cases``,
+``run_fuzz_campaign``, ``measure_perf``, ``build_report``, ``diff_previous``, ``conclude``), every product
+written into the out directory as it is made; the cases run through ``harness.session.RunSession`` as
+``harness run``'s do:
 
 1. the cases of the matrix (``full`` by default) on every local GPU (several pools on each group of
    GPUs side by side, as many as ``harness.placement.pools_per_group`` allows or ``--pools-per-gpu``
@@ -49,31 +52,18 @@ from typing import Any
 from harness.case import CaseConfig
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
-from harness.cli.options import add_execution, add_placement, add_selection, budget_seconds, non_empty_path, positive_float
-from harness.cli.sharding import add_sharding, cut_shard, resolve_shard, shard_dir, shard_text
+from harness.cli.options import (
+    add_case_timeout, add_execution, add_placement, add_selection, budget_seconds, non_empty_path,
+)
+from harness.cli.sharding import add_sharding, resolve_shard, shard_dir
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
-from harness.placement import (
-    PlacementError,
-    available_memory,
-    cpu_pool_check,
-    host_facts,
-    n_gpus,
-    plan_lanes,
-)
+from harness.placement import Lane, PlacementError, host_facts, n_gpus
 from harness.records import FAILING, not_run_text
-from harness.runner import (
-    CaseRunner,
-    Progress,
-    Selection,
-    SelectionError,
-    select_cases,
-    under_torchrun,
-)
+from harness.runner import Selection, SelectionError, select_cases, under_torchrun
 from harness.sampling import sample_order
+from harness.session import Part, RunSession, plan_local_lanes, select_part
 from harness.shards import ShardError
-from harness.stored_selection import (
-    StoredSelection, StoredSelectionError, legacy_warning, read_selection, selection_options, write_selection,
-)
+from harness.stored_selection import StoredSelection, StoredSelectionError, legacy_warning, read_selection
 
 RESULTS_NAME = "results.jsonl"
 FUZZ_NAME = "fuzz.txt"
@@ -229,243 +219,319 @@ def nightly(config: NightlyConfig) -> int:
     """Run the nightly described by ``config``; returns its exit status."""
     with terminate_as_interrupt():
         try:
-            return _nightly(config)
+            return Nightly(config).run()
         except KeyboardInterrupt as exc:  # between phases; the phases say where they stopped
             print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
             return interrupt_exit_status(exc)
 
 
-def _nightly(config: NightlyConfig) -> int:
-    from harness.collector import ResultsLocked, ResultWriter, run_info
+class Nightly:
+    """One nightly into its directory, in named phases (the module docstring's steps), each writing its
+    products as it goes and ``nightly.json`` after it (``save``).
 
-    start = time.monotonic()
-    out = shard_dir(config.out, config.shard)
-    problem = out_dir_problem(out)
-    if problem:
-        print(f"harness nightly: --out: {problem}", file=sys.stderr)
-        return 2
-    state_path, stored = out / NIGHTLY_NAME, None
-    earlier = read_json(state_path) if config.resume else {}
-    if config.resume:
-        try:
-            if not (out / RESULTS_NAME).exists():  # a typo must not start a fresh night
-                raise StoredSelectionError(f"{out / RESULTS_NAME} does not exist, so there is no nightly to continue; "
-                                           "check --out, or drop --resume to start one")
-            stored = read_selection(out / RESULTS_NAME)
-            config = resumed_config(config, stored.options if stored else None, earlier.get("config") or {},
-                                    config.given_options)
-        except ValueError as exc:  # SelectionError, StoredSelectionError
-            print(f"harness nightly: {'--resume: ' * isinstance(exc, StoredSelectionError)}{exc}", file=sys.stderr)
-            return 2
-    out.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {
-        "out": str(out), "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "resumed": config.resume, "config": config.to_dict(),
-    }
+    ``run`` calls the phases in order; a phase returns None to go on, or the exit status to stop with.
+    State between phases: ``config`` (a resumed one takes back the stored selection), ``out`` (a shard's
+    own directory), ``state`` (what ``nightly.json`` holds), ``earlier`` (the interrupted attempt's
+    ``nightly.json``), ``lanes``, ``part`` (``harness.session.Part``), ``session``
+    (``harness.session.RunSession``), ``alongside`` (a fuzz campaign running beside the cases),
+    ``deadline`` (when the last case may start), ``report`` (the report's summary), ``previous`` and
+    ``regressions``.
+    """
 
-    def save() -> None:
-        state["wall_s"] = round(time.monotonic() - start, 3)
-        write_json(state_path, state)
+    def __init__(self, config: NightlyConfig) -> None:
+        self.config = config
+        self.start = time.monotonic()
+        self.out = shard_dir(config.out, config.shard)
+        self.state: dict[str, Any] = {}
+        self.earlier: dict[str, Any] = {}
+        self.stored: StoredSelection | None = None
+        self.lanes: dict[int, list[Lane]] = {}
+        #: world size -> the cases it would hold and why it has no lane here.
+        self.skipped: dict[int, dict[str, Any]] = {}
+        self.part: Part | None = None
+        self.session: RunSession | None = None
+        self.alongside: FuzzRun | None = None
+        self.deadline: float | None = None
+        self.report: Any = None
+        self.previous: Path | None = None
+        self.regressions = 0
 
-    # -- 1. cases ---------------------------------------------------------------------------------
-    host = host_facts()
-    try:
-        lanes, skipped_ws = plan_lanes(config.world_sizes, config.backend, n_gpus(), _matrix_world_sizes(),
-                                       device=config.device, host=host, pools=config.pools_per_gpu)
-    except PlacementError as exc:
-        print(f"harness nightly: {exc}", file=sys.stderr)
-        return 2
-    refused, crowded = cpu_pool_check(lanes, os.cpu_count() or 1, available_memory())
-    if refused:
-        print(f"harness nightly: {refused}", file=sys.stderr)
-        return 2
-    if crowded:
-        print(f"harness nightly: warning: {crowded}", file=sys.stderr)
-    selection = config.selection
-    cases = select_cases(selection, list(lanes))
-    if config.determinism_sample:
-        cases = determinism_sample(cases)
-    selected = cases
-    selection_id = stored.id if stored else StoredSelection(selection_options(selection, sorted(lanes)), tuple(c.full_id for c in cases)).id
-    try:
-        cases, shard = cut_shard(config, cases, selection_id, stored)
-    except ShardError as exc:
-        print(f"harness nightly: {exc}", file=sys.stderr)
-        return 2
-    skipped = {ws: {"cases": _cases_in(selection, ws), "reason": why} for ws, why in skipped_ws.items()}
-    info = run_info([lane for group in lanes.values() for lane in group])
-    try:
-        writer = ResultWriter(out / RESULTS_NAME, info, resume=config.resume)
-    except FileExistsError as exc:
-        print(f"harness nightly: {exc}; or pass --resume to continue that nightly", file=sys.stderr)
-        return 2
-    except ResultsLocked as exc:
-        print(f"harness nightly: --out: {exc}", file=sys.stderr)
-        return 2
-    cases_start = time.monotonic()
-    fuzz_path = out / FUZZ_NAME
-    beside = fuzz_alongside(lanes, host.cpu_cores) and not _other_shard(shard)
-    # The budget holds the report too, and a share for a fuzz campaign that runs after the cases.
-    fuzz_after = not beside and _fuzz_not_run(config, earlier, fuzz_path, None, shard) is None
-    deadline = cases_deadline(start, config.time_budget_s, fuzz_after)
-    alongside: FuzzRun | None = None
-    if beside:
-        budget = fuzz_budget(config.time_budget_s, time.monotonic() - start)
-        if _fuzz_not_run(config, earlier, fuzz_path, budget) is None:
-            alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, fuzz_path, budget, progress=False).start()  # one bar on the terminal: the cases'
-    with writer:
-        if writer.resumed and stored is None:
-            print(legacy_warning(out / RESULTS_NAME, writer.resumed.values()), file=sys.stderr)
-        if stored is None:
-            stored = StoredSelection(selection_options(selection, sorted(lanes)), tuple(c.full_id for c in selected), shard)
-            write_selection(out / RESULTS_NAME, stored)
-        state["selection"] = {"id": stored.id, "options": stored.options}
-        if shard is not None:
-            state["shard"] = {k: v for k, v in shard.items() if k != "case_ids"} | {"selected": len(selected)}
-            print(f"harness nightly: {shard_text(shard, len(selected))} -> {out}", file=sys.stderr)
-        done = writer.recorded_ids()
-        todo = [c for c in cases if c.full_id not in done]
-        if deadline is not None:
-            todo = sample_order(todo)  # a budget spent early has still seen every value of every axis
-        if done:
-            print(f"resuming {out}: {len(cases) - len(todo)} of {len(cases)} cases already recorded", file=sys.stderr)
-        state["cases"] = {
-            "selected": len(cases), "already_recorded": len(cases) - len(todo), "recorded": 0, "not_run": 0,
-            "world_sizes": sorted(lanes), "backend": info.backend, "device": info.device,
-            "ranks_per_gpu": info.ranks_per_gpu,
-            "lanes": [{**dataclasses.asdict(lane), "device": lane.device} for group in lanes.values() for lane in group],
-            "world_sizes_skipped": skipped, "order": "sampled" if deadline is not None else "generator",
-        }
-        save()
-        progress = Progress(len(todo), enabled=config.progress, deadline=deadline)
-        runner = CaseRunner(writer, progress, deadline, config.case_timeout_s,
-                            repeat=config.repeat, repeat_failures=config.repeat_failures)
-        try:
-            not_run, pools_failed = runner.run_all(lanes, todo, config.time_budget_s)
-            writer.check_present()  # deleted after its last record: the report would read a file that is gone
-        except KeyboardInterrupt as exc:
-            runner.interrupt()
-            if alongside is not None:
-                alongside.stop()
-            progress.close()
-            state["cases"].update(recorded=runner.recorded, interrupted=True)
-            save()
-            print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
-            return interrupt_exit_status(exc)
-        except OSError as exc:  # the results file could not be written (runner.write_error)
-            runner.interrupt()
-            if alongside is not None:
-                alongside.stop()
-            progress.close()
-            state["cases"].update(recorded=runner.recorded, write_error=str(exc))
-            save()
-            kept = getattr(exc, "records_kept", True)  # not a ResultsFileGone
-            print(f"harness nightly: {exc}" + (f"; the records written before it are kept: free space and rerun "
-                                                f"with: {config.resume_line()}" if kept else ""), file=sys.stderr)
-            return 2
-        progress.close()
-    _write_not_run(out / NOT_RUN_NAME, not_run)
-    cases_wall = time.monotonic() - cases_start
-    state["cases"].update(
-        recorded=runner.recorded, not_run=len(not_run),
-        not_run_reasons=dict(collections.Counter(why for _, why in not_run)),
-        lane_errors=runner.lane_errors, wall_s=round(cases_wall, 3),
-        cases_per_s=round(runner.recorded / cases_wall, 3) if cases_wall > 0 else None,
-    )
-    save()
-    if not_run:
-        print(f"harness nightly: {len(not_run)} case(s) not run, listed in {out / NOT_RUN_NAME}", file=sys.stderr)
+    @property
+    def results(self) -> Path:
+        return self.out / RESULTS_NAME
 
-    # -- 2. fuzz campaign -------------------------------------------------------------------------
-    if alongside is not None:
-        state["fuzz"] = {**dataclasses.asdict(alongside.wait()), "alongside_cases": True}
-    else:
-        skip = _fuzz_not_run(config, earlier, fuzz_path, fuzz_budget(config.time_budget_s, time.monotonic() - start), shard)
-        if skip is not None:
-            state["fuzz"] = skip
-        else:
+    @property
+    def shard(self) -> dict[str, Any] | None:
+        return self.part.shard if self.part is not None else None
+
+    def save(self) -> None:
+        self.state["wall_s"] = round(time.monotonic() - self.start, 3)
+        write_json(self.out / NIGHTLY_NAME, self.state)
+
+    def run(self) -> int:
+        phases = (self.take_back_earlier_attempt, self.plan_cases, self.run_cases, self.run_fuzz_campaign,
+                  self.measure_perf, self.build_report, self.diff_previous)
+        for phase in phases:
+            code = phase()
+            if code is not None:
+                return code
+        return self.conclude()
+
+    def _refuse(self, message: str) -> int:
+        print(f"harness nightly: {message}", file=sys.stderr)
+        return 2
+
+    # -- before the cases -----------------------------------------------------------------------------
+
+    def take_back_earlier_attempt(self) -> int | None:
+        """Check ``--out``; resuming, take back the stored selection and the earlier attempt's options."""
+        config = self.config
+        problem = out_dir_problem(self.out)
+        if problem:
+            return self._refuse(f"--out: {problem}")
+        if config.resume:
+            self.earlier = read_json(self.out / NIGHTLY_NAME)
             try:
-                state["fuzz"] = dataclasses.asdict(
-                    run_fuzz(config.fuzz_profile, config.fuzz_max_examples, fuzz_path,
-                             fuzz_budget(config.time_budget_s, time.monotonic() - start), config.progress))
+                if not self.results.exists():  # a typo must not start a fresh night
+                    raise StoredSelectionError(f"{self.results} does not exist, so there is no nightly to continue; "
+                                               "check --out, or drop --resume to start one")
+                self.stored = read_selection(self.results)
+                self.config = resumed_config(config, self.stored.options if self.stored else None,
+                                             self.earlier.get("config") or {}, config.given_options)
+            except ValueError as exc:  # SelectionError, StoredSelectionError
+                return self._refuse(f"{'--resume: ' * isinstance(exc, StoredSelectionError)}{exc}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.state = {"out": str(self.out), "complete": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      "resumed": self.config.resume, "config": self.config.to_dict()}
+        return None
+
+    def plan_cases(self) -> int | None:
+        """The lanes of this host and the part of the selection this nightly runs (determinism sampled)."""
+        config = self.config
+        try:
+            self.lanes, skipped, crowded = plan_local_lanes(config.world_sizes, config.backend, config.device,
+                                                            config.pools_per_gpu, _matrix_world_sizes())
+        except PlacementError as exc:
+            return self._refuse(str(exc))
+        if crowded:
+            print(f"harness nightly: warning: {crowded}", file=sys.stderr)
+        try:
+            self.part = select_part(config.selection, sorted(self.lanes), shard=config.shard,
+                                    shard_costs=config.shard_costs, stored=self.stored,
+                                    prepare=determinism_sample if config.determinism_sample else None)
+        except ShardError as exc:
+            return self._refuse(str(exc))
+        self.skipped = {ws: {"cases": _cases_in(config.selection, ws), "reason": why} for ws, why in skipped.items()}
+        return None
+
+    # -- 1. cases -------------------------------------------------------------------------------------
+
+    def run_cases(self) -> int | None:
+        """The part's cases the results file lacks, on the lanes (a fuzz campaign beside them where the
+        cores allow); ``not_run.txt`` lists what a time budget left out."""
+        from harness.collector import ResultsLocked, ResultWriter, run_info
+
+        config, out, part = self.config, self.out, self.part
+        assert part is not None
+        info = run_info([lane for group in self.lanes.values() for lane in group])
+        try:
+            writer = ResultWriter(self.results, info, resume=config.resume)
+        except FileExistsError as exc:
+            return self._refuse(f"{exc}; or pass --resume to continue that nightly")
+        except ResultsLocked as exc:
+            return self._refuse(f"--out: {exc}")
+        cases_start = time.monotonic()
+        beside = fuzz_alongside(self.lanes, host_facts().cpu_cores) and not _other_shard(part.shard)
+        # The budget holds the report too, and a share for a fuzz campaign that runs after the cases.
+        fuzz_after = not beside and _fuzz_not_run(config, self.earlier, self.fuzz_path, None, part.shard) is None
+        self.deadline = cases_deadline(self.start, config.time_budget_s, fuzz_after)
+        if beside:
+            budget = fuzz_budget(config.time_budget_s, time.monotonic() - self.start)
+            if _fuzz_not_run(config, self.earlier, self.fuzz_path, budget) is None:
+                # One bar on the terminal: the cases'.
+                self.alongside = FuzzRun(config.fuzz_profile, config.fuzz_max_examples, self.fuzz_path, budget,
+                                         progress=False).start()
+        session = self.session = RunSession(
+            writer, self.lanes, case_timeout_s=config.case_timeout_s, repeat=config.repeat,
+            repeat_failures=config.repeat_failures, show_progress=config.progress, deadline=self.deadline,
+            budget_s=config.time_budget_s)
+        with session:
+            if session.latest and part.stored is None:
+                print(legacy_warning(self.results, session.latest.values()), file=sys.stderr)
+            stored = part.store(self.results)
+            self.state["selection"] = {"id": stored.id, "options": stored.options}
+            if part.shard is not None:
+                self.state["shard"] = {k: v for k, v in part.shard.items() if k != "case_ids"} | {"selected": len(part.selected)}
+                print(f"harness nightly: {part.describe()} -> {out}", file=sys.stderr)
+            todo = session.todo(part.cases)
+            if self.deadline is not None:
+                todo = sample_order(todo)  # a budget spent early has still seen every value of every axis
+            if session.latest:
+                print(f"resuming {out}: {len(part.cases) - len(todo)} of {len(part.cases)} cases already recorded",
+                      file=sys.stderr)
+            self.state["cases"] = {
+                "selected": len(part.cases), "already_recorded": len(part.cases) - len(todo), "recorded": 0,
+                "not_run": 0, "world_sizes": sorted(self.lanes), "backend": info.backend, "device": info.device,
+                "ranks_per_gpu": info.ranks_per_gpu,
+                "lanes": [{**dataclasses.asdict(lane), "device": lane.device} for group in self.lanes.values() for lane in group],
+                "world_sizes_skipped": self.skipped, "order": "sampled" if self.deadline is not None else "generator",
+            }
+            self.save()
+            try:
+                session.run(todo)
             except KeyboardInterrupt as exc:
-                save()
+                self._stop_cases(interrupted=True)
                 print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
                 return interrupt_exit_status(exc)
-    save()
+            except OSError as exc:  # the results file could not be written (the runner's write_error)
+                self._stop_cases(write_error=str(exc))
+                kept = getattr(exc, "records_kept", True)  # not a ResultsFileGone
+                print(f"harness nightly: {exc}" + (f"; the records written before it are kept: free space and rerun "
+                                                    f"with: {config.resume_line()}" if kept else ""), file=sys.stderr)
+                return 2
+        not_run = session.not_run
+        _write_not_run(out / NOT_RUN_NAME, not_run)
+        cases_wall = time.monotonic() - cases_start
+        assert session.runner is not None
+        self.state["cases"].update(
+            recorded=session.recorded, not_run=len(not_run),
+            not_run_reasons=dict(collections.Counter(why for _, why in not_run)),
+            lane_errors=session.runner.lane_errors, wall_s=round(cases_wall, 3),
+            cases_per_s=round(session.recorded / cases_wall, 3) if cases_wall > 0 else None,
+        )
+        self.save()
+        if not_run:
+            print(f"harness nightly: {len(not_run)} case(s) not run, listed in {out / NOT_RUN_NAME}", file=sys.stderr)
+        return None
 
-    # -- 2b. performance: after the cases, so the GPUs are free ---------------------------------------
-    from harness import perf_section
+    @property
+    def fuzz_path(self) -> Path:
+        return self.out / FUZZ_NAME
 
-    if not config.perf:
-        state["perf"] = {"skipped": "--no-perf"}
-    elif _other_shard(shard):
-        state["perf"] = {"skipped": ONE_SHARD}
-    elif config.resume and earlier.get("perf") and not earlier["perf"].get("skipped"):
-        state["perf"] = earlier["perf"]
-    elif deadline is not None and time.monotonic() > deadline:
-        state["perf"] = {"skipped": f"time budget of {config.time_budget_s:g} s spent"}
-    else:
-        state["perf"] = perf_section.run_section(n_gpus())
-    save()
+    def _stop_cases(self, **why: Any) -> None:
+        """The cases stopped early (the session has stopped the lanes): the fuzz beside them stops too, and
+        ``nightly.json`` says how far they got."""
+        if self.alongside is not None:
+            self.alongside.stop()
+        assert self.session is not None
+        self.state["cases"].update(recorded=self.session.recorded, **why)
+        self.save()
 
-    # -- 3. report ----------------------------------------------------------------------------------
-    import reports
-    from reports import render
+    # -- 2. fuzz campaign and performance -------------------------------------------------------------
 
-    t0 = time.monotonic()
-    # The budget's end, less a margin for the pages, tables and diff after the plots.
-    summary = reports.build([out / RESULTS_NAME], out, plot_deadline=None if config.time_budget_s is None
-                            else start + config.time_budget_s - report_reserve(config.time_budget_s) / 2)
-    state["verdicts"] = dict(summary.verdicts)
-    state["determinism"] = determinism_summary(_latest_records(out / RESULTS_NAME))
-    state["report"] = {"files": summary.files, "bad_lines": len(summary.bad_lines), "wall_s": round(time.monotonic() - t0, 3)}
-    save()
+    def run_fuzz_campaign(self) -> int | None:
+        """The fuzz campaign's outcome: waited for when it ran beside the cases, else run now (or why not)."""
+        config = self.config
+        if self.alongside is not None:
+            self.state["fuzz"] = {**dataclasses.asdict(self.alongside.wait()), "alongside_cases": True}
+        else:
+            budget = fuzz_budget(config.time_budget_s, time.monotonic() - self.start)
+            skip = _fuzz_not_run(config, self.earlier, self.fuzz_path, budget, self.shard)
+            if skip is not None:
+                self.state["fuzz"] = skip
+            else:
+                try:
+                    self.state["fuzz"] = dataclasses.asdict(
+                        run_fuzz(config.fuzz_profile, config.fuzz_max_examples, self.fuzz_path,
+                                 fuzz_budget(config.time_budget_s, time.monotonic() - self.start), config.progress))
+                except KeyboardInterrupt as exc:
+                    self.save()
+                    print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
+                    return interrupt_exit_status(exc)
+        self.save()
+        return None
 
-    # -- 4. diff against the previous nightly -------------------------------------------------------
-    previous = config.previous if config.previous is not None else find_previous(out, stored.id)
-    regressions = 0
-    other = night_selection(previous) if previous is not None and previous.is_dir() else None
-    try:
-        if shard is not None:
-            raise ValueError(f"a shard: the night's diff is the merge's (python -m harness nightly --out {config.out} --merge-shards)")
-        if previous is None:
-            raise ValueError(f"no earlier nightly of this selection ({stored.id}) next to {out}")
-        if other is not None and other != stored.id:
-            raise ValueError(f"{previous} is a night of another selection ({other}, this one {stored.id}); "
-                             "nights compare with nights of the same selection")
-        old = baseline_source(previous)
+    def measure_perf(self) -> int | None:
+        """The performance section: after the cases, so the GPUs are free."""
+        from harness import perf_section
+
+        config = self.config
+        if not config.perf:
+            self.state["perf"] = {"skipped": "--no-perf"}
+        elif _other_shard(self.shard):
+            self.state["perf"] = {"skipped": ONE_SHARD}
+        elif config.resume and self.earlier.get("perf") and not self.earlier["perf"].get("skipped"):
+            self.state["perf"] = self.earlier["perf"]
+        elif self.deadline is not None and time.monotonic() > self.deadline:
+            self.state["perf"] = {"skipped": f"time budget of {config.time_budget_s:g} s spent"}
+        else:
+            self.state["perf"] = perf_section.run_section(n_gpus())
+        self.save()
+        return None
+
+    # -- 3. report, 4. diff ---------------------------------------------------------------------------
+
+    def build_report(self) -> int | None:
+        """The report of the results file; its plots stop where the budget, less a margin for the pages,
+        tables and diff after them, ends."""
+        import reports
+
+        budget = self.config.time_budget_s
         t0 = time.monotonic()
-        result = reports.diff(old, out / RESULTS_NAME)
-    except ValueError as exc:  # nothing to compare with: said, never a regression
-        state["diff"] = {"previous": None, "note": str(exc)}
-        for stale in (out / DIFF_MD_NAME, out / DIFF_JSON_NAME):
-            stale.unlink(missing_ok=True)
-    else:
-        text = render.diff_markdown(result, str(old), str(out / RESULTS_NAME))
-        (out / DIFF_MD_NAME).write_text(text, encoding="utf-8")
-        write_json(out / DIFF_JSON_NAME, result.to_dict())
-        regressions = len(result.regressions)
-        state["diff"] = {
-            "previous": str(old), "exit_code": result.exit_code,
-            "counts": result.to_dict()["counts"], "wall_s": round(time.monotonic() - t0, 3),
-        }
-    perf_diff = perf_section.compare_sections(perf_section.previous_section(previous), state["perf"])
-    state["perf_diff"] = perf_diff.to_dict()
-    regressions += len(perf_diff.regressions)
-    save()
+        self.report = reports.build([self.results], self.out, plot_deadline=None if budget is None
+                                    else self.start + budget - report_reserve(budget) / 2)
+        self.state["verdicts"] = dict(self.report.verdicts)
+        self.state["determinism"] = determinism_summary(_latest_records(self.results))
+        self.state["report"] = {"files": self.report.files, "bad_lines": len(self.report.bad_lines),
+                                "wall_s": round(time.monotonic() - t0, 3)}
+        self.save()
+        return None
 
-    # -- 5. verdict ---------------------------------------------------------------------------------
-    fuzz_exit = state["fuzz"].get("exit_code")
-    code, reasons = exit_status(summary.verdicts, fuzz_exit, regressions, pools_failed,
-                                empty_part=shard is not None and not shard["case_ids"])
-    partial = partial_reasons(state)
-    # ``finished``: it ran to its end; ``complete``: and left nothing out (cases, fuzz, perf).
-    state.update(complete=not partial, exit_code=code, exit_reasons=reasons, partial=partial,
-                 finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    save()
-    print(_summary_text(state))
-    return code
+    def diff_previous(self) -> int | None:
+        """The diff against the previous night of the same selection, and the performance ratios."""
+        import reports
+        from harness import perf_section
+        from reports import render
+
+        config, out, state = self.config, self.out, self.state
+        selection_id = state["selection"]["id"]
+        previous = self.previous = config.previous if config.previous is not None else find_previous(out, selection_id)
+        other = night_selection(previous) if previous is not None and previous.is_dir() else None
+        try:
+            if self.shard is not None:
+                raise ValueError(f"a shard: the night's diff is the merge's (python -m harness nightly --out {config.out} --merge-shards)")
+            if previous is None:
+                raise ValueError(f"no earlier nightly of this selection ({selection_id}) next to {out}")
+            if other is not None and other != selection_id:
+                raise ValueError(f"{previous} is a night of another selection ({other}, this one {selection_id}); "
+                                 "nights compare with nights of the same selection")
+            old = baseline_source(previous)
+            t0 = time.monotonic()
+            result = reports.diff(old, self.results)
+        except ValueError as exc:  # nothing to compare with: said, never a regression
+            state["diff"] = {"previous": None, "note": str(exc)}
+            for stale in (out / DIFF_MD_NAME, out / DIFF_JSON_NAME):
+                stale.unlink(missing_ok=True)
+        else:
+            text = render.diff_markdown(result, str(old), str(self.results))
+            (out / DIFF_MD_NAME).write_text(text, encoding="utf-8")
+            write_json(out / DIFF_JSON_NAME, result.to_dict())
+            self.regressions = len(result.regressions)
+            state["diff"] = {
+                "previous": str(old), "exit_code": result.exit_code,
+                "counts": result.to_dict()["counts"], "wall_s": round(time.monotonic() - t0, 3),
+            }
+        perf_diff = perf_section.compare_sections(perf_section.previous_section(previous), state["perf"])
+        state["perf_diff"] = perf_diff.to_dict()
+        self.regressions += len(perf_diff.regressions)
+        self.save()
+        return None
+
+    # -- 5. verdict -----------------------------------------------------------------------------------
+
+    def conclude(self) -> int:
+        """The exit status and its reasons into ``nightly.json``, and the summary printed."""
+        assert self.session is not None
+        shard = self.shard
+        code, reasons = exit_status(self.report.verdicts, self.state["fuzz"].get("exit_code"), self.regressions,
+                                    self.session.pools_failed, empty_part=shard is not None and not shard["case_ids"])
+        partial = partial_reasons(self.state)
+        # ``finished``: it ran to its end; ``complete``: and left nothing out (cases, fuzz, perf).
+        self.state.update(complete=not partial, exit_code=code, exit_reasons=reasons, partial=partial,
+                          finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        self.save()
+        print(_summary_text(self.state))
+        return code
 
 
 def _other_shard(shard: Mapping[str, Any] | None) -> bool:
@@ -565,7 +631,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and none starts after the budget (the rest are listed in not_run.txt); the fuzz campaign "
                         "gets what is left less 30 s for the report")
     add_placement(p)
-    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
+    add_case_timeout(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-determinism-sample", action="store_true",
                    help="do not check determinism on the sample of one case per engine, strategy and world size")

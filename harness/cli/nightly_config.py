@@ -83,11 +83,16 @@ class NightlyConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "NightlyConfig":
+        from harness.cli.options import selection_options
+
+        options = selection_options(args)
         return cls(
-            out=args.out, selection=Selection.from_args(args), world_sizes=args.world_size,
+            out=args.out, selection=options.selection(),
+            world_sizes=list(options.world_sizes) if options.world_sizes else None,
             fuzz_profile=args.fuzz_profile, fuzz_max_examples=args.fuzz_max_examples,
             time_budget_s=args.time_budget_s, resume=args.resume, previous=args.previous,
-            backend=args.backend, device=args.device, case_timeout_s=args.timeout, progress=not args.no_progress,
+            backend=options.backend, device=options.device, case_timeout_s=options.case_timeout_s,
+            progress=not args.no_progress,
             determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
             repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
             perf=not args.no_perf, given_options=frozenset(getattr(args, "given_options", ())),
@@ -116,7 +121,7 @@ class NightlyConfig:
 RESUMED_FIELDS: dict[str, str] = {
     "time_budget_s": "time_budget_s", "fuzz_profile": "fuzz_profile", "fuzz_max_examples": "fuzz_max_examples",
     "perf": "no_perf", "determinism_sample": "no_determinism_sample", "repeat": "repeat",
-    "repeat_failures": "repeat_failures", "case_timeout_s": "timeout", "previous": "previous",
+    "repeat_failures": "repeat_failures", "case_timeout_s": "case_timeout_s", "previous": "previous",
 }
 
 

@@ -1,21 +1,25 @@
-"""Command-line options shared by the front ends: the case selection (``harness.runner.Selection``),
-how the cases run (lanes, repeats), and the value types that refuse a bad number where argparse reads
-it (naming the option)."""
+"""Command-line options shared by the front ends: the case selection and placement, registered from the
+one options model (``harness.options.SelectionOptions``, which the pytest plugin registers its options from
+too), how the cases run (lanes, repeats), and the value types that refuse a bad number where argparse reads
+it (naming the option).
+
+The one place an argparse namespace becomes the library's options: ``selection_options``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+from harness import options as model
 from harness.one_line_parser import non_empty, non_empty_path
-from harness.placement import OPTION_HELP
+from harness.options import MAX_SECONDS, OptionSpec, OptionValueError, SelectionOptions, option_specs
 
-__all__ = ["MAX_SECONDS", "add_execution", "budget_seconds", "add_placement", "add_selection", "csv_list", "given_options",
-           "non_empty", "non_empty_path", "non_negative_int", "positive_float", "positive_int", "world_sizes"]
-
-#: the longest time an option of seconds may name (a week): a larger one (``1e300``) overflows the
-#: deadlines computed from it, so every case would end "not run".
-MAX_SECONDS = 7 * 24 * 3600.0
+__all__ = ["MAX_SECONDS", "add_case_timeout", "add_execution", "budget_seconds", "add_placement", "add_selection",
+           "csv_list", "given_options", "non_empty", "non_empty_path", "non_negative_int", "positive_float",
+           "positive_int", "selection_options", "world_sizes"]
 
 
 class _Unset(list):  # type: ignore[type-arg]
@@ -34,95 +38,75 @@ def given_options(add_arguments: Callable[[argparse.ArgumentParser], None], argv
     return frozenset(d for d, mark in marks.items() if getattr(namespace, d) is not mark)
 
 
-def csv_list(text: str) -> list[str]:
-    """A comma-separated option value as a list, blanks dropped; a value naming nothing is refused
-    (an empty ``--engines ""`` must not mean every engine)."""
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"must name at least one value, got {text!r}")
-    return parts
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as argparse's ``type``: its ``OptionValueError`` becomes the error argparse prints after
+    the option's name (a plain ValueError would read "invalid value"), and a tuple a list, as the commands'
+    namespaces have always held (``SelectionOptions`` freezes it)."""
+    def read(text: str) -> Any:
+        try:
+            value = parse(text)
+        except OptionValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return list(value) if isinstance(value, tuple) else value
+
+    read.__name__ = parse.__name__
+    return read
 
 
-def _int_at_least(text: str, low: int, words: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a {words} integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be a {words} integer, got {value}")
-    return value
+#: the library's value types as argparse types, under the names the commands import.
+csv_list = _argparse_type(model.csv_values)
+positive_int = _argparse_type(model.positive_int)
+non_negative_int = _argparse_type(model.non_negative_int)
+positive_float = _argparse_type(model.positive_seconds)
+budget_seconds = _argparse_type(model.budget_seconds)
+world_sizes = _argparse_type(model.world_size_list)
 
 
-def positive_int(text: str) -> int:
-    """An option value that must be an integer of at least 1 (argparse names the option)."""
-    return _int_at_least(text, 1, "positive")
+def _add_option(p: argparse.ArgumentParser, spec: OptionSpec, default: Any) -> None:
+    """One option of the model, and each alias as an option of its own into the same destination: an
+    error then names the spelling that was typed (``argument --timeout: ...``), not both."""
+    kw: dict[str, Any] = {"dest": spec.field}
+    if spec.kind == "flag":
+        kw["action"] = "store_true"
+    else:
+        kw["metavar"] = spec.metavar
+        kw["type"] = _argparse_type(spec.parse) if spec.parse is not None else None
+        kw["choices"] = spec.choices
+        if spec.kind == "append":
+            kw["action"] = "append"
+            default = list(default)  # argparse's ``append`` copies the default and appends to it
+    p.add_argument(spec.flag, default=default, help=spec.help_for("cli"), **kw)
+    for alias in spec.aliases_for("cli"):
+        p.add_argument(alias, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kw)
 
 
-def _seconds(text: str, zero_ok: bool) -> float:
-    words = f"a {'non-negative' if zero_ok else 'positive'} number of seconds, at most {MAX_SECONDS:.0f} (a week)"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}") from None
-    if not (0 <= value if zero_ok else 0 < value) or not value <= MAX_SECONDS:  # nan fails both
-        raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
-    return value
+def _add_fields(p: argparse.ArgumentParser, fields: Iterable[str]) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(SelectionOptions)}
+    for spec in option_specs("cli", fields):
+        _add_option(p, spec, defaults[spec.field])
 
 
-def positive_float(text: str) -> float:
-    """An option value that must be a number of seconds above 0 and at most ``MAX_SECONDS`` (nan and
-    inf refused; argparse names the option)."""
-    return _seconds(text, zero_ok=False)
+#: the selection options in the order ``--help`` lists them.
+SELECTION_FIELDS = ("matrix", "engines", "references", "models", "world_sizes", "optimizers", "clip_grad", "grad_accum",
+                    "activation_checkpointing", "compile", "loop_axes", "checkpoints", "steps", "check_determinism",
+                    "stress", "filters", "limit")
 
 
-def budget_seconds(text: str) -> float:
-    """A time budget: like ``positive_float``, but 0 is a budget spent before anything starts."""
-    return _seconds(text, zero_ok=True)
-
-
-def world_sizes(text: str) -> list[int]:
-    """``--world-size 2,4``: positive integers, a repeated one kept once (running it twice would
-    record every case twice)."""
-    sizes = [positive_int(part) for part in csv_list(text)]
-    if not sizes:
-        raise argparse.ArgumentTypeError(f"must name at least one world size, got {text!r}")
-    return list(dict.fromkeys(sizes))
+def selection_options(args: argparse.Namespace) -> SelectionOptions:
+    """The options model of a parsed command line: every ``SelectionOptions`` field its command registered
+    (the others keep their defaults). The library takes this, never the namespace."""
+    given = vars(args)
+    return SelectionOptions(**{f.name: given[f.name] for f in dataclasses.fields(SelectionOptions) if f.name in given})
 
 
 def add_selection(p: argparse.ArgumentParser) -> None:
-    """The options ``harness.runner.Selection.from_args`` reads, plus ``--world-size``."""
-    p.add_argument("--matrix", default="smoke", choices=("smoke", "pairwise", "full"), help="case generator (harness.matrix)")
-    p.add_argument("--engines", type=csv_list, default=None, help="comma list of engine names or specs: builtin,torch-fsdp,torch-fsdp2 (default: these), "
-                        "an entry point of fsdp_parity.engines, NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT")
-    p.add_argument("--references", type=csv_list, default=None, help="comma list: ddp,local (default: the matrix's)")
-    p.add_argument("--models", type=csv_list, default=None, help="comma list of harness.models.MODELS (default: the matrix's)")
-    p.add_argument("--world-size", type=world_sizes, default=None,
-                   help="ranks per case, comma list for several pools, repeats kept once (default 2; under torchrun its WORLD_SIZE)")
-    p.add_argument("--optimizers", type=csv_list, default=None,
-                   help="comma list: sgd,adamw,adamw_groups,two_optimizers (default: sgd)")
-    p.add_argument("--clip-grad", type=csv_list, default=None, help="comma list: none,norm (default: none)")
-    p.add_argument("--grad-accum", type=csv_list, default=None,
-                   help="comma list: none,no_sync,sync: micro-batches per step, skipping synchronization or not (default: none)")
-    p.add_argument("--activation-checkpointing", type=csv_list, default=None,
-                   help="comma list: none,non_reentrant,reentrant (default: none)")
-    p.add_argument("--compile", type=csv_list, default=None,
-                   help="comma list: none,compiled: torch.compile, aot_eager on CPU and inductor on GPUs (default: none)")
-    p.add_argument("--loop-axes", action="store_true",
-                   help="widen every training-loop axis and the optimizers to all their values (harness.matrix.LOOP_SLICE)")
-    p.add_argument("--checkpoints", type=csv_list, default=None,
-                   help="comma list: none,full,sharded,local: save half-way and resume (default: none)")
-    p.add_argument("--steps", type=positive_int, default=None, help="training steps per case (default: CaseConfig's 5)")
-    p.add_argument("--check-determinism", action="store_true", help="run each engine twice and require bitwise-equal results")
-    p.add_argument("--stress", action="store_true",
-                   help="delay the CUDA compute stream where a missing stream wait would show (harness.stress); "
-                        "cases get the id segment stress_delay and are unsupported on CPU")
-    p.add_argument("--filter", action="append", type=non_empty, default=[], help="keep cases whose full id contains this (repeatable: any of them; a+b: both a and b)")
-    p.add_argument("--limit", type=positive_int, default=None, help="run at most this many cases")
+    """The selection options (``SELECTION_FIELDS`` of ``harness.options.SelectionOptions``)."""
+    _add_fields(p, SELECTION_FIELDS)
 
 
-def non_negative_int(text: str) -> int:
-    """An option value that must be an integer of at least 0 (argparse names the option)."""
-    return _int_at_least(text, 0, "non-negative")
+def add_case_timeout(p: argparse.ArgumentParser) -> None:
+    """``--case-timeout`` (also ``--timeout``): seconds per case before it is a timeout."""
+    _add_fields(p, ["case_timeout_s"])
 
 
 def add_execution(p: argparse.ArgumentParser) -> None:
@@ -138,5 +122,4 @@ def add_execution(p: argparse.ArgumentParser) -> None:
 
 def add_placement(p: argparse.ArgumentParser) -> None:
     """``--backend`` and ``--device``: where the ranks run, as ``harness.placement.place`` decides."""
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"), help=OPTION_HELP["backend"])
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help=OPTION_HELP["device"])
+    _add_fields(p, ["backend", "device"])

@@ -2,9 +2,9 @@
 
 ``run`` selects cases from a matrix generator (``harness.matrix``), runs them on persistent rank pools
 (several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
-``harness.runner.CaseRunner``) and appends one record per case to a JSON Lines file through the
+``harness.session.RunSession``) and appends one record per case to a JSON Lines file through the
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
-ranks are torchrun's own: rank 0 runs the cases through ``CaseRunner`` on one lane whose pool is the
+ranks are torchrun's own: rank 0 runs the cases through a ``RunSession`` on one lane whose pool is the
 world (``harness.torchrun_world``: the other ranks serve it) and records, and the watchdog is
 ``harness.torchrun_watch`` (a lost node is a crash naming it; the run then ends). ``--shard K/N`` runs
 (or lists) the K-th of N disjoint parts of the selection (``harness.cli.sharding``).
@@ -26,10 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.case import CaseConfig
-from harness.cli.options import add_execution, add_placement, add_selection, non_empty_path, positive_float
-from harness.cli.sharding import add_sharding, cut_shard, shard_text
+from harness.cli.options import (
+    add_case_timeout, add_execution, add_placement, add_selection, non_empty_path, selection_options,
+)
+from harness.cli.sharding import add_sharding
 from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
-from harness.records import FAILING
+from harness.options import SelectionOptions
+from harness.runner import Selection, SelectionError, exit_status, file_counts, summary, under_torchrun
+from harness.session import Part, RunSession, plan_local_lanes, select_part
 from harness.shards import ShardError
 from harness.stored_selection import (
     StoredSelection,
@@ -39,25 +43,12 @@ from harness.stored_selection import (
     option_key,
     read_selection,
     selection_from_options,
-    selection_options,
+    selection_options as stored_options,
     selection_path,
-    write_selection,
-)
-from harness.runner import (
-    CaseRunner,
-    Progress,
-    Selection,
-    SelectionError,
-    Tee,
-    exit_status,
-    file_counts,
-    select_cases,
-    summary,
-    under_torchrun,
 )
 
 if TYPE_CHECKING:
-    from harness.collector import ResultWriter
+    from harness.collector import ResultWriteError, ResultWriter
     from harness.placement import Lane
     from harness.torchrun_world import TorchrunWorld
 
@@ -100,11 +91,6 @@ def write_error_text(exc: "ResultWriteError", out: Path) -> str:
             f"free space and continue with {resume_command('--out', out, '--resume')}")
 
 
-def _reruns(recorded: dict[str, Any], rerun_failed: bool) -> set[str]:
-    """The recorded cases (full id -> record) that run again: with ``--rerun-failed`` those not passing."""
-    return {i for i, r in recorded.items() if r.verdict in FAILING} if rerun_failed else set()
-
-
 def _refuse(message: str) -> int:
     print(f"harness run: {message}", file=sys.stderr)
     return 2
@@ -113,33 +99,29 @@ def _refuse(message: str) -> int:
 def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
-    from harness.collector import ResultWriteError, out_path_problem, record_full_id, run_info
-    from harness.placement import (
-        PlacementError, available_memory, cpu_pool_check, host_facts, n_gpus, plan_lanes,
-    )
+    from harness.collector import ResultWriteError, out_path_problem, run_info
+    from harness.placement import PlacementError
 
+    options = selection_options(args)
     out = Path(args.out) if args.out else _default_out()
     problem = out_path_problem(out)
     if problem:
         return _refuse(f"--out: {problem}")
     resume = args.resume or args.rerun_failed
+    world_sizes = list(options.world_sizes or [2])
     try:
-        selection, world_sizes, stored = resumed_selection(args, out, args.world_size or [2])
+        selection, world_sizes, stored = _resumed(args, options, out, world_sizes)
     except SelectionError as exc:
         return _refuse(str(exc))
-    selected = select_cases(selection, world_sizes)
     try:
-        cases, shard = cut_shard(args, selected, _selection_id(selection, world_sizes, selected, stored), stored)
+        part = _part(args, selection, world_sizes, stored)
     except ShardError as exc:
         return _refuse(str(exc))
     try:
-        lanes, skipped = plan_lanes(world_sizes, args.backend, n_gpus(), world_sizes, device=args.device,
-                                    host=host_facts(), pools=args.pools_per_gpu)
+        lanes, skipped, crowded = plan_local_lanes(list(part.world_sizes), options.backend, options.device,
+                                                   args.pools_per_gpu, list(part.world_sizes))
     except PlacementError as exc:
         return _refuse(str(exc))
-    refused, crowded = cpu_pool_check(lanes, os.cpu_count() or 1, available_memory())
-    if refused:
-        return _refuse(refused)
     if crowded:
         print(f"harness run: warning: {crowded}", file=sys.stderr)
     for ws, why in skipped.items():
@@ -147,55 +129,38 @@ def main(args: argparse.Namespace) -> int:
     writer = _open_results(out, run_info([lane for group in lanes.values() for lane in group]), resume)
     if isinstance(writer, str):
         return _refuse(writer)
-    with writer, terminate_as_interrupt():
+    session = RunSession(writer, lanes, case_timeout_s=options.case_timeout_s, repeat=args.repeat,
+                         repeat_failures=args.repeat_failures, show_progress=not args.no_progress)
+    with session, terminate_as_interrupt():
         for bad in writer.bad_lines:
             print(f"warning: unreadable line {bad}", file=sys.stderr)
-        latest = dict(writer.resumed)
-        if latest and stored is None:
-            print(legacy_warning(out, latest.values()), file=sys.stderr)
-        if stored is None:
-            _store_selection(out, selection, world_sizes, selected, shard)
-        rerun = _reruns(latest, args.rerun_failed)
-        todo = [c for c in cases if (c.full_id not in latest or c.full_id in rerun) and c.world_size in lanes]
-        if latest:
-            print(f"resuming {out}: {len([c for c in cases if c.full_id in latest and c.full_id not in rerun])} of "
-                  f"{len(cases)} cases already recorded"
-                  + (f", {len([c for c in cases if c.full_id in rerun])} not passing to rerun" if args.rerun_failed else ""),
+        if session.latest and part.stored is None:
+            print(legacy_warning(out, session.latest.values()), file=sys.stderr)
+        part.store(out)
+        rerun = session.reruns(args.rerun_failed)
+        todo = session.todo(part.cases, args.rerun_failed)
+        if session.latest:
+            print(f"resuming {out}: {len([c for c in part.cases if c.full_id in session.latest and c.full_id not in rerun])} of "
+                  f"{len(part.cases)} cases already recorded"
+                  + (f", {len([c for c in part.cases if c.full_id in rerun])} not passing to rerun" if args.rerun_failed else ""),
                   file=sys.stderr)
-        of = f" ({shard_text(shard, len(selected))})" if shard else ""
+        of = f" ({part.describe()})" if part.shard else ""
         print(f"harness run: {len(todo)} cases{of} on {lane_text(lanes)}", file=sys.stderr)
-        progress = Progress(len(todo), enabled=not args.no_progress)
-
-        def keep_latest(record: Any) -> None:
-            # ``latest`` (full id -> record) stays current, so the exit status covers the file's every case.
-            latest[record_full_id(record)] = record
-
-        runner = CaseRunner(Tee(writer, keep_latest), progress, None, args.timeout,
-                            repeat=args.repeat, repeat_failures=args.repeat_failures)
-        start = time.monotonic()
         try:
-            not_run, pools_failed = runner.run_all(lanes, todo)
+            session.run(todo)
         except ResultWriteError as exc:
-            progress.close()
             return _refuse(write_error_text(exc, out))
         except KeyboardInterrupt as exc:
-            runner.interrupt()
-            progress.close()
             print(f"\ninterrupted; the ranks are stopped. Continue with: {resume_command('--out', out, '--resume')}", file=sys.stderr)
             return interrupt_exit_status(exc)
-        progress.close()
-        try:
-            writer.check_present()  # deleted after its last record: the summary would name a file that is gone
-        except ResultWriteError as exc:
-            return _refuse(write_error_text(exc, out))
-    if pools_failed:
-        return _refuse(f"{len(not_run)} case(s) not run: {not_run[0][1]}")
-    elapsed = time.monotonic() - start
-    print(summary(progress.counts, out, elapsed, progress.unsupported))
-    counts = file_counts(latest)
+    if session.pools_failed:
+        return _refuse(f"{len(session.not_run)} case(s) not run: {session.not_run[0][1]}")
+    assert session.progress is not None
+    print(summary(session.progress.counts, out, session.wall_s, session.progress.unsupported))
+    counts = file_counts(session.latest)
     if resume:
         held = ", ".join(f"{v} {n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
-        print(f"{out} holds {len(latest)} cases ({held}); the exit status covers them all"
+        print(f"{out} holds {len(session.latest)} cases ({held}); the exit status covers them all"
               + ("" if args.rerun_failed or not exit_status(counts) else "; --rerun-failed reruns the ones not passing"))
     if writer.bad_lines:
         print(f"warning: {len(writer.bad_lines)} unreadable line(s) in {out} (listed above)", file=sys.stderr)
@@ -203,18 +168,19 @@ def main(args: argparse.Namespace) -> int:
     return exit_status(counts)
 
 
-def resumed_selection(args: argparse.Namespace, out: Path, world_sizes: list[int]) -> tuple[Selection, list[int], StoredSelection | None]:
-    """The selection to run: the one stored beside ``out`` when resuming it, else the options'. Raises
-    ``SelectionError`` naming every option given again with another value than the stored one."""
-    selection = Selection.from_args(args)
+def _resumed(args: argparse.Namespace, options: SelectionOptions, out: Path | None,
+             world_sizes: list[int]) -> tuple[Selection, list[int], StoredSelection | None]:
+    """The selection to run: when resuming ``out``, the one stored beside it. Raises ``SelectionError``
+    naming every option given again with another value than the stored one."""
+    selection = options.selection()
     try:
-        stored = read_selection(out) if args.resume or args.rerun_failed else None
+        stored = read_selection(out) if out is not None and (args.resume or args.rerun_failed) else None
     except StoredSelectionError as exc:
         raise SelectionError(f"--resume: {exc}") from None
     if stored is None:
         return selection, world_sizes, None
-    clash = contradictions(stored.options, selection_options(selection, world_sizes),
-                           {option_key(d) for d in getattr(args, "given_options", ())})
+    given = {option_key(d) for d in getattr(args, "given_options", ())}
+    clash = contradictions(stored.options, stored_options(selection, world_sizes), given)
     if clash:
         raise SelectionError(f"--resume: {'; '.join(clash)} contradict the selection {out} was made with "
                              f"({selection_path(out).name}); drop them to continue it (a larger --limit too: "
@@ -223,23 +189,10 @@ def resumed_selection(args: argparse.Namespace, out: Path, world_sizes: list[int
     return selection, stored_sizes, stored
 
 
-def _selection_id(selection: Selection, world_sizes: list[int], cases: list[CaseConfig], stored: StoredSelection | None) -> str:
-    """The id of the selection (the stored one when resuming): what every shard of it shares."""
-    if stored is not None:
-        return stored.id
-    return StoredSelection(selection_options(selection, world_sizes), tuple(c.full_id for c in cases)).id
-
-
-def _store_selection(out: Path, selection: Selection, world_sizes: list[int], cases: list[CaseConfig],
-                     shard: dict[str, Any] | None = None) -> None:
-    """Store the selection (every selected case, and the part a shard runs) beside a results file on disk
-    (``harness.stored_selection``) for ``--resume``."""
-    if not out.is_file():
-        return  # a special file (/dev/null): nothing to resume
-    try:
-        write_selection(out, StoredSelection(selection_options(selection, world_sizes), tuple(c.full_id for c in cases), shard))
-    except OSError as exc:
-        print(f"warning: cannot store the selection beside {out} ({exc}); --resume will need the same options", file=sys.stderr)
+def _part(args: argparse.Namespace, selection: Selection, world_sizes: list[int], stored: StoredSelection | None) -> Part:
+    """This process's part of the selection (``--shard``; a resumed file's own). Raises ``ShardError``, and
+    ``SelectionError`` for options naming no cases (the caller's parser says it)."""
+    return select_part(selection, world_sizes, shard=args.shard, shard_costs=args.shard_costs, stored=stored)
 
 
 def lane_text(lanes: dict[int, list[Any]]) -> str:
@@ -268,6 +221,7 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     from harness.torchrun_world import TorchrunWorld
 
     die_with_parent()  # torchrun leaves the workers of a SIGKILLed agent running: not ours
+    options = selection_options(args)
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
@@ -275,7 +229,7 @@ def _run_torchrun(args: argparse.Namespace) -> int:
 
     # torchrun places the ranks of this node: the rule is the pool's, over the local ranks.
     try:
-        lane = place(local_ws, n_gpus(), args.backend, args.device)
+        lane = place(local_ws, n_gpus(), options.backend, options.device)
     except PlacementError as exc:
         return _refuse(str(exc))
     backend = lane.backend
@@ -287,22 +241,22 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     init: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, timeout=datetime.timedelta(hours=1), **init)
     ctx = RankContext(rank, ws, local_rank, local_ws, backend, device)
-    if args.world_size and args.world_size != [ws]:
-        print(f"harness run: --world-size {args.world_size} ignored under torchrun (WORLD_SIZE={ws})", file=sys.stderr)
+    if options.world_sizes and list(options.world_sizes) != [ws]:
+        print(f"harness run: --world-size {list(options.world_sizes)} ignored under torchrun (WORLD_SIZE={ws})",
+              file=sys.stderr)
     out = Path(args.out) if args.out else _default_out()
     # The stored selection, at torchrun's world size (every rank reads it: rank 0 alone writes the file).
-    selection, _, stored = resumed_selection(args, out, [ws])
-    selected = select_cases(selection, [ws])
     # Every rank cuts the same part: the partition is a function of the selection, N and the costs.
+    selection, _, stored = _resumed(args, options, out, [ws])
     try:
-        cases, shard = cut_shard(args, selected, _selection_id(selection, [ws], selected, stored), stored)
+        part = _part(args, selection, [ws], stored)
     except ShardError as exc:
         return _refuse(str(exc))
 
     # Where every rank lives, so a lost node is named (torchrun's GROUP_RANK, the host).
     sites: list[Any] = [None] * ws
     dist.all_gather_object(sites, site_of_this_rank(rank))
-    world = TorchrunWorld(ctx, TorchrunWatch(rank, sites, args.timeout))
+    world = TorchrunWorld(ctx, TorchrunWatch(rank, sites, options.case_timeout_s))
     status = 0
     if rank == 0:
         with world:  # the other ranks get the stop when rank 0's cases are over (or refused)
@@ -310,9 +264,8 @@ def _run_torchrun(args: argparse.Namespace) -> int:
             if isinstance(writer, str):
                 status = _refuse(writer)
             else:
-                if stored is None:
-                    _store_selection(out, selection, [ws], selected, shard)
-                status = _record_torchrun(args, world, writer, lane, cases)
+                part.store(out)
+                status = _record_torchrun(args, options, world, writer, lane, part)
     else:
         world.serve()
     dist.barrier()
@@ -321,16 +274,14 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     return status
 
 
-def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "ResultWriter", lane: "Lane",
-                     cases: list[CaseConfig]) -> int:
-    """Rank 0 under torchrun: the cases ``writer``'s file lacks (or reruns), through ``CaseRunner`` on one
+def _record_torchrun(args: argparse.Namespace, options: SelectionOptions, world: "TorchrunWorld",
+                     writer: "ResultWriter", lane: "Lane", part: Part) -> int:
+    """Rank 0 under torchrun: the cases ``writer``'s file lacks (or reruns), through a ``RunSession`` on one
     lane whose pool is the world."""
     from harness.collector import ResultWriteError
     from harness.parity import record_from_outcome
 
     out = writer.path
-    rerun = _reruns(writer.resumed, args.rerun_failed)
-    todo = [c for c in cases if c.full_id not in writer.resumed or c.full_id in rerun]
 
     def record_lost(case: CaseConfig, outcome: Any) -> None:
         # The watch's thread, while the lane waits in the case: the run ends after this record.
@@ -338,24 +289,23 @@ def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "
         writer.close()
 
     world.record_lost = record_lost
-    progress = Progress(len(todo), enabled=not args.no_progress)
-    runner = CaseRunner(writer, progress, None, args.timeout, repeat=args.repeat,
-                        repeat_failures=args.repeat_failures, open_pool=lambda _: world)
-    start = time.monotonic()
+    # The case under way when Ctrl-C comes is not recorded, and nothing is left to wait for: the world is
+    # the pool, and torchrun stops its ranks.
+    # The lane is this node's share of the world; the cases are the world's size (torchrun's WORLD_SIZE).
+    session = RunSession(writer, {ws: [lane] for ws in part.world_sizes}, case_timeout_s=options.case_timeout_s,
+                         repeat=args.repeat, repeat_failures=args.repeat_failures, show_progress=not args.no_progress,
+                         open_pool=lambda _: world, interrupt_wait_s=0)
+    todo = session.todo(part.cases, args.rerun_failed)
     try:
-        with writer:
-            runner.run([lane], todo)
+        with session:
+            session.run(todo)
     except ResultWriteError as exc:
         return _refuse(write_error_text(exc, out))
-    except KeyboardInterrupt:
-        runner.interrupt(wait_s=0)  # the case under way is not recorded
-        raise
-    finally:
-        progress.close()
-    if runner.lane_errors:
-        return _refuse(f"{len(todo) - runner.recorded} case(s) not run: {'; '.join(runner.lane_errors)}")
-    print(summary(progress.counts, out, time.monotonic() - start, progress.unsupported))
-    return exit_status(progress.counts)
+    assert session.runner is not None and session.progress is not None
+    if session.runner.lane_errors:
+        return _refuse(f"{len(todo) - session.recorded} case(s) not run: {'; '.join(session.runner.lane_errors)}")
+    print(summary(session.progress.counts, out, session.wall_s, session.progress.unsupported))
+    return exit_status(session.progress.counts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -363,16 +313,15 @@ def _record_torchrun(args: argparse.Namespace, world: "TorchrunWorld", writer: "
 
 
 def main_list(args: argparse.Namespace) -> int:
-    selection, world_sizes = Selection.from_args(args), args.world_size or [2]
-    selected = select_cases(selection, world_sizes)
+    options = selection_options(args)
     try:
-        cases, shard = cut_shard(args, selected, _selection_id(selection, world_sizes, selected, None))
+        part = _part(args, options.selection(), list(options.world_sizes or [2]), None)
     except ShardError as exc:
         print(f"harness list: {exc}", file=sys.stderr)
         return 2
-    for case in cases:
+    for case in part.cases:
         print(case.full_id)
-    print(f"{len(cases)} cases" + (f" ({shard_text(shard, len(selected))})" if shard else ""), file=sys.stderr)
+    print(f"{len(part.cases)} cases" + (f" ({part.describe()})" if part.shard else ""), file=sys.stderr)
     return 0
 
 
@@ -399,7 +348,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="like --resume, but rerun the cases whose latest record is fail, error, timeout, crash or flaky "
                         "(the new record supersedes the old one in reports)")
     add_placement(p)
-    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per case before it is a timeout")
+    add_case_timeout(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_execution(p)
 

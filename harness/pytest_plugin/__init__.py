@@ -2,9 +2,10 @@
 
 Loaded by the root ``conftest.py``. What it adds:
 
-- options ``--engine``, ``--reference``, ``--matrix`` (smoke | pairwise | full), ``--world-size``,
-  ``--backend``, ``--case-timeout``, ``--results``, ``--loop-axes`` (see ``pytest --help``, group
-  "parity"); ``--loop-axes`` deselects the generated cases of every suite that varies no training-loop
+- options ``--engines`` (also ``--engine``), ``--references`` (also ``--reference``), ``--matrix`` (smoke |
+  pairwise | full), ``--world-size``, ``--backend``, ``--device``, ``--case-timeout``, ``--loop-axes`` (the
+  command line's, from ``harness.options.SelectionOptions``: same names, checks and messages) and
+  ``--results`` (see ``pytest --help``, group "parity"); ``--loop-axes`` deselects the generated cases of every suite that varies no training-loop
   axis (``SuiteMatrix.varies_loop_axes``), as ``harness run --loop-axes`` selects that slice;
 - ``@pytest.mark.parity_matrix(SuiteMatrix(...))`` on a test that takes ``parity_case``: the test is
   parametrized with the suite's cases for the chosen lane (``harness.pytest_plugin.cases``), each with its
@@ -37,7 +38,9 @@ check (``fsdp_api``) and every generated case that ran on two engines, with each
 
 from __future__ import annotations
 
+import argparse
 import collections
+import dataclasses
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -48,10 +51,9 @@ import pytest
 
 from harness.case import CaseConfig, engine_name
 from harness.expectations import ExpectedFailure
-from harness.placement import OPTION_HELP
+from harness.options import SelectionOptions, as_typed, option_specs
 from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
 from harness.records import CaseRecord
-from harness.registry import DEFAULT_ENGINES
 
 if TYPE_CHECKING:
     from harness.collector import ResultWriter
@@ -76,44 +78,29 @@ RUN_ID_INPUT = "parity_run_id"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """The options ``harness.options.SelectionOptions`` offers pytest (the command line's names, checks and
+    messages; an alias is an option of its own, so an error names it as typed), and ``--results``."""
     group = parser.getgroup("parity", "generated parity cases (harness.pytest_plugin)")
-    group.addoption("--engine", default=",".join(DEFAULT_ENGINES),
-                    help="comma list of engines under test: registered names or specs NAME=fsdp1:MODULE, "
-                         "NAME=fsdp2:MODULE, NAME=MODULE:OBJECT (harness.registry; default: builtin,torch-fsdp,"
-                         "torch-fsdp2); the seed suites run the ones with torch FSDP1's API")
-    group.addoption("--reference", default="ddp,local", help="comma list of references: ddp,local (default: both)")
-    group.addoption("--matrix", default="smoke", choices=("smoke", "pairwise", "full"),
-                    help="lane: how each generated suite walks its slice of the case matrix (default: smoke)")
-    group.addoption("--world-size", default="2",
-                    help="ranks per case, comma list for several (default 2); cases needing more GPUs than "
-                         "this process has are skipped with the reason")
-    group.addoption("--backend", default="auto", choices=("auto", "gloo", "nccl"), help=OPTION_HELP["backend"])
-    group.addoption("--device", default="auto", choices=("auto", "cpu", "cuda"), help=OPTION_HELP["device"])
-    group.addoption("--case-timeout", type=float, default=300.0, help="seconds per case before it is a timeout")
+    defaults = {f.name: f.default for f in dataclasses.fields(SelectionOptions)}
+    for spec in option_specs("pytest"):
+        # The model's default (None: not given, which ``ParityOptions`` fills in), so that a test reading
+        # ``getoption("matrix")`` sees ``smoke``; an alias carries it too, as pytest sets every default.
+        kw: dict[str, Any] = {"dest": spec.field, "default": defaults[spec.field]}
+        kw.update(action="store_true") if spec.kind == "flag" else kw.update(choices=spec.choices, metavar=spec.metavar)
+        group.addoption(spec.flag, help=spec.help_for("pytest"), **kw)
+        for alias in spec.aliases_for("pytest"):
+            group.addoption(alias, help=argparse.SUPPRESS, **kw)
     group.addoption("--results", default=None, metavar="FILE",
                     help="append every generated case's record to this JSON Lines file (default: none); "
                          "xdist workers write FILE's per-worker siblings, merged into FILE at the end")
-    group.addoption("--loop-axes", action="store_true",
-                    help="run only the generated suites that vary the training-loop axes (harness.matrix.LOOP_SLICE: "
-                         "optimizers, clip_grad, grad_accum, activation_checkpointing, compile); the other "
-                         "generated cases are deselected")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     try:
-        options = ParityOptions.parse(
-            engine=config.getoption("engine"),
-            reference=config.getoption("reference"),
-            matrix=config.getoption("matrix"),
-            world_size=config.getoption("world_size"),
-            backend=config.getoption("backend"),
-            case_timeout=config.getoption("case_timeout"),
-            results=config.getoption("results"),
-            device=config.getoption("device"),
-            loop_axes=config.getoption("loop_axes"),
-        )
+        texts = {spec.field: config.getoption(spec.field) for spec in option_specs("pytest")}
+        options = ParityOptions.from_options(SelectionOptions.parse(texts), config.getoption("results"))
     except ValueError as exc:
-        raise pytest.UsageError(str(exc)) from None
+        raise pytest.UsageError(as_typed(str(exc), config.invocation_params.args, "pytest")) from None
     config.stash[OPTIONS_KEY] = options
     config.addinivalue_line(
         "markers", "parity_matrix(suite): parametrize the test's parity_case with a harness.pytest_plugin.cases.SuiteMatrix"

@@ -29,9 +29,10 @@ from typing import Any, Literal, get_args
 from harness.case import CaseConfig, ReferenceName
 from harness.expectations import ExpectedFailure, expected_failure
 from harness.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
+from harness.options import SelectionOptions
 from harness.placement import DeviceChoice, Lane, PlacementError, place
 from harness.records import SEVERITY, CaseRecord
-from harness.registry import DEFAULT_ENGINES, check_engines, fsdp1_engines
+from harness.registry import DEFAULT_ENGINES, fsdp1_engines
 
 __all__ = [
     "Agreement",
@@ -43,7 +44,6 @@ __all__ = [
     "describe_failure",
     "engine_baseline",
     "outcome_of",
-    "parse_csv",
     "plan_pool",
     "verdict_table",
 ]
@@ -56,20 +56,6 @@ _OPTION_AXES = ("engine", "reference", "world_size")
 
 # ---------------------------------------------------------------------------------------------------
 # Options
-
-
-def parse_csv(text: str, option: str, allowed: Sequence[str] | None = None) -> tuple[str, ...]:
-    """``"a, b"`` -> ``("a", "b")``; raises ValueError naming ``option`` on an empty list or an unknown value."""
-    values = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not values:
-        raise ValueError(f"{option}: give at least one value (got {text!r})")
-    if allowed is not None:
-        unknown = [v for v in values if v not in allowed]
-        if unknown:
-            raise ValueError(f"{option}: {unknown} not among {list(allowed)}")
-    if len(set(values)) != len(values):
-        raise ValueError(f"{option}: {text!r} repeats a value")
-    return values
 
 
 @dataclass(frozen=True)
@@ -98,38 +84,39 @@ class ParityOptions:
     @classmethod
     def parse(
         cls,
-        engine: str,
-        reference: str,
+        engine: str | None,
+        reference: str | None,
         matrix: str,
-        world_size: str,
+        world_size: str | None,
         backend: str,
-        case_timeout: float,
+        case_timeout: float | str | None,
         results: str | None,
         device: str = "auto",
         loop_axes: bool = False,
     ) -> "ParityOptions":
-        """From the option strings; ValueError names the bad option."""
-        if matrix not in get_args(GeneratorName):
-            raise ValueError(f"--matrix: {matrix!r} is not one of {list(get_args(GeneratorName))}")
-        if backend not in get_args(BackendOption):
-            raise ValueError(f"--backend: {backend!r} is not one of {list(get_args(BackendOption))}")
-        if device not in get_args(DeviceChoice):
-            raise ValueError(f"--device: {device!r} is not one of {list(get_args(DeviceChoice))}")
-        sizes = parse_csv(world_size, "--world-size")
-        if not all(s.isdigit() and int(s) >= 1 for s in sizes):
-            raise ValueError(f"--world-size: {world_size!r} must be positive integers, e.g. 2 or 2,4")
-        if not case_timeout > 0:
-            raise ValueError(f"--case-timeout: {case_timeout} must be positive seconds")
+        """From the option strings (None: not given); ValueError names the bad option."""
+        texts = {"engines": engine, "references": reference, "matrix": matrix, "world_sizes": world_size,
+                 "backend": backend, "case_timeout_s": case_timeout, "device": device, "loop_axes": loop_axes}
+        return cls.from_options(SelectionOptions.parse(texts), results)
+
+    @classmethod
+    def from_options(cls, options: SelectionOptions, results: str | None = None) -> "ParityOptions":
+        """The suites' options from the options model every front end shares, checked as the command line
+        checks them (``harness.runner.check_selection``: an unknown engine or reference names its option);
+        what was not given is every engine, both references and two ranks."""
+        from harness.runner import check_selection
+
+        check_selection(options.selection(), options.world_sizes or ())
         return cls(
-            engines=tuple(check_engines(parse_csv(engine, "--engine"), "--engine")),
-            references=parse_csv(reference, "--reference", get_args(ReferenceName)),
-            matrix=matrix,  # type: ignore[arg-type]
-            world_sizes=tuple(int(s) for s in sizes),
-            backend=backend,  # type: ignore[arg-type]
-            device=device,  # type: ignore[arg-type]
-            case_timeout_s=float(case_timeout),
+            engines=options.engines or DEFAULT_ENGINES,
+            references=options.references or get_args(ReferenceName),
+            matrix=options.matrix,  # type: ignore[arg-type]
+            world_sizes=options.world_sizes or (2,),
+            backend=options.backend,  # type: ignore[arg-type]
+            device=options.device,  # type: ignore[arg-type]
+            case_timeout_s=options.case_timeout_s,
             results=results,
-            loop_axes=bool(loop_axes),
+            loop_axes=options.loop_axes,
         )
 
     @property

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from harness.case import CaseConfig, loop_segments
-from harness.cli.options import add_selection
+from harness.cli.options import add_selection, selection_options
 from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS, generate, invalid_reason, pairs_uncovered
 from harness.records import not_run_text, parse_not_run
 from harness.runner import Selection, select_cases
@@ -93,7 +93,7 @@ def test_the_smoke_variants_show_every_value() -> None:
 def _selection(*argv: str) -> Selection:
     parser = argparse.ArgumentParser()
     add_selection(parser)
-    return Selection.from_args(parser.parse_args(list(argv)))
+    return selection_options(parser.parse_args(list(argv))).selection()
 
 
 def test_options_widen_the_axes_and_filter_knows_the_segments() -> None:

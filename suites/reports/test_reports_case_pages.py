@@ -15,10 +15,11 @@ from synthetic_records import RUN, record
 import reports
 from harness.case import CaseConfig
 from harness.cli import build_parser
+from harness.cli.options import selection_options
 from harness.parity import RankResult, record_from_outcome
 from harness.pool import PoolOutcome
 from harness.records import CaseRecord, QuantityError
-from harness.runner import Selection, select_cases
+from harness.runner import select_cases
 from reports.__main__ import main
 from reports.case_page import case_href, case_slug, rerun_caveats, rerun_command, step_errors
 
@@ -105,7 +106,7 @@ def test_the_rerun_command_selects_exactly_the_case() -> None:
         assert argv[:4] == ["python3", "-m", "harness", "run"]
         args = build_parser().parse_args(argv[3:])
         assert isinstance(args, argparse.Namespace) and args.backend == "gloo"
-        assert [c.full_id for c in select_cases(Selection.from_args(args), args.world_size)] == [case.full_id]
+        assert [c.full_id for c in select_cases(selection_options(args).selection(), args.world_sizes)] == [case.full_id]
 
 
 def test_the_page_says_when_the_command_cannot_rerun_the_case() -> None:
