@@ -17,21 +17,21 @@ import sys
 import time
 from typing import Any
 
-from harness.cli.nightly import (
+from harness.cli.night import (
     DIFF_JSON_NAME,
     DIFF_MD_NAME,
     NIGHTLY_NAME,
     NOT_RUN_NAME,
     RESULTS_NAME,
     baseline_source,
-    partial_reasons,
-    config_from_args,
     exit_status,
     find_previous,
     night_selection,
+    partial_reasons,
     read_json,
     write_json,
 )
+from harness.cli.nightly import config_from_args
 from harness.cli.nightly import main as nightly_main
 from harness.cli.nightly_config import NightlyConfig
 from harness.cli.sharding import SHARDS_DIR

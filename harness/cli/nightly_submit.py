@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.cli import nightly, nightly_merge
+from harness.cli import night, nightly, nightly_merge
 from harness.cli.nightly_config import NightlyConfig
 from harness.cli.sharding import shard_dir
 from harness.shards import ShardSpec
@@ -112,7 +112,7 @@ class ShardTask:
         again = ShardTask(self.args, self.shard.index, self.shard.count)
         # The records written before the requeue are kept; a task stopped before it opened its results
         # file starts afresh (``--resume`` refuses a nightly that does not exist).
-        again.args.resume = (self.out / nightly.RESULTS_NAME).exists()
+        again.args.resume = (self.out / night.RESULTS_NAME).exists()
         return submitit.helpers.DelayedSubmission(again)
 
 

@@ -9,14 +9,8 @@ import pytest
 
 from harness.case import CaseConfig
 from harness.cli.fuzz import REPORT_RESERVE_S, fuzz_alongside, fuzz_budget, parse_fuzz_totals
-from harness.cli.nightly import (
-    NightlyConfig,
-    baseline_source,
-    determinism_sample,
-    determinism_summary,
-    exit_status,
-    find_previous,
-)
+from harness.cli.night import baseline_source, determinism_sample, determinism_summary, exit_status, find_previous
+from harness.cli.nightly import NightlyConfig
 from harness.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
 from harness.records import CaseRecord
 from harness.runner import Selection, SelectionError, select_cases
@@ -242,7 +236,7 @@ def test_a_resumed_nightly_takes_back_its_selection_and_budget_unless_given_agai
 
 
 def test_a_partial_nightly_never_reads_as_ok() -> None:
-    from harness.cli.nightly import partial_reasons
+    from harness.cli.night import partial_reasons
 
     whole = {"cases": {"selected": 5, "not_run": 0}, "fuzz": {"skipped": "--fuzz-profile none"}, "perf": {"skipped": "--no-perf"}}
     assert partial_reasons(whole) == []
