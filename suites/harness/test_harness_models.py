@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.adapters import rank_local_param_names
-from harness import models
-from harness.models import (
+from harness.engines.adapters import rank_local_param_names
+from harness.cases import models
+from harness.cases.models import (
     MixtureOfExpertsModel,
     ZooModel,
     build_model,
@@ -127,7 +127,7 @@ def test_sleep_models_differ_only_in_sleeps() -> None:
 
 
 def test_unknown_model_names_the_registry() -> None:
-    with pytest.raises(ValueError, match="harness.models.MODELS"):
+    with pytest.raises(ValueError, match="harness.cases.models.MODELS"):
         build_model("resnet")
 
 

@@ -62,7 +62,7 @@ def test_one_way_imports_have_no_circle(tmp_path: Path) -> None:
 def test_layer_of_knows_front_ends_from_the_library() -> None:
     names = [name for name, _ in LAYERS]
     assert names[layer_of("engine.unit")] == "engine"
-    assert names[layer_of("harness.runner")] == "harness library"
+    assert names[layer_of("harness.run.runner")] == "harness library"
     assert names[layer_of("harness")] == "harness library"
     assert names[layer_of("harness.cli.run")] == "front ends"
     assert names[layer_of("harness.pytest_plugin")] == "front ends"
@@ -78,11 +78,11 @@ def test_planted_upward_import_is_found(tmp_path: Path) -> None:
         "engine/__init__.py": "",
         "engine/unit.py": "import torch\n",
         "harness/__init__.py": "",
-        "harness/runner.py": "from engine import unit\n",
+        "harness/run/runner.py": "from engine import unit\n",
         "harness/cli/__init__.py": "",
-        "harness/cli/run.py": "from harness import runner\nimport reports.page\n",
+        "harness/cli/run.py": "from harness.run import runner\nimport reports.page\n",
         "reports/__init__.py": "",
-        "reports/page.py": "from harness.runner import x\n",
+        "reports/page.py": "from harness.run.runner import x\n",
         "suites/__init__.py": "",
         "suites/test_x.py": "import harness.cli.run\nimport reports.page\n",
     }
@@ -92,17 +92,17 @@ def test_planted_upward_import_is_found(tmp_path: Path) -> None:
     # One import up from each layer: the engine into the library, the library into the reports,
     # the reports into a front end, a front end into the suites.
     planted = {
-        "engine/unit.py": "def f():\n    from harness import runner\n",
-        "harness/runner.py": "from reports.page import render\n",
+        "engine/unit.py": "def f():\n    from harness.run import runner\n",
+        "harness/run/runner.py": "from reports.page import render\n",
         "reports/page.py": "from harness.cli import run\n",
         "harness/cli/run.py": "import suites.test_x\n",
     }
     root = _tree(tmp_path, planted)
     found = upward_imports(import_graph(root, ["engine", "harness", "reports", "suites"]))
     assert found == [
-        ("engine.unit", "harness.runner"),
+        ("engine.unit", "harness.run.runner"),
         ("harness.cli.run", "suites.test_x"),
-        ("harness.runner", "reports.page"),
+        ("harness.run.runner", "reports.page"),
         ("reports.page", "harness.cli.run"),
     ]
 
@@ -154,7 +154,7 @@ def test_every_engine_module_imports_alone() -> None:
 #: the modules of harness/ that check the engine's own internals (its flat-parameter handle, wrap policies,
 #: precision rules, hook registration) and so import ``engine``. Nothing else in harness/ or reports/ may:
 #: the reference side never runs the engine under test's code (the engine is loaded by its spec, as any
-#: other engine is; what both sides need is the harness's own, e.g. ``harness.dtensors``).
+#: other engine is; what both sides need is the harness's own, e.g. ``harness.engines.dtensors``).
 ENGINE_INTERNAL_CHECKS: frozenset[str] = frozenset({
     "harness.conformance.flat_handles",
     "harness.conformance.flat_param_properties",
@@ -178,18 +178,18 @@ def test_planted_engine_import_is_found(tmp_path: Path) -> None:
         "engine/__init__.py": "",
         "engine/dtensors.py": "",
         "harness/__init__.py": "",
-        "harness/checkpoint.py": "def f():\n    from engine.dtensors import full_tensor\n",
-        "harness/registry.py": "BUILTIN = 'engine'\n",
+        "harness/engines/checkpoint.py": "def f():\n    from engine.dtensors import full_tensor\n",
+        "harness/engines/registry.py": "BUILTIN = 'engine'\n",
         "reports/__init__.py": "",
         "reports/page.py": "import engine\n",
     })
-    assert engine_importers(import_graph(root, ["engine", "harness", "reports"])) == {"harness.checkpoint", "reports.page"}
+    assert engine_importers(import_graph(root, ["engine", "harness", "reports"])) == {"harness.engines.checkpoint", "reports.page"}
 
 
 def test_the_reference_side_never_imports_the_engine() -> None:
     found = engine_importers(import_graph(ROOT, ["engine", "harness", "reports"]))
     assert not found - ENGINE_INTERNAL_CHECKS, (
-        f"modules of harness/ or reports/ importing engine (use the harness's own helpers, e.g. harness.dtensors): "
+        f"modules of harness/ or reports/ importing engine (use the harness's own helpers, e.g. harness.engines.dtensors): "
         f"{sorted(found - ENGINE_INTERNAL_CHECKS)}")
     assert not ENGINE_INTERNAL_CHECKS - found, (
         f"no longer import engine: drop them from ENGINE_INTERNAL_CHECKS: {sorted(ENGINE_INTERNAL_CHECKS - found)}")

@@ -23,9 +23,9 @@ from harness.conformance.mixed_precision.rank_api import (
     reduced_dtypes,
     strategy,
 )
-from harness.dtypes import dtype_of
-from harness.models import TransformerModel, to_device
-from harness.rank import RankContext
+from harness.cases.dtypes import dtype_of
+from harness.cases.models import TransformerModel, to_device
+from harness.ranks.rank import RankContext
 
 
 # ---------------------------------------------------------------------------- eval

@@ -13,8 +13,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from harness.conformance.mixed_precision.models import BatchNormNet, ModelWithIgnoredModule, SaveForwardInputsModel
 from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api
-from harness.dtypes import dtype_of
-from harness.rank import RankContext
+from harness.cases.dtypes import dtype_of
+from harness.ranks.rank import RankContext
 
 
 # ---------------------------------------------------------------------------- batch norm

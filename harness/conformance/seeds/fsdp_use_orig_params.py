@@ -46,9 +46,9 @@ from harness.conformance.seeds.orig_params_ddp import (
     check_multiple_optimizers,
     hyperparam_subtests,
 )
-from harness.model_protocol import wrap_bottom_up
-from harness.optim import sgd
-from harness.rank import rank_device
+from harness.cases.model_protocol import wrap_bottom_up
+from harness.engines.optim import sgd
+from harness.ranks.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

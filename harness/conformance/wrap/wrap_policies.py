@@ -48,7 +48,7 @@ from harness.conformance.wrap.wrap_models import (
     nested_sequential,
     recorded,
 )
-from harness.models import TransformerModel
+from harness.cases.models import TransformerModel
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
