@@ -15,9 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+from harness.cases.records import parse_not_run
 from harness.collect.collector import out_path_problem
 from harness.run.one_line_parser import OneLineParser, non_empty_path
-from harness.cases.records import parse_not_run
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
 

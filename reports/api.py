@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.collect.collector import BadLine, PathLike, read_records, record_full_id
 from harness.cases.records import CaseRecord, NotRun, parse_not_run
+from harness.collect.collector import BadLine, PathLike, read_records, record_full_id
 from harness.run.stored_selection import SELECTION_SUFFIX, read_selection, selection_path
 from reports import render, render_html, render_md
 from reports.attribution import attribute, attributions_dict

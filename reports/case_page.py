@@ -22,8 +22,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from harness.cases.case import ReferenceName
-from harness.selection.matrix import RULES, invalid_reason, invalid_reasons
 from harness.cases.records import CaseRecord, QuantityError
+from harness.selection.matrix import RULES, invalid_reason, invalid_reasons
 from reports.matrix import UNEXPECTED_PASS_NOTE, fmt_ratio, is_expected_failure
 from reports.page import banner_html, esc, page
 

@@ -41,8 +41,8 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from harness.collect.collector import BadLine
 from harness.cases.records import ABORTED, ERRORED, FAILING, SEVERITY
+from harness.collect.collector import BadLine
 from reports.matrix import fmt_ratio, is_expected_row
 from reports.resume_matrix import resume_suffix
 

@@ -28,8 +28,8 @@ from typing import Any, Literal
 import pandas as pd
 
 from harness.cases.case import DEFAULT_ENGINES, FIELD_VALUES, LOOP_SEGMENTS, CaseConfig, engine_name
-from harness.collect.collector import BadLine, record_full_id
 from harness.cases.records import ERRORED, FAILING, SEVERITY, VERDICTS, CaseRecord
+from harness.collect.collector import BadLine, record_full_id
 
 #: The case fields reports group by, in display order.
 AXIS_COLUMNS: tuple[str, ...] = (

@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.cli.options import add_case_timeout, add_placement, non_empty_path
 from harness.cases.case import CaseConfig
-from harness.ranks.placement import Lane
 from harness.cases.records import ERRORED, CaseRecord
+from harness.cli.options import add_case_timeout, add_placement, non_empty_path
+from harness.ranks.placement import Lane
 from reports.api import staged
 from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
 
@@ -366,9 +366,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from harness.engines.registry import EngineSpecError, check_engines, resolve
     from harness.ranks.placement import PlacementError, n_gpus as visible_gpus, place
     from harness.ranks.pool import PoolStartError
-    from harness.engines.registry import EngineSpecError, check_engines, resolve
 
     try:
         (spec,) = check_engines([args.engine], "--engine")

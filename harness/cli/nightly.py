@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cases.case import CaseConfig
+from harness.cases.records import FAILING, not_run_text
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import (
@@ -58,12 +59,11 @@ from harness.cli.options import (
 from harness.cli.sharding import add_sharding, resolve_shard, shard_dir
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.ranks.placement import Lane, PlacementError, host_facts, n_gpus
-from harness.cases.records import FAILING, not_run_text
 from harness.run.runner import Selection, SelectionError, select_cases, under_torchrun
-from harness.selection.sampling import sample_order
 from harness.run.session import Part, RunSession, plan_local_lanes, select_part
 from harness.run.shards import ShardError
 from harness.run.stored_selection import StoredSelection, StoredSelectionError, legacy_warning, read_selection
+from harness.selection.sampling import sample_order
 
 RESULTS_NAME = "results.jsonl"
 FUZZ_NAME = "fuzz.txt"

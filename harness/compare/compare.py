@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from harness.engines.adapters import EngineFacts, ParamSlice
-from harness.engines.references import ReferenceRun
 from harness.cases.records import QuantityError
 from harness.compare.tolerance import BUDGET_FACTOR, TolerancePolicy
 from harness.compare.trace import CommEvent
+from harness.engines.adapters import EngineFacts, ParamSlice
+from harness.engines.references import ReferenceRun
 
 __all__ = [
     "Drift",

@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.engines.adapters import EngineAdapter
 from harness.cases.case import CaseConfig
 from harness.cases.dtypes import dtype_of
 from harness.cases.models import to_device
-from harness.engines.optim import NAMED_OPTIMIZERS, build_optimizer
 from harness.compare.param_devices import PlacementLog, original_names, record_training_step
-from harness.ranks.rank import RankContext
 from harness.compare.training import fresh_model
+from harness.engines.adapters import EngineAdapter
+from harness.engines.optim import NAMED_OPTIMIZERS, build_optimizer
+from harness.ranks.rank import RankContext
 
 __all__ = ["PlacementProbe", "probe_offload_placement"]
 

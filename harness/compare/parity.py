@@ -31,10 +31,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from harness.engines.adapters import EngineAdapter, EngineFacts, has_float_buffers
 from harness.cases.case import CLIP_MAX_NORM, CaseConfig, PrecisionSpec, is_hybrid
-from harness.engines.checkpoint import CHECKPOINT_FAULTS, unsupported_checkpoint
-from harness.compare.compiling import backend_for, check_compiled, compile_module, compiled_counts
+from harness.cases.models import ZooModel, build_model, gpu_sleep
+from harness.cases.records import CaseRecord, QuantityError
 from harness.compare.compare import (
     Finding,
     Observation,
@@ -46,12 +45,7 @@ from harness.compare.compare import (
     merge_quantities,
     worst_budgets,
 )
-from harness.cases.models import ZooModel, build_model, gpu_sleep
-from harness.compare.offload_probe import probe_offload_placement
-from harness.ranks.placement import hybrid_group_ranks, hybrid_shard_size
-from harness.ranks.pool import PoolOutcome
-from harness.ranks.rank import RankContext
-from harness.engines.registry import resolve
+from harness.compare.compiling import backend_for, check_compiled, compile_module, compiled_counts
 from harness.compare.knobs import (
     KnobCheck,
     check_backward_prefetch_structure,
@@ -63,18 +57,24 @@ from harness.compare.knobs import (
     check_sharding,
     check_use_orig_params,
 )
-from harness.engines.owned_step import findings
-from harness.engines.optim import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, adam_lr
-from harness.cases.records import CaseRecord, QuantityError
+from harness.compare.offload_probe import probe_offload_placement
 from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
-from harness.engines.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
+from harness.compare.resume import run_resumed
 from harness.compare.stress import Stress
 from harness.compare.stress import unsupported_reason as stress_unsupported_reason
 from harness.compare.tolerance import BudgetSource, TolerancePolicy, adam_drift_bound, budget_source, mixed_precision_budgets
 from harness.compare.trace import CommTrace, ops, total_bytes
-from harness.compare.resume import run_resumed
-from harness.ranks.stacks import portable_paths
 from harness.compare.training import ACCUMULATE, fresh_model, mark_phase, train
+from harness.engines.adapters import EngineAdapter, EngineFacts, has_float_buffers
+from harness.engines.checkpoint import CHECKPOINT_FAULTS, unsupported_checkpoint
+from harness.engines.optim import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, adam_lr
+from harness.engines.owned_step import findings
+from harness.engines.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
+from harness.engines.registry import resolve
+from harness.ranks.placement import hybrid_group_ranks, hybrid_shard_size
+from harness.ranks.pool import PoolOutcome
+from harness.ranks.rank import RankContext
+from harness.ranks.stacks import portable_paths
 
 __all__ = ["FAULTS", "RankResult", "knob_checks_off", "non_finite_line", "record_from_outcome", "run_case_on_rank",
            "smoke_refusal", "unsupported_here"]

@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.engines.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice
-from harness.engines.registry import resolve
 from harness.cases.case import CaseConfig
-from harness.engines.checkpoint import load_checkpoint, load_plain, save_checkpoint, shared_tempdir
-from harness.compare.compare import Observation
 from harness.cases.models import ZooModel
-from harness.engines.optim import build_optimizer
-from harness.ranks.rank import RankContext
+from harness.compare.compare import Observation
 from harness.compare.trace import CommTrace
 from harness.compare.training import ParamInfo, fresh_model, mark_phase, paused, train_steps
+from harness.engines.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice
+from harness.engines.checkpoint import load_checkpoint, load_plain, save_checkpoint, shared_tempdir
+from harness.engines.optim import build_optimizer
+from harness.engines.registry import resolve
+from harness.ranks.rank import RankContext
 
 __all__ = ["RESUME_SEED_OFFSET", "plain_trainee", "run_resumed"]
 

@@ -26,15 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.engines.adapters import EngineTrainee, ParamSlice, rank_local_param_names
 from harness.cases.case import CLIP_MAX_NORM, CaseConfig
-from harness.compare.compare import Observation
 from harness.cases.dtypes import dtype_of
 from harness.cases.models import ZooModel, build_model, gpu_sleep, to_device
-from harness.engines.optim import build_optimizers, freeze, zero_grads
-from harness.ranks.rank import RankContext
+from harness.compare.compare import Observation
 from harness.compare.stress import Stress
 from harness.compare.trace import CommTrace
+from harness.engines.adapters import EngineTrainee, ParamSlice, rank_local_param_names
+from harness.engines.optim import build_optimizers, freeze, zero_grads
+from harness.ranks.rank import RankContext
 
 #: the trace phases of a micro-batch that skips synchronization start with this.
 ACCUMULATE = "accumulate_"

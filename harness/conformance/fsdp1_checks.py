@@ -16,12 +16,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harness.cases.case import CaseConfig
-from harness.compare.compare import assert_tensors_match
-from harness.engines.fsdp1_api import FSDPApi, load_api
 from harness.cases.model_protocol import ZooModel, to_device
+from harness.compare.compare import assert_tensors_match
+from harness.compare.tolerance import TolerancePolicy
+from harness.engines.fsdp1_api import FSDPApi, load_api
 from harness.engines.optim import sgd
 from harness.engines.references import LocalReference, all_rank_batch
-from harness.compare.tolerance import TolerancePolicy
 
 #: the seed checks take both from here, with the helpers below.
 __all__ = ["FSDPApi", "api", "load_api"]

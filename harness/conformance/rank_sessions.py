@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from harness.collect.expectations import ExpectedFailure, expected_failure
-from harness.ranks.placement import DeviceChoice
-from harness.ranks.pool import PoolOutcome
 from harness.pytest_plugin import expect_failure, gpus_missing
 from harness.pytest_plugin.pools import placed_pool
+from harness.ranks.placement import DeviceChoice
+from harness.ranks.pool import PoolOutcome
 from harness.ranks.rank import RankContext
 
 __all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_fixture", "session_tests"]

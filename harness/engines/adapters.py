@@ -33,11 +33,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.cases.capabilities import Rule, first_reason
 from harness.cases.case import FSDP1_PREFETCHES, FSDP1_STRATEGIES, FSDP_STRATEGIES, CaseConfig, PrecisionSpec, is_hybrid
 from harness.cases.dtypes import dtype_of
 from harness.cases.models import ZooModel, wrap_bottom_up
+from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.engines.owned_step import OwnedStep
 from harness.ranks.placement import hybrid_shard_size
 from harness.ranks.rank import RankContext

@@ -38,13 +38,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
-from harness.engines.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice, canonical_name, module_version
 from harness.cases.capabilities import Rule
 from harness.cases.case import CaseConfig
-from harness.engines.checkpoint import agree_loaded
 from harness.cases.dtypes import dtype_of
 from harness.cases.models import ZooModel, to_device
+from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
+from harness.engines.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice, canonical_name, module_version
+from harness.engines.checkpoint import agree_loaded
 from harness.engines.optim import build_optimizers
 from harness.engines.owned_step import FINDING, NEUTRAL_FULL_FILE, OwnedStep, neutral_param_groups
 from harness.ranks.rank import RankContext

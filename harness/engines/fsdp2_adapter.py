@@ -18,6 +18,11 @@ from typing import Any
 
 import torch.nn as nn
 
+from harness.cases.capabilities import Rule
+from harness.cases.case import FSDP1_EXTRAS, CaseConfig, PrecisionSpec, is_hybrid
+from harness.cases.dtypes import dtype_of
+from harness.cases.models import ZooModel, wrap_bottom_up
+from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
 from harness.engines.adapters import (
     EngineAdapter,
     EngineFacts,
@@ -30,11 +35,6 @@ from harness.engines.adapters import (
     module_version,
 )
 from harness.engines.dtensors import chunk_rows, full_tensor
-from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
-from harness.cases.capabilities import Rule
-from harness.cases.case import FSDP1_EXTRAS, CaseConfig, PrecisionSpec, is_hybrid
-from harness.cases.dtypes import dtype_of
-from harness.cases.models import ZooModel, wrap_bottom_up
 from harness.ranks.placement import hybrid_shard_size
 from harness.ranks.rank import RankContext
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 
-from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
-from harness.engines.adapters import EngineFacts, EngineTrainee, ParamSlice, canonical_name, rank_local_param_names
 from harness.cases.case import CLIP_MAX_NORM, CaseConfig, PrecisionSpec
 from harness.cases.dtypes import dtype_of
 from harness.cases.models import ZooModel, build_model, to_device
+from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
+from harness.engines.adapters import EngineFacts, EngineTrainee, ParamSlice, canonical_name, rank_local_param_names
 from harness.engines.optim import build_optimizers, freeze, sgd
 from harness.ranks.rank import RankContext
 

@@ -35,10 +35,10 @@ from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 from typing import Any
 
+from harness.cases.case import DEFAULT_ENGINES, engine_name
 from harness.engines.adapters import EngineAdapter, FSDP1Adapter
 from harness.engines.deepspeed_adapter import DEEPSPEED_STAGES, DeepSpeedAdapter
 from harness.engines.fsdp2_adapter import FSDP2Adapter
-from harness.cases.case import DEFAULT_ENGINES, engine_name
 
 __all__ = [
     "API_KINDS",

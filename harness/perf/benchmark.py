@@ -329,10 +329,10 @@ class ZooJob:
 def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
     """Per-step wall seconds of one engine on one zoo model (no gradient reads, no trace hooks: the
     engine's own cost), and its final loss."""
-    from harness.engines.registry import resolve
     from harness.cases.case import CaseConfig
     from harness.cases.dtypes import dtype_of
     from harness.cases.models import build_model
+    from harness.engines.registry import resolve
 
     reason = unsupported_reason(job.engine, job.strategy, ctx.world_size)
     if reason is not None:

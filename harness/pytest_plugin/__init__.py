@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import pytest
 
 from harness.cases.case import CaseConfig, engine_name
-from harness.collect.expectations import ExpectedFailure
-from harness.run.options import SelectionOptions, as_typed, option_specs
-from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
 from harness.cases.records import CaseRecord
+from harness.collect.expectations import ExpectedFailure
+from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
+from harness.run.options import SelectionOptions, as_typed, option_specs
 
 if TYPE_CHECKING:
     from harness.collect.collector import ResultWriter

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from harness.cases.case import CaseConfig, ReferenceName
-from harness.collect.expectations import ExpectedFailure, expected_failure
-from harness.selection.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
-from harness.run.options import SelectionOptions
-from harness.ranks.placement import DeviceChoice, Lane, PlacementError, place
 from harness.cases.records import SEVERITY, CaseRecord
+from harness.collect.expectations import ExpectedFailure, expected_failure
 from harness.engines.registry import DEFAULT_ENGINES, fsdp1_engines
+from harness.ranks.placement import DeviceChoice, Lane, PlacementError, place
+from harness.run.options import SelectionOptions
+from harness.selection.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
 
 __all__ = [
     "Agreement",

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from harness.pytest_plugin import gpus_missing
 from harness.ranks.placement import DeviceChoice
 from harness.ranks.pool import PoolConfig, RankPool
-from harness.pytest_plugin import gpus_missing
 
 __all__ = ["placed_pool", "rank_pool_fixture"]
 

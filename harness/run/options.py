@@ -270,8 +270,8 @@ class SelectionOptions:
 
     def selection(self) -> "Selection":
         """The case selection these options name (``--loop-axes`` widened into the loop axes)."""
-        from harness.selection.matrix import LOOP_SLICE
         from harness.run.runner import LOOP_OPTION_AXES, Selection
+        from harness.selection.matrix import LOOP_SLICE
 
         # ``--loop-axes`` first (every value of each loop axis), then each axis's own option.
         loop = {a: list(LOOP_SLICE[a]) for a in LOOP_OPTION_AXES} if self.loop_axes else {}

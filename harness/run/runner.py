@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from harness.cases.case import CaseConfig
-from harness.ranks.placement import Lane
 from harness.cases.records import FAILING, CaseRecord
+from harness.ranks.placement import Lane
 from harness.run.repeats import merge_runs, needs_rerun
 from harness.selection.sampling import sample_order
 
@@ -109,9 +109,9 @@ def check_selection(selection: Selection, world_sizes: Sequence[int] = ()) -> No
     an error says ``--engines`` rather than the ``CaseConfig`` field it would otherwise fail in.
     """
     from harness.cases.case import ReferenceName
-    from harness.selection.matrix import _GENERATORS
     from harness.cases.models import zoo_names
     from harness.engines.registry import check_engines
+    from harness.selection.matrix import _GENERATORS
 
     def unknown(option: str, given: Sequence[Any] | None, known: Sequence[str], where: str) -> None:
         wrong = [v for v in given or [] if v not in known]

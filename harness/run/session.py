@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.cases.case import CaseConfig
-from harness.ranks.placement import Lane
 from harness.cases.records import FAILING, CaseRecord
+from harness.ranks.placement import Lane
 from harness.run.runner import CaseRunner, Progress, Selection, Tee, select_cases
 from harness.run.shards import ShardError, ShardSpec, case_costs, partition, read_costs, resolve_shard
 from harness.run.stored_selection import StoredSelection, selection_options, write_selection

@@ -18,13 +18,13 @@ import torch.distributed as dist
 
 from engine import FSDP, ShardingStrategy
 from engine.flat_param import FlatParamHandle
-from harness.engines.adapters import fsdp1_options
 from harness.cases.case import CaseConfig
+from harness.cases.model_protocol import to_device, wrap_bottom_up
+from harness.cases.models import build_model
 from harness.conformance.engine_models import MOE, NESTED, singleton_groups
 from harness.conformance.fsdp1_checks import assert_matches_local_reference, load_api
 from harness.conformance.seeds.seed_parity import seed_subtests
-from harness.cases.model_protocol import to_device, wrap_bottom_up
-from harness.cases.models import build_model
+from harness.engines.adapters import fsdp1_options
 from harness.engines.optim import sgd
 from harness.ranks.rank import rank_device
 

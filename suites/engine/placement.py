@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from harness.cases.case import FSDP1_STRATEGIES
-from harness.conformance.engine_models import ENGINE_MODELS
 from harness.cases.model_protocol import to_device, wrap_bottom_up
-from harness.engines.optim import sgd
 from harness.compare.param_devices import PlacementLog, original_names, record_training_step
+from harness.conformance.engine_models import ENGINE_MODELS
+from harness.engines.optim import sgd
 from harness.ranks.rank import new_hybrid_groups
 
 #: the placement checks' models: the engine suites' models without the mixture of experts.

@@ -21,13 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.cases.model_protocol import to_device, wrap_bottom_up
+from harness.compare.param_devices import PlacementLog, offload_violations
 from harness.conformance.engine_models import NestedWrapped
 from harness.conformance.fsdp1_checks import load_api
 from harness.conformance.rank_sessions import session_tests
-from harness.cases.model_protocol import to_device, wrap_bottom_up
-from harness.compare.param_devices import PlacementLog, offload_violations
-from harness.ranks.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.placement import n_gpus
 from suites.engine.placement import configurations, offload_step
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]

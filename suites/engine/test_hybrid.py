@@ -20,10 +20,10 @@ from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy
 from harness.cases.case import HYBRID_STRATEGIES, CaseConfig
+from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import NESTED, TRANSFORMER, NestedWrapped
 from harness.conformance.fsdp1_checks import all_data, assert_match
 from harness.conformance.rank_sessions import session_tests
-from harness.cases.model_protocol import wrap_bottom_up
 from harness.pytest_plugin import ParityRunner
 from harness.ranks.rank import new_hybrid_groups
 

@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 
 from engine.unit import offloaded_placement_error
+from harness.compare.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, Violation, offload_violations, original_names
 from harness.conformance.engine_models import NestedWrapped
 from harness.conformance.fsdp1_checks import load_api
 from harness.conformance.rank_sessions import session_tests
-from harness.compare.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, Violation, offload_violations, original_names
 from suites.engine.placement import configurations, offload_step
 
 CPU = torch.device("cpu")

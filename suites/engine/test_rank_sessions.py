@@ -53,8 +53,8 @@ def check_ok(rank, world_size):
 session, test_check = session_tests([check_ok], device=("cpu", "cuda"))
 '''
 _SCRATCH_KNOWN = '''
-from harness.conformance.rank_sessions import api_session_tests
 from harness.collect.expectations import ExpectedFailure
+from harness.conformance.rank_sessions import api_session_tests
 
 
 def check_fails(api, rank, world_size):

@@ -12,10 +12,10 @@ import pytest
 from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
 from harness.cases.case import CaseConfig
-from harness.compare.parity import run_case_on_rank
-from harness.ranks.pool import RankPool
-from harness.pytest_plugin.pools import placed_pool, rank_pool_fixture
 from harness.cases.records import CaseRecord
+from harness.compare.parity import run_case_on_rank
+from harness.pytest_plugin.pools import placed_pool, rank_pool_fixture
+from harness.ranks.pool import RankPool
 
 parity_pool = rank_pool_fixture(2, timeout_s=180.0, scope="session",
                                 doc="Two ranks for parity cases, started once for the whole harness suite.")

@@ -31,10 +31,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import engine
 from engine.state import ModuleState
-from harness.engines.adapters import FSDP1Adapter, FSDP1Namespace
 from harness.compare.parity import RankResult, run_case_on_rank
-from harness.ranks.rank import RankContext
+from harness.engines.adapters import FSDP1Adapter, FSDP1Namespace
 from harness.engines.registry import register
+from harness.ranks.rank import RankContext
 
 __all__ = ["CLIP_LOCAL", "DECAY_DROPPED", "DYNAMO_TRACED", "SYNC_ALWAYS", "run_case_with_loop_engines"]
 

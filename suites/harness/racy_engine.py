@@ -17,10 +17,10 @@ import torch
 
 import engine
 from engine import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from harness.engines.adapters import FSDP1Adapter
 from harness.compare.parity import run_case_on_rank
-from harness.ranks.rank import RankContext
+from harness.engines.adapters import FSDP1Adapter
 from harness.engines.registry import register
+from harness.ranks.rank import RankContext
 
 __all__ = ["NAME", "BackwardPrefetch", "CPUOffload", "FullyShardedDataParallel", "MixedPrecision",
            "ShardingStrategy", "run_case_with_racy_engine"]

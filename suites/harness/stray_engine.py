@@ -18,11 +18,11 @@ import torch.nn as nn
 
 import engine
 from engine import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from harness.engines.adapters import FSDP1Adapter, canonical_name
 from harness.cases.models import ZooModel
 from harness.compare.parity import RankResult, run_case_on_rank
-from harness.ranks.rank import RankContext
+from harness.engines.adapters import FSDP1Adapter, canonical_name
 from harness.engines.registry import register
+from harness.ranks.rank import RankContext
 
 __all__ = ["NAME", "BackwardPrefetch", "CPUOffload", "FullyShardedDataParallel", "MixedPrecision",
            "ShardingStrategy", "run_case_with_stray_engine", "stray_parameter"]

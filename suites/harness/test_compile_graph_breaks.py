@@ -11,8 +11,8 @@ import pytest
 from harness.cases.case import CaseConfig
 from harness.compare.compiling import CompileCounts
 from harness.compare.parity import record_from_outcome, run_case_on_rank
-from harness.ranks.pool import RankPool
 from harness.pytest_plugin.pools import rank_pool_fixture
+from harness.ranks.pool import RankPool
 
 
 cpu_pool = rank_pool_fixture(2, "cpu", timeout_s=300.0)

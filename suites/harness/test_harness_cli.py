@@ -12,8 +12,8 @@ import pytest
 
 from harness.cli import main
 from harness.collect.collector import read_records
-from harness.ranks.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.placement import n_gpus
 from harness.run.stored_selection import read_selection
 
 ROOT = Path(__file__).resolve().parents[2]

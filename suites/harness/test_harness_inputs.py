@@ -23,10 +23,10 @@ import pytest
 
 import harness.cli.run as cli_run
 from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord, RunInfo
 from harness.cli import main
 from harness.collect.collector import ResultWriteError, ResultWriter, latest_records, read_records
 from harness.ranks.placement import RANK_RSS_BYTES, cpu_footprint
-from harness.cases.records import CaseRecord, RunInfo
 from harness.run.runner import Selection, select_cases
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,17 +12,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.engines.adapters import ParamSlice, canonical_name
-from harness.engines.references import gradient_divide_factors
 from harness.cases.case import PRECISIONS, CaseConfig
+from harness.cases.records import QuantityError
 from harness.compare.compare import Finding, Observation, compare_observations, compare_tensors, derive_budgets, merge_quantities
 from harness.compare.knobs import KnobCheck, check_backward_prefetch_structure, check_offload, check_order_changed, check_precision, check_sharding, check_use_orig_params
 from harness.compare.parity import RankResult, record_from_outcome
 from harness.compare.tolerance import DEFAULT_TOLERANCES, TolerancePolicy
+from harness.compare.trace import CommEvent, movable_gathers, ops, signature, total_bytes
+from harness.engines.adapters import ParamSlice, canonical_name
+from harness.engines.references import gradient_divide_factors
 from harness.ranks.placement import assign_devices, default_shard_size, hybrid_group_ranks, xdist_worker
 from harness.ranks.pool import PoolOutcome, RankError
-from harness.cases.records import QuantityError
-from harness.compare.trace import CommEvent, movable_gathers, ops, signature, total_bytes
 
 # ---------------------------------------------------------------------------------------------------
 # compare_tensors against torch.testing.assert_close

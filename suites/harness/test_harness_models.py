@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.engines.adapters import rank_local_param_names
 from harness.cases import models
 from harness.cases.models import (
     MixtureOfExpertsModel,
@@ -18,6 +17,7 @@ from harness.cases.models import (
     wrap_bottom_up,
     zoo_names,
 )
+from harness.engines.adapters import rank_local_param_names
 
 ALL_IN_ORDER = zoo_names()
 ALL = sorted(ALL_IN_ORDER)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from harness.cases.case import CaseConfig
-from harness.ranks.placement import Lane
 from harness.cases.records import CaseRecord
+from harness.ranks.placement import Lane
 from harness.run.runner import CaseRunner, Progress, Selection, select_cases
 
 #: what may differ between two runs of the same case: timings and where it ran.

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from harness.engines.adapters import ParamSlice
-from harness.compare.compare import Observation, compare_observations
 from harness.cases.models import build_model
-from harness.engines.optim import ADAMW_BETAS
+from harness.compare.compare import Observation, compare_observations
 from harness.compare.tolerance import TolerancePolicy, adam_drift_bound
+from harness.engines.adapters import ParamSlice
+from harness.engines.optim import ADAMW_BETAS
 
 
 def test_the_transformer_declares_every_attention_key_bias_and_their_gradient_is_zero() -> None:

@@ -17,15 +17,15 @@ import pytest
 from stray_engine import NAME, run_case_with_stray_engine, stray_parameter
 
 from harness.cases.case import CaseConfig
-from harness.compare.knobs import check_offload_placement
-from harness.selection.matrix import generate
 from harness.cases.models import build_model
+from harness.cases.records import CaseRecord
+from harness.compare.knobs import check_offload_placement
 from harness.compare.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, PlacementLog
 from harness.compare.parity import record_from_outcome
-from harness.ranks.pool import RankPool
 from harness.pytest_plugin import needs_gpus
 from harness.pytest_plugin.pools import rank_pool_fixture
-from harness.cases.records import CaseRecord
+from harness.ranks.pool import RankPool
+from harness.selection.matrix import generate
 
 # ---------------------------------------------------------------------------------------------------
 # The rule (pure)

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
 from harness.cli import main
 from harness.collect.collector import ResultWriter, RunInfo, read_records
-from harness.run.options import SelectionOptions, as_typed, option_specs
-from harness.ranks.placement import Lane
 from harness.pytest_plugin.cases import ParityOptions
-from harness.cases.records import CaseRecord
+from harness.ranks.placement import Lane
+from harness.run.options import SelectionOptions, as_typed, option_specs
 from harness.run.runner import Selection
 from harness.run.session import RunSession, select_part
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.ranks.placement import Lane, PlacementError, place
 from harness.pytest_plugin.cases import plan_pool
+from harness.ranks.placement import Lane, PlacementError, place
 
 ROOT = Path(__file__).resolve().parents[2]
 

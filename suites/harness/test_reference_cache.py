@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from harness.compare import parity
 from harness.cases.case import CaseConfig
+from harness.compare import parity
 from harness.compare.parity import record_from_outcome, run_case_on_rank
-from harness.ranks.pool import RankPool
 from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, reference_key
+from harness.ranks.pool import RankPool
 from harness.ranks.rank import RankContext
 
 CPU = torch.device("cpu")

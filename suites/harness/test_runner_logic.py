@@ -13,11 +13,11 @@ import torch.nn as nn
 from harness.cases.case import CaseConfig
 from harness.cases.models import build_model
 from harness.cases.records import CaseRecord, QuantityError
+from harness.compare.stress import Stress, unsupported_reason
+from harness.compare.trace import CommTrace
 from harness.run.repeats import decide, merge_runs, needs_rerun
 from harness.run.runner import Selection, expected_total, select_cases
 from harness.selection.sampling import interleave, sample_order
-from harness.compare.stress import Stress, unsupported_reason
-from harness.compare.trace import CommTrace
 
 CASE = CaseConfig()
 
@@ -273,8 +273,8 @@ def test_the_sampled_axes_are_the_matrix_table(monkeypatch: pytest.MonkeyPatch) 
 def test_fsdp2_offload_clipping_is_unsupported_on_nccl_only_groups() -> None:
     """Seen on 4 GPUs: torch FSDP2 clips offloaded gradients with a CPU all-reduce that NCCL refuses. The
     same case runs on gloo (CPU ranks, ranks sharing a GPU), where the CPU collective is taken."""
-    from harness.ranks.rank import RankContext
     from harness.engines.registry import resolve
+    from harness.ranks.rank import RankContext
 
     adapter = resolve("torch-fsdp2")
     case = CaseConfig(engine="torch-fsdp2", cpu_offload=True, use_orig_params=True, clip_grad="norm",

@@ -15,8 +15,8 @@ import pytest
 
 import reports.__main__ as reports_cli
 from harness.cases.case import CaseConfig
-from harness.cli import main
 from harness.cases.records import CaseRecord
+from harness.cli import main
 
 #: the selection: the pairwise matrix of two engines against one reference.
 RUN = ["run", "--matrix", "pairwise", "--engines", "builtin,torch-fsdp", "--references", "local", "--no-progress"]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.cases.records import CaseRecord, RunInfo
 from harness.cli import main
 from harness.collect.collector import ResultWriter, read_records, record_full_id
-from harness.cases.records import CaseRecord, RunInfo
 from harness.run.runner import Selection, select_cases
 from harness.run.shards import (
     COUNT_VARIABLE,

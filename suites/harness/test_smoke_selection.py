@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
 from harness.compare.parity import record_from_outcome, run_case_on_rank, smoke_refusal
 from harness.ranks.pool import RankPool
-from harness.cases.records import CaseRecord
 from harness.run.runner import Progress, Selection, generate_cases, select_cases, summary
 
 MIXED = ("bf16", "fp16", "reduce_only")

@@ -21,8 +21,8 @@ from racy_engine import NAME, run_case_with_racy_engine
 from harness.cases.case import CaseConfig
 from harness.collect.collector import read_records
 from harness.compare.parity import record_from_outcome
-from harness.ranks.pool import RankPool
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.pool import RankPool
 from harness.run.repeats import merge_runs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from harness.cases.case import CaseConfig
-from harness.run.runner import Selection, select_cases
-from harness.collect.collector import ResultWriter, read_records
 from harness.cases.records import CaseRecord, RunInfo, parse_not_run
-from harness.ranks.placement import n_gpus
+from harness.collect.collector import ResultWriter, read_records
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.placement import n_gpus
+from harness.run.runner import Selection, select_cases
 from harness.run.stored_selection import StoredSelection, selection_options
 
 ROOT = Path(__file__).resolve().parents[2]

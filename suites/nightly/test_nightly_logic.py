@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
 from harness.cli.fuzz import REPORT_RESERVE_S, fuzz_alongside, fuzz_budget, parse_fuzz_totals
 from harness.cli.nightly import (
     NightlyConfig,
@@ -17,10 +18,9 @@ from harness.cli.nightly import (
     exit_status,
     find_previous,
 )
-from harness.ranks.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
-from harness.cases.records import CaseRecord
-from harness.run.runner import Selection, SelectionError, select_cases
 from harness.conformance.fuzz_campaign import PropertyRun, report
+from harness.ranks.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
+from harness.run.runner import Selection, SelectionError, select_cases
 
 
 def test_cpu_runs_one_gloo_pool_of_two_ranks_and_says_what_it_leaves_out() -> None:

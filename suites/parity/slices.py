@@ -13,10 +13,10 @@ from typing import get_args
 import torch
 
 from harness.cases.case import FLAT_STRATEGIES, PrecisionName, ShardingName
-from harness.conformance.engine_models import MOE, NESTED, TRANSFORMER
 from harness.collect.expectations import ExpectedFailure
-from harness.selection.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
+from harness.conformance.engine_models import MOE, NESTED, TRANSFORMER
 from harness.pytest_plugin.cases import SuiteMatrix
+from harness.selection.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
 
 STRATEGIES = list(get_args(ShardingName))
 

@@ -8,8 +8,7 @@ import itertools
 import pytest
 
 from harness.cases.case import CaseConfig
-from harness.selection.matrix import invalid_reason, pairs_uncovered
-from harness.ranks.placement import gpus_shared
+from harness.cases.records import CaseRecord, QuantityError
 from harness.pytest_plugin.cases import (
     Agreement,
     ParityOptions,
@@ -19,7 +18,8 @@ from harness.pytest_plugin.cases import (
     outcome_of,
     plan_pool,
 )
-from harness.cases.records import CaseRecord, QuantityError
+from harness.ranks.placement import gpus_shared
+from harness.selection.matrix import invalid_reason, pairs_uncovered
 from suites.parity.slices import CORE, MIXED_PRECISION, ORIG_PARAMS, SUITES, TRAINING_LOOP, WRAP
 
 ENGINES = ("builtin", "torch-fsdp", "torch-fsdp2")

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.engines.adapters import ParamSlice
 from harness.cases.case import PRECISIONS
 from harness.compare.compare import Observation, assert_tensors_match, compare_observations, derive_budgets, worst_budgets
 from harness.compare.tolerance import (
@@ -27,6 +26,7 @@ from harness.compare.tolerance import (
     budget_source,
     mixed_precision_budgets,
 )
+from harness.engines.adapters import ParamSlice
 
 FP32 = PRECISIONS["fp32"]
 FP64 = PRECISIONS["fp64"]

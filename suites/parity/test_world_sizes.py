@@ -34,14 +34,14 @@ import pytest
 import torch
 
 from harness.cases.case import CaseConfig
-from harness.compare.compare import worst_budgets
+from harness.cases.records import CaseRecord
 from harness.collect.expectations import ExpectedFailure
+from harness.compare.compare import worst_budgets
 from harness.compare.tolerance import DEFAULT_TOLERANCES
-from harness.ranks.pool import RankPool
 from harness.pytest_plugin import expect_failure
 from harness.pytest_plugin.cases import outcome_of
 from harness.pytest_plugin.pools import rank_pool_fixture
-from harness.cases.records import CaseRecord
+from harness.ranks.pool import RankPool
 from suites.parity.world_sizes import (
     GAIN_NUMEL,
     UNEVEN,

@@ -31,15 +31,15 @@ import torch.nn as nn
 
 from engine import collectives
 from engine.layout import ParamEntry, aligned_numel, build_layout
-from harness.engines.adapters import FSDP1Adapter
 from harness.cases.case import CaseConfig, is_hybrid
-from harness.engines.registry import resolve
 from harness.cases.models import SequentialModel, build_model, register_model
+from harness.cases.records import CaseRecord
 from harness.compare.parity import RankResult, record_from_outcome, run_case_on_rank
+from harness.engines.adapters import FSDP1Adapter
+from harness.engines.registry import resolve
 from harness.ranks.placement import hybrid_shard_size
 from harness.ranks.pool import RankPool
 from harness.ranks.rank import RankContext
-from harness.cases.records import CaseRecord
 
 __all__ = [
     "GAIN_NUMEL",

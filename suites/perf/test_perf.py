@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.cases.models import MODELS, BenchmarkGPT, GPTBlock, build_model, zoo_names
 from harness.perf.benchmark import (
     CPU_MODEL,
     SIZES,
@@ -29,10 +30,9 @@ from harness.perf.benchmark import (
     ZooJob,
     zoo_job,
 )
-from harness.cases.models import MODELS, BenchmarkGPT, GPTBlock, build_model, zoo_names
-from harness.ranks.rank import RankContext
 from harness.perf.perf_run import PerfConfig, PerfRow, add_ratios, plan_runs, row_from_values, spread, tflops_per_gpu
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.rank import RankContext
 
 #: why the GPU benchmarks need one GPU per rank: they time NCCL and its overlap with compute; ranks sharing
 #: a GPU run gloo, whose host staging is no measure of either.

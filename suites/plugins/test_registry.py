@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.engines.adapters import EngineAdapter, FSDP1Adapter
-from harness.engines.fsdp2_adapter import FSDP2Adapter
 from harness.cases.capabilities import Rule
 from harness.cases.case import CaseConfig
-from harness.selection.matrix import feasible_pairs, generate, invalid_reason, pairs_uncovered
+from harness.engines.adapters import EngineAdapter, FSDP1Adapter
+from harness.engines.fsdp2_adapter import FSDP2Adapter
 from harness.engines.registry import EngineSpecError, check_engines, fsdp1_engines, register, resolve
+from harness.selection.matrix import feasible_pairs, generate, invalid_reason, pairs_uncovered
 from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,8 +32,8 @@ def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "from engine import FullyShardedDataParallel, ShardingStrategy, BackwardPrefetch, CPUOffload\n"
     )
     (tmp_path / "factories.py").write_text(textwrap.dedent("""
-        from harness.engines.adapters import FSDP1Adapter
         from harness.cases.capabilities import Rule
+        from harness.engines.adapters import FSDP1Adapter
 
         class NoOffload(FSDP1Adapter):
             def capability_rules(self):

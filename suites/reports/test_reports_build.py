@@ -16,8 +16,8 @@ from synthetic_records import RUN, mixed_records, record
 
 import reports
 from harness.cases.case import CaseConfig
-from harness.collect.collector import read_records
 from harness.cases.records import CaseRecord
+from harness.collect.collector import read_records
 from reports.__main__ import main
 from reports.case_page import case_href, case_slug
 from reports.matrix import CellStats, cell_label, latest, marginals, parity_matrices, records_frame, summarize

@@ -14,11 +14,11 @@ from synthetic_records import RUN, record
 
 import reports
 from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord, QuantityError
 from harness.cli import build_parser
 from harness.cli.options import selection_options
 from harness.compare.parity import RankResult, record_from_outcome
 from harness.ranks.pool import PoolOutcome
-from harness.cases.records import CaseRecord, QuantityError
 from harness.run.runner import select_cases
 from reports.__main__ import main
 from reports.case_page import case_href, case_slug, rerun_caveats, rerun_command, step_errors

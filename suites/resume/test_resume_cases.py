@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
 from harness.pytest_plugin import ParityRunner, PoolRegistry
 from harness.pytest_plugin.cases import ParityOptions
-from harness.cases.records import CaseRecord
 from harness.run.runner import run_case
 
 

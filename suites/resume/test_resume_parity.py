@@ -15,10 +15,10 @@ import pytest
 
 from harness.cases.case import FSDP_STRATEGIES, CaseConfig, is_hybrid
 from harness.collect.expectations import ExpectedFailure
-from harness.selection.matrix import WIDE_AXES
-from harness.ranks.placement import hybrid_shard_size
 from harness.pytest_plugin import ParityRunner
 from harness.pytest_plugin.cases import SuiteMatrix
+from harness.ranks.placement import hybrid_shard_size
+from harness.selection.matrix import WIDE_AXES
 
 #: torch FSDP1's local state dict under hybrid sharding wraps each flat parameter in a ShardedTensor over
 #: the shard group, placed by the rank within that group, which ShardedTensor reads as a global rank: on

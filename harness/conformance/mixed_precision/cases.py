@@ -7,9 +7,9 @@ from typing import Any, get_args
 from tabulate import tabulate
 
 from harness.cases.case import PRECISIONS, CaseConfig, PrecisionSpec, PrefetchName
-from harness.conformance.mixed_precision.models import PARITY_NET
-from harness.collect.expectations import ExpectedFailure
 from harness.cases.records import CaseRecord
+from harness.collect.expectations import ExpectedFailure
+from harness.conformance.mixed_precision.models import PARITY_NET
 
 #: the prefetch subtests of the seed's e2e test: forward prefetch x backward prefetch.
 ALL_PREFETCH = [(fwd, bwd) for fwd in (False, True) for bwd in get_args(PrefetchName)]

@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from harness.engines.adapters import fsdp1_mixed_precision
 from harness.cases.case import reduce_dtype_default
-from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api, recorded, reduced_dtypes, strategy
 from harness.cases.dtypes import dtype_of
 from harness.cases.models import TransformerModel, to_device
+from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api, recorded, reduced_dtypes, strategy
+from harness.engines.adapters import fsdp1_mixed_precision
 from harness.ranks.rank import RankContext
 
 

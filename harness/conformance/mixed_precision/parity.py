@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from harness.cases.case import PRECISIONS
+from harness.compare.parity import record_from_outcome
 from harness.conformance.mixed_precision import parity_jobs
 from harness.conformance.mixed_precision.cases import check_parity_records, parity_cases
 from harness.conformance.mixed_precision.pools import cpu_pair
-from harness.compare.parity import record_from_outcome
 from harness.ranks.pool import RankPool
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in

@@ -27,13 +27,13 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from harness.engines.adapters import fsdp1_mixed_precision
 from harness.cases.case import PRECISIONS, PrecisionName
-from harness.conformance.fsdp1_checks import FSDPApi, load_api
 from harness.cases.dtypes import dtype_of
+from harness.compare.trace import CommEvent, CommTrace, OpKind, dtypes, ops
+from harness.conformance.fsdp1_checks import FSDPApi, load_api
+from harness.engines.adapters import fsdp1_mixed_precision
 from harness.ranks.pool import PoolOutcome
 from harness.ranks.rank import RankContext
-from harness.compare.trace import CommEvent, CommTrace, OpKind, dtypes, ops
 
 #: The seed's mixed-precision configs by the names its test ids use, as the harness's precision names.
 MP_CONFIGS: dict[str, PrecisionName] = {

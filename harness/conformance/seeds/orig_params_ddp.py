@@ -20,10 +20,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
+from harness.cases.model_protocol import to_device
 from harness.conformance.engine_models import SharedTransformer
 from harness.conformance.fsdp1_checks import FSDPApi, assert_match, clean as _clean
 from harness.engines.fsdp1_api import no_shard_offload_race
-from harness.cases.model_protocol import to_device
 from harness.ranks.rank import rank_device
 
 

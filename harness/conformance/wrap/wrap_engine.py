@@ -29,8 +29,8 @@ import torch
 
 from harness.conformance.fsdp1_checks import FSDPApi, api
 from harness.conformance.wrap import wrap_jobs
-from harness.ranks.pool import PoolOutcome, RankPool
 from harness.pytest_plugin.pools import rank_pool_fixture
+from harness.ranks.pool import PoolOutcome, RankPool
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

@@ -28,9 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.cases.case import CaseConfig
+from harness.cases.models import build_model
 from harness.conformance.fsdp1_checks import FSDPApi, assert_trains_like_local_reference, load_api
 from harness.conformance.wrap.wrap_models import FOUR_LINEARS, nested_sequential
-from harness.cases.models import build_model
 from harness.ranks.rank import RankContext
 
 InitMode = Literal["cpu", "cuda_before", "cuda_after"]
