@@ -1,7 +1,9 @@
 """Layering: no import circle among the modules of engine/, harness/ and reports/ (imports anywhere
 in a module count), imports pointing down the layers only (engine < harness library < reports <
-front ends < suites), every engine module imports alone, from a clean start, and nothing in harness/
-(but the conformance checks of the engine's own internals) or reports/ imports the engine.
+front ends < suites), inside the harness library imports pointing back along the stages only (cases <
+ranks < engines < selection < compare < collect < run < perf, every library module in its stage), every
+engine module imports alone, from a clean start, and nothing in harness/ (but the conformance checks of
+the engine's own internals) or reports/ imports the engine.
 """
 
 from __future__ import annotations
@@ -11,7 +13,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-from suites.layering.imports import LAYERS, find_cycles, import_graph, layer_of, upward_imports
+from suites.layering.imports import (
+    LAYERS,
+    STAGES,
+    backward_stage_imports,
+    find_cycles,
+    import_graph,
+    layer_of,
+    stage_of,
+    unstaged_library_modules,
+    upward_imports,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,6 +124,43 @@ def test_imports_point_down_the_layers() -> None:
     found = set(upward_imports(graph))
     assert not found - ALLOWED_UPWARD, f"imports up the layers (engine < harness library < reports < front ends < suites): {sorted(found - ALLOWED_UPWARD)}"
     assert not ALLOWED_UPWARD - found, f"allowed upward imports that no longer exist: drop them from ALLOWED_UPWARD: {sorted(ALLOWED_UPWARD - found)}"
+
+
+def test_stage_of_knows_the_stages() -> None:
+    assert [STAGES[stage_of(f"harness.{s}.x")] for s in STAGES] == list(STAGES)
+    assert STAGES[stage_of("harness.run")] == "run" and STAGES[stage_of("harness.compare.compare")] == "compare"
+    assert stage_of("harness") is None and stage_of("harness.cli.run") is None and stage_of("reports.run") is None
+
+
+def test_planted_stage_imports_are_found(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "harness/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from harness.engines.adapters import A\n",
+        "harness/cases/__init__.py": "",
+        "harness/cases/case.py": "def f():\n    from harness.engines import adapters\n",
+        "harness/engines/__init__.py": "",
+        "harness/engines/adapters.py": "from harness.cases.case import CaseConfig\nfrom harness import A\n",
+        "harness/run/__init__.py": "",
+        "harness/run/runner.py": "import harness.engines.adapters\nfrom harness.cases import case\n",
+        "harness/cli/__init__.py": "",
+        "harness/cli/run.py": "from harness.run import runner\n",
+        "harness/stray.py": "",
+        "harness/misc/__init__.py": "",
+    })
+    graph = import_graph(root, ["harness"])
+    # Back along the stages is the rule; forward, or into the facade, is found; front ends are not stages.
+    assert backward_stage_imports(graph) == [("harness.cases.case", "harness.engines.adapters"),
+                                             ("harness.engines.adapters", "harness")]
+    assert unstaged_library_modules(root) == ["harness/misc", "harness/stray.py"]
+
+
+def test_stages_import_only_earlier_stages() -> None:
+    found = backward_stage_imports(import_graph(ROOT, ["engine", "harness", "reports"]))
+    assert not found, f"imports forward along the stages ({' < '.join(STAGES)}) or into the harness facade: {found}"
+
+
+def test_every_library_module_sits_in_a_stage() -> None:
+    found = unstaged_library_modules(ROOT)
+    assert not found, f"harness/ holds modules outside its stages ({', '.join(STAGES)}): move each into its stage: {found}"
 
 
 def test_engine_has_no_import_circle() -> None:
