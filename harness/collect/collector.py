@@ -203,7 +203,7 @@ def run_info(lanes: "Sequence[Lane] | str", run_id: str | None = None) -> RunInf
         backend=backend,
         gpu=gpu,
         nccl_version=nccl,
-        git_rev=_git_rev(Path(__file__).resolve().parent.parent),
+        git_rev=_git_rev(Path(__file__).resolve().parents[2]),
         device=device,
         ranks_per_gpu=max(per_gpu) if per_gpu else None,
     )

@@ -21,7 +21,7 @@ def local_prefixes() -> dict[str, str]:
     (paths become relative to it), the installed packages and the standard library."""
     paths = sysconfig.get_paths()
     return {
-        str(Path(__file__).resolve().parents[1]) + os.sep: "",
+        str(Path(__file__).resolve().parents[2]) + os.sep: "",
         paths["purelib"] + os.sep: "<site-packages>/",
         paths["platlib"] + os.sep: "<site-packages>/",
         paths["stdlib"] + os.sep: "<stdlib>/",
