@@ -15,9 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from harness.collector import out_path_problem
-from harness.one_line_parser import OneLineParser, non_empty_path
-from harness.records import parse_not_run
+from harness.cases.records import parse_not_run
+from harness.collect.collector import out_path_problem
+from harness.run.one_line_parser import OneLineParser, non_empty_path
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
 
@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma list of full ids (engine:reference:case_id) that get a case page even if they pass")
     b.add_argument("--not-run", type=Path, default=None,
                    help="file of selected cases that were not run (not_run.txt: '<full id>\\t<why>\\t<case config JSON>' "
-                        "per line, harness.records.NotRun); "
+                        "per line, harness.cases.records.NotRun); "
                         "default: not_run.txt/nightly.json next to the results")
     b.add_argument("--selected", type=int, default=None, help="how many cases the run selected (for the banner)")
 

@@ -1,10 +1,10 @@
 """The entry points ``build`` and ``diff``: read inputs, call the pure tables, write outputs.
 
-Inputs are results files (JSON Lines from ``harness.collector``) or report directories (their
+Inputs are results files (JSON Lines from ``harness.collect.collector``) or report directories (their
 ``results.csv``, plus the unreadable lines their ``summary.json`` recorded), so a diff can compare
 last night's report directory with today's raw results. Next to an input, a ``nightly.json`` and a
 ``not_run.txt`` say what the run left out (``reports.scope``) when that nightly made the input (the same
-selection id, ``harness.stored_selection``); a report built from results files also
+selection id, ``harness.run.stored_selection``); a report built from results files also
 gets one page per case that did not pass (``reports.case_page``).
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.collector import BadLine, PathLike, read_records, record_full_id
-from harness.records import CaseRecord, NotRun, parse_not_run
-from harness.stored_selection import SELECTION_SUFFIX, read_selection, selection_path
+from harness.cases.records import CaseRecord, NotRun, parse_not_run
+from harness.collect.collector import BadLine, PathLike, read_records, record_full_id
+from harness.run.stored_selection import SELECTION_SUFFIX, read_selection, selection_path
 from reports import render, render_html, render_md
 from reports.attribution import attribute, attributions_dict
 from reports.case_page import CASES_DIR, write_case_pages
@@ -87,7 +87,7 @@ def staged(out: Path) -> Iterator[Path]:
 
 
 def selection_ids(path: Path) -> set[str]:
-    """The ids of the selections ``path`` holds results of (``harness.stored_selection``): a results
+    """The ids of the selections ``path`` holds results of (``harness.run.stored_selection``): a results
     file's own, or those of the results files in a directory."""
     # A merged night's selection is its shards' (``shards/K-of-N``, every shard shares the selection's id).
     files = (sorted([*path.glob("*" + SELECTION_SUFFIX), *path.glob("shards/*/*" + SELECTION_SUFFIX)]) if path.is_dir()
@@ -170,7 +170,7 @@ def build(
     heatmap per matrix, one page per case that did not pass or passed against its expected failure (and
     per full id in ``cases``) under ``cases/``, and summary.json. Returns the summary (also in summary.json).
 
-    ``not_run`` (``harness.records.NotRun``, or ``(full id, why)`` pairs: those count in the banner but,
+    ``not_run`` (``harness.cases.records.NotRun``, or ``(full id, why)`` pairs: those count in the banner but,
     without their config, mark no grid cell) and ``selected`` describe a partial run; by default they
     come from a ``nightly.json``/``not_run.txt`` next to the inputs. No case page is plotted after
     ``plot_deadline`` (``time.monotonic()``), so a time budget holds the report too.

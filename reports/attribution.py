@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from harness.records import FAILING
+from harness.cases.records import FAILING
 from reports.matrix import AXIS_COLUMNS, expected_failures, ordered
 
 #: Axes a term may use: everything that describes a case except the engine and reference it is grouped by.
@@ -65,7 +65,7 @@ class AxisValue:
     value: Any
 
     def __str__(self) -> str:
-        # The spelling of case ids (``harness.case.CaseConfig.case_id``), so a term reads like the ids it matches.
+        # The spelling of case ids (``harness.cases.case.CaseConfig.case_id``), so a term reads like the ids it matches.
         a, v = self.axis, self.value
         if isinstance(v, (bool, np.bool_)):
             short = {"cpu_offload": "offload", "use_orig_params": "orig", "forward_prefetch": "fwd_prefetch"}.get(a, a)

@@ -21,9 +21,9 @@ from typing import Any, get_args
 import numpy as np
 from matplotlib.figure import Figure
 
-from harness.case import ReferenceName
-from harness.matrix import RULES, invalid_reason, invalid_reasons
-from harness.records import CaseRecord, QuantityError
+from harness.cases.case import ReferenceName
+from harness.cases.records import CaseRecord, QuantityError
+from harness.selection.matrix import RULES, invalid_reason, invalid_reasons
 from reports.matrix import UNEXPECTED_PASS_NOTE, fmt_ratio, is_expected_failure
 from reports.page import banner_html, esc, page
 

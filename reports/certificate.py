@@ -70,7 +70,7 @@ class Certificate:
     families: list[FamilyResult]
     #: a failing case's page (full id -> path relative to the certificate), where the report wrote one.
     pages: dict[str, str] = field(default_factory=dict)
-    #: per case family that ran, per axis, the declared values it never exercised (``harness.coverage``).
+    #: per case family that ran, per axis, the declared values it never exercised (``harness.collect.coverage``).
     coverage: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
 
     @property
@@ -80,7 +80,7 @@ class Certificate:
     @property
     def verdict(self) -> str:
         """CONFORMS, PARTIAL (some declared strategy or precision never ran) or DOES NOT CONFORM."""
-        from harness.coverage import verdict
+        from harness.collect.coverage import verdict
 
         return verdict(self.ok, self.coverage)
 
@@ -102,7 +102,7 @@ def _ratio(r: float | None) -> str:
 
 
 def markdown(cert: Certificate) -> str:
-    from harness.coverage import coverage_lines
+    from harness.collect.coverage import coverage_lines
 
     verdict = cert.verdict
     lines = [

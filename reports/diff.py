@@ -26,7 +26,7 @@ did not start: ``not_run``) is ``not run``, not ``removed``. Two results with no
 refused: nothing in one says anything about the other.
 
 [Note: flaky cases]
-A repeated case whose runs disagree is ``flaky`` (``harness.repeats``). ``pass -> flaky`` is a
+A repeated case whose runs disagree is ``flaky`` (``harness.run.repeats``). ``pass -> flaky`` is a
 regression: the case now fails in some runs, a race that appeared or that the run newly exposes.
 ``flaky -> pass`` is only ``changed``, not a fix: a race that showed in some runs can pass any one run,
 so one clean result proves nothing. ``fail -> flaky`` and back are ``changed`` too.
@@ -41,8 +41,8 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from harness.collector import BadLine
-from harness.records import ABORTED, ERRORED, FAILING, SEVERITY
+from harness.cases.records import ABORTED, ERRORED, FAILING, SEVERITY
+from harness.collect.collector import BadLine
 from reports.matrix import fmt_ratio, is_expected_row
 from reports.resume_matrix import resume_suffix
 

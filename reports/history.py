@@ -30,7 +30,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from tabulate import tabulate
 
-from harness.records import FAILING, VERDICTS
+from harness.cases.records import FAILING, VERDICTS
 from reports.api import CSV_NAME, NIGHTLY_NAME, load, read_scope, staged
 from reports.case_page import case_href
 from reports.matrix import expected_failures, fmt_ratio, ordered

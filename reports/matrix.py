@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from harness.case import DEFAULT_ENGINES, FIELD_VALUES, LOOP_SEGMENTS, CaseConfig, engine_name
-from harness.collector import BadLine, record_full_id
-from harness.records import ERRORED, FAILING, SEVERITY, VERDICTS, CaseRecord
+from harness.cases.case import DEFAULT_ENGINES, FIELD_VALUES, LOOP_SEGMENTS, CaseConfig, engine_name
+from harness.cases.records import ERRORED, FAILING, SEVERITY, VERDICTS, CaseRecord
+from harness.collect.collector import BadLine, record_full_id
 
 #: The case fields reports group by, in display order.
 AXIS_COLUMNS: tuple[str, ...] = (
@@ -210,7 +210,7 @@ class CellStats:
     #: error, timeout or crash.
     errored: int = 0
     unsupported: int = 0
-    #: runs of a repeated case disagreed (``harness.repeats``).
+    #: runs of a repeated case disagreed (``harness.run.repeats``).
     flaky: int = 0
     #: expected failures (``is_expected_failure``), in none of the counts above.
     expected: int = 0

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from tabulate import tabulate
 
-from harness.records import placement_text
+from harness.cases.records import placement_text
 from reports.diff import DiffResult
 from reports.matrix import CellStats, ParityMatrix, Summary, fmt_ratio
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.case import LOOP_SEGMENTS
+from harness.cases.case import LOOP_SEGMENTS
 from reports.matrix import COUNT_LEGEND, CellStats, ordered
 
 __all__ = ["checkpoint_table", "html_section", "markdown_lines", "resume_matrices", "resume_suffix"]

@@ -2,7 +2,7 @@
 
 A nightly with a time budget, or one whose pools failed, records fewer cases than it selected. Its
 ``nightly.json`` says how many were selected and why the rest were not run, and ``not_run.txt`` lists
-them (``harness.records.NotRun``: full id, why and config per line). Every report page opens with a
+them (``harness.cases.records.NotRun``: full id, why and config per line). Every report page opens with a
 banner built from a ``RunScope`` so a partial run never reads as complete.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.records import NotRun
+from harness.cases.records import NotRun
 from reports.matrix import AXIS_COLUMNS, case_axes
 
 
@@ -94,7 +94,7 @@ def merge_scopes(scopes: Iterable[RunScope]) -> RunScope | None:
 
 @dataclass(frozen=True)
 class ShardInput:
-    """One input of a report that is a shard of a run (``harness.shards``), as its stored selection says."""
+    """One input of a report that is a shard of a run (``harness.run.shards``), as its stored selection says."""
 
     #: the results file.
     path: str

@@ -9,7 +9,7 @@ report this writes: a generator sits here, its output under ``reports/``). Run f
     PYTHONPATH=. python3 examples/planted-fault-cpu/make.py results.jsonl
     PYTHONPATH=. python3 -m reports build results.jsonl --out reports/examples/planted-fault-cpu
 
-The cases run through ``harness.runner.CaseRunner``, the loop of ``harness run``: the command line has
+The cases run through ``harness.run.runner.CaseRunner``, the loop of ``harness run``: the command line has
 no option to plant a fault in some cases only, so the case list is built here.
 """
 
@@ -19,10 +19,10 @@ import itertools
 import sys
 from pathlib import Path
 
-from harness.case import CaseConfig
-from harness.collector import ResultWriter, run_info
-from harness.placement import Lane
-from harness.runner import CaseRunner, Progress
+from harness.cases.case import CaseConfig
+from harness.collect.collector import ResultWriter, run_info
+from harness.ranks.placement import Lane
+from harness.run.runner import CaseRunner, Progress
 
 HANG = ("builtin", "full_shard", "pre", False, False)
 

@@ -5,8 +5,8 @@ One module per command, each with ``add_arguments(parser)`` and ``main(args) -> 
 fuzz, report, diff in one directory; its shards merged, or submitted as one job array), ``history`` (trend
 over nightlies), ``certify`` (conformance certificate of one engine) and ``perf`` (training-step
 benchmark against torch). The shared selection options are registered by ``harness.cli.options`` from the
-library's options model (``harness.options.SelectionOptions``); ``run``, ``nightly`` and ``certify`` run
-their cases through one ``harness.session.RunSession``. Nothing in the library imports this package.
+library's options model (``harness.run.options.SelectionOptions``); ``run``, ``nightly`` and ``certify`` run
+their cases through one ``harness.run.session.RunSession``. Nothing in the library imports this package.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 from harness.cli import bench, certify, history, nightly_submit, perf, run
 from harness.cli.options import given_options
-from harness.one_line_parser import OneLineParser
-from harness.options import as_typed
-from harness.runner import SelectionError
+from harness.run.one_line_parser import OneLineParser
+from harness.run.options import as_typed
+from harness.run.runner import SelectionError
 
 __all__ = ["build_parser", "main"]
 

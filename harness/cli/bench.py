@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from harness.cli.options import add_placement
-from harness.placement import PlacementError, n_gpus, place, xdist_worker
-from harness.pool import PoolConfig, RankPool
-from harness.rank import RankContext
+from harness.ranks.placement import PlacementError, n_gpus, place, xdist_worker
+from harness.ranks.pool import PoolConfig, RankPool
+from harness.ranks.rank import RankContext
 
 #: the targets of the warm per-case overhead, by backend.
 TARGET_MS = {"gloo": 100.0, "nccl": 50.0}

@@ -10,16 +10,16 @@ The families (``FAMILIES``; adding one is one line there):
 - ``seeds``: the seed suites (``harness.conformance.seeds``, ``.mixed_precision``, ``.wrap``) through
   pytest in a subprocess with ``--engine SPEC`` (engines with torch FSDP1's API), one count per test;
 - ``parity-ddp`` / ``parity-local``: the generated cases (pairwise matrix; ``--quick``: the smoke cases of
-  one small model) through ``harness.runner``, judged on their numbers against each reference;
+  one small model) through ``harness.run.runner``, judged on their numbers against each reference;
 - ``knobs``: the same cases' knob checks (no setting silently ignored);
 - ``checkpoints``: the cases of the matrix's ``checkpoint`` axis, once the matrix has one;
 - ``flat-param``: the engine's ``FlatParamHandle`` metadata against torch FSDP1's layout, where it has one;
 - ``torch-common-fsdp``: torch's own FSDP parity machinery (``torch.testing._internal.common_fsdp``) over
   the engine, on CUDA ranks (one GPU shared by them will do) where torch's testing extras import.
 
-On CPU the ranks run on gloo, on GPUs as ``harness.placement.place`` puts them (``--world-size`` defaults to
+On CPU the ranks run on gloo, on GPUs as ``harness.ranks.placement.place`` puts them (``--world-size`` defaults to
 every local GPU where there are 2 or more, else 2).
-Engines are resolved by ``harness.registry``; a plug-in's spec must be resolvable in a fresh process
+Engines are resolved by ``harness.engines.registry``; a plug-in's spec must be resolvable in a fresh process
 (a spec or an entry point), since the seed families run pytest in one.
 
 Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are library calls, and
@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.cases.case import CaseConfig
+from harness.cases.records import ERRORED, CaseRecord
 from harness.cli.options import add_case_timeout, add_placement, non_empty_path
-from harness.case import CaseConfig
-from harness.placement import Lane
-from harness.records import ERRORED, CaseRecord
+from harness.ranks.placement import Lane
 from reports.api import staged
 from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
 
@@ -100,7 +100,7 @@ class CertifyRun:
     spec: str
     name: str
     quick: bool
-    #: where the ranks run (``harness.placement.place``): world size, backend, the GPU of each rank.
+    #: where the ranks run (``harness.ranks.placement.place``): world size, backend, the GPU of each rank.
     lane: Lane
     out: Path
     case_timeout_s: float
@@ -112,7 +112,7 @@ class CertifyRun:
         return self.lane.world_size
 
     def cases(self) -> list[CaseConfig]:
-        from harness.runner import generate_cases
+        from harness.run.runner import generate_cases
 
         if self.quick:
             return generate_cases("smoke", [self.world_size], ["ddp", "local"],
@@ -126,9 +126,9 @@ class CertifyRun:
 
     def _run_cases(self) -> list[CaseRecord]:
         """The cases on one pool of the certificate's lane, through the run session every front end uses."""
-        from harness.collector import ResultWriter, run_info
-        from harness.pool import PoolStartError
-        from harness.session import RunSession
+        from harness.collect.collector import ResultWriter, run_info
+        from harness.ranks.pool import PoolStartError
+        from harness.run.session import RunSession
 
         cases = self.cases()
         writer = ResultWriter(self.out / "results.jsonl", run_info([self.lane]))
@@ -216,7 +216,7 @@ def _from_tests(result: FamilyResult, tests: list[tuple[str, str, str]], tail: s
 
 
 def _needs_fsdp1(run: CertifyRun, result: FamilyResult) -> bool:
-    from harness.registry import resolve
+    from harness.engines.registry import resolve
 
     if resolve(run.spec).fsdp1_module is None:
         result.note = f"{run.name} has no torch FSDP1 API (its adapter has no fsdp1_module): these checks speak it"
@@ -237,7 +237,7 @@ def judge_parity(reference: str) -> Callable[[CertifyRun, FamilyResult], None]:
 
 
 def _judge_numbers(result: FamilyResult, records: list[CaseRecord]) -> None:
-    from harness.collector import record_full_id
+    from harness.collect.collector import record_full_id
 
     for record in records:
         if record.verdict == "unsupported":
@@ -261,7 +261,7 @@ def _judge_numbers(result: FamilyResult, records: list[CaseRecord]) -> None:
 
 
 def judge_knobs(run: CertifyRun, result: FamilyResult) -> None:
-    from harness.collector import record_full_id
+    from harness.collect.collector import record_full_id
 
     for record in run.records():
         if record.verdict == "unsupported":
@@ -284,7 +284,7 @@ def judge_knobs(run: CertifyRun, result: FamilyResult) -> None:
 
 
 def judge_checkpoints(run: CertifyRun, result: FamilyResult) -> None:
-    from harness.matrix import AXES
+    from harness.selection.matrix import AXES
 
     if "checkpoint" not in AXES:
         result.note = "not yet available: the case matrix has no checkpoint axis"
@@ -366,9 +366,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from harness.placement import PlacementError, n_gpus as visible_gpus, place
-    from harness.pool import PoolStartError
-    from harness.registry import EngineSpecError, check_engines, resolve
+    from harness.engines.registry import EngineSpecError, check_engines, resolve
+    from harness.ranks.placement import PlacementError, n_gpus as visible_gpus, place
+    from harness.ranks.pool import PoolStartError
 
     try:
         (spec,) = check_engines([args.engine], "--engine")
@@ -441,8 +441,8 @@ CASE_FAMILIES: dict[str, Callable[[dict[str, Any]], bool]] = {
 
 def _coverage(run: CertifyRun, results: Sequence[FamilyResult]) -> dict[str, dict[str, list[Any]]]:
     """Per case family that ran something, the declared strategies and precisions none of its cases ran
-    (``harness.coverage``): what makes a certificate PARTIAL rather than CONFORMS."""
-    from harness.coverage import declared_values, family_coverage
+    (``harness.collect.coverage``): what makes a certificate PARTIAL rather than CONFORMS."""
+    from harness.collect.coverage import declared_values, family_coverage
 
     ran = [f.name for f in results if f.name in CASE_FAMILIES and (f.passed or f.failed)]
     if not ran:
@@ -455,7 +455,7 @@ def _coverage(run: CertifyRun, results: Sequence[FamilyResult]) -> dict[str, dic
 def _environment(run: CertifyRun, n_gpus: int) -> dict[str, Any]:
     import platform
 
-    from harness.collector import run_info
+    from harness.collect.collector import run_info
 
     info = run_info([run.lane])
     devices = "CPU" if run.lane.devices is None else f"GPUs {list(run.lane.devices)} of {n_gpus} ({info.gpu})"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.placement import RESERVED_CORES, Lane
+from harness.ranks.placement import RESERVED_CORES, Lane
 
 __all__ = ["FUZZ_SHARE", "REPORT_RESERVE_S", "FuzzOutcome", "FuzzRun", "cases_deadline", "fuzz_alongside", "fuzz_budget", "report_reserve", "parse_fuzz_totals", "run_fuzz"]
 

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.case import CaseConfig
-from harness.records import FAILING
+from harness.cases.case import CaseConfig
+from harness.cases.records import FAILING
 
 RESULTS_NAME = "results.jsonl"
 FUZZ_NAME = "fuzz.txt"
@@ -65,7 +65,7 @@ def determinism_sample(cases: Sequence[CaseConfig]) -> list[CaseConfig]:
 
 def determinism_summary(records: Sequence[Any]) -> dict[str, Any]:
     """Per engine and strategy (``builtin/full_shard``): cases checked and the nondeterministic ones."""
-    from harness.collector import record_full_id
+    from harness.collect.collector import record_full_id
 
     table: dict[str, dict[str, Any]] = {}
     for record in records:

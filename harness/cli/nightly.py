@@ -2,19 +2,19 @@
 
 Named phases in one straight line (``Nightly``: ``take_back_earlier_attempt``, ``plan_cases``, ``run_cases``,
 ``run_fuzz_campaign``, ``measure_perf``, ``build_report``, ``diff_previous``, ``conclude``), every product
-written into the out directory as it is made; the cases run through ``harness.session.RunSession`` as
+written into the out directory as it is made; the cases run through ``harness.run.session.RunSession`` as
 ``harness run``'s do:
 
 1. the cases of the matrix (``full`` by default) on every local GPU (several pools on each group of
-   GPUs side by side, as many as ``harness.placement.pools_per_group`` allows or ``--pools-per-gpu``
+   GPUs side by side, as many as ``harness.ranks.placement.pools_per_group`` allows or ``--pools-per-gpu``
    says), or on gloo ranks on CPU when there are no GPUs: ``results.jsonl``, one durable line per case
    (a killed nightly keeps every case it finished; ``--resume`` goes on). Determinism is checked on a
    sample (``determinism_sample``); ``--repeat``/``--repeat-failures`` rerun cases (``flaky`` verdicts);
-   under ``--time-budget-s`` the cases run in sampled order (``harness.sampling.sample_order``: every value
+   under ``--time-budget-s`` the cases run in sampled order (``harness.selection.sampling.sample_order``: every value
    of every axis first, then every pair);
 2. the flat-parameter fuzz campaign (``harness.conformance.fuzz_campaign``, profile ``nightly``; under a time
    budget what is left of it, ``fuzz_budget``, after the cases at least ``FUZZ_SHARE``): ``fuzz.txt``;
-   then the performance section (``harness.perf_section``): step time and peak memory of our engine
+   then the performance section (``harness.perf.perf_section``): step time and peak memory of our engine
    and torch FSDP1 on two GPUs, or a smoke check on CPU, kept under ``perf`` in ``nightly.json``;
 3. the report (``reports.build``): ``matrix.md``, ``matrix.html``, ``results.csv``, heatmaps, ``summary.json``;
 4. the diff against the previous nightly (the newest sibling directory holding a ``nightly.json`` whose
@@ -25,7 +25,7 @@ written into the out directory as it is made; the cases run through ``harness.se
    ``complete`` is true only when nothing was left out: every case, the fuzz campaign and the
    performance section that were asked for); ``not_run.txt`` lists the cases a time budget left out.
 
-With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.shards``) into
+With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.run.shards``) into
 ``OUT/shards/K-of-N``, the fuzz campaign and the performance section on shard 1 only and no diff;
 ``--merge-shards`` (``harness.cli.nightly_merge``) makes the night of the shards in ``OUT``; ``--submit``
 (``harness.cli.nightly_submit``) runs the shards as one submitit job array, then merges them.
@@ -47,7 +47,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.records import not_run_text
 from harness.cli.fuzz import FuzzOutcome, FuzzRun, cases_deadline, fuzz_alongside, fuzz_budget, report_reserve, run_fuzz
 from harness.cli.night import (
     RESULTS_NAME,
@@ -73,23 +74,22 @@ from harness.cli.options import (
 )
 from harness.cli.sharding import add_sharding, resolve_shard, shard_dir
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
-from harness.placement import Lane, PlacementError, host_facts, n_gpus
-from harness.records import not_run_text
-from harness.runner import Selection, SelectionError, select_cases, under_torchrun
-from harness.sampling import sample_order
-from harness.session import Part, RunSession, plan_local_lanes, select_part
-from harness.shards import ShardError
-from harness.stored_selection import StoredSelection, StoredSelectionError, legacy_warning, read_selection
+from harness.ranks.placement import Lane, PlacementError, host_facts, n_gpus
+from harness.run.runner import Selection, SelectionError, select_cases, under_torchrun
+from harness.run.session import Part, RunSession, plan_local_lanes, select_part
+from harness.run.shards import ShardError
+from harness.run.stored_selection import StoredSelection, StoredSelectionError, legacy_warning, read_selection
+from harness.selection.sampling import sample_order
 
 def _matrix_world_sizes() -> list[int]:
-    from harness.matrix import AXES
+    from harness.selection.matrix import AXES
 
     return list(AXES["world_size"])
 
 
 def out_dir_problem(out: Path) -> str | None:
     """Why ``out`` cannot be the nightly's directory (checked before anything runs), or None."""
-    from harness.collector import out_path_problem
+    from harness.collect.collector import out_path_problem
 
     if out.exists() and not out.is_dir():
         return f"{out} is a file; the nightly writes a directory of products, name a directory"
@@ -120,8 +120,8 @@ class Nightly:
     ``run`` calls the phases in order; a phase returns None to go on, or the exit status to stop with.
     State between phases: ``config`` (a resumed one takes back the stored selection), ``out`` (a shard's
     own directory), ``state`` (what ``nightly.json`` holds), ``earlier`` (the interrupted attempt's
-    ``nightly.json``), ``lanes``, ``part`` (``harness.session.Part``), ``session``
-    (``harness.session.RunSession``), ``alongside`` (a fuzz campaign running beside the cases),
+    ``nightly.json``), ``lanes``, ``part`` (``harness.run.session.Part``), ``session``
+    (``harness.run.session.RunSession``), ``alongside`` (a fuzz campaign running beside the cases),
     ``deadline`` (when the last case may start), ``report`` (the report's summary), ``previous`` and
     ``regressions``.
     """
@@ -217,7 +217,7 @@ class Nightly:
     def run_cases(self) -> int | None:
         """The part's cases the results file lacks, on the lanes (a fuzz campaign beside them where the
         cores allow); ``not_run.txt`` lists what a time budget left out."""
-        from harness.collector import ResultsLocked, ResultWriter, run_info
+        from harness.collect.collector import ResultsLocked, ResultWriter, run_info
 
         config, out, part = self.config, self.out, self.part
         assert part is not None
@@ -331,7 +331,7 @@ class Nightly:
 
     def measure_perf(self) -> int | None:
         """The performance section: after the cases, so the GPUs are free."""
-        from harness import perf_section
+        from harness.perf import perf_section
 
         config = self.config
         if not config.perf:
@@ -368,7 +368,7 @@ class Nightly:
     def diff_previous(self) -> int | None:
         """The diff against the previous night of the same selection, and the performance ratios."""
         import reports
-        from harness import perf_section
+        from harness.perf import perf_section
         from reports import render
 
         config, out, state = self.config, self.out, self.state
@@ -445,7 +445,7 @@ def _fuzz_not_run(config: NightlyConfig, earlier: Mapping[str, Any], path: Path,
 
 def _latest_records(path: Path) -> list[Any]:
     """The newest record of every case in a results file."""
-    from harness.collector import read_records, record_full_id
+    from harness.collect.collector import read_records, record_full_id
 
     latest = {}
     for record in read_records(path)[0]:
@@ -463,7 +463,7 @@ def _write_not_run(path: Path, not_run: Sequence[tuple[CaseConfig, str]]) -> Non
 def _summary_text(state: Mapping[str, Any]) -> str:
     from tabulate import tabulate
 
-    from harness import perf_section
+    from harness.perf import perf_section
 
     cases, fuzz, diff = state["cases"], state["fuzz"], state["diff"]
     verdicts = [(v, n) for v, n in state["verdicts"].items() if n]

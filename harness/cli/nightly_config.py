@@ -1,7 +1,7 @@
 """What one nightly runs and where it writes (``NightlyConfig``), and what a resumed nightly takes back.
 
 ``--resume`` continues the nightly already in ``--out``: its selection comes from the results file's
-stored selection (``harness.stored_selection``; options given again with other values are refused by
+stored selection (``harness.run.stored_selection``; options given again with other values are refused by
 name) and its time budget from the earlier attempt's ``nightly.json``, unless given again.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.placement import BackendChoice, DeviceChoice
-from harness.runner import Selection, SelectionError
-from harness.shards import ShardSpec
+from harness.ranks.placement import BackendChoice, DeviceChoice
+from harness.run.runner import Selection, SelectionError
+from harness.run.shards import ShardSpec
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
 
@@ -43,7 +43,7 @@ class NightlyConfig:
     #: the nightly (report directory or results file) to diff against; None: the newest earlier sibling.
     previous: Path | None = None
     #: ``auto``: NCCL with one GPU per rank where there are enough GPUs, gloo with ranks sharing the GPUs
-    #: where there are fewer, gloo on CPU without GPUs (``harness.placement.place``).
+    #: where there are fewer, gloo on CPU without GPUs (``harness.ranks.placement.place``).
     backend: BackendChoice = "auto"
     #: ``auto``: the GPUs where there are any; ``cpu`` keeps gloo ranks on the CPU of a GPU host.
     device: DeviceChoice = "auto"
@@ -53,14 +53,14 @@ class NightlyConfig:
     progress: bool = True
     #: check determinism on a sample (one case per engine, strategy and world size).
     determinism_sample: bool = True
-    #: runs of every case, and extra runs of one that did not pass (``harness.repeats``).
+    #: runs of every case, and extra runs of one that did not pass (``harness.run.repeats``).
     repeat: int = 1
     repeat_failures: int = 0
-    #: pools side by side per group of GPUs (None: ``harness.placement.pools_per_group``).
+    #: pools side by side per group of GPUs (None: ``harness.ranks.placement.pools_per_group``).
     pools_per_gpu: int | None = None
-    #: measure the performance section (``harness.perf_section``).
+    #: measure the performance section (``harness.perf.perf_section``).
     perf: bool = True
-    #: run only this part of the selection (``harness.shards``; ``--shard``, ``auto`` resolved by ``main``),
+    #: run only this part of the selection (``harness.run.shards``; ``--shard``, ``auto`` resolved by ``main``),
     #: into ``out/shards/K-of-N``; None: all of it.
     shard: ShardSpec | None = None
     #: results whose wall times balance the shards (``--shard-costs``); None: estimates.
@@ -133,7 +133,7 @@ def resumed_config(config: NightlyConfig, stored_options: Mapping[str, Any] | No
 
     Raises ``SelectionError`` naming every option given with another value than the stored one.
     """
-    from harness.stored_selection import contradictions, option_key, selection_from_options, selection_options
+    from harness.run.stored_selection import contradictions, option_key, selection_from_options, selection_options
 
     explicit = set(explicit)
     keys = {option_key(d) for d in explicit}

@@ -56,7 +56,7 @@ def _fail(message: str) -> int:
 def merge_shards(config: NightlyConfig) -> int:
     """Merge the shards under ``config.out`` into one night; returns the exit status (module docstring)."""
     import reports
-    from harness.stored_selection import read_selection
+    from harness.run.stored_selection import read_selection
     from reports import render
 
     start = time.monotonic()

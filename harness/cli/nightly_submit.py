@@ -25,7 +25,7 @@ from typing import Any, Literal
 from harness.cli import night, nightly, nightly_merge
 from harness.cli.nightly_config import NightlyConfig
 from harness.cli.sharding import shard_dir
-from harness.shards import ShardSpec
+from harness.run.shards import ShardSpec
 
 __all__ = ["SUBMIT_DIR", "ArrayPlan", "ShardTask", "SubmitOptions", "add_arguments", "main", "plan_array"]
 

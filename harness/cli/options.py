@@ -1,5 +1,5 @@
 """Command-line options shared by the front ends: the case selection and placement, registered from the
-one options model (``harness.options.SelectionOptions``, which the pytest plugin registers its options from
+one options model (``harness.run.options.SelectionOptions``, which the pytest plugin registers its options from
 too), how the cases run (lanes, repeats), and the value types that refuse a bad number where argparse reads
 it (naming the option).
 
@@ -13,9 +13,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from harness import options as model
-from harness.one_line_parser import non_empty, non_empty_path
-from harness.options import MAX_SECONDS, OptionSpec, OptionValueError, SelectionOptions, option_specs
+from harness.run import options as model
+from harness.run.one_line_parser import non_empty, non_empty_path
+from harness.run.options import MAX_SECONDS, OptionSpec, OptionValueError, SelectionOptions, option_specs
 
 __all__ = ["MAX_SECONDS", "add_case_timeout", "add_execution", "budget_seconds", "add_placement", "add_selection",
            "csv_list", "given_options", "non_empty", "non_empty_path", "non_negative_int", "positive_float",
@@ -100,7 +100,7 @@ def selection_options(args: argparse.Namespace) -> SelectionOptions:
 
 
 def add_selection(p: argparse.ArgumentParser) -> None:
-    """The selection options (``SELECTION_FIELDS`` of ``harness.options.SelectionOptions``)."""
+    """The selection options (``SELECTION_FIELDS`` of ``harness.run.options.SelectionOptions``)."""
     _add_fields(p, SELECTION_FIELDS)
 
 
@@ -110,10 +110,10 @@ def add_case_timeout(p: argparse.ArgumentParser) -> None:
 
 
 def add_execution(p: argparse.ArgumentParser) -> None:
-    """How the selected cases run: pools side by side and repeats (``harness.runner.CaseRunner``)."""
+    """How the selected cases run: pools side by side and repeats (``harness.run.runner.CaseRunner``)."""
     p.add_argument("--pools-per-gpu", "--lanes", dest="pools_per_gpu", type=positive_int, default=None,
                    help="rank pools side by side on each group of GPUs (on CPU: pools in all); default: "
-                        "chosen from the GPU memory and the cores (harness.placement.pools_per_group)")
+                        "chosen from the GPU memory and the cores (harness.ranks.placement.pools_per_group)")
     p.add_argument("--repeat", type=positive_int, default=1,
                    help="run every case N times; runs that disagree make the case flaky (never a pass)")
     p.add_argument("--repeat-failures", type=non_negative_int, default=0,
@@ -121,5 +121,5 @@ def add_execution(p: argparse.ArgumentParser) -> None:
 
 
 def add_placement(p: argparse.ArgumentParser) -> None:
-    """``--backend`` and ``--device``: where the ranks run, as ``harness.placement.place`` decides."""
+    """``--backend`` and ``--device``: where the ranks run, as ``harness.ranks.placement.place`` decides."""
     _add_fields(p, ["backend", "device"])

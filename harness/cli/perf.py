@@ -1,7 +1,7 @@
 """``python -m harness perf``: training-step benchmark of our engine against torch FSDP1, same run.
 
 Two regimes, each engine after the other on one persistent rank pool (2 GPUs with NCCL, or 2 gloo
-ranks on CPU with a tiny model); ``harness.benchmark`` is the rank side, ``harness.perf_run`` the rows:
+ranks on CPU with a tiny model); ``harness.perf.benchmark`` is the rank side, ``harness.perf.perf_run`` the rows:
 
 - the GPT (default): a GPT-like model with one block per unit, AdamW, bf16 compute with fp32 gradient
   reduction. ``--size 1b`` (default on GPUs) is the anchors' model (vocab 32000, d 2048, 16 layers,
@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 
 from harness.cli.options import add_placement, positive_float
-from harness.benchmark import CPU_MODEL, ENGINES, SIZES, STRATEGIES, GPTConfig, count_params
-from harness.perf_run import BASELINE, ZOO_MODELS, PerfConfig, ratio_lines, run, table
+from harness.perf.benchmark import CPU_MODEL, ENGINES, SIZES, STRATEGIES, GPTConfig, count_params
+from harness.perf.perf_run import BASELINE, ZOO_MODELS, PerfConfig, ratio_lines, run, table
 
 
 def config_from_args(args: argparse.Namespace) -> PerfConfig:
     """The run the options ask for; ``ValueError`` names a bad option."""
-    from harness.placement import n_gpus, place
+    from harness.ranks.placement import n_gpus, place
 
     lane = place(args.world_size, n_gpus(), args.backend, args.device)  # PlacementError is a ValueError
     if args.size is not None:
@@ -111,9 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _print_trace_summaries(directory: Path) -> None:
-    """Each trace's GPU time, streams, overlap and top kernels (``harness.profile_summary``)."""
-    from harness.benchmark import PROFILE_STEPS
-    from harness.profile_summary import gpu_events, load_trace, summarize, summary_lines
+    """Each trace's GPU time, streams, overlap and top kernels (``harness.perf.profile_summary``)."""
+    from harness.perf.benchmark import PROFILE_STEPS
+    from harness.perf.profile_summary import gpu_events, load_trace, summarize, summary_lines
 
     for path in sorted(directory.glob("*.json")):
         events = gpu_events(load_trace(path))
@@ -122,7 +122,7 @@ def _print_trace_summaries(directory: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from harness.pool import PoolStartError
+    from harness.ranks.pool import PoolStartError
 
     try:
         config = config_from_args(args)

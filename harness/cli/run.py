@@ -1,12 +1,12 @@
 """``python -m harness run|list|models``: run parity cases and record them, list them, describe the zoo.
 
-``run`` selects cases from a matrix generator (``harness.matrix``), runs them on persistent rank pools
-(several side by side on each group of GPUs, ``harness.placement.plan_lanes``, through
-``harness.session.RunSession``) and appends one record per case to a JSON Lines file through the
+``run`` selects cases from a matrix generator (``harness.selection.matrix``), runs them on persistent rank pools
+(several side by side on each group of GPUs, ``harness.ranks.placement.plan_lanes``, through
+``harness.run.session.RunSession``) and appends one record per case to a JSON Lines file through the
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
 ranks are torchrun's own: rank 0 runs the cases through a ``RunSession`` on one lane whose pool is the
-world (``harness.torchrun_world``: the other ranks serve it) and records, and the watchdog is
-``harness.torchrun_watch`` (a lost node is a crash naming it; the run then ends). ``--shard K/N`` runs
+world (``harness.ranks.torchrun_world``: the other ranks serve it) and records, and the watchdog is
+``harness.ranks.torchrun_watch`` (a lost node is a crash naming it; the run then ends). ``--shard K/N`` runs
 (or lists) the K-th of N disjoint parts of the selection (``harness.cli.sharding``).
 
 Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
@@ -25,17 +25,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from harness.cli.options import (
     add_case_timeout, add_execution, add_placement, add_selection, non_empty_path, selection_options,
 )
 from harness.cli.sharding import add_sharding
 from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
-from harness.options import SelectionOptions
-from harness.runner import Selection, SelectionError, exit_status, file_counts, summary, under_torchrun
-from harness.session import Part, RunSession, plan_local_lanes, select_part
-from harness.shards import ShardError
-from harness.stored_selection import (
+from harness.run.options import SelectionOptions
+from harness.run.runner import Selection, SelectionError, exit_status, file_counts, summary, under_torchrun
+from harness.run.session import Part, RunSession, plan_local_lanes, select_part
+from harness.run.shards import ShardError
+from harness.run.stored_selection import (
     StoredSelection,
     StoredSelectionError,
     contradictions,
@@ -48,9 +48,9 @@ from harness.stored_selection import (
 )
 
 if TYPE_CHECKING:
-    from harness.collector import ResultWriteError, ResultWriter
-    from harness.placement import Lane
-    from harness.torchrun_world import TorchrunWorld
+    from harness.collect.collector import ResultWriteError, ResultWriter
+    from harness.ranks.placement import Lane
+    from harness.ranks.torchrun_world import TorchrunWorld
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -69,7 +69,7 @@ def report_command(out: Path) -> str:
 
 def _open_results(out: Path, info: Any, resume: bool) -> "ResultWriter | str":
     """The results writer for ``--out``, or the one line refusing it (under torchrun too)."""
-    from harness.collector import ResultsLocked, ResultWriter
+    from harness.collect.collector import ResultsLocked, ResultWriter
 
     if resume and not out.exists():  # a typo must not start a fresh run
         return f"--resume: {out} does not exist, so there is nothing to continue; check the path, or drop --resume to start a new run"
@@ -99,8 +99,8 @@ def _refuse(message: str) -> int:
 def main(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _run_torchrun(args)
-    from harness.collector import ResultWriteError, out_path_problem, run_info
-    from harness.placement import PlacementError
+    from harness.collect.collector import ResultWriteError, out_path_problem, run_info
+    from harness.ranks.placement import PlacementError
 
     options = selection_options(args)
     out = Path(args.out) if args.out else _default_out()
@@ -214,18 +214,18 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from harness.collector import run_info
-    from harness.rank import RankContext
-    from harness.rank_process import die_with_parent
-    from harness.torchrun_watch import TorchrunWatch, site_of_this_rank
-    from harness.torchrun_world import TorchrunWorld
+    from harness.collect.collector import run_info
+    from harness.ranks.rank import RankContext
+    from harness.ranks.rank_process import die_with_parent
+    from harness.ranks.torchrun_watch import TorchrunWatch, site_of_this_rank
+    from harness.ranks.torchrun_world import TorchrunWorld
 
     die_with_parent()  # torchrun leaves the workers of a SIGKILLed agent running: not ours
     options = selection_options(args)
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
-    from harness.placement import PlacementError, n_gpus, place
+    from harness.ranks.placement import PlacementError, n_gpus, place
 
     # torchrun places the ranks of this node: the rule is the pool's, over the local ranks.
     try:
@@ -278,8 +278,8 @@ def _record_torchrun(args: argparse.Namespace, options: SelectionOptions, world:
                      writer: "ResultWriter", lane: "Lane", part: Part) -> int:
     """Rank 0 under torchrun: the cases ``writer``'s file lacks (or reruns), through a ``RunSession`` on one
     lane whose pool is the world."""
-    from harness.collector import ResultWriteError
-    from harness.parity import record_from_outcome
+    from harness.collect.collector import ResultWriteError
+    from harness.compare.parity import record_from_outcome
 
     out = writer.path
 
@@ -328,7 +328,7 @@ def main_list(args: argparse.Namespace) -> int:
 def main_models(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from harness.models import MODELS, build_model, zoo_names
+    from harness.cases.models import MODELS, build_model, zoo_names
 
     rows = []
     for name in zoo_names():

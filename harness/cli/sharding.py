@@ -1,14 +1,14 @@
 """``--shard K/N`` and ``--shard-costs FILE`` of ``run``, ``list`` and ``nightly``: the options, and where a
 nightly shard writes. Which part of the selected cases this process runs, and what a resumed shard takes back
-from its stored selection, is the library's (``harness.session.select_part``)."""
+from its stored selection, is the library's (``harness.run.session.select_part``)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from harness.session import shard_text
-from harness.shards import ShardError, ShardSpec, parse_shard, resolve_shard
+from harness.run.session import shard_text
+from harness.run.shards import ShardError, ShardSpec, parse_shard, resolve_shard
 
 __all__ = ["SHARDS_DIR", "add_sharding", "resolve_shard", "shard_dir", "shard_text"]
 

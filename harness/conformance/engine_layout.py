@@ -2,7 +2,7 @@
 against torch FSDP1's layout on the same module.
 
 ``fsdp_api`` (``harness.pytest_plugin``) runs this once per engine ``--engine`` selects; an engine whose
-namespace has no ``FlatParamHandle`` (``harness.fsdp1_api``) is skipped with that reason, an engine without
+namespace has no ``FlatParamHandle`` (``harness.engines.fsdp1_api``) is skipped with that reason, an engine without
 torch FSDP1 to compare with likewise. The comparison is the fuzz properties' differential one
 (metadata, the shard's real elements bitwise, the module's attributes), on fewer examples. It is what
 ``python -m harness certify`` reports as the ``flat-param`` family, run there as
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from harness.conformance.flat_cases import FlatCase, flat_cases
 from harness.conformance.flat_handles import Registrations
 from harness.conformance.flat_param_properties import ALL_STRATEGIES, handle_states, torch_flat_param
-from harness.fsdp1_api import FSDPApi, load_api
+from harness.engines.fsdp1_api import FSDPApi, load_api
 
 #: what a collector of this check imports: the test, its fixture and its marks.
 __all__ = ["handle_api", "pytestmark", "test_layout_matches_torch_fsdp1"]

@@ -1,8 +1,8 @@
-"""The engine and seed suites' models, registered in the harness's zoo (``harness.models``).
+"""The engine and seed suites' models, registered in the harness's zoo (``harness.cases.models``).
 
 Each is a ``ZooModel``: its inputs come from ``get_input(seed=, step=, rank=)`` (on CPU; callers move
-them with ``harness.model_protocol.to_device``), its loss from ``get_loss(inputs, output)``, and its
-units from ``wrap_units()`` (``harness.model_protocol.wrap_bottom_up`` wraps them deepest first).
+them with ``harness.cases.model_protocol.to_device``), its loss from ``get_loss(inputs, output)``, and its
+units from ``wrap_units()`` (``harness.cases.model_protocol.wrap_bottom_up`` wraps them deepest first).
 Unlike the harness's own models, each seeds the global RNG itself when built (the seeds' tests build
 them directly, on any device), so every rank builds the same parameters, except the experts of
 :class:`MixtureOfExperts`, which differ per rank by design and are never averaged. ``ENGINE_MODELS``
@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from harness.models import ZooModel, register_model
-from harness.rank import new_singleton_groups
+from harness.cases.models import ZooModel, register_model
+from harness.ranks.rank import new_singleton_groups
 
 #: keeps the batches of different seeds apart; seed 0 gives the batches these suites always used.
 _SEED_STRIDE = 1_000_003
@@ -159,7 +159,7 @@ class MixtureOfExperts(ZooModel):
 
 #: Their names in the zoo (registered below), for the cases that train them: a module that names one
 #: imports it from here, which registers the models before a rank pool starts (the ranks import what
-#: registered models: ``harness.models.registering_modules``).
+#: registered models: ``harness.cases.models.registering_modules``).
 NESTED, ALWAYS_WRAP, TRANSFORMER, MOE = "engine_nested", "engine_always_wrap", "engine_transformer", "engine_moe"
 #: these models by their names in the zoo.
 ENGINE_MODELS: dict[str, type[ZooModel]] = {

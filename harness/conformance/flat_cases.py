@@ -17,7 +17,7 @@ import torch.nn as nn
 from hypothesis import assume, note
 from hypothesis import strategies as st
 
-from harness.case import ShardingName
+from harness.cases.case import ShardingName
 
 LeafKind = Literal[
     "linear", "conv1d", "conv2d", "embedding", "layer_norm", "batch_norm", "group_norm", "rms_norm", "relu"

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from engine.flat_param import HandleShardingStrategy
-from harness.case import FSDP1_STRATEGIES, ShardingName
+from harness.cases.case import FSDP1_STRATEGIES, ShardingName
 from harness.conformance.flat_cases import BITS_DTYPE, FlatCase
 
 

@@ -1,9 +1,9 @@
-"""The helpers the seed checks share, per engine (``FSDPApi``, ``harness.fsdp1_api``), and the ``api``
+"""The helpers the seed checks share, per engine (``FSDPApi``, ``harness.engines.fsdp1_api``), and the ``api``
 fixture that loads the engine under test.
 
 The seed suites are conformance tests: every check takes an ``FSDPApi`` first and uses only its names,
 so the same check runs on every engine with torch FSDP1's API that ``--engine`` selects; what the names
-are and the documented differences between engines are ``harness.fsdp1_api``'s.
+are and the documented differences between engines are ``harness.engines.fsdp1_api``'s.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.case import CaseConfig
-from harness.compare import assert_tensors_match
-from harness.fsdp1_api import FSDPApi, load_api
-from harness.model_protocol import ZooModel, to_device
-from harness.optim import sgd
-from harness.references import LocalReference, all_rank_batch
-from harness.tolerance import TolerancePolicy
+from harness.cases.case import CaseConfig
+from harness.cases.model_protocol import ZooModel, to_device
+from harness.compare.compare import assert_tensors_match
+from harness.compare.tolerance import TolerancePolicy
+from harness.engines.fsdp1_api import FSDPApi, load_api
+from harness.engines.optim import sgd
+from harness.engines.references import LocalReference, all_rank_batch
 
 #: the seed checks take both from here, with the helpers below.
 __all__ = ["FSDPApi", "api", "load_api"]
@@ -44,7 +44,7 @@ MOMENTUM = 0.9
 
 
 def optim(params: Any) -> torch.optim.Optimizer:
-    """The harness's parity optimizer (``harness.optim.sgd``) at the seed checks' ``LR`` and ``MOMENTUM``."""
+    """The harness's parity optimizer (``harness.engines.optim.sgd``) at the seed checks' ``LR`` and ``MOMENTUM``."""
     return sgd(params, LR, MOMENTUM)
 
 
@@ -73,14 +73,14 @@ def assert_params_match(api: FSDPApi, model: nn.Module, ref: nn.Module, context:
 
 
 def all_data(cls: Any, step: int, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Every rank's batch of engine model ``cls`` at ``step``, for the local reference (``harness.references``)."""
+    """Every rank's batch of engine model ``cls`` at ``step``, for the local reference (``harness.engines.references``)."""
     return all_rank_batch(lambda s, r: cls.get_input(step=s, rank=r), step, world, device)
 
 
 def assert_matches_local_reference(api: FSDPApi, model: nn.Module, case: CaseConfig, context: str) -> None:
     """The wrapped model's full parameters, after a check trained it the case's way by hand (where the
     harness cannot build or train it: auto-wrap policies, injected delays), against what the harness's
-    local reference computes for ``case`` (``harness.references.LocalReference``)."""
+    local reference computes for ``case`` (``harness.engines.references.LocalReference``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = next(model.parameters()).device
     want = LocalReference.for_case(case, case.precision_spec, device, world).run(rank).params

@@ -2,7 +2,7 @@
 
 Torch's own FSDP tests spawn ``world_size`` processes per test, which costs seconds each on a
 small machine. Here a test module lists its checks (module-level functions ``check(rank,
-world_size)``), one :class:`harness.pool.RankPool` starts the ranks once, every check runs on
+world_size)``), one :class:`harness.ranks.pool.RankPool` starts the ranks once, every check runs on
 every rank in order in the same process group, and each pytest test asserts the outcome of its check.
 
 The pool is the harness's own, so a check that hangs is a timeout with every rank's stack, a rank
@@ -24,12 +24,12 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from harness.expectations import ExpectedFailure, expected_failure
-from harness.placement import DeviceChoice
-from harness.pool import PoolOutcome
+from harness.collect.expectations import ExpectedFailure, expected_failure
 from harness.pytest_plugin import expect_failure, gpus_missing
 from harness.pytest_plugin.pools import placed_pool
-from harness.rank import RankContext
+from harness.ranks.placement import DeviceChoice
+from harness.ranks.pool import PoolOutcome
+from harness.ranks.rank import RankContext
 
 __all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_fixture", "session_tests"]
 
@@ -101,9 +101,9 @@ def run_checks(
 ) -> dict[str, CheckOutcome]:
     """Start ``world_size`` ranks once, run every check on each (``check(*args, rank, world_size)``),
     return outcomes by check name; ``timeout_s`` bounds each check. ``device='cuda'`` places the ranks
-    on this worker's GPUs by ``harness.placement.place`` (NCCL with one GPU per rank where there are
+    on this worker's GPUs by ``harness.ranks.placement.place`` (NCCL with one GPU per rank where there are
     enough, gloo ranks sharing them where there are fewer); a check finds its device with
-    ``harness.rank.rank_device()``."""
+    ``harness.ranks.rank.rank_device()``."""
     outcomes: dict[str, CheckOutcome] = {}
     with placed_pool(world_size, device, timeout_s=timeout_s, threads_per_rank=1 if device == "cpu" else None) as pool:
         for check in checks:

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.placement import n_gpus, place
+from harness.engines.fsdp1_api import FSDPApi, load_api
 from harness.pytest_plugin import gpus_missing, needs_gpus
 from harness.pytest_plugin.cases import ParityOptions
-from harness.fsdp1_api import FSDPApi, load_api
+from harness.ranks.placement import n_gpus, place
 
 # The first reason that holds, named as it is: without a GPU nothing here can run, whatever imports.
 if (_no_gpu := gpus_missing(1)) is not None:

@@ -4,7 +4,7 @@ Loaded by the root ``conftest.py``. What it adds:
 
 - options ``--engines`` (also ``--engine``), ``--references`` (also ``--reference``), ``--matrix`` (smoke |
   pairwise | full), ``--world-size``, ``--backend``, ``--device``, ``--case-timeout``, ``--loop-axes`` (the
-  command line's, from ``harness.options.SelectionOptions``: same names, checks and messages) and
+  command line's, from ``harness.run.options.SelectionOptions``: same names, checks and messages) and
   ``--results`` (see ``pytest --help``, group "parity"); ``--loop-axes`` deselects the generated cases of every suite that varies no training-loop
   axis (``SuiteMatrix.varies_loop_axes``), as ``harness run --loop-axes`` selects that slice;
 - ``@pytest.mark.parity_matrix(SuiteMatrix(...))`` on a test that takes ``parity_case``: the test is
@@ -21,7 +21,7 @@ Loaded by the root ``conftest.py``. What it adds:
   process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
   verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
   with the details; ``run_all`` runs the cases of one check, a seed check's subtests, under one verdict;
-  a test's strict xfail, ``expect_failure`` of a ``harness.expectations.ExpectedFailure``, puts its reason on
+  a test's strict xfail, ``expect_failure`` of a ``harness.collect.expectations.ExpectedFailure``, puts its reason on
   its records: ``CaseRecord.expected_failure``);
 - a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
 
@@ -49,15 +49,15 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from harness.case import CaseConfig, engine_name
-from harness.expectations import ExpectedFailure
-from harness.options import SelectionOptions, as_typed, option_specs
+from harness.cases.case import CaseConfig, engine_name
+from harness.cases.records import CaseRecord
+from harness.collect.expectations import ExpectedFailure
 from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
-from harness.records import CaseRecord
+from harness.run.options import SelectionOptions, as_typed, option_specs
 
 if TYPE_CHECKING:
-    from harness.collector import ResultWriter
-    from harness.pool import RankPool
+    from harness.collect.collector import ResultWriter
+    from harness.ranks.pool import RankPool
 
 OPTIONS_KEY = pytest.StashKey[ParityOptions]()
 SESSION_KEY = pytest.StashKey["ParitySession"]()
@@ -78,7 +78,7 @@ RUN_ID_INPUT = "parity_run_id"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """The options ``harness.options.SelectionOptions`` offers pytest (the command line's names, checks and
+    """The options ``harness.run.options.SelectionOptions`` offers pytest (the command line's names, checks and
     messages; an alias is an option of its own, so an error names it as typed), and ``--results``."""
     group = parser.getgroup("parity", "generated parity cases (harness.pytest_plugin)")
     defaults = {f.name: f.default for f in dataclasses.fields(SelectionOptions)}
@@ -116,7 +116,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """Where the generated cases' ranks run, per world size (on the controller: before the workers start)."""
-    from harness.placement import gpus_shared, n_gpus
+    from harness.ranks.placement import gpus_shared, n_gpus
 
     options = config.stash[OPTIONS_KEY]
     gpus = n_gpus()
@@ -216,7 +216,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def expect_failure(expected: ExpectedFailure) -> pytest.MarkDecorator:
-    """The strict xfail mark of a known engine bug (``harness.expectations.ExpectedFailure``; a pass fails
+    """The strict xfail mark of a known engine bug (``harness.collect.expectations.ExpectedFailure``; a pass fails
     the run, so a fixed engine is noticed): what a generated case whose suite expects it to fail carries,
     and what a test applies to itself (``request.applymarker``) when the expectation depends on where its
     ranks run. ``ParityRunner`` records its reason on the test's records (``expected_failure_of``)."""
@@ -243,9 +243,9 @@ def _key_without_engine(item: pytest.Item, engine: str) -> str:
 
 def gpus_missing(n: int, why: str = "") -> str | None:
     """Why a test that needs ``n`` CUDA GPUs cannot run here; None when it can. Multi-rank tests need one
-    GPU (``harness.placement.place`` shares it); only what measures NCCL itself needs one per rank,
+    GPU (``harness.ranks.placement.place`` shares it); only what measures NCCL itself needs one per rank,
     and says so in ``why``."""
-    from harness.placement import n_gpus
+    from harness.ranks.placement import n_gpus
 
     found = n_gpus()
     return None if found >= n else f"needs {n} CUDA GPU(s){f' ({why})' if why else ''}; this machine has {found}"
@@ -264,13 +264,13 @@ def skip_here(reason: str) -> NoReturn:
 
 
 def _worker() -> tuple[int, int]:
-    from harness.placement import xdist_worker
+    from harness.ranks.placement import xdist_worker
 
     return xdist_worker()
 
 
 def _plan(world_size: int, options: ParityOptions) -> PoolPlan:
-    from harness.placement import n_gpus
+    from harness.ranks.placement import n_gpus
 
     worker, workers = _worker()
     return plan_pool(world_size, options.backend, n_gpus(), worker, workers, options.device)
@@ -315,14 +315,14 @@ class ParitySession:
 
     @staticmethod
     def _refuse_stale_results(path: Path) -> None:
-        from harness.collector import worker_results_files
+        from harness.collect.collector import worker_results_files
 
         stale = [p for p in [path, *worker_results_files(path)] if p.exists() and p.stat().st_size > 0]
         if stale:
             raise pytest.UsageError(
                 f"--results {path}: {', '.join(str(p) for p in stale)} already hold results; "
                 "choose a new path or remove them (a killed xdist run leaves per-worker files to merge with "
-                "harness.collector.merge_results)"
+                "harness.collect.collector.merge_results)"
             )
 
     # -- records --------------------------------------------------------------------------------------
@@ -335,7 +335,7 @@ class ParitySession:
         if self.results is None:
             return
         if self._writer is None:
-            from harness.collector import ResultWriter, run_info, worker_results_path
+            from harness.collect.collector import ResultWriter, run_info, worker_results_path
 
             lanes = [plan.lane for plan in (_plan(ws, self.options) for ws in self.options.world_sizes) if plan.lane]
             self._writer = ResultWriter(worker_results_path(self.results), run_info(lanes or "none", self.run_id))
@@ -375,7 +375,7 @@ class ParitySession:
             self._writer.close()
         if self.is_worker or self.results is None:
             return
-        from harness.collector import merge_results, worker_results_files
+        from harness.collect.collector import merge_results, worker_results_files
 
         parts = worker_results_files(self.results)
         if parts:
@@ -423,7 +423,7 @@ class PoolRegistry:
             if plan.skip_reason is not None:
                 self._unavailable[world_size] = ("skip", plan.skip_reason)
                 skip_here(plan.skip_reason)
-            from harness.pool import PoolConfig, PoolStartError, RankPool
+            from harness.ranks.pool import PoolConfig, PoolStartError, RankPool
 
             if plan.devices is not None:
                 self._make_room(world_size)
@@ -444,9 +444,9 @@ class PoolRegistry:
 
     def _make_room(self, world_size: int) -> None:
         """Close the least recently used CUDA pools until ``world_size`` more CUDA ranks fit this worker's
-        share of the GPU and host memory (``harness.placement.cuda_rank_budget``): with ``-n 8`` and
+        share of the GPU and host memory (``harness.ranks.placement.cuda_rank_budget``): with ``-n 8`` and
         world sizes up to 8 on one GPU, keeping every pool would hold over a hundred CUDA processes."""
-        from harness.placement import cuda_rank_budget, host_facts, n_gpus
+        from harness.ranks.placement import cuda_rank_budget, host_facts, n_gpus
 
         budget = cuda_rank_budget(host_facts(), n_gpus(), _worker()[1])
         if budget is None:
@@ -486,7 +486,7 @@ class ParityRunner:
     def run(self, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         """The case's record when it passed; otherwise skips (unsupported) or fails the test.
         ``timeout_s`` overrides ``--case-timeout`` for this case (a test of a hang need not wait long)."""
-        from harness.runner import run_case
+        from harness.run.runner import run_case
 
         pool = self.pools.pool_for(case.world_size)
         record = self._expected(run_case(pool, case, timeout_s=timeout_s))
@@ -502,7 +502,7 @@ class ParityRunner:
         """Every case of a test that checks several (a seed check and its subtests, one verdict as the
         seed has it), each recorded; fails the test naming every failing case, skips it when no case
         could run (the first reason), else returns the records."""
-        from harness.runner import run_case
+        from harness.run.runner import run_case
 
         records = []
         for case in cases:

@@ -9,8 +9,8 @@ A generated suite runs a *slice* of the case matrix (``SuiteMatrix``): the axes 
 values it gives them; every other axis stays at its engine's baseline (the first value of the axis
 the engine can run: FSDP2 has no ``use_orig_params=False`` and no ``backward_prefetch='none'``).
 The *lane* (``--matrix``) decides how the slice is walked, per engine so that every engine sees every
-pair: ``full`` is the product, ``pairwise`` a covering array (``harness.matrix``), and ``smoke`` the
-matrix's smoke variants (``harness.matrix.SMOKE_VARIANTS``) seen through the slice: each variant keeps
+pair: ``full`` is the product, ``pairwise`` a covering array (``harness.selection.matrix``), and ``smoke`` the
+matrix's smoke variants (``harness.selection.matrix.SMOKE_VARIANTS``) seen through the slice: each variant keeps
 only the values of the axes the suite varies, and is made valid for the engine by dropping as few of
 them as needed. Smoke pins the axes of ``smoke_each`` to each of their values in turn (a wrap suite
 shows every model), references and world sizes are pinned in turn in every lane (as ``harness run``
@@ -26,13 +26,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from harness.case import CaseConfig, ReferenceName
-from harness.expectations import ExpectedFailure, expected_failure
-from harness.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
-from harness.options import SelectionOptions
-from harness.placement import DeviceChoice, Lane, PlacementError, place
-from harness.records import SEVERITY, CaseRecord
-from harness.registry import DEFAULT_ENGINES, fsdp1_engines
+from harness.cases.case import CaseConfig, ReferenceName
+from harness.cases.records import SEVERITY, CaseRecord
+from harness.collect.expectations import ExpectedFailure, expected_failure
+from harness.engines.registry import DEFAULT_ENGINES, fsdp1_engines
+from harness.ranks.placement import DeviceChoice, Lane, PlacementError, place
+from harness.run.options import SelectionOptions
+from harness.selection.matrix import AXES, LOOP_AXES, SMOKE_VARIANTS, GeneratorName, generate
 
 __all__ = [
     "Agreement",
@@ -62,7 +62,7 @@ _OPTION_AXES = ("engine", "reference", "world_size")
 class ParityOptions:
     """What the command line asks of the generated suites (see ``harness.pytest_plugin``)."""
 
-    #: engines under test (``--engine``): names or specs of ``harness.registry``.
+    #: engines under test (``--engine``): names or specs of ``harness.engines.registry``.
     engines: tuple[str, ...] = DEFAULT_ENGINES
     #: references each case is compared against, pinned in turn (``--reference``).
     references: tuple[str, ...] = get_args(ReferenceName)
@@ -70,7 +70,7 @@ class ParityOptions:
     matrix: GeneratorName = "smoke"
     #: ranks per case, one pool each (``--world-size``).
     world_sizes: tuple[int, ...] = (2,)
-    #: ``auto``: as ``harness.placement.place`` decides (``--backend``).
+    #: ``auto``: as ``harness.ranks.placement.place`` decides (``--backend``).
     backend: BackendOption = "auto"
     #: ``auto``, ``cpu`` (gloo ranks on the CPU of a GPU host) or ``cuda`` (``--device``).
     device: DeviceChoice = "auto"
@@ -102,9 +102,9 @@ class ParityOptions:
     @classmethod
     def from_options(cls, options: SelectionOptions, results: str | None = None) -> "ParityOptions":
         """The suites' options from the options model every front end shares, checked as the command line
-        checks them (``harness.runner.check_selection``: an unknown engine or reference names its option);
+        checks them (``harness.run.runner.check_selection``: an unknown engine or reference names its option);
         what was not given is every engine, both references and two ranks."""
-        from harness.runner import check_selection
+        from harness.run.runner import check_selection
 
         check_selection(options.selection(), options.world_sizes or ())
         return cls(
@@ -139,7 +139,7 @@ def engine_baseline(engine: str) -> dict[str, Any]:
 def _engine_baseline(engine: str) -> tuple[tuple[str, Any], ...]:
     cases = generate("smoke", axes={"engine": [engine]})
     if not cases:
-        raise ValueError(f"engine={engine!r}: no valid case at all; check harness.matrix.RULES and its capability_rules")
+        raise ValueError(f"engine={engine!r}: no valid case at all; check harness.selection.matrix.RULES and its capability_rules")
     return tuple((axis, getattr(cases[0], axis)) for axis in AXES)
 
 
@@ -149,7 +149,7 @@ class SuiteMatrix:
 
     #: short name, for messages.
     name: str
-    #: the axes this suite varies and their values (keys of ``harness.matrix.AXES``, not engine,
+    #: the axes this suite varies and their values (keys of ``harness.selection.matrix.AXES``, not engine,
     #: reference or world size, which the options own).
     axes: Mapping[str, Sequence[Any]]
     #: ``CaseConfig`` fields every case of the suite pins (e.g. ``steps``, ``extras``).
@@ -189,7 +189,7 @@ class SuiteMatrix:
 
     @property
     def varies_loop_axes(self) -> bool:
-        """Whether the suite varies a training-loop axis (``harness.matrix.LOOP_AXES``): the suites
+        """Whether the suite varies a training-loop axis (``harness.selection.matrix.LOOP_AXES``): the suites
         ``--loop-axes`` keeps."""
         return any(a in self.axes for a in LOOP_AXES)
 
@@ -201,7 +201,7 @@ class SuiteMatrix:
     def cases(self, options: ParityOptions) -> list[CaseConfig]:
         """The suite's cases for the options' lane, engines, references and world sizes, in a stable
         order (engine, then lane order), without duplicates."""
-        from harness.runner import generate_cases
+        from harness.run.runner import generate_cases
 
         found: dict[str, CaseConfig] = {}
         for engine in self.engines or options.engines:
@@ -251,7 +251,7 @@ def _closest_valid(axes: dict[str, list[Any]], wanted: dict[str, Any], **pinned:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """How one pool of a pytest worker runs (``harness.placement.place``'s lane), or why it cannot run here."""
+    """How one pool of a pytest worker runs (``harness.ranks.placement.place``'s lane), or why it cannot run here."""
 
     world_size: int
     #: where the pool runs; None when it cannot run here.
@@ -271,7 +271,7 @@ class PoolPlan:
 def plan_pool(world_size: int, backend: BackendOption, n_gpus: int, worker: int = 0, n_workers: int = 1,
               device: DeviceChoice = "auto") -> PoolPlan:
     """The pool of ``world_size`` ranks for pytest-xdist worker ``worker`` of ``n_workers`` on a host with
-    ``n_gpus`` visible GPUs: ``harness.placement.place``'s rule (NCCL with one GPU per rank, gloo with
+    ``n_gpus`` visible GPUs: ``harness.ranks.placement.place``'s rule (NCCL with one GPU per rank, gloo with
     ranks sharing the GPUs, gloo on CPU). A placement that cannot run here (``--backend nccl`` on too few
     GPUs) skips every case of this world size with the reason, never moves it elsewhere.
     """

@@ -7,7 +7,7 @@ for it and closed after it, declares them here::
     cpu_pair = rank_pool_fixture(2, "cpu", timeout_s=120.0)
     gpu_pair = rank_pool_fixture(2, "cuda", timeout_s=120.0, doc="Two ranks on this worker's GPUs.")
 
-A pool is placed by ``harness.placement.place`` (``cuda``: this worker's GPUs, one per rank or shared
+A pool is placed by ``harness.ranks.placement.place`` (``cuda``: this worker's GPUs, one per rank or shared
 through gloo; ``cpu``: gloo ranks on the CPU even on a GPU host; ``auto``: the GPUs where there are any);
 a CUDA pool skips its tests, saying why, on a host without a GPU. The rank sessions
 (``harness.conformance.rank_sessions``) start theirs with :func:`placed_pool` too.
@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 
-from harness.placement import DeviceChoice
-from harness.pool import PoolConfig, RankPool
 from harness.pytest_plugin import gpus_missing
+from harness.ranks.placement import DeviceChoice
+from harness.ranks.pool import PoolConfig, RankPool
 
 __all__ = ["placed_pool", "rank_pool_fixture"]
 
 _WHERE = {"cpu": "gloo CPU ranks", "cuda": "ranks on this worker's GPUs (one each, or sharing one)",
-          "auto": "ranks where harness.placement.place puts them (the GPUs where there are any)"}
+          "auto": "ranks where harness.ranks.placement.place puts them (the GPUs where there are any)"}
 
 
 @contextlib.contextmanager

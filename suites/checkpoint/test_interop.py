@@ -31,7 +31,7 @@ from engine import (
 )
 from engine.dtensors import full_tensor
 from harness.conformance.rank_sessions import session_tests
-from harness.rank import rank_device
+from harness.ranks.rank import rank_device
 from suites.checkpoint.training import CkptNet, Setup, full_state, make_optimizer, train, wrapped
 
 

@@ -20,9 +20,9 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from harness.models import ZooModel, register_model, to_device, wrap_bottom_up
-from harness.optim import adamw, sgd
-from harness.rank import new_hybrid_groups, rank_device
+from harness.cases.models import ZooModel, register_model, to_device, wrap_bottom_up
+from harness.engines.optim import adamw, sgd
+from harness.ranks.rank import new_hybrid_groups, rank_device
 
 from engine import (
     FSDP,
@@ -82,7 +82,7 @@ class CkptNet(ZooModel):
 
 def wrapped(device: torch.device | str | None = None, **kwargs: Any) -> FSDP:
     """A fresh ``CkptNet`` wrapped by our engine, unit by unit (``wrap_bottom_up``), with ``kwargs``; built
-    on ``device`` (default: the rank's own, ``harness.rank.rank_device``)."""
+    on ``device`` (default: the rank's own, ``harness.ranks.rank.rank_device``)."""
     return wrap_bottom_up(CkptNet(device if device is not None else rank_device()), FSDP, **kwargs)
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.case import CaseConfig
-from harness.collector import (
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord, QuantityError, RunInfo
+from harness.collect.collector import (
     BadLine,
     ResultWriter,
     merge_results,
@@ -23,7 +24,6 @@ from harness.collector import (
     worker_results_files,
     worker_results_path,
 )
-from harness.records import CaseRecord, QuantityError, RunInfo
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = RunInfo(run_id="r1", host="h", torch_version="2.13.0", backend="gloo")
@@ -108,9 +108,9 @@ def test_killed_process_keeps_every_finished_case(tmp_path: Path) -> None:
     child = textwrap.dedent(
         f"""
         import os, signal
-        from harness.case import CaseConfig
-        from harness.collector import ResultWriter
-        from harness.records import CaseRecord, RunInfo
+        from harness.cases.case import CaseConfig
+        from harness.cases.records import CaseRecord, RunInfo
+        from harness.collect.collector import ResultWriter
         w = ResultWriter({str(path)!r}, RunInfo("k", "h", "t", "gloo"))
         for s in range(3):
             c = CaseConfig(steps=s + 1)
@@ -233,9 +233,9 @@ def test_concurrent_workers_merge_without_interleaving(tmp_path: Path) -> None:
     base = tmp_path / "results.jsonl"
     child = textwrap.dedent(
         f"""
-        from harness.case import CaseConfig
-        from harness.collector import ResultWriter, worker_results_path
-        from harness.records import CaseRecord, RunInfo
+        from harness.cases.case import CaseConfig
+        from harness.cases.records import CaseRecord, RunInfo
+        from harness.collect.collector import ResultWriter, worker_results_path
         import os
         with ResultWriter(worker_results_path({str(base)!r}), RunInfo("x", "h", "t", "gloo")) as w:
             for s in range(1, 51):

@@ -18,15 +18,15 @@ import torch.distributed as dist
 
 from engine import FSDP, ShardingStrategy
 from engine.flat_param import FlatParamHandle
-from harness.adapters import fsdp1_options
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.model_protocol import to_device, wrap_bottom_up
+from harness.cases.models import build_model
 from harness.conformance.engine_models import MOE, NESTED, singleton_groups
 from harness.conformance.fsdp1_checks import assert_matches_local_reference, load_api
 from harness.conformance.seeds.seed_parity import seed_subtests
-from harness.model_protocol import to_device, wrap_bottom_up
-from harness.models import build_model
-from harness.optim import sgd
-from harness.rank import rank_device
+from harness.engines.adapters import fsdp1_options
+from harness.engines.optim import sgd
+from harness.ranks.rank import rank_device
 
 #: GPU cycles to sleep (tens of milliseconds on current GPUs): long enough that an unsynchronized
 #: reader runs before the writer finishes.
@@ -124,7 +124,7 @@ def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, be
     leave them out) in the case's init mode under the given sleeps; its parameters must match what the
     harness's local reference computes for the case. The training loop is this module's own: the sleeps
     patch the builtin engine's internals (``FlatParamHandle.free_unsharded_flat_param``), which the
-    harness never does (its stress mode, ``harness.stress``, delays every engine alike from outside).
+    harness never does (its stress mode, ``harness.compare.stress``, delays every engine alike from outside).
     On CPU ranks it runs without sleeps (they need a GPU)."""
     world = torch.distributed.get_world_size()
     case = case.replace(world_size=world)

@@ -1,6 +1,6 @@
 """CPU-offload placement checks shared by the CPU lane (our engine on gloo) and the GPU lane (our
 engine and torch FSDP1 side by side on NCCL): one training step per configuration, recorded with
-``harness.param_devices`` at every point a user can observe.
+``harness.compare.param_devices`` at every point a user can observe.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.case import FSDP1_STRATEGIES
+from harness.cases.case import FSDP1_STRATEGIES
+from harness.cases.model_protocol import to_device, wrap_bottom_up
+from harness.compare.param_devices import PlacementLog, original_names, record_training_step
 from harness.conformance.engine_models import ENGINE_MODELS
-from harness.model_protocol import to_device, wrap_bottom_up
-from harness.optim import sgd
-from harness.param_devices import PlacementLog, original_names, record_training_step
-from harness.rank import new_hybrid_groups
+from harness.engines.optim import sgd
+from harness.ranks.rank import new_hybrid_groups
 
 #: the placement checks' models: the engine suites' models without the mixture of experts.
 MODELS = {name: ENGINE_MODELS[name] for name in ("engine_nested", "engine_transformer")}

@@ -3,7 +3,7 @@
 NCCL refuses a collective on a CPU tensor ("No backend type associated with device type cpu"); gloo,
 on which CI's ranks run, takes it. Inside :func:`groups_refusing_cpu` every collective refuses a CPU
 tensor unless it went through a staging rule (the engine's ``engine.collectives.staged``, or the
-harness's own copy, ``harness.dtensors.staged``), which here stands for the copy to the group's
+harness's own copy, ``harness.engines.dtensors.staged``), which here stands for the copy to the group's
 accelerator, so a check on CPU ranks fails where a real NCCL node would.
 """
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engine import collectives
-from harness import dtensors
+from harness.engines import dtensors
 
 #: the modules whose ``staged`` the block replaces: the engine's staging rule and the harness's copy.
 STAGING = (collectives, dtensors)

@@ -1,4 +1,4 @@
-"""``engine.dtensors`` and the harness's own copy, ``harness.dtensors`` (the reference side never imports
+"""``engine.dtensors`` and the harness's own copy, ``harness.engines.dtensors`` (the reference side never imports
 the engine): DTensors gathered and split with plain collectives, against DTensor's own
 ``full_tensor``/``distribute_tensor`` on CPU ranks, and on ranks on the GPUs (sharing one where there
 are fewer GPUs than ranks, where DTensor's own functional collectives crash). Every check runs on both
@@ -19,15 +19,15 @@ from torch.testing import assert_close
 
 import engine.collectives
 import engine.dtensors
-import harness.dtensors
+import harness.engines.dtensors
 from engine.materialize import sync_states
 from harness.conformance.rank_sessions import session_tests
-from harness.rank import rank_device
+from harness.ranks.rank import rank_device
 from suites.engine.refusing_groups import groups_refusing_cpu
 
 
 #: the two copies: the engine's, and the harness's own for the reference side.
-COPIES = (engine.dtensors, harness.dtensors)
+COPIES = (engine.dtensors, harness.engines.dtensors)
 
 
 @pytest.mark.parametrize("copy", COPIES, ids=lambda m: m.__name__)
@@ -122,7 +122,7 @@ def check_cpu_values_travel_through_the_accelerator(rank: int, world_size: int) 
         assert staged, "nothing was staged: the check did not reach the collectives it guards"
 
 
-@pytest.mark.parametrize("rule", [engine.collectives, harness.dtensors], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("rule", [engine.collectives, harness.engines.dtensors], ids=lambda m: m.__name__)
 def test_the_staging_rule_is_the_same_in_both_copies(rule: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a backend takes, and where a CPU tensor goes on a group that refuses it: the engine's rule
     (``engine.collectives``) and the harness's copy alike ([Note: CPU tensors on accelerator groups])."""

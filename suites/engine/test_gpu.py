@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from engine import FSDP, CPUOffload, MixedPrecision, ShardingStrategy
-from harness.case import FLAT_STRATEGIES, FSDP1_STRATEGIES
+from harness.cases.case import FLAT_STRATEGIES, FSDP1_STRATEGIES
+from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.conformance.engine_models import NestedWrapped
 from harness.conformance.rank_sessions import session_tests
-from harness.model_protocol import to_device, wrap_bottom_up
 from harness.pytest_plugin import needs_gpus
 from suites.engine.delays import DELAYS, cuda_device as _device, delayed_step_parity, seed_delayed_check
 

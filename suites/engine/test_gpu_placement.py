@@ -1,7 +1,7 @@
 """CPU offload placement of our engine and torch FSDP1 side by side on 2 GPUs (NCCL).
 
 For every strategy and ``use_orig_params``, on the nested model and the transformer with a tied
-weight, both engines run one offloaded training step recorded by ``harness.param_devices`` (after
+weight, both engines run one offloaded training step recorded by ``harness.compare.param_devices`` (after
 construction, in forward and backward, after forward, backward and ``optimizer.step()``, inside and
 after ``summon_full_params`` with and without ``offload_to_cpu``, inside and after ``no_sync``);
 every parameter and gradient must be on the same device in both, and where offload promises it.
@@ -21,13 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.cases.model_protocol import to_device, wrap_bottom_up
+from harness.compare.param_devices import PlacementLog, offload_violations
 from harness.conformance.engine_models import NestedWrapped
 from harness.conformance.fsdp1_checks import load_api
 from harness.conformance.rank_sessions import session_tests
-from harness.model_protocol import to_device, wrap_bottom_up
-from harness.param_devices import PlacementLog, offload_violations
-from harness.placement import n_gpus
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.placement import n_gpus
 from suites.engine.placement import configurations, offload_step
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]

@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy
-from harness.case import HYBRID_STRATEGIES, CaseConfig
+from harness.cases.case import HYBRID_STRATEGIES, CaseConfig
+from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import NESTED, TRANSFORMER, NestedWrapped
 from harness.conformance.fsdp1_checks import all_data, assert_match
 from harness.conformance.rank_sessions import session_tests
-from harness.model_protocol import wrap_bottom_up
 from harness.pytest_plugin import ParityRunner
-from harness.rank import new_hybrid_groups
+from harness.ranks.rank import new_hybrid_groups
 
 CPU = torch.device("cpu")
 HYBRID = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]

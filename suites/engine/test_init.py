@@ -11,11 +11,11 @@ from torch.testing import assert_close
 
 from engine import FSDP, FlatParameter, ShardingStrategy
 from engine.wrap import ModuleWrapPolicy, always_wrap_policy
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import NESTED, NestedWrapped
 from harness.conformance.fsdp1_checks import assert_trains_like_local_reference, load_api
 from harness.conformance.rank_sessions import session_tests
-from harness.model_protocol import wrap_bottom_up
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Training parity of the builtin engine, as harness cases (``harness.parity`` on the plugin's rank pools):
+"""Training parity of the builtin engine, as harness cases (``harness.compare.parity`` on the plugin's rank pools):
 ``suites.parity.slices.ENGINE_SWEEP``, every strategy x use_orig_params x backward prefetch x forward
 prefetch x CPU offload (hybrid strategies aside: ``test_hybrid.py``) on the engine suites' nested,
 tied-transformer and mixture-of-experts models (``harness.conformance.engine_models``), against DDP and the all-data
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from harness.pytest_plugin import ParityRunner
 from harness.pytest_plugin.cases import ParityOptions
 from suites.parity.slices import ENGINE_SWEEP

@@ -1,5 +1,5 @@
 """The rank sessions the engine and seed suites run their checks in (``harness.conformance.rank_sessions``, on
-``harness.pool.RankPool``): a failure names the rank and keeps its traceback, a skip needs every rank,
+``harness.ranks.pool.RankPool``): a failure names the rank and keeps its traceback, a skip needs every rank,
 and the checks after a failure still run; ``--device`` narrows a session run on both devices, and an
 expected failure is a strict xfail."""
 
@@ -53,8 +53,8 @@ def check_ok(rank, world_size):
 session, test_check = session_tests([check_ok], device=("cpu", "cuda"))
 '''
 _SCRATCH_KNOWN = '''
+from harness.collect.expectations import ExpectedFailure
 from harness.conformance.rank_sessions import api_session_tests
-from harness.expectations import ExpectedFailure
 
 
 def check_fails(api, rank, world_size):

@@ -14,11 +14,11 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 from engine import FSDP, BackwardPrefetch, ShardingStrategy
-from harness.case import FLAT_STRATEGIES, FSDP1_STRATEGIES, CaseConfig
+from harness.cases.case import FLAT_STRATEGIES, FSDP1_STRATEGIES, CaseConfig
+from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import NESTED, TRANSFORMER, NestedWrapped
 from harness.conformance.fsdp1_checks import all_data, assert_match, assert_params_match, full_params, load_api, optim
 from harness.conformance.rank_sessions import session_tests
-from harness.model_protocol import wrap_bottom_up
 from harness.pytest_plugin import ParityRunner
 
 CPU = torch.device("cpu")

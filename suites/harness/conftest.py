@@ -11,11 +11,11 @@ import pytest
 
 from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
-from harness.case import CaseConfig
-from harness.parity import run_case_on_rank
-from harness.pool import RankPool
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
+from harness.compare.parity import run_case_on_rank
 from harness.pytest_plugin.pools import placed_pool, rank_pool_fixture
-from harness.records import CaseRecord
+from harness.ranks.pool import RankPool
 
 parity_pool = rank_pool_fixture(2, timeout_s=180.0, scope="session",
                                 doc="Two ranks for parity cases, started once for the whole harness suite.")
@@ -39,7 +39,7 @@ def fault_pool() -> Iterator[RankPool]:
 def fake_run_case(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """``run`` records every case as passed without starting ranks (the pools start lazily, on their
     first case); returns the full ids it ran."""
-    import harness.runner as runner
+    import harness.run.runner as runner
 
     ran: list[str] = []
 

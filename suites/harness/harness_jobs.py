@@ -10,9 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.case import CaseConfig
-from harness.rank import RankContext
-from harness.trace import CommTrace
+from harness.cases.case import CaseConfig
+from harness.compare.trace import CommTrace
+from harness.ranks.rank import RankContext
 
 #: a small healthy case: warms the fault pool, and after each fault proves the pool recovered.
 HEALTHY = CaseConfig(engine="torch-fsdp", reference="ddp", model="nested", steps=2)

@@ -13,7 +13,7 @@
   decay group the no-decay group's zero. One-group optimizers are untouched: fails
   ``optimizer='adamw_groups'`` cases on values.
 
-Importing this module registers the four engines (``harness.registry.register``) and ``decay-dropped``'s
+Importing this module registers the four engines (``harness.engines.registry.register``) and ``decay-dropped``'s
 optimizer step pre-hook (process-wide; it touches only optimizers over that engine's parameters) in the
 importing process; a pool's ranks import it through ``run_case_with_loop_engines``, the job to send them.
 """
@@ -31,10 +31,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import engine
 from engine.state import ModuleState
-from harness.adapters import FSDP1Adapter, FSDP1Namespace
-from harness.parity import RankResult, run_case_on_rank
-from harness.rank import RankContext
-from harness.registry import register
+from harness.compare.parity import RankResult, run_case_on_rank
+from harness.engines.adapters import FSDP1Adapter, FSDP1Namespace
+from harness.engines.registry import register
+from harness.ranks.rank import RankContext
 
 __all__ = ["CLIP_LOCAL", "DECAY_DROPPED", "DYNAMO_TRACED", "SYNC_ALWAYS", "run_case_with_loop_engines"]
 
@@ -130,7 +130,7 @@ class _PlantedAdapter(FSDP1Adapter):
 
 
 def run_case_with_loop_engines(ctx: RankContext, case: Any) -> RankResult:
-    """``harness.parity.run_case_on_rank`` on a rank that has imported (and so registered) the doubles."""
+    """``harness.compare.parity.run_case_on_rank`` on a rank that has imported (and so registered) the doubles."""
     return run_case_on_rank(ctx, case)
 
 

@@ -5,7 +5,7 @@
 compute stream may still be writing. On an idle GPU the gradient kernels usually finish before the
 host has issued the collective, so the double mostly passes; with ``stress="delay"`` the compute
 stream is late every time and the case fails. On CPU there are no streams and it is the built-in
-engine. Importing this module registers the engine (``harness.registry.register``) in the
+engine. Importing this module registers the engine (``harness.engines.registry.register``) in the
 importing process; a pool's ranks import it through ``run_case_with_racy_engine``, the job to send them.
 """
 
@@ -17,10 +17,10 @@ import torch
 
 import engine
 from engine import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from harness.adapters import FSDP1Adapter
-from harness.parity import run_case_on_rank
-from harness.rank import RankContext
-from harness.registry import register
+from harness.compare.parity import run_case_on_rank
+from harness.engines.adapters import FSDP1Adapter
+from harness.engines.registry import register
+from harness.ranks.rank import RankContext
 
 __all__ = ["NAME", "BackwardPrefetch", "CPUOffload", "FullyShardedDataParallel", "MixedPrecision",
            "ShardingStrategy", "run_case_with_racy_engine"]
@@ -50,7 +50,7 @@ class FullyShardedDataParallel(engine.FullyShardedDataParallel):
 
 
 def run_case_with_racy_engine(ctx: RankContext, case: Any) -> dict[str, Any]:
-    """``harness.parity.run_case_on_rank`` on a rank that has imported (and so registered) the double."""
+    """``harness.compare.parity.run_case_on_rank`` on a rank that has imported (and so registered) the double."""
     return run_case_on_rank(ctx, case)
 
 

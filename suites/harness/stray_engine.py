@@ -5,7 +5,7 @@ on a host with CUDA, keeps the first bias the root unit holds itself out of its 
 the compute device: the slip of an engine that offloads only what it flattens. The root unit is the
 one wrapping a zoo model (the harness's adapters wrap the model last). The ``offload_placement`` knob
 check must name that parameter and its device. Without offload, or on CPU, it is the built-in engine.
-Importing this module registers the engine (``harness.registry.register``) in the importing process;
+Importing this module registers the engine (``harness.engines.registry.register``) in the importing process;
 a pool's ranks import it through ``run_case_with_stray_engine``, the job to send them.
 """
 
@@ -18,11 +18,11 @@ import torch.nn as nn
 
 import engine
 from engine import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from harness.adapters import FSDP1Adapter, canonical_name
-from harness.models import ZooModel
-from harness.parity import RankResult, run_case_on_rank
-from harness.rank import RankContext
-from harness.registry import register
+from harness.cases.models import ZooModel
+from harness.compare.parity import RankResult, run_case_on_rank
+from harness.engines.adapters import FSDP1Adapter, canonical_name
+from harness.engines.registry import register
+from harness.ranks.rank import RankContext
 
 __all__ = ["NAME", "BackwardPrefetch", "CPUOffload", "FullyShardedDataParallel", "MixedPrecision",
            "ShardingStrategy", "run_case_with_stray_engine", "stray_parameter"]
@@ -57,7 +57,7 @@ class FullyShardedDataParallel(engine.FullyShardedDataParallel):
 
 
 def run_case_with_stray_engine(ctx: RankContext, case: Any) -> RankResult:
-    """``harness.parity.run_case_on_rank`` on a rank that has imported (and so registered) the double."""
+    """``harness.compare.parity.run_case_on_rank`` on a rank that has imported (and so registered) the double."""
     return run_case_on_rank(ctx, case)
 
 

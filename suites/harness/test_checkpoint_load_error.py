@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.case import CaseConfig
-from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import RankPool
+from harness.cases.case import CaseConfig
+from harness.compare.parity import record_from_outcome, run_case_on_rank
+from harness.ranks.pool import RankPool
 
 
 def _checkpoint_dirs() -> set[Path]:

@@ -1,6 +1,6 @@
 """A compiled case breaks the graph no more often on our engine than on torch FSDP1: both keep their
 hooks out of Dynamo (ours by ``engine.dynamo``), so Dynamo compiles the wrapped modules between the
-units' eager forwards. Counted by ``harness.compiling`` on two CPU ranks (``aot_eager``), on the models
+units' eager forwards. Counted by ``harness.compare.compiling`` on two CPU ranks (``aot_eager``), on the models
 the training-loop slice compiles. On CUDA ranks the compiled case runs inductor; the count there is not
 yet measured (on one H100 with gloo ranks sharing it this comparison failed, cause not yet read)."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import CaseConfig
-from harness.compiling import CompileCounts
-from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import RankPool
+from harness.cases.case import CaseConfig
+from harness.compare.compiling import CompileCounts
+from harness.compare.parity import record_from_outcome, run_case_on_rank
 from harness.pytest_plugin.pools import rank_pool_fixture
+from harness.ranks.pool import RankPool
 
 
 cpu_pool = rank_pool_fixture(2, "cpu", timeout_s=300.0)

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
 
 from harness.conformance.rank_sessions import session_tests
-from harness.rank import rank_device
+from harness.ranks.rank import rank_device
 
 
 def _model(device: torch.device) -> nn.Module:

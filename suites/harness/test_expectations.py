@@ -1,10 +1,10 @@
-"""``harness.expectations.ExpectedFailure``: the one type every suite names a known engine bug with (a
+"""``harness.collect.expectations.ExpectedFailure``: the one type every suite names a known engine bug with (a
 generated slice's cases, a seed check's subtests, a rank session's checks, a test's scenarios)."""
 
 from __future__ import annotations
 
-from harness.case import CaseConfig
-from harness.expectations import ExpectedFailure, expected_failure
+from harness.cases.case import CaseConfig
+from harness.collect.expectations import ExpectedFailure, expected_failure
 
 TORCH = CaseConfig(engine="torch-fsdp")
 OURS = CaseConfig(engine="builtin")

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.collector import read_records
-from harness.placement import n_gpus
+from harness.collect.collector import read_records
 from harness.pytest_plugin import needs_gpus
-from harness.stored_selection import read_selection
+from harness.ranks.placement import n_gpus
+from harness.run.stored_selection import read_selection
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the warm-pool overhead target on CPU with two gloo ranks.
@@ -55,7 +55,7 @@ def test_list_names_the_selected_cases(capsys: pytest.CaptureFixture[str]) -> No
 def test_a_bad_selection_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["list", "--models", "resnet"])
-    assert exit_info.value.code == 2 and "harness.models.MODELS" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "harness.cases.models.MODELS" in capsys.readouterr().err
 
 
 def test_smoke_run_records_every_case_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,7 @@ cannot be a results file, a full disk, a results file another run holds, resumed
 in the exit status, unreadable lines warned about.
 
 Most tests call ``harness.cli.main`` in-process; where a test needs a case recorded without running
-ranks it replaces ``harness.runner.run_case`` (the pool starts lazily, so no process is spawned):
+ranks it replaces ``harness.run.runner.run_case`` (the pool starts lazily, so no process is spawned):
 what is tested is the command line and the collector, the pool has its own suite.
 """
 
@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 import harness.cli.run as cli_run
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord, RunInfo
 from harness.cli import main
-from harness.collector import ResultWriteError, ResultWriter, latest_records, read_records
-from harness.placement import RANK_RSS_BYTES, cpu_footprint
-from harness.records import CaseRecord, RunInfo
-from harness.runner import Selection, select_cases
+from harness.collect.collector import ResultWriteError, ResultWriter, latest_records, read_records
+from harness.ranks.placement import RANK_RSS_BYTES, cpu_footprint
+from harness.run.runner import Selection, select_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = RunInfo(run_id="earlier", host="h", torch_version="2.13", backend="gloo")
@@ -297,8 +297,8 @@ def test_a_second_run_on_the_same_out_refuses_naming_the_first(
 def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom harness.collector import ResultWriter\n"
-         "from harness.records import RunInfo\n"
+        [sys.executable, "-c", "import sys, time\nfrom harness.collect.collector import ResultWriter\n"
+         "from harness.cases.records import RunInfo\n"
          f"w = ResultWriter({str(out)!r}, RunInfo('k', 'h', 't', 'gloo'))\nprint('held', flush=True)\ntime.sleep(600)"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
     )
@@ -342,10 +342,10 @@ def test_the_footprint_of_many_cpu_ranks() -> None:
 def test_many_ranks_on_few_cores_warn_before_starting(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_run_case: list[str]
 ) -> None:
-    import harness.placement
+    import harness.ranks.placement
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(harness.placement, "available_memory", lambda: 64 * RANK_RSS_BYTES)  # fits: a warning
+    monkeypatch.setattr(harness.ranks.placement, "available_memory", lambda: 64 * RANK_RSS_BYTES)  # fits: a warning
     cases = _cases(1, world_size=64)
     out = tmp_path / "r.jsonl"
     _write(out, [_record(cases[0], "pass")])  # already recorded: nothing starts 64 ranks here
@@ -354,7 +354,7 @@ def test_many_ranks_on_few_cores_warn_before_starting(
     err = capsys.readouterr().err
     assert "warning: --world-size 64 on CPU takes 64 rank processes on 2 CPU core(s)" in err and "GiB of memory" in err
     # More memory than is free: refused in one line before any rank starts, not a warning and then tracebacks.
-    monkeypatch.setattr(harness.placement, "available_memory", lambda: 23 * 2**30)
+    monkeypatch.setattr(harness.ranks.placement, "available_memory", lambda: 23 * 2**30)
     before = out.read_text()
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -440,7 +440,7 @@ def test_sigterm_and_sighup_stop_like_ctrl_c_with_the_resume_hint_and_leave_noth
 
 
 def test_the_next_run_removes_what_a_killed_run_left(tmp_path: Path) -> None:
-    from harness.pool import remove_stale_pool_dirs
+    from harness.ranks.pool import remove_stale_pool_dirs
 
     proc, tmp = _start_run(tmp_path, tmp_path / "r.jsonl")
     proc.kill()
@@ -463,10 +463,10 @@ def _dump(*frames: str) -> str:
 
 
 WAITING = _dump('/site/torch/distributed/distributed_c10d.py", line 2800 in all_gather_into_tensor',
-                '/repo/harness/parity.py", line 10 in run_case_on_rank')
+                '/repo/harness/compare/parity.py", line 10 in run_case_on_rank')
 IN_BACKWARD = _dump('/site/torch/autograd/graph.py", line 800 in _engine_run_backward',
-                    '/repo/harness/parity.py", line 12 in train')
-STUCK = _dump('/repo/harness/parity.py", line 300 in _hang_in_forward',
+                    '/repo/harness/compare/parity.py", line 12 in train')
+STUCK = _dump('/repo/harness/compare/parity.py", line 300 in _hang_in_forward',
               '/site/torch/nn/modules/module.py", line 1700 in _call_impl')
 
 
@@ -479,7 +479,7 @@ STUCK = _dump('/repo/harness/parity.py", line 300 in _hang_in_forward',
     ({0: WAITING, 1: ""}, []),  # no stack: no claim
 ])
 def test_the_rank_behind_is_the_one_not_waiting_in_a_collective(stacks: dict[int, str], behind: list[int]) -> None:
-    from harness.stacks import behind_ranks, timeout_reason
+    from harness.ranks.stacks import behind_ranks, timeout_reason
 
     assert behind_ranks(sorted(stacks), stacks) == behind
     reason = timeout_reason(sorted(stacks), stacks, 5.0)
@@ -492,23 +492,23 @@ def test_the_rank_behind_is_the_one_not_waiting_in_a_collective(stacks: dict[int
 def test_stacks_and_tracebacks_name_no_machine_directory() -> None:
     import torch
 
-    import harness.parity
-    from harness.stacks import local_prefixes, portable_paths
+    import harness.compare.parity
+    from harness.ranks.stacks import local_prefixes, portable_paths
 
     table = {"/site/": "<site-packages>/", "/repo/": ""}
-    assert '"harness/parity.py", line 300 in _hang_in_forward' in portable_paths(STUCK, table)
+    assert '"harness/compare/parity.py", line 300 in _hang_in_forward' in portable_paths(STUCK, table)
     assert "/site/" not in portable_paths(WAITING, table) and "<site-packages>/torch/distributed" in portable_paths(WAITING, table)
     # The longest prefix first: the installed packages lie inside the standard library's directory.
     nested = {"/py/lib/": "<stdlib>/", "/py/lib/site-packages/": "<site-packages>/"}
     assert portable_paths("/py/lib/site-packages/torch/x.py /py/lib/os.py", nested) == "<site-packages>/torch/x.py <stdlib>/os.py"
-    here = f'File "{harness.parity.__file__}", line 1 in f\nFile "{torch.__file__}", line 2 in g'
-    assert portable_paths(here) == 'File "harness/parity.py", line 1 in f\nFile "<site-packages>/torch/__init__.py", line 2 in g'
+    here = f'File "{harness.compare.parity.__file__}", line 1 in f\nFile "{torch.__file__}", line 2 in g'
+    assert portable_paths(here) == 'File "harness/compare/parity.py", line 1 in f\nFile "<site-packages>/torch/__init__.py", line 2 in g'
     assert all(prefix.startswith("/") or ":" in prefix for prefix in local_prefixes())
 
 
 def test_the_nightly_runner_stops_at_a_write_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import harness.runner as runner
-    from harness.placement import Lane
+    import harness.run.runner as runner
+    from harness.ranks.placement import Lane
 
     monkeypatch.setattr(runner, "run_case", lambda pool, case: _record(case, "pass"))
     cases = _cases(3)
@@ -539,7 +539,7 @@ def test_an_empty_value_or_option_error_is_one_line_not_all(capsys: pytest.Captu
 def test_a_results_file_deleted_under_the_run_is_noticed_with_exit_2(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, when: str
 ) -> None:
-    import harness.runner as runner
+    import harness.run.runner as runner
 
     out = tmp_path / "del.jsonl"
     ran: list[str] = []

@@ -12,17 +12,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.adapters import ParamSlice, canonical_name
-from harness.references import gradient_divide_factors
-from harness.case import PRECISIONS, CaseConfig
-from harness.compare import Finding, Observation, compare_observations, compare_tensors, derive_budgets, merge_quantities
-from harness.knobs import KnobCheck, check_backward_prefetch_structure, check_offload, check_order_changed, check_precision, check_sharding, check_use_orig_params
-from harness.parity import RankResult, record_from_outcome
-from harness.tolerance import DEFAULT_TOLERANCES, TolerancePolicy
-from harness.placement import assign_devices, default_shard_size, hybrid_group_ranks, xdist_worker
-from harness.pool import PoolOutcome, RankError
-from harness.records import QuantityError
-from harness.trace import CommEvent, movable_gathers, ops, signature, total_bytes
+from harness.cases.case import PRECISIONS, CaseConfig
+from harness.cases.records import QuantityError
+from harness.compare.compare import Finding, Observation, compare_observations, compare_tensors, derive_budgets, merge_quantities
+from harness.compare.knobs import KnobCheck, check_backward_prefetch_structure, check_offload, check_order_changed, check_precision, check_sharding, check_use_orig_params
+from harness.compare.parity import RankResult, record_from_outcome
+from harness.compare.tolerance import DEFAULT_TOLERANCES, TolerancePolicy
+from harness.compare.trace import CommEvent, movable_gathers, ops, signature, total_bytes
+from harness.engines.adapters import ParamSlice, canonical_name
+from harness.engines.references import gradient_divide_factors
+from harness.ranks.placement import assign_devices, default_shard_size, hybrid_group_ranks, xdist_worker
+from harness.ranks.pool import PoolOutcome, RankError
 
 # ---------------------------------------------------------------------------------------------------
 # compare_tensors against torch.testing.assert_close
@@ -77,7 +77,7 @@ def test_tolerance_policy_defaults_and_budgets() -> None:
     assert (fp32.rtol, fp32.atol) == DEFAULT_TOLERANCES[torch.float32]
     bf16 = TolerancePolicy.for_precision(PRECISIONS["bf16"], {"loss@0": 0.5, "grad:w": 1e-9}, "emulation")
     assert bf16.rtol == DEFAULT_TOLERANCES[torch.bfloat16][0]
-    # Up to two ranks the full dtype's rtol: bfloat16's 1.6e-2 would pass a dropped cast (harness.tolerance).
+    # Up to two ranks the full dtype's rtol: bfloat16's 1.6e-2 would pass a dropped cast (harness.compare.tolerance).
     assert TolerancePolicy.for_precision(PRECISIONS["bf16"], source="ablation").rtol == DEFAULT_TOLERANCES[torch.float32][0]
     assert bf16.tolerance("loss@0") == (0.5, bf16.rtol)
     assert bf16.tolerance("grad:w")[0] == DEFAULT_TOLERANCES[torch.float32][1]  # never below the default
@@ -364,7 +364,7 @@ def test_assign_devices_is_disjoint_per_worker_where_blocks_fit_and_shared_where
     sets = [set(assign_devices(2, 8, worker, 4)) for worker in range(4)]
     assert set().union(*sets) == set(range(8)) and sum(map(len, sets)) == 8
     assert [assign_devices(2, 4, w, 3) for w in range(3)] == [(0, 1), (2, 3), (0, 1)]
-    # Fewer GPUs than ranks: rank r on GPU r mod n (gloo only: harness.placement.place).
+    # Fewer GPUs than ranks: rank r on GPU r mod n (gloo only: harness.ranks.placement.place).
     assert assign_devices(4, 2) == (0, 1, 0, 1)
     with pytest.raises(ValueError, match="n_devices=0"):
         assign_devices(2, 0)

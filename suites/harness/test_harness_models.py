@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.adapters import rank_local_param_names
-from harness import models
-from harness.models import (
+from harness.cases import models
+from harness.cases.models import (
     MixtureOfExpertsModel,
     ZooModel,
     build_model,
@@ -18,6 +17,7 @@ from harness.models import (
     wrap_bottom_up,
     zoo_names,
 )
+from harness.engines.adapters import rank_local_param_names
 
 ALL_IN_ORDER = zoo_names()
 ALL = sorted(ALL_IN_ORDER)
@@ -127,7 +127,7 @@ def test_sleep_models_differ_only_in_sleeps() -> None:
 
 
 def test_unknown_model_names_the_registry() -> None:
-    with pytest.raises(ValueError, match="harness.models.MODELS"):
+    with pytest.raises(ValueError, match="harness.cases.models.MODELS"):
         build_model("resnet")
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import CaseConfig
-from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import RankPool
-from harness.records import CaseRecord
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
+from harness.compare.parity import record_from_outcome, run_case_on_rank
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.pool import RankPool
 
 FSDP1 = {"engine": "torch-fsdp"}
 # FSDP2 always uses the original parameters and prefetches one module ahead in backward.

@@ -19,9 +19,9 @@ import harness_jobs
 import pytest
 from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
-from harness.case import CaseConfig
-from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import PoolConfig, RankPool
+from harness.cases.case import CaseConfig
+from harness.compare.parity import record_from_outcome, run_case_on_rank
+from harness.ranks.pool import PoolConfig, RankPool
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,7 +200,7 @@ _CHILD = textwrap.dedent(
     import sys
     sys.path[:0] = {paths!r}
     import harness_jobs
-    from harness.pool import PoolConfig, RankPool
+    from harness.ranks.pool import PoolConfig, RankPool
 
     if __name__ == "__main__":
         pool = RankPool(PoolConfig(world_size=2, case_timeout_s=600))
@@ -243,7 +243,7 @@ def test_a_rank_whose_owner_died_before_it_armed_the_watch_exits() -> None:
     # A spawned rank imports torch before it arms the watch; were its owner killed meanwhile, the rank
     # would wait on the dead owner's store while holding the owner's pipes. The owner's pid it was
     # started by is no longer its parent then: it exits at once.
-    code = ("import os, sys; from harness.rank_process import die_with_parent; "
+    code = ("import os, sys; from harness.ranks.rank_process import die_with_parent; "
             "die_with_parent(os.getppid()); print('armed', flush=True); die_with_parent(os.getppid() + 10**7); print('alive')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (1, "armed\n"), done.stderr

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.case import CaseConfig
-from harness.placement import Lane
-from harness.records import CaseRecord
-from harness.runner import CaseRunner, Progress, Selection, select_cases
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
+from harness.ranks.placement import Lane
+from harness.run.runner import CaseRunner, Progress, Selection, select_cases
 
 #: what may differ between two runs of the same case: timings and where it ran.
 TIMING_DETAIL = ("engine_s", "reference_s", "runs")

@@ -9,10 +9,10 @@ import re
 import pytest
 from loop_engines import CLIP_LOCAL, DECAY_DROPPED, DYNAMO_TRACED, SYNC_ALWAYS, run_case_with_loop_engines
 
-from harness.case import CaseConfig
-from harness.parity import record_from_outcome
-from harness.pool import RankPool
-from harness.records import CaseRecord
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
+from harness.compare.parity import record_from_outcome
+from harness.ranks.pool import RankPool
 
 #: short cases on the nested units, compared with the local reference.
 BASE = CaseConfig(engine="builtin", reference="local", model="nested", steps=3, use_orig_params=True)

@@ -13,7 +13,7 @@ import pytest
 
 from harness.cli import build_parser, main
 from harness.cli.nightly_submit import SUBMIT_DIR, SubmitOptions, _wait, plan_array, submit_options
-from harness.shards import ShardSpec
+from harness.run.shards import ShardSpec
 
 #: a nightly of few real cases: no fuzz campaign, no performance section, no determinism reruns.
 SMALL = ["--matrix", "smoke", "--engines", "builtin", "--references", "local", "--fuzz-profile", "none",

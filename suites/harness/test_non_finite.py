@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.adapters import ParamSlice
-from harness.case import CaseConfig
-from harness.collector import ResultWriter, read_records
-from harness.compare import Observation, compare_observations
-from harness.parity import RankResult, record_from_outcome
-from harness.pool import PoolOutcome
-from harness.records import RunInfo
-from harness.tolerance import TolerancePolicy
+from harness.cases.case import CaseConfig
+from harness.cases.records import RunInfo
+from harness.collect.collector import ResultWriter, read_records
+from harness.compare.compare import Observation, compare_observations
+from harness.compare.parity import RankResult, record_from_outcome
+from harness.compare.tolerance import TolerancePolicy
+from harness.engines.adapters import ParamSlice
+from harness.ranks.pool import PoolOutcome
 
 CASE = CaseConfig(steps=3)
 RUN = RunInfo(run_id="r1", host="h", torch_version="2.13.0", backend="gloo")

@@ -1,15 +1,15 @@
-"""Null-gradient elements under Adam (``harness.tolerance``): what a model declares, the bound Adam's
+"""Null-gradient elements under Adam (``harness.compare.tolerance``): what a model declares, the bound Adam's
 drift is held to, and the comparison that holds those elements, and only those, to it."""
 
 from __future__ import annotations
 
 import torch
 
-from harness.adapters import ParamSlice
-from harness.compare import Observation, compare_observations
-from harness.models import build_model
-from harness.optim import ADAMW_BETAS
-from harness.tolerance import TolerancePolicy, adam_drift_bound
+from harness.cases.models import build_model
+from harness.compare.compare import Observation, compare_observations
+from harness.compare.tolerance import TolerancePolicy, adam_drift_bound
+from harness.engines.adapters import ParamSlice
+from harness.engines.optim import ADAMW_BETAS
 
 
 def test_the_transformer_declares_every_attention_key_bias_and_their_gradient_is_zero() -> None:

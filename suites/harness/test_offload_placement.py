@@ -1,5 +1,5 @@
 """The ``offload_placement`` knob check: every engine's parameters and gradients where CPU offload
-promises them, from the probe of ``harness.offload_probe``.
+promises them, from the probe of ``harness.compare.offload_probe``.
 
 On CPU: the check's rule over planted records (status and message), and offload cases on the parity
 pool, where the probe runs for our engine and FSDP2 with the utilities each has (the check is n/a
@@ -16,16 +16,16 @@ from __future__ import annotations
 import pytest
 from stray_engine import NAME, run_case_with_stray_engine, stray_parameter
 
-from harness.case import CaseConfig
-from harness.knobs import check_offload_placement
-from harness.matrix import generate
-from harness.models import build_model
-from harness.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, PlacementLog
-from harness.parity import record_from_outcome
-from harness.pool import RankPool
+from harness.cases.case import CaseConfig
+from harness.cases.models import build_model
+from harness.cases.records import CaseRecord
+from harness.compare.knobs import check_offload_placement
+from harness.compare.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, PlacementLog
+from harness.compare.parity import record_from_outcome
 from harness.pytest_plugin import needs_gpus
 from harness.pytest_plugin.pools import rank_pool_fixture
-from harness.records import CaseRecord
+from harness.ranks.pool import RankPool
+from harness.selection.matrix import generate
 
 # ---------------------------------------------------------------------------------------------------
 # The rule (pure)

@@ -1,5 +1,5 @@
-"""The one options model (``harness.options``) both front ends register from, and the one run session
-(``harness.session``) every command runs its cases through: the same names, aliases, checks and messages
+"""The one options model (``harness.run.options``) both front ends register from, and the one run session
+(``harness.run.session``) every command runs its cases through: the same names, aliases, checks and messages
 on the command line and in pytest; a session's explicit state over a results file (fake ranks)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
 from harness.cli import main
-from harness.collector import ResultWriter, RunInfo, read_records
-from harness.options import SelectionOptions, as_typed, option_specs
-from harness.placement import Lane
+from harness.collect.collector import ResultWriter, RunInfo, read_records
 from harness.pytest_plugin.cases import ParityOptions
-from harness.records import CaseRecord
-from harness.runner import Selection
-from harness.session import RunSession, select_part
+from harness.ranks.placement import Lane
+from harness.run.options import SelectionOptions, as_typed, option_specs
+from harness.run.runner import Selection
+from harness.run.session import RunSession, select_part
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = RunInfo("test", "host", "0", "gloo")
@@ -137,7 +137,7 @@ def test_a_session_runs_what_the_file_lacks_and_keeps_the_latest_record(
 
 
 def test_a_session_stops_every_lane_on_ctrl_c_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import harness.runner as runner
+    import harness.run.runner as runner
 
     def interrupted(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         raise KeyboardInterrupt

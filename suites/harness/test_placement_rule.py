@@ -1,4 +1,4 @@
-"""The placement rule (``harness.placement.place``) over (ranks, GPUs, device, backend), every front end
+"""The placement rule (``harness.ranks.placement.place``) over (ranks, GPUs, device, backend), every front end
 asking it, and no other module choosing a backend from the GPU count. No rank processes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.placement import Lane, PlacementError, place
 from harness.pytest_plugin.cases import plan_pool
+from harness.ranks.placement import Lane, PlacementError, place
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ def test_every_front_end_refuses_nccl_without_gpus_through_the_rule(
     argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from harness.cli import main
-    from harness.placement import n_gpus
+    from harness.ranks.placement import n_gpus
 
     if n_gpus() >= 2:
         pytest.skip(reason="checks a host with fewer GPUs than ranks; this one has enough for NCCL")
@@ -105,7 +105,7 @@ def test_perf_asks_the_rule() -> None:
     import argparse
 
     from harness.cli import perf
-    from harness.placement import n_gpus
+    from harness.ranks.placement import n_gpus
 
     parser = argparse.ArgumentParser()
     perf.add_arguments(parser)
@@ -145,13 +145,13 @@ def _gloo_means_cpu(tree: ast.AST) -> list[int]:
 
 
 def test_no_module_outside_placement_reads_the_gpu_count_or_takes_gloo_for_the_cpu() -> None:
-    """Only ``harness/placement.py`` reads the GPU count (``torch.cuda.device_count``); nothing in the harness
+    """Only ``harness/ranks/placement.py`` reads the GPU count (``torch.cuda.device_count``); nothing in the harness
     or the suites decides "on the CPU" from ``backend == "gloo"`` (gloo runs on GPUs too): they ask the
-    lane's ``device`` or ``harness.rank.rank_device``."""
+    lane's ``device`` or ``harness.ranks.rank.rank_device``."""
     offenders = []
     for path in sorted([*(ROOT / "harness").rglob("*.py"), *(ROOT / "suites").rglob("*.py")]):
         rel = path.relative_to(ROOT).as_posix()
-        if rel in ("harness/placement.py", "suites/harness/test_placement_rule.py"):
+        if rel in ("harness/ranks/placement.py", "suites/harness/test_placement_rule.py"):
             continue
         source = path.read_text()
         if "device_count()" in source:
@@ -171,7 +171,7 @@ def test_the_scan_finds_a_planted_offender() -> None:
 
 
 def test_cuda_rank_budget_shares_gpu_and_host_memory_among_workers() -> None:
-    from harness.placement import HostFacts, cuda_rank_budget
+    from harness.ranks.placement import HostFacts, cuda_rank_budget
 
     gib = 1 << 30
     one_h100 = HostFacts(cpu_cores=16, gpu_memory_bytes=80 * gib, host_memory_bytes=120 * gib)

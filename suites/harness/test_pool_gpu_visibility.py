@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from harness.pool import gpus_hidden
+from harness.ranks.pool import gpus_hidden
 from suites.harness.visible_devices import report_visible_devices
 
 VISIBLE = "0,1,2,3"

@@ -1,4 +1,4 @@
-"""The ranks' reference cache (``harness.reference_cache``): what keys it, and that a case whose reference
+"""The ranks' reference cache (``harness.compare.reference_cache``): what keys it, and that a case whose reference
 and budgets come from it gets bitwise the record it gets when they are computed again."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from harness import parity
-from harness.case import CaseConfig
-from harness.parity import record_from_outcome, run_case_on_rank
-from harness.pool import RankPool
-from harness.reference_cache import CachedReference, ReferenceCache, cacheable, reference_key
-from harness.rank import RankContext
+from harness.cases.case import CaseConfig
+from harness.compare import parity
+from harness.compare.parity import record_from_outcome, run_case_on_rank
+from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, reference_key
+from harness.ranks.pool import RankPool
+from harness.ranks.rank import RankContext
 
 CPU = torch.device("cpu")
 BASE = CaseConfig(engine="builtin", reference="local", model="nested", steps=2)

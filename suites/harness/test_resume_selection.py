@@ -1,4 +1,4 @@
-"""``--resume`` continues exactly the selection a results file was made with (``harness.stored_selection``):
+"""``--resume`` continues exactly the selection a results file was made with (``harness.run.stored_selection``):
 no case of another selection added, none of its own left out, none recorded twice; options that
 contradict it are refused by name; a file from before selections were stored resumes as it did, with a
 warning naming the options to pass. In-process, with ``run_case`` replaced (no ranks start)."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.collector import read_records, record_full_id
-from harness.runner import Selection, select_cases
-from harness.stored_selection import (
+from harness.collect.collector import read_records, record_full_id
+from harness.run.runner import Selection, select_cases
+from harness.run.stored_selection import (
     StoredSelection,
     contradictions,
     read_selection,
@@ -119,7 +119,7 @@ def test_stored_options_round_trip_and_contradictions_are_pure() -> None:
 def test_the_default_engines_given_again_explicitly_are_no_contradiction(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_run_case: list[str]
 ) -> None:
-    from harness.case import DEFAULT_ENGINES
+    from harness.cases.case import DEFAULT_ENGINES
 
     out = tmp_path / "r.jsonl"
     small = ["--matrix", "smoke", "--models", "nested", "--limit", "3", "--no-progress"]

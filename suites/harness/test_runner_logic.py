@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.case import CaseConfig
-from harness.models import build_model
-from harness.records import CaseRecord, QuantityError
-from harness.repeats import decide, merge_runs, needs_rerun
-from harness.runner import Selection, expected_total, select_cases
-from harness.sampling import interleave, sample_order
-from harness.stress import Stress, unsupported_reason
-from harness.trace import CommTrace
+from harness.cases.case import CaseConfig
+from harness.cases.models import build_model
+from harness.cases.records import CaseRecord, QuantityError
+from harness.compare.stress import Stress, unsupported_reason
+from harness.compare.trace import CommTrace
+from harness.run.repeats import decide, merge_runs, needs_rerun
+from harness.run.runner import Selection, expected_total, select_cases
+from harness.selection.sampling import interleave, sample_order
 
 CASE = CaseConfig()
 
@@ -102,7 +102,7 @@ def test_the_eta_is_for_what_the_budget_will_run() -> None:
 def test_without_a_bar_a_status_line_comes_every_minute_and_a_budget_keeps_the_total(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import harness.runner as runner
+    import harness.run.runner as runner
 
     clock = [1000.0]
     monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
@@ -124,7 +124,7 @@ def test_without_a_bar_a_status_line_comes_every_minute_and_a_budget_keeps_the_t
 def test_the_eta_never_runs_past_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    import harness.runner as runner
+    import harness.run.runner as runner
     from harness.cli.fuzz import FUZZ_SHARE, cases_deadline, report_reserve
 
     clock = [1000.0]
@@ -232,7 +232,7 @@ def _values(cases: list, axes: list[str]) -> set:
 def test_a_limit_samples_every_value_of_every_axis_per_engine_then_pairs() -> None:
     import itertools
 
-    from harness.sampling import sample_axes
+    from harness.selection.sampling import sample_axes
 
     cases = select_cases(Selection(matrix="full"), [2])
     axes = sample_axes(cases)
@@ -261,20 +261,20 @@ def test_a_limit_samples_every_value_of_every_axis_per_engine_then_pairs() -> No
 
 
 def test_the_sampled_axes_are_the_matrix_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    import harness.matrix
-    from harness.sampling import sample_axes
+    import harness.selection.matrix
+    from harness.selection.sampling import sample_axes
 
     cases = select_cases(Selection(matrix="full", engines=["builtin"]), [2])
     assert "init_mode" in sample_axes(cases)
-    monkeypatch.setattr(harness.matrix, "AXES", {k: v for k, v in harness.matrix.AXES.items() if k != "init_mode"})
+    monkeypatch.setattr(harness.selection.matrix, "AXES", {k: v for k, v in harness.selection.matrix.AXES.items() if k != "init_mode"})
     assert "init_mode" not in sample_axes(cases)
 
 
 def test_fsdp2_offload_clipping_is_unsupported_on_nccl_only_groups() -> None:
     """Seen on 4 GPUs: torch FSDP2 clips offloaded gradients with a CPU all-reduce that NCCL refuses. The
     same case runs on gloo (CPU ranks, ranks sharing a GPU), where the CPU collective is taken."""
-    from harness.rank import RankContext
-    from harness.registry import resolve
+    from harness.engines.registry import resolve
+    from harness.ranks.rank import RankContext
 
     adapter = resolve("torch-fsdp2")
     case = CaseConfig(engine="torch-fsdp2", cpu_offload=True, use_orig_params=True, clip_grad="norm",

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 import reports.__main__ as reports_cli
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
 from harness.cli import main
-from harness.records import CaseRecord
 
 #: the selection: the pairwise matrix of two engines against one reference.
 RUN = ["run", "--matrix", "pairwise", "--engines", "builtin,torch-fsdp", "--references", "local", "--no-progress"]
@@ -25,7 +25,7 @@ RUN = ["run", "--matrix", "pairwise", "--engines", "builtin,torch-fsdp", "--refe
 @pytest.fixture
 def varied_run_case(monkeypatch: pytest.MonkeyPatch) -> None:
     """``run`` records pass, fail or unsupported by a hash of the case id, without starting ranks."""
-    import harness.runner as runner
+    import harness.run.runner as runner
 
     def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         verdict = ("pass", "pass", "fail", "unsupported")[hashlib.sha256(case.full_id.encode()).digest()[0] % 4]

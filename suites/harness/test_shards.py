@@ -1,4 +1,4 @@
-"""Shards of a run (``harness.shards``, ``--shard K/N``): the parts of a selection are disjoint and cover it,
+"""Shards of a run (``harness.run.shards``, ``--shard K/N``): the parts of a selection are disjoint and cover it,
 balanced by cost, the same on every call; ``--shard auto`` reads Slurm, Kubernetes and CI variables; a
 shard records its partition, and a killed shard resumes without touching the others. In-process, with
 ``run_case`` replaced where cases run (no ranks start)."""
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.cases.records import CaseRecord, RunInfo
 from harness.cli import main
-from harness.collector import ResultWriter, read_records, record_full_id
-from harness.records import CaseRecord, RunInfo
-from harness.runner import Selection, select_cases
-from harness.shards import (
+from harness.collect.collector import ResultWriter, read_records, record_full_id
+from harness.run.runner import Selection, select_cases
+from harness.run.shards import (
     COUNT_VARIABLE,
     INDEX_VARIABLE,
     ShardError,
@@ -28,7 +28,7 @@ from harness.shards import (
     read_costs,
     shard_from_env,
 )
-from harness.stored_selection import read_selection
+from harness.run.stored_selection import read_selection
 
 #: the pairwise matrix at both world sizes: cases of different costs.
 PAIRWISE = ["--matrix", "pairwise", "--world-size", "2,4"]
@@ -205,7 +205,7 @@ def test_a_killed_shard_resumes_its_own_part_without_touching_the_others(
 
 
 def _ids_first(line: str) -> str:
-    from harness.collector import _parse_line
+    from harness.collect.collector import _parse_line
 
     record = _parse_line("x", 1, line)
     assert isinstance(record, CaseRecord)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harness.conformance.rank_sessions import session_tests
-from harness.rank import rank_device
+from harness.ranks.rank import rank_device
 
 pytestmark = pytest.mark.gpu
 

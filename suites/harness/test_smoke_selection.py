@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.case import CaseConfig
-from harness.parity import record_from_outcome, run_case_on_rank, smoke_refusal
-from harness.pool import RankPool
-from harness.records import CaseRecord
-from harness.runner import Progress, Selection, generate_cases, select_cases, summary
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
+from harness.compare.parity import record_from_outcome, run_case_on_rank, smoke_refusal
+from harness.ranks.pool import RankPool
+from harness.run.runner import Progress, Selection, generate_cases, select_cases, summary
 
 MIXED = ("bf16", "fp16", "reduce_only")
 #: per engine, what the smoke selection shows of each axis (FSDP2: no NO_SHARD, only BACKWARD_PRE).

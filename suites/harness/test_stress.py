@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from racy_engine import NAME, run_case_with_racy_engine
 
-from harness.case import CaseConfig
-from harness.collector import read_records
-from harness.parity import record_from_outcome
-from harness.pool import RankPool
+from harness.cases.case import CaseConfig
+from harness.collect.collector import read_records
+from harness.compare.parity import record_from_outcome
 from harness.pytest_plugin import needs_gpus
-from harness.repeats import merge_runs
+from harness.ranks.pool import RankPool
+from harness.run.repeats import merge_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 #: runs per verdict: a race that shows in every one of these under stress is deterministic enough.

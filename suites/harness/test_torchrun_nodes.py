@@ -1,10 +1,10 @@
 """Cases that span nodes: ``harness run`` under two torchrun agents, two "nodes" of two gloo ranks on this
 machine (torchrun's static rendezvous: agent 0 hosts the store at ``--master-addr``, ``--node-rank`` gives
 each agent its ranks). The hybrid strategies' shard group is then a node (``LOCAL_WORLD_SIZE``, by
-``harness.placement.default_shard_size``) and the replicas are the other node's ranks; the builtin engine
+``harness.ranks.placement.default_shard_size``) and the replicas are the other node's ranks; the builtin engine
 and torch FSDP1 train against DDP over all four ranks, and rank 0 records. A SIGKILLed agent is a lost
 node: the case in flight is a ``crash`` naming it, and no rank of the run outlives it; a case past its
-timeout is a ``timeout`` with every rank's stack (``harness.torchrun_watch``)."""
+timeout is a ``timeout`` with every rank's stack (``harness.ranks.torchrun_watch``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.collector import read_records
-from harness.torchrun_watch import Site, lost_text
+from harness.collect.collector import read_records
+from harness.ranks.torchrun_watch import Site, lost_text
 
 ROOT = Path(__file__).resolve().parents[2]
 #: a hybrid_shard case of each FSDP1-API engine against DDP, at world size 4 (two nodes of two ranks).

@@ -11,7 +11,19 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-__all__ = ["LAYERS", "find_cycles", "import_graph", "layer_of", "module_name", "upward_imports"]
+__all__ = [
+    "FRONT_END_PACKAGES",
+    "LAYERS",
+    "STAGES",
+    "backward_stage_imports",
+    "find_cycles",
+    "import_graph",
+    "layer_of",
+    "module_name",
+    "stage_of",
+    "unstaged_library_modules",
+    "upward_imports",
+]
 
 #: the layers, lowest first: a module may import its own layer and the layers below it. The
 #: harness library is ``harness`` without its front ends (the command line, the pytest plugin, the
@@ -24,6 +36,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("front ends", ("harness.cli", "harness.pytest_plugin", "harness.conformance", "harness.__main__")),
     ("suites", ("suites",)),
 )
+
+#: the sub-packages of the harness library, one per stage a case goes through, in that order: a stage's
+#: modules import their own stage and earlier ones only. A case is described (``cases``: its config, the
+#: zoo, its record's vocabulary), gets ranks (``ranks``) and engines to train (``engines``: adapters,
+#: references, the registry), is selected over the registered engines (``selection``), trained on both
+#: sides and judged (``compare``), recorded (``collect``); ``run`` is the case loop every front end shares,
+#: and ``perf`` the benchmark on the same ranks and engines. ``harness/__init__.py`` above them re-exports
+#: the plug-in authors' names, lazily; no stage imports it.
+STAGES: tuple[str, ...] = ("cases", "ranks", "engines", "selection", "compare", "collect", "run", "perf")
+#: the packages of ``harness/`` that are front ends, not stages.
+FRONT_END_PACKAGES: tuple[str, ...] = ("cli", "pytest_plugin", "conformance")
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -130,3 +153,37 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
             if low is not None and high is not None and high > low:
                 found.append((module, target))
     return sorted(found)
+
+
+def stage_of(module: str) -> int | None:
+    """Index in :data:`STAGES` of ``module``'s stage (``harness.<stage>`` or below it); None outside them."""
+    parts = module.split(".")
+    return STAGES.index(parts[1]) if len(parts) > 1 and parts[0] == "harness" and parts[1] in STAGES else None
+
+
+def backward_stage_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for every import of a stage module from a later stage or from the ``harness``
+    package itself (the facade that re-exports the stages), sorted."""
+    found = []
+    for module, targets in graph.items():
+        own = stage_of(module)
+        if own is None:
+            continue
+        for target in targets:
+            other = stage_of(target)
+            if target == "harness" or (other is not None and other > own):
+                found.append((module, target))
+    return sorted(found)
+
+
+def unstaged_library_modules(root: Path) -> list[str]:
+    """Paths of the Python files and packages directly in ``root/harness`` that are neither a stage, a front
+    end, ``__init__.py`` nor ``__main__.py``: every library module sits in its stage."""
+    found = []
+    for path in sorted((root / "harness").iterdir()):
+        if path.is_dir() and (path / "__init__.py").exists():
+            if path.name not in STAGES and path.name not in FRONT_END_PACKAGES:
+                found.append(path.relative_to(root).as_posix())
+        elif path.suffix == ".py" and path.name not in ("__init__.py", "__main__.py"):
+            found.append(path.relative_to(root).as_posix())
+    return found

@@ -1,7 +1,9 @@
 """Layering: no import circle among the modules of engine/, harness/ and reports/ (imports anywhere
 in a module count), imports pointing down the layers only (engine < harness library < reports <
-front ends < suites), every engine module imports alone, from a clean start, and nothing in harness/
-(but the conformance checks of the engine's own internals) or reports/ imports the engine.
+front ends < suites), inside the harness library imports pointing back along the stages only (cases <
+ranks < engines < selection < compare < collect < run < perf, every library module in its stage), every
+engine module imports alone, from a clean start, and nothing in harness/ (but the conformance checks of
+the engine's own internals) or reports/ imports the engine.
 """
 
 from __future__ import annotations
@@ -11,7 +13,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-from suites.layering.imports import LAYERS, find_cycles, import_graph, layer_of, upward_imports
+from suites.layering.imports import (
+    LAYERS,
+    STAGES,
+    backward_stage_imports,
+    find_cycles,
+    import_graph,
+    layer_of,
+    stage_of,
+    unstaged_library_modules,
+    upward_imports,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +74,7 @@ def test_one_way_imports_have_no_circle(tmp_path: Path) -> None:
 def test_layer_of_knows_front_ends_from_the_library() -> None:
     names = [name for name, _ in LAYERS]
     assert names[layer_of("engine.unit")] == "engine"
-    assert names[layer_of("harness.runner")] == "harness library"
+    assert names[layer_of("harness.run.runner")] == "harness library"
     assert names[layer_of("harness")] == "harness library"
     assert names[layer_of("harness.cli.run")] == "front ends"
     assert names[layer_of("harness.pytest_plugin")] == "front ends"
@@ -78,11 +90,11 @@ def test_planted_upward_import_is_found(tmp_path: Path) -> None:
         "engine/__init__.py": "",
         "engine/unit.py": "import torch\n",
         "harness/__init__.py": "",
-        "harness/runner.py": "from engine import unit\n",
+        "harness/run/runner.py": "from engine import unit\n",
         "harness/cli/__init__.py": "",
-        "harness/cli/run.py": "from harness import runner\nimport reports.page\n",
+        "harness/cli/run.py": "from harness.run import runner\nimport reports.page\n",
         "reports/__init__.py": "",
-        "reports/page.py": "from harness.runner import x\n",
+        "reports/page.py": "from harness.run.runner import x\n",
         "suites/__init__.py": "",
         "suites/test_x.py": "import harness.cli.run\nimport reports.page\n",
     }
@@ -92,17 +104,17 @@ def test_planted_upward_import_is_found(tmp_path: Path) -> None:
     # One import up from each layer: the engine into the library, the library into the reports,
     # the reports into a front end, a front end into the suites.
     planted = {
-        "engine/unit.py": "def f():\n    from harness import runner\n",
-        "harness/runner.py": "from reports.page import render\n",
+        "engine/unit.py": "def f():\n    from harness.run import runner\n",
+        "harness/run/runner.py": "from reports.page import render\n",
         "reports/page.py": "from harness.cli import run\n",
         "harness/cli/run.py": "import suites.test_x\n",
     }
     root = _tree(tmp_path, planted)
     found = upward_imports(import_graph(root, ["engine", "harness", "reports", "suites"]))
     assert found == [
-        ("engine.unit", "harness.runner"),
+        ("engine.unit", "harness.run.runner"),
         ("harness.cli.run", "suites.test_x"),
-        ("harness.runner", "reports.page"),
+        ("harness.run.runner", "reports.page"),
         ("reports.page", "harness.cli.run"),
     ]
 
@@ -112,6 +124,43 @@ def test_imports_point_down_the_layers() -> None:
     found = set(upward_imports(graph))
     assert not found - ALLOWED_UPWARD, f"imports up the layers (engine < harness library < reports < front ends < suites): {sorted(found - ALLOWED_UPWARD)}"
     assert not ALLOWED_UPWARD - found, f"allowed upward imports that no longer exist: drop them from ALLOWED_UPWARD: {sorted(ALLOWED_UPWARD - found)}"
+
+
+def test_stage_of_knows_the_stages() -> None:
+    assert [STAGES[stage_of(f"harness.{s}.x")] for s in STAGES] == list(STAGES)
+    assert STAGES[stage_of("harness.run")] == "run" and STAGES[stage_of("harness.compare.compare")] == "compare"
+    assert stage_of("harness") is None and stage_of("harness.cli.run") is None and stage_of("reports.run") is None
+
+
+def test_planted_stage_imports_are_found(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "harness/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from harness.engines.adapters import A\n",
+        "harness/cases/__init__.py": "",
+        "harness/cases/case.py": "def f():\n    from harness.engines import adapters\n",
+        "harness/engines/__init__.py": "",
+        "harness/engines/adapters.py": "from harness.cases.case import CaseConfig\nfrom harness import A\n",
+        "harness/run/__init__.py": "",
+        "harness/run/runner.py": "import harness.engines.adapters\nfrom harness.cases import case\n",
+        "harness/cli/__init__.py": "",
+        "harness/cli/run.py": "from harness.run import runner\n",
+        "harness/stray.py": "",
+        "harness/misc/__init__.py": "",
+    })
+    graph = import_graph(root, ["harness"])
+    # Back along the stages is the rule; forward, or into the facade, is found; front ends are not stages.
+    assert backward_stage_imports(graph) == [("harness.cases.case", "harness.engines.adapters"),
+                                             ("harness.engines.adapters", "harness")]
+    assert unstaged_library_modules(root) == ["harness/misc", "harness/stray.py"]
+
+
+def test_stages_import_only_earlier_stages() -> None:
+    found = backward_stage_imports(import_graph(ROOT, ["engine", "harness", "reports"]))
+    assert not found, f"imports forward along the stages ({' < '.join(STAGES)}) or into the harness facade: {found}"
+
+
+def test_every_library_module_sits_in_a_stage() -> None:
+    found = unstaged_library_modules(ROOT)
+    assert not found, f"harness/ holds modules outside its stages ({', '.join(STAGES)}): move each into its stage: {found}"
 
 
 def test_engine_has_no_import_circle() -> None:
@@ -154,7 +203,7 @@ def test_every_engine_module_imports_alone() -> None:
 #: the modules of harness/ that check the engine's own internals (its flat-parameter handle, wrap policies,
 #: precision rules, hook registration) and so import ``engine``. Nothing else in harness/ or reports/ may:
 #: the reference side never runs the engine under test's code (the engine is loaded by its spec, as any
-#: other engine is; what both sides need is the harness's own, e.g. ``harness.dtensors``).
+#: other engine is; what both sides need is the harness's own, e.g. ``harness.engines.dtensors``).
 ENGINE_INTERNAL_CHECKS: frozenset[str] = frozenset({
     "harness.conformance.flat_handles",
     "harness.conformance.flat_param_properties",
@@ -178,18 +227,18 @@ def test_planted_engine_import_is_found(tmp_path: Path) -> None:
         "engine/__init__.py": "",
         "engine/dtensors.py": "",
         "harness/__init__.py": "",
-        "harness/checkpoint.py": "def f():\n    from engine.dtensors import full_tensor\n",
-        "harness/registry.py": "BUILTIN = 'engine'\n",
+        "harness/engines/checkpoint.py": "def f():\n    from engine.dtensors import full_tensor\n",
+        "harness/engines/registry.py": "BUILTIN = 'engine'\n",
         "reports/__init__.py": "",
         "reports/page.py": "import engine\n",
     })
-    assert engine_importers(import_graph(root, ["engine", "harness", "reports"])) == {"harness.checkpoint", "reports.page"}
+    assert engine_importers(import_graph(root, ["engine", "harness", "reports"])) == {"harness.engines.checkpoint", "reports.page"}
 
 
 def test_the_reference_side_never_imports_the_engine() -> None:
     found = engine_importers(import_graph(ROOT, ["engine", "harness", "reports"]))
     assert not found - ENGINE_INTERNAL_CHECKS, (
-        f"modules of harness/ or reports/ importing engine (use the harness's own helpers, e.g. harness.dtensors): "
+        f"modules of harness/ or reports/ importing engine (use the harness's own helpers, e.g. harness.engines.dtensors): "
         f"{sorted(found - ENGINE_INTERNAL_CHECKS)}")
     assert not ENGINE_INTERNAL_CHECKS - found, (
         f"no longer import engine: drop them from ENGINE_INTERNAL_CHECKS: {sorted(ENGINE_INTERNAL_CHECKS - found)}")

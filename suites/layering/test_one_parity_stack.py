@@ -1,20 +1,20 @@
 """Training parity is the harness library's: the parity optimizer, the local reference's all-rank batch,
-the DDP reference and the loop that trains an engine beside a reference (``harness.optim``,
-``harness.references``, ``harness.parity``; a suite runs cases through the plugin's ``parity_runner``).
+the DDP reference and the loop that trains an engine beside a reference (``harness.engines.optim``,
+``harness.engines.references``, ``harness.compare.parity``; a suite runs cases through the plugin's ``parity_runner``).
 No suite, report, example, engine module or front end builds its own.
 
 Found by syntax, not by name:
 
 - the parity optimizer by hand: ``SGD`` with momentum, or ``AdamW``, given no keyword but the
-  hyperparameters ``harness.optim.sgd`` and ``harness.optim.adamw`` take (an optimizer with other
+  hyperparameters ``harness.engines.optim.sgd`` and ``harness.engines.optim.adamw`` take (an optimizer with other
   keywords, such as ``foreach``, or plain SGD without momentum is a check's own and is left alone);
 - a local reference's batch by hand: a loop or comprehension that calls ``get_input(rank=r)`` for each
-  ``r`` it iterates (``harness.references.all_rank_batch`` concatenates every rank's batch);
+  ``r`` it iterates (``harness.engines.references.all_rank_batch`` concatenates every rank's batch);
 - a parity loop: a loop that steps an optimizer and runs backward for two models, by two ``.backward()``
   calls in its body or one inside a loop over a literal tuple or list of tuples (``(model, optimizer)``
   pairs);
 - a DDP reference by hand: a module that constructs ``DistributedDataParallel`` (or ``DDP``) and steps an
-  optimizer (``harness.references.build_ddp`` is the DDP reference).
+  optimizer (``harness.engines.references.build_ddp`` is the DDP reference).
 """
 
 from __future__ import annotations
@@ -104,11 +104,11 @@ def own_parity_pieces(root: Path, directories: tuple[str, ...]) -> dict[str, lis
     for directory in directories:
         for path in sorted((root / directory).rglob("*.py")):
             tree = ast.parse(path.read_text(), filename=str(path))
-            what = [f"line {n.lineno}: the parity optimizer (harness.optim)" for n in ast.walk(tree)
+            what = [f"line {n.lineno}: the parity optimizer (harness.engines.optim)" for n in ast.walk(tree)
                     if isinstance(n, ast.Call) and _is_parity_optimizer(n)]
-            what += [f"line {line}: every rank's batch (harness.references.all_rank_batch)" for line in _all_rank_batches(tree)]
+            what += [f"line {line}: every rank's batch (harness.engines.references.all_rank_batch)" for line in _all_rank_batches(tree)]
             what += [f"line {line}: a parity loop (a harness case: parity_runner)" for line in _parity_loops(tree)]
-            what += [f"line {line}: a DDP reference (harness.references.build_ddp)" for line in _ddp_by_hand(tree)]
+            what += [f"line {line}: a DDP reference (harness.engines.references.build_ddp)" for line in _ddp_by_hand(tree)]
             if what:
                 found[path.relative_to(root).as_posix()] = sorted(what, key=lambda entry: int(entry.split()[1].rstrip(":")))
     return found
@@ -176,7 +176,7 @@ def test_planted_parity_loops_and_ddp_references_are_found(tmp_path: Path) -> No
     assert list(found) == ["pkg/loops.py"], found
     assert found["pkg/loops.py"] == [
         "line 3: a parity loop (a harness case: parity_runner)",
-        "line 9: a DDP reference (harness.references.build_ddp)",
+        "line 9: a DDP reference (harness.engines.references.build_ddp)",
         "line 10: a parity loop (a harness case: parity_runner)",
     ]
 

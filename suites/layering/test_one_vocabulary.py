@@ -1,4 +1,4 @@
-"""One vocabulary: the verdict groups and their severity are defined once, in ``harness.records``, and every
+"""One vocabulary: the verdict groups and their severity are defined once, in ``harness.cases.records``, and every
 other module imports them (issue #37). A module of harness/ or reports/ that binds a name to its own
 literal group of verdicts (a tuple, list, set or dict keyed by them) is a second definition that can drift."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from harness.records import ABORTED, ERRORED, FAILING, SEVERITY, VERDICTS
+from harness.cases.records import ABORTED, ERRORED, FAILING, SEVERITY, VERDICTS
 
 ROOT = Path(__file__).resolve().parents[2]
 #: where the verdict groups live.
-HOME = "harness/records.py"
+HOME = "harness/cases/records.py"
 #: ``(path, name)`` of module-level literals that spell other vocabularies with the same words.
 OTHER_VOCABULARIES = frozenset({
     ("reports/certificate.py", "_COLOURS"),  # a certified family's status (pass, fail, unsupported)
@@ -56,7 +56,7 @@ def test_a_second_definition_is_found(tmp_path: Path) -> None:
 def test_verdict_groups_are_defined_once_in_the_records_module() -> None:
     found = {k: v for k, v in verdict_groups(ROOT, ("harness", "reports")).items() if k[0] != HOME}
     assert not set(found) - OTHER_VOCABULARIES, (
-        f"verdict groups defined outside {HOME} (import them from harness.records): {sorted(set(found) - OTHER_VOCABULARIES)}")
+        f"verdict groups defined outside {HOME} (import them from harness.cases.records): {sorted(set(found) - OTHER_VOCABULARIES)}")
     assert not OTHER_VOCABULARIES - set(found), f"gone: drop from OTHER_VOCABULARIES: {sorted(OTHER_VOCABULARIES - set(found))}"
 
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.case import DEFAULT_ENGINES, FIELD_VALUES, CaseConfig
-from harness.matrix import AXES, WIDE_AXES, generate
-from harness.models import zoo_names
+from harness.cases.case import DEFAULT_ENGINES, FIELD_VALUES, CaseConfig
+from harness.cases.models import zoo_names
+from harness.selection.matrix import AXES, WIDE_AXES, generate
 
 #: Fields the id leaves out by design (``CaseConfig.case_id``): no generator varies them, or (for
 #: ``check_determinism``) they run the same case again.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import CaseConfig
-from harness.matrix import AXES, CHECKPOINT_RULES, WIDE_AXES, generate, invalid_reason, invalid_reasons
-from harness.runner import Selection, select_cases
+from harness.cases.case import CaseConfig
+from harness.run.runner import Selection, select_cases
+from harness.selection.matrix import AXES, CHECKPOINT_RULES, WIDE_AXES, generate, invalid_reason, invalid_reasons
 
 
 def test_defaults_leave_todays_ids_unchanged() -> None:

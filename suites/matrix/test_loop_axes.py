@@ -7,11 +7,11 @@ import argparse
 
 import pytest
 
-from harness.case import CaseConfig, loop_segments
+from harness.cases.case import CaseConfig, loop_segments
+from harness.cases.records import not_run_text, parse_not_run
 from harness.cli.options import add_selection, selection_options
-from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS, generate, invalid_reason, pairs_uncovered
-from harness.records import not_run_text, parse_not_run
-from harness.runner import Selection, select_cases
+from harness.run.runner import Selection, select_cases
+from harness.selection.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS, generate, invalid_reason, pairs_uncovered
 
 
 def test_defaults_keep_todays_ids() -> None:

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.case import CaseConfig
-from harness.matrix import (
+from harness.cases.case import CaseConfig
+from harness.selection.matrix import (
     AXES,
     CHECKPOINT_RULES,
     WIDE_AXES,
@@ -202,7 +202,7 @@ def test_full_matches_the_oracle_on_random_axes(axes: dict[str, list]) -> None:
 
 def test_generators_are_deterministic_across_hash_seeds() -> None:
     script = (
-        "import json; from harness.matrix import generate; "
+        "import json; from harness.selection.matrix import generate; "
         "print(json.dumps({n: [c.full_id for c in generate(n)] for n in ('pairwise', 'smoke')}))"
     )
     outputs = [

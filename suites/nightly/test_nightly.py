@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.case import CaseConfig
-from harness.runner import Selection, select_cases
-from harness.collector import ResultWriter, read_records
-from harness.records import CaseRecord, RunInfo, parse_not_run
-from harness.placement import n_gpus
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord, RunInfo, parse_not_run
+from harness.collect.collector import ResultWriter, read_records
 from harness.pytest_plugin import needs_gpus
-from harness.stored_selection import StoredSelection, selection_options
+from harness.ranks.placement import n_gpus
+from harness.run.runner import Selection, select_cases
+from harness.run.stored_selection import StoredSelection, selection_options
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the tiny selection the CPU tests run: smoke cases of torch FSDP1 against the local reference.

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
 from harness.cli.fuzz import REPORT_RESERVE_S, fuzz_alongside, fuzz_budget, parse_fuzz_totals
 from harness.cli.night import baseline_source, determinism_sample, determinism_summary, exit_status, find_previous
 from harness.cli.nightly import NightlyConfig
-from harness.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
-from harness.records import CaseRecord
-from harness.runner import Selection, SelectionError, select_cases
 from harness.conformance.fuzz_campaign import PropertyRun, report
+from harness.ranks.placement import CPU_WORLD_SIZE, HostFacts, Lane, plan_lanes, pools_per_group
+from harness.run.runner import Selection, SelectionError, select_cases
 
 
 def test_cpu_runs_one_gloo_pool_of_two_ranks_and_says_what_it_leaves_out() -> None:
@@ -212,7 +212,7 @@ def test_the_fuzz_runs_alongside_gpu_cases_where_cores_are_left() -> None:
 
 def test_a_resumed_nightly_takes_back_its_selection_and_budget_unless_given_again() -> None:
     from harness.cli.nightly_config import resumed_config
-    from harness.stored_selection import selection_options
+    from harness.run.stored_selection import selection_options
 
     first = NightlyConfig(out=Path("n"), selection=Selection(matrix="full", engines=["builtin", "toy-buggy"]),
                           time_budget_s=60.0, fuzz_profile="none")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.benchmark import CPU_MODEL
-from harness.perf_run import PerfRow
-from harness.perf_section import (
+from harness.perf.benchmark import CPU_MODEL
+from harness.perf.perf_run import PerfRow
+from harness.perf.perf_section import (
     build_section,
     compare_sections,
     previous_section,

@@ -12,11 +12,11 @@ from typing import get_args
 
 import torch
 
-from harness.case import FLAT_STRATEGIES, PrecisionName, ShardingName
+from harness.cases.case import FLAT_STRATEGIES, PrecisionName, ShardingName
+from harness.collect.expectations import ExpectedFailure
 from harness.conformance.engine_models import MOE, NESTED, TRANSFORMER
-from harness.expectations import ExpectedFailure
-from harness.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
 from harness.pytest_plugin.cases import SuiteMatrix
+from harness.selection.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
 
 STRATEGIES = list(get_args(ShardingName))
 
@@ -87,7 +87,7 @@ TORCH_FSDP1_COMPILED_ON_CUDA = ExpectedFailure(
                           and not (case.model == "transformer" and case.precision_spec.param in ("bfloat16", "float16"))),
 )
 
-#: What real training loops add around the engine (``harness.matrix.LOOP_SLICE``): parameter groups and
+#: What real training loops add around the engine (``harness.selection.matrix.LOOP_SLICE``): parameter groups and
 #: two optimizers, clipping, accumulation with and without no_sync, activation checkpointing and compile,
 #: on the nested units and the tied transformer, with flat and original parameters, across strategies,
 #: bf16 and CPU offload. The smoke lane runs the smoke variants

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from harness.pytest_plugin import ParityRunner
 from suites.parity.slices import FP16_SINGLE_ITERATION
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.collector import read_records
+from harness.collect.collector import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -191,7 +191,7 @@ def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_pat
 
 
 EXPECTED_FAILURES = '''
-from harness.expectations import ExpectedFailure
+from harness.collect.expectations import ExpectedFailure
 from harness.pytest_plugin.cases import SuiteMatrix
 
 PERTURB = (("fault", "perturb_grad_rank1"),)

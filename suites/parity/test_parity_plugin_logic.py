@@ -7,9 +7,8 @@ import itertools
 
 import pytest
 
-from harness.case import CaseConfig
-from harness.matrix import invalid_reason, pairs_uncovered
-from harness.placement import gpus_shared
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord, QuantityError
 from harness.pytest_plugin.cases import (
     Agreement,
     ParityOptions,
@@ -19,7 +18,8 @@ from harness.pytest_plugin.cases import (
     outcome_of,
     plan_pool,
 )
-from harness.records import CaseRecord, QuantityError
+from harness.ranks.placement import gpus_shared
+from harness.selection.matrix import invalid_reason, pairs_uncovered
 from suites.parity.slices import CORE, MIXED_PRECISION, ORIG_PARAMS, SUITES, TRAINING_LOOP, WRAP
 
 ENGINES = ("builtin", "torch-fsdp", "torch-fsdp2")
@@ -327,7 +327,7 @@ def test_agreement_separates_disagreements_from_capabilities() -> None:
 
 
 def test_agreement_ranks_verdicts_and_pytest_outcomes_on_one_severity() -> None:
-    """The worst outcome is kept by ``harness.records.SEVERITY``: a flaky case counts as failing, a crash
+    """The worst outcome is kept by ``harness.cases.records.SEVERITY``: a flaky case counts as failing, a crash
     is worse than an error, pytest's ``failed`` as a failure."""
     agreement = Agreement()
     for key, outcomes in (("flaky", ("pass", "flaky", "pass")), ("crash", ("error", "crash", "fail")),

@@ -1,8 +1,8 @@
 """The tolerance policy's rule, as pure logic (no processes): which run's distance from float64 widens
-torch's defaults at which world size (``harness.tolerance.budget_source``), what a budget may do to a
+torch's defaults at which world size (``harness.compare.tolerance.budget_source``), what a budget may do to a
 tolerance, and that a planted gradient error still fails where an honest engine passes.
 
-The measurements that chose the rule are in the module docstring of ``harness.tolerance``; the
+The measurements that chose the rule are in the module docstring of ``harness.compare.tolerance``; the
 end-to-end cases at 8 gloo ranks are in ``test_world_sizes``.
 """
 
@@ -13,10 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.adapters import ParamSlice
-from harness.case import PRECISIONS
-from harness.compare import Observation, assert_tensors_match, compare_observations, derive_budgets, worst_budgets
-from harness.tolerance import (
+from harness.cases.case import PRECISIONS
+from harness.compare.compare import Observation, assert_tensors_match, compare_observations, derive_budgets, worst_budgets
+from harness.compare.tolerance import (
     BUDGET_FACTOR,
     DEFAULT_TOLERANCES,
     MIXED_PRECISION_FACTOR,
@@ -27,6 +26,7 @@ from harness.tolerance import (
     budget_source,
     mixed_precision_budgets,
 )
+from harness.engines.adapters import ParamSlice
 
 FP32 = PRECISIONS["fp32"]
 FP64 = PRECISIONS["fp64"]

@@ -1,5 +1,5 @@
 """Generated parity cases of the training loop: parameter groups and two optimizers, gradient clipping,
-accumulation with and without no_sync, activation checkpointing and compile (``harness.matrix.LOOP_SLICE``).
+accumulation with and without no_sync, activation checkpointing and compile (``harness.selection.matrix.LOOP_SLICE``).
 
 The slice is ``suites.parity.slices.TRAINING_LOOP``, walked by the lane ``--matrix`` chooses, for every
 ``--engine`` x ``--reference`` x ``--world-size``; what an engine cannot express is left out by its
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from harness.pytest_plugin import ParityRunner
 from suites.parity.slices import TRAINING_LOOP
 

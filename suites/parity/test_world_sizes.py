@@ -11,11 +11,11 @@ needed).
   unit right after wrapping, which must equal what ``engine.layout`` (FSDP1 engines) or
   ``torch.chunk`` (FSDP2) predicts, with some rank holding nothing but padding.
 - Mixed precision at world size 8: bf16 on the tied transformer for 5 steps, where the loss budget
-  derived on one rank alone was too tight for torch FSDP1 itself (``harness.compare.worst_budgets``).
+  derived on one rank alone was too tight for torch FSDP1 itself (``harness.compare.compare.worst_budgets``).
 - Many units in flight at world size 8: every submodule a unit, with forward prefetch and
   BACKWARD_PRE (the prefetch knob checks rerun a baseline, so the reordering is checked too).
 - Full precision at world size 8: the tied transformer for 5 steps against DDP, which failed torch's
-  fixed fp32 defaults on both FSDP1 engines (reduction order; ``harness.tolerance.budget_source``), and
+  fixed fp32 defaults on both FSDP1 engines (reduction order; ``harness.compare.tolerance.budget_source``), and
   the same case with a gradient error of 1e-5 (relative) planted in the built-in engine's reduction,
   which must still fail under the widened tolerance ([Note: planted reduction bugs] in ``world_sizes``).
 
@@ -33,15 +33,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.case import CaseConfig
-from harness.compare import worst_budgets
-from harness.expectations import ExpectedFailure
-from harness.tolerance import DEFAULT_TOLERANCES
-from harness.pool import RankPool
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
+from harness.collect.expectations import ExpectedFailure
+from harness.compare.compare import worst_budgets
+from harness.compare.tolerance import DEFAULT_TOLERANCES
 from harness.pytest_plugin import expect_failure
 from harness.pytest_plugin.cases import outcome_of
 from harness.pytest_plugin.pools import rank_pool_fixture
-from harness.records import CaseRecord
+from harness.ranks.pool import RankPool
 from suites.parity.world_sizes import (
     GAIN_NUMEL,
     UNEVEN,

@@ -1,6 +1,6 @@
 """Generated parity cases: models with different wrap units: always-wrap, rank-local expert, LoRA, BatchNorm unit, tied GPT.
 
-Each case trains the engine and the reference side by side (harness.parity) on the shared rank pool;
+Each case trains the engine and the reference side by side (harness.compare.parity) on the shared rank pool;
 the slice is ``suites.parity.slices.WRAP``, walked by the lane ``--matrix`` chooses, for every
 ``--engine`` x ``--reference`` x ``--world-size``. An engine that cannot express a case skips it
 with its reason.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from harness.pytest_plugin import ParityRunner
 from suites.parity.slices import WRAP
 

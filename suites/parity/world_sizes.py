@@ -7,12 +7,12 @@ right-padded (``engine.layout``); FSDP2 cuts each parameter's dim 0 with ``torch
 smaller than the shard group therefore leaves the last ranks with nothing but padding (FSDP1) or an
 empty local tensor (FSDP2), and those ranks still take part in every all-gather and reduce-scatter
 of the unit. None of the zoo's units is that small at 8 ranks, so ``UnevenModel`` has a 5-element
-gain as a unit of its own, registered in the zoo (``harness.models.register_model``) when this
+gain as a unit of its own, registered in the zoo (``harness.cases.models.register_model``) when this
 module is imported: in the parent and in every rank that unpickles one of the jobs here.
 
 [Note: planted reduction bugs]
 Past two ranks a full-precision case's tolerance is widened by budgets derived from the reference's
-distance from float64 (``harness.tolerance.budget_source``). To show that the widened tolerance still
+distance from float64 (``harness.compare.tolerance.budget_source``). To show that the widened tolerance still
 catches real bugs, ``run_planted_case_job`` runs a case on the built-in engine with a bug planted in
 its gradient reduction (``engine.collectives.reduce_scatter_grad``, patched in the rank process for
 that case only): every reduced shard off by a relative ``rel``. The references never call the
@@ -31,15 +31,15 @@ import torch.nn as nn
 
 from engine import collectives
 from engine.layout import ParamEntry, aligned_numel, build_layout
-from harness.adapters import FSDP1Adapter
-from harness.case import CaseConfig, is_hybrid
-from harness.registry import resolve
-from harness.models import SequentialModel, build_model, register_model
-from harness.parity import RankResult, record_from_outcome, run_case_on_rank
-from harness.placement import hybrid_shard_size
-from harness.pool import RankPool
-from harness.rank import RankContext
-from harness.records import CaseRecord
+from harness.cases.case import CaseConfig, is_hybrid
+from harness.cases.models import SequentialModel, build_model, register_model
+from harness.cases.records import CaseRecord
+from harness.compare.parity import RankResult, record_from_outcome, run_case_on_rank
+from harness.engines.adapters import FSDP1Adapter
+from harness.engines.registry import resolve
+from harness.ranks.placement import hybrid_shard_size
+from harness.ranks.pool import RankPool
+from harness.ranks.rank import RankContext
 
 __all__ = [
     "GAIN_NUMEL",
@@ -103,7 +103,7 @@ register_model(UNEVEN, f"a {GAIN_NUMEL}-element gain as its own unit: ranks past
 
 
 def run_case_job(ctx: RankContext, case: CaseConfig) -> RankResult:
-    """``harness.parity.run_case_on_rank`` from this module, so the rank has ``UnevenModel`` registered."""
+    """``harness.compare.parity.run_case_on_rank`` from this module, so the rank has ``UnevenModel`` registered."""
     return run_case_on_rank(ctx, case)
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.benchmark import (
+from harness.cases.models import MODELS, BenchmarkGPT, GPTBlock, build_model, zoo_names
+from harness.perf.benchmark import (
     CPU_MODEL,
     SIZES,
     GPTConfig,
@@ -29,10 +30,9 @@ from harness.benchmark import (
     ZooJob,
     zoo_job,
 )
-from harness.models import MODELS, BenchmarkGPT, GPTBlock, build_model, zoo_names
-from harness.rank import RankContext
-from harness.perf_run import PerfConfig, PerfRow, add_ratios, plan_runs, row_from_values, spread, tflops_per_gpu
+from harness.perf.perf_run import PerfConfig, PerfRow, add_ratios, plan_runs, row_from_values, spread, tflops_per_gpu
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.rank import RankContext
 
 #: why the GPU benchmarks need one GPU per rank: they time NCCL and its overlap with compute; ranks sharing
 #: a GPU run gloo, whose host staging is no measure of either.
@@ -233,7 +233,7 @@ def test_perf_on_two_gpus_reports_memory_and_traces(tmp_path: Path) -> None:
 def test_a_log_of_perf_runs_starts_with_a_header_before_any_run_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import harness.pool as pool
+    import harness.ranks.pool as pool
     from harness.cli import main
 
     class NoRanks:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness.profile_summary import GpuEvent, gpu_events, load_trace, summarize, summary_lines
+from harness.perf.profile_summary import GpuEvent, gpu_events, load_trace, summarize, summary_lines
 
 
 def _ev(name: str, stream: int, start: float, dur: float, cat: str = "kernel") -> GpuEvent:

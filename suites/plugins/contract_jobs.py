@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from harness.rank import RankContext
+from harness.ranks.rank import RankContext
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -4,7 +4,7 @@
   express walked pairwise with ``--matrix pairwise`` (same-engine full and sharded checkpoints, SGD, AdamW
   and its parameter groups, activation checkpointing, both models); the CI lane runs a sample (each stage
   plain and with a full AdamW checkpoint). What DeepSpeed cannot express is left out by its capability
-  rules (``harness.deepspeed_adapter.DEEPSPEED_RULES``), or is ``unsupported`` with the reason.
+  rules (``harness.engines.deepspeed_adapter.DEEPSPEED_RULES``), or is ``unsupported`` with the reason.
 - Cross-engine resume through the neutral full state dict (DeepSpeed <-> our engine, FSDP2).
 - The finding: a config that clips (DeepSpeed's default, ``gradient_clipping`` 1.0) fails its cases with
   a reason naming the clipping.
@@ -25,10 +25,10 @@ import pytest
 pytest.importorskip("deepspeed", reason="deepspeed is not installed: pip install -e .[deepspeed] "
                                         "(DS_BUILD_OPS=0, --no-build-isolation, torch pinned beside it)")
 
-from harness.case import CaseConfig  # noqa: E402 - after the skip: the module needs deepspeed
+from harness.cases.case import CaseConfig  # noqa: E402 - after the skip: the module needs deepspeed
 from harness.pytest_plugin import ParityRunner, PoolRegistry  # noqa: E402
 from harness.pytest_plugin.cases import ExpectedFailure, ParityOptions, SuiteMatrix  # noqa: E402
-from harness.runner import run_case  # noqa: E402
+from harness.run.runner import run_case  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3")

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.case import FSDP_STRATEGIES, ZERO_STRATEGIES
-from harness.checkpoint import unsupported_checkpoint
-from harness.coverage import coverage_lines, family_coverage, verdict
-from harness.deepspeed_adapter import merged_config, neutral_config
-from harness.matrix import AXES, generate, invalid_reason
-from harness.placement import hybrid_shard_size
-from harness.pool import PoolConfig, RankPool
-from harness.registry import EngineSpecError, check_engines, resolve
+from harness.cases.case import FSDP_STRATEGIES, ZERO_STRATEGIES
+from harness.collect.coverage import coverage_lines, family_coverage, verdict
+from harness.engines.checkpoint import unsupported_checkpoint
+from harness.engines.deepspeed_adapter import merged_config, neutral_config
+from harness.engines.registry import EngineSpecError, check_engines, resolve
+from harness.ranks.placement import hybrid_shard_size
+from harness.ranks.pool import PoolConfig, RankPool
+from harness.selection.matrix import AXES, generate, invalid_reason
 from suites.plugins import contract_jobs
 
 DEEPSPEED = ("deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3")

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.adapters import EngineAdapter, FSDP1Adapter
-from harness.fsdp2_adapter import FSDP2Adapter
-from harness.capabilities import Rule
-from harness.case import CaseConfig
-from harness.matrix import feasible_pairs, generate, invalid_reason, pairs_uncovered
-from harness.registry import EngineSpecError, check_engines, fsdp1_engines, register, resolve
+from harness.cases.capabilities import Rule
+from harness.cases.case import CaseConfig
+from harness.engines.adapters import EngineAdapter, FSDP1Adapter
+from harness.engines.fsdp2_adapter import FSDP2Adapter
+from harness.engines.registry import EngineSpecError, check_engines, fsdp1_engines, register, resolve
+from harness.selection.matrix import feasible_pairs, generate, invalid_reason, pairs_uncovered
 from reports.certificate import Certificate, FamilyResult, Failure, markdown, render_html, to_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,8 +32,8 @@ def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "from engine import FullyShardedDataParallel, ShardingStrategy, BackwardPrefetch, CPUOffload\n"
     )
     (tmp_path / "factories.py").write_text(textwrap.dedent("""
-        from harness.adapters import FSDP1Adapter
-        from harness.capabilities import Rule
+        from harness.cases.capabilities import Rule
+        from harness.engines.adapters import FSDP1Adapter
 
         class NoOffload(FSDP1Adapter):
             def capability_rules(self):
@@ -221,7 +221,7 @@ def test_certify_exits_2_when_its_ranks_do_not_run_the_cases(tmp_path: Path, mon
     cases not run, which must not read as a certificate with fewer cases."""
     import argparse
 
-    import harness.pool
+    import harness.ranks.pool
     from harness.cli import certify
 
     class NoRanks:
@@ -229,12 +229,12 @@ def test_certify_exits_2_when_its_ranks_do_not_run_the_cases(tmp_path: Path, mon
             pass
 
         def __enter__(self) -> None:
-            raise harness.pool.PoolStartError("RankPool: planted: no rank started")
+            raise harness.ranks.pool.PoolStartError("RankPool: planted: no rank started")
 
         def __exit__(self, *exc: object) -> bool:
             return False
 
-    monkeypatch.setattr(harness.pool, "RankPool", NoRanks)
+    monkeypatch.setattr(harness.ranks.pool, "RankPool", NoRanks)
     parser = argparse.ArgumentParser()
     certify.add_arguments(parser)
     args = parser.parse_args(["--engine", "builtin", "--families", "parity-ddp", "--quick", "--out", str(tmp_path / "c"),

@@ -57,7 +57,7 @@ def _run(args: list[str], env: dict[str, str], timeout: float = 900) -> subproce
 
 
 def test_the_entry_points_register_both_toy_engines(toy_env: dict[str, str]) -> None:
-    code = ("from harness.registry import resolve, registered_names; "
+    code = ("from harness.engines.registry import resolve, registered_names; "
             "print(registered_names()); print(resolve('toy').fsdp1_module, resolve('toy-buggy').fsdp1_module)")
     proc = _run(["-c", code], toy_env, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -112,7 +112,7 @@ def test_certify_passes_the_clean_engine(certificates: dict[str, tuple[int, dict
 
 
 #: The families a gradient reduced in the parameter dtype despite ``reduce_dtype`` breaks: the collective's
-#: dtype (knobs) and, under the ablation tolerance rule (``harness.tolerance``), the values against the
+#: dtype (knobs) and, under the ablation tolerance rule (``harness.compare.tolerance``), the values against the
 #: local reference, since a dropped reduce cast must fail on values alone. Against DDP (full precision)
 #: the mixed-precision cases are unsupported, so the failure is not counted twice.
 BROKEN_BY_THE_BUG = ["parity-local", "knobs"]

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from synthetic_records import RUN, record
 
-from harness.case import CaseConfig
-from harness.collector import ResultWriter
-from harness.matrix import generate
-from harness.records import not_run_text
-from harness.stored_selection import StoredSelection, write_selection
+from harness.cases.case import CaseConfig
+from harness.cases.records import not_run_text
+from harness.collect.collector import ResultWriter
+from harness.run.stored_selection import StoredSelection, write_selection
+from harness.selection.matrix import generate
 
 NIGHTS = ("2026-11-20", "2026-11-21", "2026-11-22")
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from synthetic_records import RUN
 
-from harness.collector import ResultWriter
-from harness.records import CaseRecord
+from harness.cases.records import CaseRecord
+from harness.collect.collector import ResultWriter
 
 
 def write_results(path: Path, records: list[CaseRecord]) -> Path:

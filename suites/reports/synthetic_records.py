@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from harness.case import CaseConfig
-from harness.matrix import generate
-from harness.records import CaseRecord, QuantityError, RunInfo
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord, QuantityError, RunInfo
+from harness.selection.matrix import generate
 
 RUN = RunInfo(run_id="20260101-000000-abcdef", host="ci", torch_version="2.13.0", backend="gloo", git_rev="0" * 40)
 

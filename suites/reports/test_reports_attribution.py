@@ -11,8 +11,8 @@ from report_files import write_results
 from synthetic_records import record
 
 import reports
-from harness.case import CaseConfig
-from harness.matrix import generate
+from harness.cases.case import CaseConfig
+from harness.selection.matrix import generate
 from reports.attribution import AxisValue, attribute, explain
 from reports.matrix import records_frame
 

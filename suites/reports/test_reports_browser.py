@@ -20,7 +20,7 @@ from synthetic_records import mixed_records
 from test_reports_case_pages import CASE, diverging, hung
 
 import reports
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from reports.case_page import case_href
 from reports.history import history
 

@@ -15,9 +15,9 @@ from report_files import write_results
 from synthetic_records import RUN, mixed_records, record
 
 import reports
-from harness.case import CaseConfig
-from harness.collector import read_records
-from harness.records import CaseRecord
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
+from harness.collect.collector import read_records
 from reports.__main__ import main
 from reports.case_page import case_href, case_slug
 from reports.matrix import CellStats, cell_label, latest, marginals, parity_matrices, records_frame, summarize
@@ -241,7 +241,7 @@ def test_mixed_records_cover_every_cell_status() -> None:
 
 
 def test_the_report_header_says_backend_device_and_ranks_per_gpu() -> None:
-    from harness.records import placement_text
+    from harness.cases.records import placement_text
     from reports.matrix import Summary
     from reports.render import run_lines
 
@@ -254,7 +254,7 @@ def test_the_report_header_says_backend_device_and_ranks_per_gpu() -> None:
 
 
 def test_heatmap_column_labels_never_overlap() -> None:
-    from harness.case import PRECISIONS
+    from harness.cases.case import PRECISIONS
     from reports.matrix import parity_matrices, records_frame
     from reports.render import heatmap_figure
 
@@ -349,7 +349,7 @@ def test_a_byte_order_mark_does_not_make_the_first_record_unreadable(small_resul
 def test_an_endless_line_is_one_unreadable_line_read_in_bounded_pieces(
     monkeypatch: pytest.MonkeyPatch, small_results: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import harness.collector as collector
+    import harness.collect.collector as collector
 
     monkeypatch.setattr(collector, "MAX_LINE_CHARS", 4096)
     plain, _ = read_records(small_results)

@@ -13,13 +13,13 @@ from report_files import write_results
 from synthetic_records import RUN, record
 
 import reports
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord, QuantityError
 from harness.cli import build_parser
 from harness.cli.options import selection_options
-from harness.parity import RankResult, record_from_outcome
-from harness.pool import PoolOutcome
-from harness.records import CaseRecord, QuantityError
-from harness.runner import select_cases
+from harness.compare.parity import RankResult, record_from_outcome
+from harness.ranks.pool import PoolOutcome
+from harness.run.runner import select_cases
 from reports.__main__ import main
 from reports.case_page import case_href, case_slug, rerun_caveats, rerun_command, step_errors
 
@@ -27,7 +27,7 @@ CASE = CaseConfig(engine="torch-fsdp", sharding_strategy="no_shard", cpu_offload
 
 
 def diverging(case: CaseConfig = CASE) -> CaseRecord:
-    """A failing record as ``harness.parity.record_from_outcome`` writes it: curves, per-step errors, knobs."""
+    """A failing record as ``harness.compare.parity.record_from_outcome`` writes it: curves, per-step errors, knobs."""
     ref = [[2.0, 1.6, 1.3, 1.1], [2.1, 1.7, 1.35, 1.15]]
     eng = [[2.0, 1.6, 1.9, 7.5], [2.1, 1.7, 2.2, 9.0]]
     errors = [QuantityError(f"loss@{s}", abs(eng[1][s] - ref[1][s]), 0.0, 1e-5, 1.3e-6, s < 2,
@@ -169,7 +169,7 @@ def test_a_long_reason_is_never_cut_without_an_ellipsis_and_a_link_to_the_whole(
 def test_every_tolerance_source_is_in_the_legend() -> None:
     from typing import get_args
 
-    from harness.tolerance import BudgetSource
+    from harness.compare.tolerance import BudgetSource
     from reports.case_page import BUDGET_SOURCES
 
     assert set(BUDGET_SOURCES) == set(get_args(BudgetSource))

@@ -10,7 +10,7 @@ from report_files import write_results
 from synthetic_records import record
 
 import reports
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from reports.__main__ import main
 from reports.diff import diff_frames
 from reports.matrix import latest, records_frame

@@ -34,6 +34,6 @@ def test_no_example_names_the_machine_it_was_made_on() -> None:
 
 
 def test_a_machine_path_is_found(tmp_path: Path) -> None:
-    (tmp_path / "a.jsonl").write_text('{"stack": "File \\"/home/me/fsdp/harness/pool.py\\", line 3"}\n{"x": "harness/pool.py"}\n')
+    (tmp_path / "a.jsonl").write_text('{"stack": "File \\"/home/me/fsdp/harness/pool.py\\", line 3"}\n{"x": "harness/ranks/pool.py"}\n')
     (tmp_path / "b.md").write_text("see <stdlib>/threading.py and https://example.org/tmp/x\n")
     assert machine_paths(tmp_path) == ['a.jsonl:1: /home/me/fsdp/harness/pool.py\\", line 3"}']

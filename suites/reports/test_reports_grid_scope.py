@@ -11,11 +11,11 @@ from report_files import write_results
 from synthetic_records import mixed_records, record
 
 import reports
-from harness.case import CaseConfig
-from harness.collector import record_full_id
-from harness.matrix import generate
-from harness.records import NotRun, not_run_text, parse_not_run
-from harness.stored_selection import StoredSelection, selection_path, write_selection
+from harness.cases.case import CaseConfig
+from harness.cases.records import NotRun, not_run_text, parse_not_run
+from harness.collect.collector import record_full_id
+from harness.run.stored_selection import StoredSelection, selection_path, write_selection
+from harness.selection.matrix import generate
 from reports.api import load
 from reports.case_page import case_href
 from reports.grid import build_grid

@@ -10,7 +10,7 @@ import pytest
 from history_nights import NIGHTS, fixed_case, hung_case, night_cases, regressed_case, write_nights
 from synthetic_records import RUN, record
 
-from harness.collector import ResultWriter
+from harness.collect.collector import ResultWriter
 
 from reports.__main__ import main
 from reports.history import failing_now, flatten_numbers, history, load_night, sibling_nights, transitions, verdict_counts

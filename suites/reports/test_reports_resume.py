@@ -10,7 +10,7 @@ from conftest import write_results
 from synthetic_records import record
 
 import reports
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from reports.diff import cell_name, diff_frames
 from reports.matrix import latest, records_frame
 from reports.resume_matrix import checkpoint_table, resume_matrices

@@ -1,7 +1,7 @@
 """Checkpoint cases built by hand: resharding with DCP (2 -> 4, 4 -> 2, 2 -> 1 unsharded), cross-engine
 resume (saved by one engine, resumed by another), and planted load bugs that must make a case fail.
 
-Every case runs through ``harness.runner.run_case`` on the shared rank pools (``parity_pools``), so it is
+Every case runs through ``harness.run.runner.run_case`` on the shared rank pools (``parity_pools``), so it is
 decided exactly as ``harness run`` decides it, and (but for the planted bugs) is recorded in ``--results``; a resharded case compares against the local reference,
 which replays the same change of world size. The CI lane runs a slice (each reshard direction, each
 engine pair once, two planted bugs); the cases marked ``slow`` run with ``--matrix full``.
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.records import CaseRecord
 from harness.pytest_plugin import ParityRunner, PoolRegistry
 from harness.pytest_plugin.cases import ParityOptions
-from harness.records import CaseRecord
-from harness.runner import run_case
+from harness.run.runner import run_case
 
 
 SLOW = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_cross_engine_resume(parity_runner: ParityRunner, saver: str, loader: st
 def test_local_checkpoint_across_engines_is_unsupported_with_its_reason(
     parity_pools: PoolRegistry, parity_runner: ParityRunner
 ) -> None:
-    from harness.matrix import invalid_reason
+    from harness.selection.matrix import invalid_reason
 
     case = cross_case("builtin", "torch-fsdp", "local", {})
     assert "LOCAL" in (invalid_reason(case) or "")

@@ -1,5 +1,5 @@
 """Generated checkpoint cases: save half-way, fresh model, wrapper and optimizer, load, finish; the whole
-trajectory against the uninterrupted reference at the case's own tolerance (``harness.resume``).
+trajectory against the uninterrupted reference at the case's own tolerance (``harness.compare.resume``).
 
 The slice is strategy x ``use_orig_params`` x state-dict type (full, sharded, local) x optimizer (SGD with
 momentum, AdamW), for every ``--engine`` x ``--reference`` x ``--world-size`` (hybrid strategies from 4
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import FSDP_STRATEGIES, CaseConfig, is_hybrid
-from harness.expectations import ExpectedFailure
-from harness.matrix import WIDE_AXES
-from harness.placement import hybrid_shard_size
+from harness.cases.case import FSDP_STRATEGIES, CaseConfig, is_hybrid
+from harness.collect.expectations import ExpectedFailure
 from harness.pytest_plugin import ParityRunner
 from harness.pytest_plugin.cases import SuiteMatrix
+from harness.ranks.placement import hybrid_shard_size
+from harness.selection.matrix import WIDE_AXES
 
 #: torch FSDP1's local state dict under hybrid sharding wraps each flat parameter in a ShardedTensor over
 #: the shard group, placed by the rank within that group, which ShardedTensor reads as a global rank: on

@@ -1,12 +1,12 @@
 """The toy engines' registrations: factories the entry points of ``fsdp_parity.engines`` name.
 
 Each returns the harness's generic FSDP1 adapter over a namespace; an engine without torch FSDP1's API
-would return its own ``harness.adapters.EngineAdapter`` subclass here.
+would return its own ``harness.EngineAdapter`` subclass here.
 """
 
 from __future__ import annotations
 
-from harness.adapters import EngineAdapter, FSDP1Adapter
+from harness import EngineAdapter, FSDP1Adapter
 
 
 def clean(name: str) -> EngineAdapter:

@@ -6,10 +6,10 @@ from typing import Any, get_args
 
 from tabulate import tabulate
 
-from harness.case import PRECISIONS, CaseConfig, PrecisionSpec, PrefetchName
+from harness.cases.case import PRECISIONS, CaseConfig, PrecisionSpec, PrefetchName
+from harness.cases.records import CaseRecord
+from harness.collect.expectations import ExpectedFailure
 from harness.conformance.mixed_precision.models import PARITY_NET
-from harness.expectations import ExpectedFailure
-from harness.records import CaseRecord
 
 #: the prefetch subtests of the seed's e2e test: forward prefetch x backward prefetch.
 ALL_PREFETCH = [(fwd, bwd) for fwd in (False, True) for bwd in get_args(PrefetchName)]
@@ -80,7 +80,7 @@ PARITY_CASES: list[dict[str, Any]] = [
     {"sharding_strategy": "full_shard", "use_orig_params": True, "cpu_offload": True, "backward_prefetch": "post"},
 ]
 #: the guards' dropped casts: ``all`` (no mixed precision at all) or one ``MixedPrecision`` field, and the
-#: run of the harness's reference an engine dropping it computes (``harness.references.cast_ablations``).
+#: run of the harness's reference an engine dropping it computes (``harness.engines.references.cast_ablations``).
 GUARDS: dict[str, tuple[str, str]] = {
     "all": ("mixed_precision", "fp64"),
     "param": ("param_dtype", "no_param"),

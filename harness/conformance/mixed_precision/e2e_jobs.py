@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.adapters import fsdp1_prefetch
-from harness.case import reduce_dtype_default
+from harness.cases.case import reduce_dtype_default
+from harness.cases.dtypes import dtype_of
+from harness.compare.trace import CommEvent
 from harness.conformance.fsdp1_checks import FSDPApi, clean
 from harness.conformance.mixed_precision.cases import ALL_PREFETCH
 from harness.conformance.mixed_precision.models import BUFFER_ORIG_DTYPE, Expectation, PrecisionProbe
@@ -28,9 +29,8 @@ from harness.conformance.mixed_precision.rank_api import (
     reduced_dtypes,
     strategy,
 )
-from harness.dtypes import dtype_of
-from harness.rank import RankContext
-from harness.trace import CommEvent
+from harness.engines.adapters import fsdp1_prefetch
+from harness.ranks.rank import RankContext
 
 
 def _probe_models(api: FSDPApi, full: torch.dtype, device: torch.device, kwargs: dict[str, Any]) -> Iterator[nn.Module]:

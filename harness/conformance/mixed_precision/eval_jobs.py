@@ -12,6 +12,8 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 
+from harness.cases.dtypes import dtype_of
+from harness.cases.models import TransformerModel, to_device
 from harness.conformance.fsdp1_checks import FSDPApi
 from harness.conformance.mixed_precision.models import BUFFER_ORIG_DTYPE, PrecisionProbe, TransformerWithEMA
 from harness.conformance.mixed_precision.rank_api import (
@@ -23,9 +25,7 @@ from harness.conformance.mixed_precision.rank_api import (
     reduced_dtypes,
     strategy,
 )
-from harness.dtypes import dtype_of
-from harness.models import TransformerModel, to_device
-from harness.rank import RankContext
+from harness.ranks.rank import RankContext
 
 
 # ---------------------------------------------------------------------------- eval

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-from harness.case import PRECISIONS
+from harness.cases.case import PRECISIONS
+from harness.collect.expectations import expected_failure
+from harness.compare.parity import record_from_outcome
 from harness.conformance.mixed_precision import e2e_jobs, eval_jobs, grad_jobs, module_jobs, parity_jobs, scaler_jobs
 from harness.conformance.mixed_precision.cases import (
     E2E_RUNS,
@@ -27,10 +29,8 @@ from harness.conformance.mixed_precision.cases import (
 )
 from harness.conformance.mixed_precision.pools import gpu_pair
 from harness.conformance.mixed_precision.rank_api import MP_CONFIGS, assert_ok
-from harness.expectations import expected_failure
-from harness.parity import record_from_outcome
-from harness.pool import RankPool
 from harness.pytest_plugin import expect_failure, needs_gpus
+from harness.ranks.pool import RankPool
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

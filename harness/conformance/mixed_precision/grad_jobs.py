@@ -10,12 +10,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from harness.adapters import fsdp1_mixed_precision
-from harness.case import reduce_dtype_default
+from harness.cases.case import reduce_dtype_default
+from harness.cases.dtypes import dtype_of
+from harness.cases.models import TransformerModel, to_device
 from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api, recorded, reduced_dtypes, strategy
-from harness.dtypes import dtype_of
-from harness.models import TransformerModel, to_device
-from harness.rank import RankContext
+from harness.engines.adapters import fsdp1_mixed_precision
+from harness.ranks.rank import RankContext
 
 
 # ---------------------------------------------------------------------------- gradients

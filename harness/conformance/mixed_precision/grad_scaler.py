@@ -19,7 +19,7 @@ from harness.conformance.mixed_precision import scaler_jobs
 from harness.conformance.mixed_precision.cases import SCALER_CASES, check_scaler_agreement
 from harness.conformance.mixed_precision.pools import cpu_pair
 from harness.conformance.mixed_precision.rank_api import assert_ok, grad_scaler_class
-from harness.pool import RankPool
+from harness.ranks.pool import RankPool
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

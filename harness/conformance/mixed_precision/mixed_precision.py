@@ -25,7 +25,7 @@ from harness.conformance.mixed_precision import e2e_jobs, eval_jobs, grad_jobs, 
 from harness.conformance.mixed_precision.cases import E2E_RUNS, EMBEDDING_CONFIGS
 from harness.conformance.mixed_precision.pools import cpu_pair
 from harness.conformance.mixed_precision.rank_api import MP_CONFIGS, assert_ok
-from harness.pool import RankPool
+from harness.ranks.pool import RankPool
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from harness.models import ZooModel, batch_generator, register_model
+from harness.cases.models import ZooModel, batch_generator, register_model
 
 #: dtype of the probe buffers: different from every parameter dtype, so a cast is visible.
 BUFFER_ORIG_DTYPE = torch.float64

@@ -11,10 +11,10 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from harness.cases.dtypes import dtype_of
 from harness.conformance.mixed_precision.models import BatchNormNet, ModelWithIgnoredModule, SaveForwardInputsModel
 from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api
-from harness.dtypes import dtype_of
-from harness.rank import RankContext
+from harness.ranks.rank import RankContext
 
 
 # ---------------------------------------------------------------------------- batch norm

@@ -1,7 +1,7 @@
 """Parity of every engine with torch FSDP1's API (``fsdp_api``) against the harness's emulating
-reference for every precision config of the harness matrix (``harness.case.PRECISIONS``), on
+reference for every precision config of the harness matrix (``harness.cases.case.PRECISIONS``), on
 ``ParityNet`` (whose float buffer the model casts itself, so every one of the three casts moves the
-numbers), under the harness's one tolerance rule (``harness.tolerance``: half the distance from the
+numbers), under the harness's one tolerance rule (``harness.compare.tolerance``: half the distance from the
 emulation to the nearest run that drops casts).
 
 Per config: the engine cases (strategies, use_orig_params, CPU offload and prefetch settings spread
@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from harness.case import PRECISIONS
+from harness.cases.case import PRECISIONS
+from harness.compare.parity import record_from_outcome
 from harness.conformance.mixed_precision import parity_jobs
 from harness.conformance.mixed_precision.cases import check_parity_records, parity_cases
 from harness.conformance.mixed_precision.pools import cpu_pair
-from harness.parity import record_from_outcome
-from harness.pool import RankPool
+from harness.ranks.pool import RankPool
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

@@ -4,13 +4,13 @@ unpickling this job imports it)."""
 
 from __future__ import annotations
 
-from harness.case import CaseConfig
-from harness.parity import RankResult, run_case_on_rank
-from harness.rank import RankContext
+from harness.cases.case import CaseConfig
+from harness.compare.parity import RankResult, run_case_on_rank
+from harness.ranks.rank import RankContext
 # Imported for its side effect: it registers ParityNet (PARITY_NET) in this process's zoo.
 import harness.conformance.mixed_precision.models  # noqa: F401
 
 
 def run_parity_case(ctx: RankContext, case: CaseConfig) -> RankResult:
-    """``harness.parity.run_case_on_rank`` with ``ParityNet`` (``PARITY_NET``) in this rank's zoo."""
+    """``harness.compare.parity.run_case_on_rank`` with ``ParityNet`` (``PARITY_NET``) in this rank's zoo."""
     return run_case_on_rank(ctx, case)

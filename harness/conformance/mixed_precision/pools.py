@@ -11,7 +11,7 @@ from harness.pytest_plugin.pools import rank_pool_fixture
 __all__ = ["cpu_pair", "gpu_pair"]
 
 #: the torch tests this suite ports run on two ranks: on the GPUs (NCCL with one GPU per rank, or gloo
-#: ranks sharing one: ``harness.placement.place``) or on two gloo CPU ranks.
+#: ranks sharing one: ``harness.ranks.placement.place``) or on two gloo CPU ranks.
 WORLD = 2
 
 cpu_pair = rank_pool_fixture(WORLD, "cpu", timeout_s=240.0, scope="package", doc="Two gloo ranks on CPU.")

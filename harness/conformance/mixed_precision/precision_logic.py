@@ -11,13 +11,13 @@ import torch.nn as nn
 
 from engine.flat_param import FlatParamHandle, HandleShardingStrategy
 from engine.precision import BufferPrecision, BufferState, cast_floating_tensors
-from harness.case import PRECISIONS, PrecisionSpec
-from harness.compare import Observation, measure_drift
+from harness.cases.case import PRECISIONS, PrecisionSpec
+from harness.compare.compare import Observation, measure_drift
+from harness.compare.tolerance import mixed_precision_budgets
 from harness.conformance.flat_handles import DummyProcessGroup
 from harness.conformance.mixed_precision.models import ParityNet
-from harness.optim import sgd
-from harness.references import TRUTH_SPEC, LocalReference, cast_ablations
-from harness.tolerance import mixed_precision_budgets
+from harness.engines.optim import sgd
+from harness.engines.references import TRUTH_SPEC, LocalReference, cast_ablations
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

@@ -1,5 +1,5 @@
 """What every rank job of the mixed-precision suites shares: the engine under test by name, the seed's
-configurations by name, the collectives a block issues (``harness.trace.CommTrace``), and turning a
+configurations by name, the collectives a block issues (``harness.compare.trace.CommTrace``), and turning a
 pool outcome into values or a skip.
 
 Rank jobs are module-level functions ``job(ctx, payload)`` (pickled by name), one module per subject
@@ -27,13 +27,13 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from harness.adapters import fsdp1_mixed_precision
-from harness.case import PRECISIONS, PrecisionName
+from harness.cases.case import PRECISIONS, PrecisionName
+from harness.cases.dtypes import dtype_of
+from harness.compare.trace import CommEvent, CommTrace, OpKind, dtypes, ops
 from harness.conformance.fsdp1_checks import FSDPApi, load_api
-from harness.dtypes import dtype_of
-from harness.pool import PoolOutcome
-from harness.rank import RankContext
-from harness.trace import CommEvent, CommTrace, OpKind, dtypes, ops
+from harness.engines.adapters import fsdp1_mixed_precision
+from harness.ranks.pool import PoolOutcome
+from harness.ranks.rank import RankContext
 
 #: The seed's mixed-precision configs by the names its test ids use, as the harness's precision names.
 MP_CONFIGS: dict[str, PrecisionName] = {
@@ -116,7 +116,7 @@ def full_prec_in_eval(enabled: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def recorded(kind: OpKind) -> Iterator[list[CommEvent]]:
     """The collectives of ``kind`` the block issues, one-rank groups included, each all-gather with its
-    local shard (``harness.trace.CommTrace(keep_inputs=True)``); the list fills when the block ends."""
+    local shard (``harness.compare.trace.CommTrace(keep_inputs=True)``); the list fills when the block ends."""
     calls: list[CommEvent] = []
     with CommTrace(keep_inputs=True) as trace:
         yield calls

@@ -8,11 +8,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from harness.cases.dtypes import dtype_of
+from harness.cases.models import gpu_sleep
 from harness.conformance.fsdp1_checks import FSDPApi
 from harness.conformance.mixed_precision.rank_api import device_kwargs, engine_api, grad_scaler_class
-from harness.dtypes import dtype_of
-from harness.models import gpu_sleep
-from harness.rank import RankContext
+from harness.ranks.rank import RankContext
 
 
 # ---------------------------------------------------------------------------- grad scaler

@@ -2,7 +2,7 @@
 torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), as harness cases on the plugin's pool:
 activation checkpointing (``checkpoint_wrapper``, reentrant and non-reentrant) inside the units
 (``FSDP(checkpoint_wrapper(block))``) and around them (``checkpoint_wrapper(FSDP(block))``, the
-``checkpoint_wrapper`` extra of ``harness.case.FSDP1_EXTRAS``), so the recomputed forward runs the units'
+``checkpoint_wrapper`` extra of ``harness.cases.case.FSDP1_EXTRAS``), so the recomputed forward runs the units'
 forward hooks again inside backward. The innermost units (the nested model's linears) are checkpointed;
 each trains against the unsharded local reference over FULL_SHARD and SHARD_GRAD_OP, with flat and
 original parameters.
@@ -17,7 +17,7 @@ import itertools
 
 import pytest
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
 from harness.conformance.engine_models import NESTED
 from harness.pytest_plugin import ParityRunner
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.conformance.engine_models import NestedWrapped
 from harness.conformance.fsdp1_checks import FSDPApi, all_data, assert_match, assert_params_match, load_api
 from harness.conformance.rank_sessions import api_session_tests
-from harness.model_protocol import to_device, wrap_bottom_up
-from harness.rank import rank_device
+from harness.ranks.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

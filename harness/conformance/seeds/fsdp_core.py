@@ -24,12 +24,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.testing import assert_close
 
+from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.conformance.engine_models import NestedWrapped, SharedTransformer
 from harness.conformance.fsdp1_checks import FSDPApi, load_api, optim
 from harness.conformance.rank_sessions import api_session_tests
-from harness.model_protocol import to_device, wrap_bottom_up
-from harness.optim import sgd
-from harness.rank import rank_device
+from harness.engines.optim import sgd
+from harness.ranks.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

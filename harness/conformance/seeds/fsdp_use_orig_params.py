@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
+from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import SharedTransformer
 from harness.conformance.fsdp1_checks import FSDPApi, clean as _clean, load_api
 from harness.conformance.rank_sessions import api_session_tests
@@ -46,9 +47,8 @@ from harness.conformance.seeds.orig_params_ddp import (
     check_multiple_optimizers,
     hyperparam_subtests,
 )
-from harness.model_protocol import wrap_bottom_up
-from harness.optim import sgd
-from harness.rank import rank_device
+from harness.engines.optim import sgd
+from harness.ranks.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from harness.cases.models import TransformerModel
 from harness.conformance.flat_handles import DummyProcessGroup
 from harness.conformance.fsdp1_checks import FSDPApi, api
 from harness.conformance.wrap.wrap_models import (
@@ -35,7 +36,6 @@ from harness.conformance.wrap.wrap_models import (
     LoraMLP,
     nested_sequential,
 )
-from harness.models import TransformerModel
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

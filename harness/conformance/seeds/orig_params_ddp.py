@@ -20,11 +20,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
 
+from harness.cases.model_protocol import to_device
 from harness.conformance.engine_models import SharedTransformer
 from harness.conformance.fsdp1_checks import FSDPApi, assert_match, clean as _clean
-from harness.fsdp1_api import no_shard_offload_race
-from harness.model_protocol import to_device
-from harness.rank import rank_device
+from harness.engines.fsdp1_api import no_shard_offload_race
+from harness.ranks.rank import rank_device
 
 
 def _input(step: int, rank: int) -> tuple[torch.Tensor, ...]:
@@ -147,7 +147,7 @@ def _diff_hyperparams(api: FSDPApi, offload: bool, smoke: bool) -> None:
     device = rank_device()
     for sub in hyperparam_subtests(offload, device.type, smoke):
         strategy = getattr(api.ShardingStrategy, sub["strategy"])
-        # torch FSDP1's NO_SHARD offload race (``harness.fsdp1_api.no_shard_offload_race``) is stress's to show.
+        # torch FSDP1's NO_SHARD offload race (``harness.engines.fsdp1_api.no_shard_offload_race``) is stress's to show.
         if no_shard_offload_race(api.name, device.type, sub["strategy"].lower(), offload, True):
             continue
         if sub["skip_writeback_check"]:
@@ -259,7 +259,7 @@ def _compiled_parity(api: FSDPApi, strategy: Any, iters: int, skip_fsdp_guards: 
     from torch._dynamo.utils import counters
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    from harness.compiling import backend_for, check_compiled, compiled_counts
+    from harness.compare.compiling import backend_for, check_compiled, compiled_counts
 
     kwargs = dict(auto_wrap_policy=_layer_policy(api), use_orig_params=True, sharding_strategy=strategy,
                   backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE)

@@ -22,10 +22,10 @@ import itertools
 
 import pytest
 
-from harness.case import FLAT_STRATEGIES, CaseConfig, engine_name
-from harness.expectations import ExpectedFailure
+from harness.cases.case import FLAT_STRATEGIES, CaseConfig, engine_name
+from harness.collect.expectations import ExpectedFailure
 from harness.conformance.engine_models import ALWAYS_WRAP, MOE, NESTED, TRANSFORMER
-from harness.fsdp1_api import no_shard_offload_race
+from harness.engines.fsdp1_api import no_shard_offload_race
 from harness.pytest_plugin import ParityRunner, expect_failure
 from harness.pytest_plugin.cases import ParityOptions
 

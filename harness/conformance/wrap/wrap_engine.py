@@ -29,8 +29,8 @@ import torch
 
 from harness.conformance.fsdp1_checks import FSDPApi, api
 from harness.conformance.wrap import wrap_jobs
-from harness.pool import PoolOutcome, RankPool
 from harness.pytest_plugin.pools import rank_pool_fixture
+from harness.ranks.pool import PoolOutcome, RankPool
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: the torch tests this suite ports run their multi-rank tests on two ranks, on the GPUs (NCCL with one
-#: GPU per rank, or gloo ranks sharing one: ``harness.placement.place``) or on two gloo CPU ranks.
+#: GPU per rank, or gloo ranks sharing one: ``harness.ranks.placement.place``) or on two gloo CPU ranks.
 GPU_WORLD = 2
 
 

@@ -1,4 +1,4 @@
-"""Rank-side jobs of ``harness.conformance.wrap.wrap_engine``, run by :class:`harness.pool.RankPool`.
+"""Rank-side jobs of ``harness.conformance.wrap.wrap_engine``, run by :class:`harness.ranks.pool.RankPool`.
 
 Module-level functions ``job(ctx, payload)`` (pickled by name). The payload names the engine
 (``payload["engine"]``: ``builtin`` or ``torch-fsdp``); each job loads its FSDP1 API on the rank
@@ -27,11 +27,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.case import CaseConfig
+from harness.cases.case import CaseConfig
+from harness.cases.models import build_model
 from harness.conformance.fsdp1_checks import FSDPApi, assert_trains_like_local_reference, load_api
 from harness.conformance.wrap.wrap_models import FOUR_LINEARS, nested_sequential
-from harness.models import build_model
-from harness.rank import RankContext
+from harness.ranks.rank import RankContext
 
 InitMode = Literal["cpu", "cuda_before", "cuda_after"]
 

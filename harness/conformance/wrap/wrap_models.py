@@ -4,7 +4,7 @@ The models mirror the seed's (``test_wrap.py``) in structure, kept small for a 2
 have no inputs or loss (nothing trains them: only which modules become units matters), but for
 :class:`FourLinears`, which the main wrap API check trains: it is in the zoo (``wrap_four_linears``), so
 the harness's local reference says what its parameters must be. The tied
-transformer is the zoo's (``harness.models.TransformerModel`` with its batch norm).
+transformer is the zoo's (``harness.cases.models.TransformerModel`` with its batch norm).
 :class:`RecordingUnit` stands in for the real wrapper where only the wrapping structure matters:
 it runs auto wrapping exactly as the runtime's constructor does and records what it was given.
 """
@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from engine.wrap import auto_wrap
-from harness.model_protocol import ZooModel, batch_generator
-from harness.models import register_model
+from harness.cases.model_protocol import ZooModel, batch_generator
+from harness.cases.models import register_model
 
 __all__ = [
     "BatchNormContainer",

@@ -35,6 +35,7 @@ from engine.wrap import (
     transformer_auto_wrap_policy,
     wrap,
 )
+from harness.cases.models import TransformerModel
 from harness.conformance.wrap.wrap_models import (
     BatchNormContainer,
     BatchNormKinds,
@@ -48,7 +49,6 @@ from harness.conformance.wrap.wrap_models import (
     nested_sequential,
     recorded,
 )
-from harness.models import TransformerModel
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.

@@ -1,0 +1,3 @@
+"""Stage 8, perf: the training-step benchmark on the same ranks and engines (``benchmark``, ``perf_run``),
+the nightly's performance section (``perf_section``) and profiler trace summaries (``profile_summary``).
+"""

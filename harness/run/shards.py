@@ -1,0 +1,230 @@
+"""Shards of a run: the K-th of N disjoint parts of a selection, balanced by cost; pure, over plain data.
+
+A scheduler (a Slurm job array, a Kubernetes Indexed Job, a CI matrix) starts N copies of one command;
+each must run a part of the selected cases such that the parts are disjoint, cover the selection, and
+take about the same time. ``partition`` is a pure function of the selected cases in their order, N and
+a cost per case: every case goes to exactly one part (longest processing time first: the costliest
+case to the least loaded part, ties to the lower part, then the earlier case), and each part keeps the
+selection's order. A case's cost is its wall time in an earlier results file where one is given
+(``--shard-costs``), else an estimate from its world size and steps (``estimate_s``), scaled to the
+measured ones where some are known so that both speak seconds.
+
+Every shard records the partition's identity (``Partition.id``: a hash of N, the selection id and the
+costs used), so shards cut from different partitions are never merged as one night, and its own case
+ids, so that ``--resume`` of a killed shard continues exactly its part.
+
+``--shard auto`` reads the index and count from the scheduler's environment (``shard_from_env``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "COUNT_VARIABLE",
+    "INDEX_VARIABLE",
+    "Partition",
+    "ShardError",
+    "ShardSpec",
+    "case_costs",
+    "estimate_s",
+    "measured_costs",
+    "parse_shard",
+    "partition",
+    "read_costs",
+    "resolve_shard",
+    "shard_from_env",
+]
+
+#: the explicit variables of a CI matrix (and the count of a Kubernetes Indexed Job, which gives none).
+INDEX_VARIABLE = "FSDP_PARITY_SHARD_INDEX"
+COUNT_VARIABLE = "FSDP_PARITY_SHARD_COUNT"
+
+#: seconds of one 5-step case at world size 2 on 2 gloo CPU ranks (measured: 0.41 s over 273 cases).
+BASE_CASE_S = 0.41
+
+
+class ShardError(ValueError):
+    """A ``--shard`` value or scheduler environment that names no valid shard; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One part of N: ``index`` is 0-based here; the command line and every message say ``K/N``, 1-based."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ShardError(f"--shard {self.index + 1}/{self.count}: K must be between 1 and N, N at least 1")
+
+    def __str__(self) -> str:
+        return f"{self.index + 1}/{self.count}"
+
+
+def parse_shard(text: str, env: Mapping[str, str] | None = None) -> ShardSpec:
+    """``K/N`` (1-based K) or ``auto`` (from ``env``: ``shard_from_env``)."""
+    text = text.strip()
+    if text == "auto":
+        return shard_from_env({} if env is None else env)
+    k, slash, n = text.partition("/")
+    try:
+        index, count = int(k), int(n)
+    except ValueError:
+        raise ShardError(f"--shard {text!r}: give K/N (the K-th of N parts, K counted from 1, e.g. 1/4) or auto") from None
+    if not slash or count < 1 or not 1 <= index <= count:
+        raise ShardError(f"--shard {text}: K must be between 1 and N (K counted from 1, e.g. 1/4 .. 4/4)")
+    return ShardSpec(index - 1, count)
+
+
+def resolve_shard(given: ShardSpec | str | None, env: Mapping[str, str] | None = None) -> ShardSpec | None:
+    """``--shard``'s value: ``K/N`` text parsed, ``auto`` read from the environment (``shard_from_env``;
+    ``env`` defaults to this process's). Raises ``ShardError``."""
+    if isinstance(given, str):
+        return parse_shard(given, os.environ if env is None else env)
+    return given
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ShardError(f"--shard auto: {name}={env[name]!r} is not an integer") from None
+
+
+def shard_from_env(env: Mapping[str, str]) -> ShardSpec:
+    """The shard a scheduler's environment names, first match wins:
+
+    - explicit ``FSDP_PARITY_SHARD_INDEX`` (0-based) and ``FSDP_PARITY_SHARD_COUNT`` (a CI matrix);
+    - a Kubernetes Indexed Job: ``JOB_COMPLETION_INDEX`` (0-based) with ``FSDP_PARITY_SHARD_COUNT``
+      (Kubernetes puts the job's completions in no variable: set it from ``spec.completions``);
+    - a Slurm job array: ``SLURM_ARRAY_TASK_ID`` counted from ``SLURM_ARRAY_TASK_MIN`` (arrays are often
+      1-based, ``--array=1-4``), count ``SLURM_ARRAY_TASK_COUNT``; an array with a step (``0-6:2``)
+      numbers its tasks by that step, which is refused rather than guessed.
+    """
+    if INDEX_VARIABLE in env or "JOB_COMPLETION_INDEX" in env:
+        name = INDEX_VARIABLE if INDEX_VARIABLE in env else "JOB_COMPLETION_INDEX"
+        if COUNT_VARIABLE not in env:
+            raise ShardError(f"--shard auto: {name} is set but {COUNT_VARIABLE} is not; set it to the number of "
+                             "shards (for an Indexed Job, its spec.completions)")
+        index, count = _int_var(env, name), _int_var(env, COUNT_VARIABLE)
+        where = f"{name}={index}, {COUNT_VARIABLE}={count}"
+    elif "SLURM_ARRAY_TASK_ID" in env:
+        missing = [v for v in ("SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT") if v not in env]
+        if missing:
+            raise ShardError(f"--shard auto: SLURM_ARRAY_TASK_ID is set but {' and '.join(missing)} not; "
+                             "is this an array job (sbatch --array)?")
+        task, low, count = (_int_var(env, v) for v in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT"))
+        step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
+        if step != 1:
+            raise ShardError(f"--shard auto: SLURM_ARRAY_TASK_STEP={step}; submit the array without a step "
+                             "(--array=1-N) or pass --shard K/N")
+        index = task - low
+        where = f"SLURM_ARRAY_TASK_ID={task}, SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_COUNT={count}"
+    else:
+        raise ShardError(f"--shard auto: no scheduler variables set (SLURM_ARRAY_TASK_ID, JOB_COMPLETION_INDEX, "
+                         f"{INDEX_VARIABLE}/{COUNT_VARIABLE}); pass --shard K/N")
+    if count < 1 or not 0 <= index < count:
+        raise ShardError(f"--shard auto: {where} name no shard: the index must be from 0 to count - 1")
+    return ShardSpec(index, count)
+
+
+def estimate_s(case: Mapping[str, Any]) -> float:
+    """Seconds one case (a ``CaseConfig.to_dict()``) is expected to take when no run measured it: the
+    measured mean of a 5-step case on 2 ranks, scaled by steps and ranks (each rank a process on the
+    host), doubled for what trains twice (a determinism check, a checkpointed resume, micro-batches)."""
+    factor = int(case.get("steps") or 5) / 5 * int(case.get("world_size") or 2) / 2
+    for twice in (case.get("check_determinism"), (case.get("checkpoint") or "none") != "none",
+                  (case.get("grad_accum") or "none") != "none"):
+        factor *= 2 if twice else 1
+    if (case.get("compile") or "none") != "none":
+        factor *= 10  # Dynamo traces every unit before the first step
+    return BASE_CASE_S * factor
+
+
+def case_costs(cases: Mapping[str, Mapping[str, Any]], measured: Mapping[str, float]) -> dict[str, float]:
+    """The cost of every case (full id -> its ``CaseConfig.to_dict()``): its measured seconds where
+    ``measured`` has them, else ``estimate_s`` times the median ratio of measured to estimated seconds over
+    the cases that have both (1 when none do), so that estimates and measurements compare."""
+    known = [measured[i] / estimate_s(c) for i, c in cases.items() if measured.get(i, 0) > 0]
+    scale = statistics.median(known) if known else 1.0
+    return {i: float(measured[i]) if measured.get(i, 0) > 0 else estimate_s(c) * scale for i, c in cases.items()}
+
+
+@dataclass(frozen=True)
+class Partition:
+    """N disjoint parts of one selection: ``parts[k]`` holds the full ids of shard ``k`` (0-based)."""
+
+    count: int
+    #: the selection's id (``harness.run.stored_selection.StoredSelection.id``), the same in every shard.
+    selection_id: str
+    #: the cost of every selected case, seconds, rounded as hashed.
+    costs: Mapping[str, float]
+    parts: tuple[tuple[str, ...], ...]
+
+    @property
+    def id(self) -> str:
+        """A hash of N, the selection id and the costs: equal ids are the same partition."""
+        text = json.dumps({"count": self.count, "selection": self.selection_id, "costs": dict(sorted(self.costs.items()))},
+                          sort_keys=True)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+    def loads(self) -> list[float]:
+        """Each part's summed cost."""
+        return [sum(self.costs[i] for i in part) for part in self.parts]
+
+
+def partition(case_ids: Sequence[str], count: int, costs: Mapping[str, float], selection_id: str) -> Partition:
+    """Cut ``case_ids`` (the selection, in order) into ``count`` parts balanced by ``costs`` (seconds per
+    full id; every id must have one): longest processing time first, which keeps the largest part
+    within 4/3 of the optimum. Deterministic: ties go to the earlier case and the lower part. A part
+    may be empty when there are fewer cases than parts."""
+    if count < 1:
+        raise ShardError(f"--shard: N={count} must be at least 1")
+    if len(set(case_ids)) != len(case_ids):
+        raise ValueError("partition: the selection lists a case twice")
+    rounded = {i: round(float(costs[i]), 3) for i in case_ids}
+    order = sorted(range(len(case_ids)), key=lambda pos: (-rounded[case_ids[pos]], pos))
+    loads = [0.0] * count
+    owner: dict[int, int] = {}
+    for pos in order:
+        part = min(range(count), key=lambda k: (loads[k], k))
+        owner[pos] = part
+        loads[part] += rounded[case_ids[pos]]
+    parts = tuple(tuple(case_ids[pos] for pos in range(len(case_ids)) if owner[pos] == k) for k in range(count))
+    return Partition(count, selection_id, rounded, parts)
+
+
+def measured_costs(records: Iterable[Any]) -> dict[str, float]:
+    """Full id -> ``wall_s`` of the latest record of each case (``harness.collect.collector`` records)."""
+    from harness.collect.collector import latest_records
+
+    return {i: float(r.wall_s) for i, r in latest_records(records).items() if r.wall_s and r.wall_s > 0}
+
+
+#: where a nightly keeps its results, and its shards' (``harness.cli.nightly``): what a cost file names.
+_RESULTS_NAME = "results.jsonl"
+
+
+def read_costs(path: os.PathLike[str] | str) -> dict[str, float]:
+    """``measured_costs`` of a results file, or of a nightly directory (its ``results.jsonl`` and its
+    shards' ``shards/*/results.jsonl``). Raises ``ShardError`` naming ``--shard-costs`` when it holds none."""
+    from harness.collect.collector import read_records
+
+    path = Path(path)
+    files = ([path / _RESULTS_NAME, *sorted(path.glob(f"shards/*/{_RESULTS_NAME}"))] if path.is_dir() else [path])
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise ShardError(f"--shard-costs {path}: no results file there; give a results.jsonl or a nightly directory")
+    costs = measured_costs(read_records(files)[0])
+    if not costs:
+        raise ShardError(f"--shard-costs {path}: no record with a wall time; give the results of a run that finished cases")
+    return costs
