@@ -49,11 +49,43 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "site"
 
 
-def _run(site: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+def _env(site: Path) -> dict[str, str]:
     # The installed copy first on the path, from a directory outside the checkout: nothing of the
     # repository can be found (an editable install of it comes after PYTHONPATH).
-    env = {**os.environ, "PYTHONPATH": str(site), "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return {**os.environ, "PYTHONPATH": str(site), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _run(site: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=_env(site), capture_output=True, text=True, timeout=600)
+
+
+#: the certify runs of the installed package's pytest families: family -> the arguments after ``--families``.
+CERTIFY = {"seeds": ("seeds", "--quick"), "flat-param": ("flat-param",)}
+Certified = dict[str, tuple[subprocess.CompletedProcess[str], Path]]
+
+
+@pytest.fixture(scope="module")
+def certified(site: Path, tmp_path_factory: pytest.TempPathFactory) -> Certified:
+    """Family -> (its ``certify --engine builtin --families ...`` run from the installed package, its out
+    directory). The runs are independent processes (each its own directory and ranks), so they run side by side."""
+    started = {}
+    for family, args in CERTIFY.items():
+        cwd = tmp_path_factory.mktemp(f"certify-{family}")
+        argv = [sys.executable, "-m", "harness", "certify", "--engine", "builtin", "--families", *args,
+                "--out", str(cwd / "c"), "--no-progress"]
+        started[family] = (argv, cwd, subprocess.Popen(argv, cwd=cwd, env=_env(site), stdout=subprocess.PIPE,
+                                                       stderr=subprocess.PIPE, text=True))
+    found = {}
+    try:
+        for family, (argv, cwd, proc) in started.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            found[family] = (subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr), cwd / "c")
+    finally:
+        for _, _, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return found
 
 
 def test_the_fuzz_campaign_runs_from_the_installed_package(site: Path, tmp_path: Path) -> None:
@@ -66,13 +98,11 @@ def test_the_fuzz_campaign_runs_from_the_installed_package(site: Path, tmp_path:
     assert totals is not None and totals["examples"] >= 6 * 3, proc.stdout[-3000:]
 
 
-def test_certify_runs_the_shipped_seed_family_from_the_installed_package(site: Path, tmp_path: Path) -> None:
+def test_certify_runs_the_shipped_seed_family_from_the_installed_package(site: Path, tmp_path: Path, certified: Certified) -> None:
     # What certify's pytest child sees (this environment, its path first): the installed package, no suites.
     found = _run(site, tmp_path, "-c", "import importlib.util as u, harness; print(u.find_spec('suites'), harness.__file__)")
     assert found.stdout.split() == ["None", str(site / "harness" / "__init__.py")], found.stdout + found.stderr
-    out = tmp_path / "c"
-    proc = _run(site, tmp_path, "-m", "harness", "certify", "--engine", "builtin", "--families", "seeds", "--quick",
-                "--out", str(out), "--no-progress")
+    proc, out = certified["seeds"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     seeds = {f["name"]: f for f in json.loads((out / "certificate.json").read_text())["families"]}["seeds"]
     assert seeds["status"] == "pass" and seeds["passed"] >= 2 and seeds["failed"] == 0, seeds
@@ -80,10 +110,8 @@ def test_certify_runs_the_shipped_seed_family_from_the_installed_package(site: P
     assert modules == {"harness.conformance.seeds.seed_parity"}, modules
 
 
-def test_certify_runs_the_shipped_flat_param_family_from_the_installed_package(site: Path, tmp_path: Path) -> None:
-    out = tmp_path / "c"
-    proc = _run(site, tmp_path, "-m", "harness", "certify", "--engine", "builtin", "--families", "flat-param",
-                "--out", str(out), "--no-progress")
+def test_certify_runs_the_shipped_flat_param_family_from_the_installed_package(site: Path, certified: Certified) -> None:
+    proc, out = certified["flat-param"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     families = {f["name"]: f for f in json.loads((out / "certificate.json").read_text())["families"]}
     assert families["flat-param"]["status"] == "pass" and families["flat-param"]["passed"] == 1, families["flat-param"]

@@ -17,6 +17,7 @@ import torch
 
 from harness.cases.case import CaseConfig
 from harness.cases.records import CaseRecord, RunInfo, parse_not_run
+from harness.cli import main
 from harness.collect.collector import ResultWriter, read_records
 from harness.pytest_plugin import needs_gpus
 from harness.ranks.placement import n_gpus
@@ -125,7 +126,9 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
 def test_the_time_budget_holds_the_whole_nightly_report_included(tmp_path: Path) -> None:
     """More cases than fit: the nightly, its report and case pages included, ends within its budget (plus
     the one case running when the budget runs out), and says what it left out."""
-    budget = 25.0
+    # A wait, not a measured quantity: on a quiet two-core machine 12 s records ~100 cases (the pool is up in
+    # ~2 s) and leaves ~2,400 not run, so both sides of the budget are exercised; the bound below is the check.
+    budget = 12.0
     out = tmp_path / "budget"
     done = _nightly("--out", str(out), "--matrix", "full", "--engines", "builtin", "--models", "nested", "--no-progress",
                     "--fuzz-profile", "none", "--no-perf", "--time-budget-s", str(budget), timeout=240)
@@ -167,7 +170,7 @@ def _record_count(path: Path) -> int:
     return len(read_records(path)[0]) if path.exists() else 0
 
 
-def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
+def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "killed"
     args = ("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--references", "ddp,local",
             "--limit", "8", "--fuzz-profile", "none", "--no-progress", "--no-perf")
@@ -186,8 +189,9 @@ def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path) -> None:
     kept = _record_count(out / "results.jsonl")
     assert 1 <= kept < 8
 
-    refused = _nightly(*args)
-    assert refused.returncode == 2 and "--resume" in refused.stderr
+    # Refused before any rank starts: in this process (the command's own entry point), not a fresh interpreter.
+    assert main(["nightly", *args]) == 2
+    assert "--resume" in capsys.readouterr().err
 
     stored = json.loads((out / "results.jsonl.selection.json").read_text())
     # The resume line the nightly prints names --out and --resume only: the rest is the stored selection

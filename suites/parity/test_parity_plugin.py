@@ -36,7 +36,7 @@ PERTURBED = SuiteMatrix("perturbed", axes={}, fixed={"steps": 2, "extras": (("fa
 HANG = SuiteMatrix("hang", axes={}, fixed={"steps": 2, "extras": (("fault", "skip_collective_on_rank1"),)})
 # The hang never ends, so a short limit decides it whatever the load; the healthy cases get
 # --case-timeout, long enough for a cold pool's first case on a busy two-core machine.
-HANG_TIMEOUT_S = 8.0
+HANG_TIMEOUT_S = 3.0
 
 
 @pytest.mark.parity_matrix(OK)

@@ -86,14 +86,25 @@ def test_pytest_drives_a_package_outside_the_repo(toy_env: dict[str, str]) -> No
 
 @pytest.fixture(scope="module")
 def certificates(toy_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, dict]]:
-    """``certify --quick`` of the clean engine (by spec) and of the buggy one (by entry point)."""
-    found = {}
+    """``certify --quick`` of the clean engine (by spec) and of the buggy one (by entry point), side by side:
+    two independent processes with their own out directories (and pools), so the wait is the longer one."""
+    started = {}
     for label, engine in (("clean", SPEC), ("buggy", "toy-buggy")):
         out = tmp_path_factory.mktemp(label)
-        proc = _run(["-m", "harness", "certify", "--engine", engine, "--quick", "--out", str(out), "--no-progress"], toy_env,
-                    timeout=1200)
-        assert (out / "certificate.md").exists() and (out / "certificate.html").exists(), proc.stderr[-3000:]
-        found[label] = (proc.returncode, json.loads((out / "certificate.json").read_text()))
+        started[label] = (out, subprocess.Popen(
+            [sys.executable, "-m", "harness", "certify", "--engine", engine, "--quick", "--out", str(out), "--no-progress"],
+            cwd=REPO, env=toy_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    found = {}
+    try:
+        for label, (out, proc) in started.items():
+            _, stderr = proc.communicate(timeout=1200)
+            assert (out / "certificate.md").exists() and (out / "certificate.html").exists(), stderr[-3000:]
+            found[label] = (proc.returncode, json.loads((out / "certificate.json").read_text()))
+    finally:
+        for _, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return found
 
 
