@@ -271,7 +271,12 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     dist.barrier()
     world.watch.close()
     dist.destroy_process_group()
-    return status
+    # Leave without interpreter finalization: the watch's daemon thread may still be inside a store call
+    # (its join is bounded), and finalizing under it once aborted a worker after a clean run
+    # ("terminate called without an active exception"), which torchrun reports as a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _record_torchrun(args: argparse.Namespace, options: SelectionOptions, world: "TorchrunWorld",
