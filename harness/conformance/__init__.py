@@ -16,7 +16,7 @@ fixtures and marks.
   conformance tests against any FSDP1-API engine (``certify``'s ``seeds`` family), with what they share:
 - ``fsdp1_checks``: the seed checks' comparison helpers over an engine's FSDP1 names, and the ``api``
   fixture that loads them;
-- ``rank_sessions``: many checks run in one set of rank processes (``session_tests``, ``api_session_tests``);
+- (the rank checks, many checks in one set of rank processes, are the pytest plugin's `rank_checks`);
 - ``engine_models``: the engine and seed suites' models, registered in the harness's zoo;
 - ``profiles``: the Hypothesis profiles (``ci``, ``nightly``, ``dev``);
 - ``fuzz_campaign``: ``python -m harness.conformance.fuzz_campaign``, the nightly's fuzz phase.
@@ -44,7 +44,6 @@ ASSERT_REWRITE = (
     "harness.conformance.flat_param_properties",
     "harness.conformance.fsdp1_checks",
     "harness.conformance.mixed_precision",
-    "harness.conformance.rank_sessions",
     "harness.conformance.seeds",
     "harness.conformance.torch_common_fsdp",
     "harness.conformance.wrap",

@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from engine import CPUOffload, ShardingStrategy
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.pytest_plugin import needs_gpus
 from suites.engine.delays import DELAYS, delayed_step_parity
 
@@ -39,4 +39,4 @@ def check_one_rank_hybrid_under_sleeps(rank: int, world_size: int) -> None:
 
 
 CHECKS = [check_one_rank_hybrid_under_sleeps]
-session, test_check = session_tests(CHECKS, world_size=1, device="cuda", timeout_s=300)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=1, device="cuda", timeout_s=300)
