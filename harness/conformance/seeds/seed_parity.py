@@ -1,7 +1,7 @@
-"""The seed files' training-parity checks, as harness cases on the plugin's pool for every engine with
-torch FSDP1's API (``fsdp_api``), where ``--device`` places the ranks; the seed files' other checks run in
-their rank sessions (a module of its own keeps pytest from interleaving these tests with a session's and
-starting the session again).
+"""The ported files' training-parity checks, as harness cases on the plugin's pool for every engine with
+torch FSDP1's API (``fsdp_api``), where ``--device`` places the ranks; the ported files' other checks run as
+their rank checks (a module of its own keeps pytest from interleaving these tests with a module's rank checks
+and starting those ranks again).
 
 - test_fsdp_core.py: parity with DDP of the nested, always-wrap nested, tied transformer and mixture of
   experts models (the engine suites' zoo models; the experts are rank-local, which DDP leaves out: the
