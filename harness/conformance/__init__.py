@@ -26,7 +26,7 @@ installed package must run (the fuzz campaign, certify's families) sits in this 
 it by its path inside the package (``pytest.main([file])``, or ``pytest --pyargs
 harness.conformance.<module>``), which works from a wheel as from a checkout. Its ``__all__`` names what
 a collector needs: its fixtures (defined there or imported: a module run alone must see them), its tests
-in the order they run, its marks. The CI lane collects the same functions by importing them into a suite
+in the order they run, its marks. The CI tier collects the same functions by importing them into a suite
 module (``suites/flat_param/test_fuzz_flat_param.py``, ``test_engine_layout.py``; ``suites/seeds``,
 ``suites/mixed_precision``, ``suites/wrap``: ``test_<module>.py`` for ``<folder>.<module>`` here), so their
 node ids, markers and the lane's counts are the suites' as before; the root ``conftest.py`` registers

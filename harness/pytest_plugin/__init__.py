@@ -10,17 +10,17 @@ Loaded by the root ``conftest.py``. What it adds:
 - ``@pytest.mark.parity_matrix(SuiteMatrix(...))`` on a test that takes ``parity_case``: the test is
   parametrized with the suite's cases for the chosen lane (``harness.pytest_plugin.cases``), each with its
   ``CaseConfig.full_id`` as test id (``-k 'full_shard-bf16'`` selects), marked ``slow`` outside the
-  smoke lane and ``gpu`` where its ranks run on GPUs;
+  smoke tier and ``gpu`` where its ranks run on GPUs;
 - ``@pytest.mark.engine_cases`` on a test (or module) whose parameters are hand-written ``CaseConfig``s: the
   cases on engines or references ``--engine``/``--reference`` leave out are deselected (``outside_options``),
   so a suite's own cases obey the options as the generated ones do, and start no pool;
 - ``fsdp_api``: a test or fixture that takes it runs once per requested engine with torch FSDP1's API
-  (of ``--engine``: ``builtin``, ``torch-fsdp``, any ``NAME=fsdp1:MODULE``; the seed conformance
+  (of ``--engine``: ``builtin``, ``torch-fsdp``, any ``NAME=fsdp1:MODULE``; the ported
   suites); its value is the engine's spec, which the rank processes resolve again, its test id the name;
 - fixtures ``parity_options``, ``parity_pools`` (one rank pool per world size, started once per pytest
   process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
   verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
-  with the details; ``run_all`` runs the cases of one check, a seed check's subtests, under one verdict;
+  with the details; ``run_all`` runs the cases of one check, a ported check's subtests, under one verdict;
   a test's strict xfail, ``expect_failure`` of a ``harness.collect.expectations.ExpectedFailure``, puts its reason on
   its records: ``CaseRecord.expected_failure``);
 - a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
@@ -32,7 +32,7 @@ merges them into ``--results`` at the end of the pytest run (no ``--results``: n
 Tests that share an expensive module-scoped set-up carry ``xdist_group`` marks; the project's
 ``addopts`` pick ``--dist loadgroup``, so such a module runs on one worker.
 
-The terminal summary counts the generated cases by verdict, and says where the engines agree: every seed
+The terminal summary counts the generated cases by verdict, and says where the engines agree: every ported
 check (``fsdp_api``) and every generated case that ran on two engines, with each disagreement listed.
 """
 
@@ -66,7 +66,7 @@ RESULTS_KEY = pytest.StashKey["ParityResults"]()
 VERDICT_PROPERTY = "parity_verdict"
 WALL_PROPERTY = "parity_wall_s"
 #: ``user_properties`` that say which engine a test ran on and what it checked apart from the engine,
-#: for the agreement summary (seed checks under ``fsdp_api``, generated cases).
+#: for the agreement summary (ported checks under ``fsdp_api``, generated cases).
 ENGINE_PROPERTY = "conformance_engine"
 KEY_PROPERTY = "conformance_key"
 #: ``workerinput`` key that hands the controller's run id to every xdist worker.
@@ -167,7 +167,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             marks=pytest.mark.skip(reason=f"--engine {','.join(options.engines)} names no engine with torch FSDP1's API "
                                           "(e.g. builtin, torch-fsdp, NAME=fsdp1:MODULE)"),
         )]
-        # Module scope: a seed module spawns its ranks once per engine, not once per check.
+        # Module scope: a ported module spawns its ranks once per engine, not once per check.
         metafunc.parametrize("fsdp_api", engines, scope="module")
 
 
@@ -270,8 +270,8 @@ class ParityResults:
         self._writer: ResultWriter | None = None
         self.counts: collections.Counter[str] = collections.Counter()
         self.case_wall_s = 0.0
-        #: the seed checks per FSDP1-API engine, and the generated cases per engine.
-        self.seed_agreement = Agreement()
+        #: the ported checks per FSDP1-API engine, and the generated cases per engine.
+        self.ported_agreement = Agreement()
         self.case_agreement = Agreement()
         if self.results is not None and not self.is_worker:
             self._refuse_stale_results(self.results)
@@ -338,8 +338,8 @@ class ParityResults:
                 self.case_wall_s += float(props.get(WALL_PROPERTY, 0.0))
                 self.case_agreement.add(props[KEY_PROPERTY], props[ENGINE_PROPERTY], props[VERDICT_PROPERTY])
         elif KEY_PROPERTY in props:
-            # A seed check: the worst of its phases (a failing rank-checks fixture fails at setup).
-            self.seed_agreement.add(props[KEY_PROPERTY], props[ENGINE_PROPERTY], report.outcome)
+            # A ported check: the worst of its phases (a failing rank-checks fixture fails at setup).
+            self.ported_agreement.add(props[KEY_PROPERTY], props[ENGINE_PROPERTY], report.outcome)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self._writer is not None:
@@ -355,9 +355,9 @@ class ParityResults:
                 part.unlink()
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self.seed_agreement.compared():
-            terminalreporter.write_sep("-", "seed conformance: where the FSDP1-API engines agree")
-            terminalreporter.write_line(self.seed_agreement.render("seed check"))
+        if self.ported_agreement.compared():
+            terminalreporter.write_sep("-", "ported torch tests: where the FSDP1-API engines agree")
+            terminalreporter.write_line(self.ported_agreement.render("ported check"))
         if not self.counts:
             return
         terminalreporter.write_sep("-", "generated parity cases")
@@ -407,8 +407,8 @@ class ParityRunner:
         return record
 
     def run_all(self, cases: Sequence[CaseConfig]) -> list[CaseRecord]:
-        """Every case of a test that checks several (a seed check and its subtests, one verdict as the
-        seed has it), each recorded; fails the test naming every failing case, skips it when no case
+        """Every case of a test that checks several (a ported check and its subtests, one verdict as the
+        ported test has it), each recorded; fails the test naming every failing case, skips it when no case
         could run (the first reason), else returns the records."""
         from harness.run.runner import run_case
 

@@ -2,7 +2,7 @@
 
 Every strategy x ``use_orig_params`` x state-dict type (full, sharded, local) x optimizer (SGD with
 momentum, AdamW), and each strategy x ``use_orig_params`` x type with CPU offload and bf16 mixed
-precision, on CPU/gloo must match the uninterrupted run bitwise. The CI lane runs a slice
+precision, on CPU/gloo must match the uninterrupted run bitwise. The CI tier runs a slice
 (each strategy, each type and each optimizer at least once at 2 ranks, a few cases at 4 ranks,
 CPU offload and bf16 mixed precision once each); the whole product runs with ``--matrix full`` (marked
 ``slow``). The same slice runs on 2 GPUs with NCCL (marked ``gpu``).

@@ -6,7 +6,7 @@ stays sharded in our engine (the gather, the reduce-scatter and the replicas' al
 on groups of one), so one GPU checks what the per-iteration ordering of the all-gather stream must
 guarantee: no gather reads a shard before the optimizer step that writes it is done (the sleep
 before the step), and no free or reduction overtakes compute (the other two sleeps). With bf16
-parameters the gather also casts on its stream. The 2-GPU lane runs the same sleeps on every
+parameters the gather also casts on its stream. The 2-GPU tier runs the same sleeps on every
 strategy (``test_gpu.py``).
 
     PYTHONPATH=. python3 -m pytest suites/engine/test_gpu_streams.py -m gpu -q

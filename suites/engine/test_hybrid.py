@@ -35,7 +35,7 @@ HYBRID_CASE = CaseConfig(engine="builtin", world_size=4)
 def _cases(smoke: bool = False) -> list[CaseConfig]:
     """Groups as a pair (shard groups {0,1} {2,3}, replicate groups {0,2} {1,3}): strategy x
     use_orig_params x backward prefetch on the nested and transformer models, each combination against
-    one reference and the other model against the other (``smoke``, the CI lane: 4 combinations that show
+    one reference and the other model against the other (``smoke``, the CI tier: 4 combinations that show
     every value with both references); groups from a 2-D ``(replicate, shard)`` mesh with forward
     prefetch; accumulation inside no_sync."""
     cases = []

@@ -1,4 +1,4 @@
-"""CPU offload placement on the CPU lane: the recorder of ``harness.compare.param_devices`` and its offload rule
+"""CPU offload placement on the CPU tier: the recorder of ``harness.compare.param_devices`` and its offload rule
 (pure, over planted records), one offloaded training step of our engine on 2 gloo ranks for every
 strategy and ``use_orig_params`` (every point recorded, nothing off the promised device: the CPU
 is also the compute device here), and the refusal of a module moved off the CPU after wrapping.

@@ -8,9 +8,9 @@ FQNs in forward, no_sync correctness and mixed-precision dtypes, non-uniform req
 
 DDP is the reference where the seed uses it; no_sync against the all-data reference is harness cases
 (``seed_parity``). The training against DDP (parameter groups, trainability, multiple optimizers,
-compile) is ``orig_params_ddp``'s. The CI lane runs a representative part of the seed's
+compile) is ``orig_params_ddp``'s. The CI tier runs a representative part of the seed's
 test_diff_hyperparams (6 subtests that show every value of every axis) and of its test_fsdp_compile
-(FULL_SHARD, 3 iterations); the slow lane (``--matrix pairwise|full``, ``SLOW_CHECKS``) runs their whole
+(FULL_SHARD, 3 iterations); the slow tier (``--matrix pairwise|full``, ``SLOW_CHECKS``) runs their whole
 products, 10 iterations each, with the seed's init modes on CUDA ranks and inductor there.
 """
 
