@@ -104,7 +104,7 @@ def test_local_checkpoint_across_engines_is_unsupported_with_its_reason(
     case = cross_case("builtin", "torch-fsdp", "local", {})
     assert "LOCAL" in (invalid_reason(case) or "")
     record = _run(parity_pools, case)
-    parity_runner.session.record(record, parity_runner.node)  # the resume matrix shows the refused cell
+    parity_runner.results.record(record, parity_runner.node)  # the resume matrix shows the refused cell
     assert record.verdict == "unsupported" and "flat" in record.reason, record.reason
 
 
