@@ -145,8 +145,8 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
         records += recs
         scopes.append(read_scope(path if path.is_dir() else path.parent, selection_ids(path)))
         stored = None if path.is_dir() else read_selection(path, unreadable_ok=True)
-        if stored is not None and stored.shard is not None:
-            shards.append(ShardInput(str(path), stored.shard, stored.case_ids, frozenset(map(record_full_id, recs)),
+        if stored is not None and stored.part is not None:
+            shards.append(ShardInput(str(path), stored.part, stored.case_ids, frozenset(map(record_full_id, recs)),
                                      frozenset(n.full_id for n in scopes[-1].not_run) if scopes[-1] is not None else frozenset()))
     problems = shard_problems(shards)  # refuses shards of different partitions (ValueError)
     frames = [f for f in frames if not f.empty]

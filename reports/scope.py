@@ -94,7 +94,7 @@ def merge_scopes(scopes: Iterable[RunScope]) -> RunScope | None:
 
 @dataclass(frozen=True)
 class ShardInput:
-    """One input of a report that is a shard of a run (``harness.run.shards``), as its stored selection says."""
+    """One input of a report that is a shard of a run (``harness.run.parts``), as its stored selection says."""
 
     #: the results file.
     path: str

@@ -25,10 +25,10 @@ written into the out directory as it is made; the cases run through ``harness.ru
    ``complete`` is true only when nothing was left out: every case, the fuzz campaign and the
    performance section that were asked for); ``not_run.txt`` lists the cases a time budget left out.
 
-With ``--shard K/N`` the nightly runs the K-th part of the selection (``harness.run.shards``) into
-``OUT/shards/K-of-N``, the fuzz campaign and the performance section on shard 1 only and no diff;
-``--merge-shards`` (``harness.cli.nightly_merge``) makes the night of the shards in ``OUT``; ``--submit``
-(``harness.cli.nightly_submit``) runs the shards as one submitit job array, then merges them.
+With ``--part K/N`` the nightly runs the K-th part of the selection (``harness.run.parts``) into
+``OUT/shards/K-of-N``, the fuzz campaign and the performance section on part 1 only and no diff;
+``--merge-parts`` (``harness.cli.nightly_merge``) makes the night of the parts in ``OUT``; ``--submit``
+(``harness.cli.nightly_submit``) runs the parts as one submitit job array, then merges them.
 
 Exit status: 0 when every case passed or is unsupported (a flaky case is bad), the fuzz campaign passed and nothing regressed
 against the previous nightly; 1 otherwise; 2 when the results file exists without ``--resume`` or the
@@ -72,12 +72,12 @@ from harness.cli.nightly_config import NightlyConfig, resumed_config
 from harness.cli.options import (
     add_case_timeout, add_execution, add_placement, add_selection, budget_seconds, non_empty_path,
 )
-from harness.cli.sharding import add_sharding, resolve_shard, shard_dir
+from harness.cli.part_options import add_alias, add_part_options, part_dir, resolve_part
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.ranks.placement import Lane, PlacementError, host_facts, n_gpus
 from harness.run.runner import Selection, SelectionError, select_cases, under_torchrun
 from harness.run.session import Part, RunSession, plan_local_lanes, select_part
-from harness.run.shards import ShardError
+from harness.run.parts import PartError
 from harness.run.stored_selection import StoredSelection, StoredSelectionError, legacy_warning, read_selection
 from harness.selection.sampling import sample_order
 
@@ -118,7 +118,7 @@ class Nightly:
     products as it goes and ``nightly.json`` after it (``save``).
 
     ``run`` calls the phases in order; a phase returns None to go on, or the exit status to stop with.
-    State between phases: ``config`` (a resumed one takes back the stored selection), ``out`` (a shard's
+    State between phases: ``config`` (a resumed one takes back the stored selection), ``out`` (a part's
     own directory), ``state`` (what ``nightly.json`` holds), ``earlier`` (the interrupted attempt's
     ``nightly.json``), ``lanes``, ``part`` (``harness.run.session.Part``), ``session``
     (``harness.run.session.RunSession``), ``alongside`` (a fuzz campaign running beside the cases),
@@ -129,7 +129,7 @@ class Nightly:
     def __init__(self, config: NightlyConfig) -> None:
         self.config = config
         self.start = time.monotonic()
-        self.out = shard_dir(config.out, config.shard)
+        self.out = part_dir(config.out, config.part)
         self.state: dict[str, Any] = {}
         self.earlier: dict[str, Any] = {}
         self.stored: StoredSelection | None = None
@@ -149,8 +149,9 @@ class Nightly:
         return self.out / RESULTS_NAME
 
     @property
-    def shard(self) -> dict[str, Any] | None:
-        return self.part.shard if self.part is not None else None
+    def cut(self) -> dict[str, Any] | None:
+        """This part's record (``Part.cut``); None for a whole night."""
+        return self.part.cut if self.part is not None else None
 
     def save(self) -> None:
         self.state["wall_s"] = round(time.monotonic() - self.start, 3)
@@ -204,10 +205,10 @@ class Nightly:
         if crowded:
             print(f"harness nightly: warning: {crowded}", file=sys.stderr)
         try:
-            self.part = select_part(config.selection, sorted(self.lanes), shard=config.shard,
-                                    shard_costs=config.shard_costs, stored=self.stored,
+            self.part = select_part(config.selection, sorted(self.lanes), part=config.part,
+                                    part_costs=config.part_costs, stored=self.stored,
                                     prepare=determinism_sample if config.determinism_sample else None)
-        except ShardError as exc:
+        except PartError as exc:
             return self._refuse(str(exc))
         self.skipped = {ws: {"cases": _cases_in(config.selection, ws), "reason": why} for ws, why in skipped.items()}
         return None
@@ -229,9 +230,9 @@ class Nightly:
         except ResultsLocked as exc:
             return self._refuse(f"--out: {exc}")
         cases_start = time.monotonic()
-        beside = fuzz_alongside(self.lanes, host_facts().cpu_cores) and not _other_shard(part.shard)
+        beside = fuzz_alongside(self.lanes, host_facts().cpu_cores) and not _other_part(part.cut)
         # The budget holds the report too, and a share for a fuzz campaign that runs after the cases.
-        fuzz_after = not beside and _fuzz_not_run(config, self.earlier, self.fuzz_path, None, part.shard) is None
+        fuzz_after = not beside and _fuzz_not_run(config, self.earlier, self.fuzz_path, None, part.cut) is None
         self.deadline = cases_deadline(self.start, config.time_budget_s, fuzz_after)
         if beside:
             budget = fuzz_budget(config.time_budget_s, time.monotonic() - self.start)
@@ -248,8 +249,8 @@ class Nightly:
                 print(legacy_warning(self.results, session.latest.values()), file=sys.stderr)
             stored = part.store(self.results)
             self.state["selection"] = {"id": stored.id, "options": stored.options}
-            if part.shard is not None:
-                self.state["shard"] = {k: v for k, v in part.shard.items() if k != "case_ids"} | {"selected": len(part.selected)}
+            if part.cut is not None:
+                self.state["shard"] = {k: v for k, v in part.cut.items() if k != "case_ids"} | {"selected": len(part.selected)}
                 print(f"harness nightly: {part.describe()} -> {out}", file=sys.stderr)
             todo = session.todo(part.cases)
             if self.deadline is not None:
@@ -314,7 +315,7 @@ class Nightly:
             self.state["fuzz"] = {**dataclasses.asdict(self.alongside.wait()), "alongside_cases": True}
         else:
             budget = fuzz_budget(config.time_budget_s, time.monotonic() - self.start)
-            skip = _fuzz_not_run(config, self.earlier, self.fuzz_path, budget, self.shard)
+            skip = _fuzz_not_run(config, self.earlier, self.fuzz_path, budget, self.cut)
             if skip is not None:
                 self.state["fuzz"] = skip
             else:
@@ -336,7 +337,7 @@ class Nightly:
         config = self.config
         if not config.perf:
             self.state["perf"] = {"skipped": "--no-perf"}
-        elif _other_shard(self.shard):
+        elif _other_part(self.cut):
             self.state["perf"] = {"skipped": ONE_SHARD}
         elif config.resume and self.earlier.get("perf") and not self.earlier["perf"].get("skipped"):
             self.state["perf"] = self.earlier["perf"]
@@ -376,8 +377,8 @@ class Nightly:
         previous = self.previous = config.previous if config.previous is not None else find_previous(out, selection_id)
         other = night_selection(previous) if previous is not None and previous.is_dir() else None
         try:
-            if self.shard is not None:
-                raise ValueError(f"a shard: the night's diff is the merge's (python -m harness nightly --out {config.out} --merge-shards)")
+            if self.cut is not None:
+                raise ValueError(f"a part: the night's diff is the merge's (python -m harness nightly --out {config.out} --merge-parts)")
             if previous is None:
                 raise ValueError(f"no earlier nightly of this selection ({selection_id}) next to {out}")
             if other is not None and other != selection_id:
@@ -410,9 +411,9 @@ class Nightly:
     def conclude(self) -> int:
         """The exit status and its reasons into ``nightly.json``, and the summary printed."""
         assert self.session is not None
-        shard = self.shard
+        part = self.cut
         code, reasons = exit_status(self.report.verdicts, self.state["fuzz"].get("exit_code"), self.regressions,
-                                    self.session.pools_failed, empty_part=shard is not None and not shard["case_ids"])
+                                    self.session.pools_failed, empty_part=part is not None and not part["case_ids"])
         partial = partial_reasons(self.state)
         # ``finished``: it ran to its end; ``complete``: and left nothing out (cases, fuzz, perf).
         self.state.update(complete=not partial, exit_code=code, exit_reasons=reasons, partial=partial,
@@ -422,17 +423,17 @@ class Nightly:
         return code
 
 
-def _other_shard(shard: Mapping[str, Any] | None) -> bool:
-    """A shard but the first: the fuzz campaign and the performance section run once per night, on shard 1."""
-    return shard is not None and shard["index"] != 0
+def _other_part(part: Mapping[str, Any] | None) -> bool:
+    """A part but the first: the fuzz campaign and the performance section run once per night, on part 1."""
+    return part is not None and part["index"] != 0
 
 
 def _fuzz_not_run(config: NightlyConfig, earlier: Mapping[str, Any], path: Path, budget: float | None,
-                  shard: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+                  part: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """``nightly.json``'s ``fuzz`` when the campaign is not to run now (and why), else None."""
     if config.fuzz_profile == "none":
         return dataclasses.asdict(FuzzOutcome("none", config.fuzz_max_examples, skipped="--fuzz-profile none"))
-    if _other_shard(shard):
+    if _other_part(part):
         return dataclasses.asdict(FuzzOutcome(config.fuzz_profile, config.fuzz_max_examples, skipped=ONE_SHARD))
     if config.resume and earlier.get("fuzz", {}).get("exit_code") is not None and path.exists():
         return {**earlier["fuzz"], "resumed_from_earlier_attempt": True}
@@ -525,19 +526,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not check determinism on the sample of one case per engine, strategy and world size")
     add_execution(p)
     p.add_argument("--no-perf", action="store_true", help="skip the performance section (step time and memory against torch FSDP1)")
-    add_sharding(p, "each shard writes OUT/shards/K-of-N; the fuzz campaign and the performance section run on shard 1")
-    p.add_argument("--merge-shards", action="store_true",
-                   help="merge the shards in OUT/shards into the night: report, diff and nightly.json in OUT; "
-                        "exit 1 when a shard is missing or unfinished")
+    add_part_options(p, "each part writes OUT/shards/K-of-N; the fuzz campaign and the performance section run on part 1")
+    add_alias(p, "--merge-shards", "merge_parts", action="store_true")
+    p.add_argument("--merge-parts", dest="merge_parts", action="store_true",
+                   help="merge the parts in OUT/shards into the night: report, diff and nightly.json in OUT; "
+                        "exit 1 when a part is missing or unfinished")
 
 
 def config_from_args(args: argparse.Namespace) -> NightlyConfig | None:
-    """The nightly's configuration, ``--shard auto`` read from the environment; None (said in one line)
+    """The nightly's configuration, ``--part auto`` read from the environment; None (said in one line)
     when an option cannot work."""
     try:
-        args.shard = resolve_shard(args.shard)
+        args.part = resolve_part(args.part)
         return NightlyConfig.from_args(args)
-    except ValueError as exc:  # a ShardError too
+    except ValueError as exc:  # a PartError too
         print(f"harness nightly: {exc}", file=sys.stderr)
         return None
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from harness.ranks.placement import BackendChoice, DeviceChoice
 from harness.run.runner import Selection, SelectionError
-from harness.run.shards import ShardSpec
+from harness.run.parts import PartSpec
 
 FuzzProfile = Literal["nightly", "ci", "dev", "none"]
 
@@ -60,11 +60,11 @@ class NightlyConfig:
     pools_per_gpu: int | None = None
     #: measure the performance section (``harness.perf.perf_section``).
     perf: bool = True
-    #: run only this part of the selection (``harness.run.shards``; ``--shard``, ``auto`` resolved by ``main``),
+    #: run only this part of the selection (``harness.run.parts``; ``--part``, ``auto`` resolved by ``main``),
     #: into ``out/shards/K-of-N``; None: all of it.
-    shard: ShardSpec | None = None
-    #: results whose wall times balance the shards (``--shard-costs``); None: estimates.
-    shard_costs: Path | None = None
+    part: PartSpec | None = None
+    #: results whose wall times balance the parts (``--part-costs``); None: estimates.
+    part_costs: Path | None = None
     #: the argparse dests the command line set (``harness.cli.options.given_options``): what a resume
     #: must not silently replace.
     given_options: frozenset[str] = frozenset()
@@ -96,23 +96,25 @@ class NightlyConfig:
             determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
             repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
             perf=not args.no_perf, given_options=frozenset(getattr(args, "given_options", ())),
-            shard=args.shard, shard_costs=args.shard_costs,
+            part=args.part, part_costs=args.part_costs,
         )
 
     def resume_line(self) -> str:
-        """The command that continues this nightly (its shard), shell-quoted."""
+        """The command that continues this nightly (its part), shell-quoted."""
         from harness.cli.signals import resume_command
 
-        shard = ("--shard", str(self.shard)) if self.shard is not None else ()
-        return resume_command("python", "-m", "harness", "nightly", "--out", self.out, *shard, "--resume")
+        part = ("--part", str(self.part)) if self.part is not None else ()
+        return resume_command("python", "-m", "harness", "nightly", "--out", self.out, *part, "--resume")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["out"] = str(self.out)
         d["previous"] = str(self.previous) if self.previous is not None else None
         d["given_options"] = sorted(self.given_options)
-        d["shard"] = str(self.shard) if self.shard is not None else None
-        d["shard_costs"] = str(self.shard_costs) if self.shard_costs is not None else None
+        # Stored under the names of earlier nights ("shard", "shard_costs"), which their readers know.
+        del d["part"], d["part_costs"]
+        d["shard"] = str(self.part) if self.part is not None else None
+        d["shard_costs"] = str(self.part_costs) if self.part_costs is not None else None
         return d
 
 

@@ -1,14 +1,14 @@
-"""``python -m harness nightly --out NIGHT --merge-shards``: the night of a sharded nightly, once its shards ran.
+"""``python -m harness nightly --out NIGHT --merge-parts``: the night of a sharded nightly, once its parts ran.
 
-Each shard (``nightly --shard K/N``) wrote ``NIGHT/shards/K-of-N``; the merge reads them all and writes the
-night's products into ``NIGHT`` as a whole nightly does: the report over every shard's results (the banner
-names a missing or unfinished shard, ``reports.scope.shard_problems``), ``not_run.txt``, the diff against
-the previous night of the same selection, and ``nightly.json`` (its ``shards`` section says which shards
+Each part (``nightly --part K/N``) wrote ``NIGHT/shards/K-of-N``; the merge reads them all and writes the
+night's products into ``NIGHT`` as a whole nightly does: the report over every part's results (the banner
+names a missing or unfinished part, ``reports.scope.shard_problems``), ``not_run.txt``, the diff against
+the previous night of the same selection, and ``nightly.json`` (its ``shards`` section says which parts
 were merged and what is missing), so that the next night's diff and ``reports history`` read a merged night
-as any other. Shards of different partitions are refused (exit 2).
+as any other. Parts of different partitions are refused (exit 2).
 
-Exit status: 1 when a shard is missing or unfinished, a case did not pass, shard 1's fuzz campaign failed or
-a case regressed; 2 when there is no shard to merge or the shards are of different partitions; else 0.
+Exit status: 1 when a part is missing or unfinished, a case did not pass, part 1's fuzz campaign failed or
+a case regressed; 2 when there is no part to merge or the parts are of different partitions; else 0.
 """
 
 from __future__ import annotations
@@ -34,49 +34,49 @@ from harness.cli.night import (
 from harness.cli.nightly import config_from_args
 from harness.cli.nightly import main as nightly_main
 from harness.cli.nightly_config import NightlyConfig
-from harness.cli.sharding import SHARDS_DIR
+from harness.cli.part_options import PARTS_DIR
 
-__all__ = ["main", "merge_shards"]
+__all__ = ["main", "merge_parts"]
 
 
 def main(args: Any) -> int:
-    """The ``nightly`` command: ``--merge-shards`` merges a sharded night, else the nightly runs
+    """The ``nightly`` command: ``--merge-parts`` merges a sharded night, else the nightly runs
     (``harness.cli.nightly.main``); here, so that the nightly needs nothing of its merge."""
-    if not args.merge_shards:
+    if not args.merge_parts:
         return nightly_main(args)
     config = config_from_args(args)
-    return 2 if config is None else merge_shards(config)
+    return 2 if config is None else merge_parts(config)
 
 
 def _fail(message: str) -> int:
-    print(f"harness nightly --merge-shards: {message}", file=sys.stderr)
+    print(f"harness nightly --merge-parts: {message}", file=sys.stderr)
     return 2
 
 
-def merge_shards(config: NightlyConfig) -> int:
-    """Merge the shards under ``config.out`` into one night; returns the exit status (module docstring)."""
+def merge_parts(config: NightlyConfig) -> int:
+    """Merge the parts under ``config.out`` into one night; returns the exit status (module docstring)."""
     import reports
     from harness.run.stored_selection import read_selection
     from reports import render
 
     start = time.monotonic()
     out = config.out
-    if config.shard is not None:
-        return _fail("--shard: a merge reads every shard; drop --shard")
-    shard_dirs = sorted(d for d in (out / SHARDS_DIR).glob("*") if (d / RESULTS_NAME).is_file())
+    if config.part is not None:
+        return _fail("--part: a merge reads every part; drop --part")
+    shard_dirs = sorted(d for d in (out / PARTS_DIR).glob("*") if (d / RESULTS_NAME).is_file())
     if not shard_dirs:
-        return _fail(f"--out {out}: no shard in {out / SHARDS_DIR}; run `python -m harness nightly --out {out} "
-                     "--shard K/N` for each shard first")
+        return _fail(f"--out {out}: no part in {out / PARTS_DIR}; run `python -m harness nightly --out {out} "
+                     "--part K/N` for each part first")
     files = [d / RESULTS_NAME for d in shard_dirs]
     try:
         stored = read_selection(files[0])
     except ValueError as exc:  # StoredSelectionError
         return _fail(str(exc))
-    if stored is None or stored.shard is None:
-        return _fail(f"{files[0]} is not a shard's results (its selection file is missing or holds a whole run)")
+    if stored is None or stored.part is None:
+        return _fail(f"{files[0]} is not a part's results (its selection file is missing or holds a whole run)")
     try:
         summary = reports.build(files, out)
-    except ValueError as exc:  # shards of different partitions
+    except ValueError as exc:  # parts of different partitions
         return _fail(str(exc))
     scope = summary.scope or {}
     problems = list(scope.get("shards") or [])
@@ -94,7 +94,7 @@ def merge_shards(config: NightlyConfig) -> int:
     state: dict[str, Any] = {
         "out": str(out), "complete": False, "merged_shards": True,
         "selection": {"id": stored.id, "options": stored.options},
-        "shards": {"count": stored.shard["count"], "partition": stored.shard["partition"],
+        "shards": {"count": stored.part["count"], "partition": stored.part["partition"],
                    "merged": [d.name for d in shard_dirs], "problems": problems,
                    "unfinished_runs": sorted(name for name, n in nights.items() if not n.get("finished"))},
         "cases": {"selected": len(stored.case_ids), "not_run": len(not_run.splitlines()),
@@ -121,6 +121,6 @@ def merge_shards(config: NightlyConfig) -> int:
                  complete=not problems and not partial, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     write_json(out / NIGHTLY_NAME, state)
     verdicts = ", ".join(f"{v} {n}" for v, n in summary.verdicts.items() if n) or "no case"
-    print(f"{len(shard_dirs)} of {stored.shard['count']} shards merged: {summary.cases} cases ({verdicts})")
+    print(f"{len(shard_dirs)} of {stored.part['count']} parts merged: {summary.cases} cases ({verdicts})")
     print(f"nightly {'; '.join(reasons) if code else 'ok'} (exit {code}) -> {out}")
     return code

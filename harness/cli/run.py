@@ -6,8 +6,8 @@
 collector; a progress bar shows the ETA, the summary the cases per second. Started by ``torchrun`` (``RANK``/``WORLD_SIZE`` set), the
 ranks are torchrun's own: rank 0 runs the cases through a ``RunSession`` on one lane whose pool is the
 world (``harness.ranks.torchrun_world``: the other ranks serve it) and records, and the watchdog is
-``harness.ranks.torchrun_watch`` (a lost node is a crash naming it; the run then ends). ``--shard K/N`` runs
-(or lists) the K-th of N disjoint parts of the selection (``harness.cli.sharding``).
+``harness.ranks.torchrun_watch`` (a lost node is a crash naming it; the run then ends). ``--part K/N`` runs
+(or lists) the K-th of N disjoint parts of the selection (``harness.cli.part_options``).
 
 Exit status of ``run``: 0 when every case of the results file (the resumed ones included) passed or
 is unsupported, 1 when some failed, errored, timed out or crashed, 2 when an option cannot work
@@ -29,12 +29,12 @@ from harness.cases.case import CaseConfig
 from harness.cli.options import (
     add_case_timeout, add_execution, add_placement, add_selection, non_empty_path, selection_options,
 )
-from harness.cli.sharding import add_sharding
+from harness.cli.part_options import add_part_options
 from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
 from harness.run.options import SelectionOptions
 from harness.run.runner import Selection, SelectionError, exit_status, file_counts, summary, under_torchrun
 from harness.run.session import Part, RunSession, plan_local_lanes, select_part
-from harness.run.shards import ShardError
+from harness.run.parts import PartError
 from harness.run.stored_selection import (
     StoredSelection,
     StoredSelectionError,
@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
         return _refuse(str(exc))
     try:
         part = _part(args, selection, world_sizes, stored)
-    except ShardError as exc:
+    except PartError as exc:
         return _refuse(str(exc))
     try:
         lanes, skipped, crowded = plan_local_lanes(list(part.world_sizes), options.backend, options.device,
@@ -144,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
                   f"{len(part.cases)} cases already recorded"
                   + (f", {len([c for c in part.cases if c.full_id in rerun])} not passing to rerun" if args.rerun_failed else ""),
                   file=sys.stderr)
-        of = f" ({part.describe()})" if part.shard else ""
+        of = f" ({part.describe()})" if part.cut else ""
         print(f"harness run: {len(todo)} cases{of} on {lane_text(lanes)}", file=sys.stderr)
         try:
             session.run(todo)
@@ -190,9 +190,9 @@ def _resumed(args: argparse.Namespace, options: SelectionOptions, out: Path | No
 
 
 def _part(args: argparse.Namespace, selection: Selection, world_sizes: list[int], stored: StoredSelection | None) -> Part:
-    """This process's part of the selection (``--shard``; a resumed file's own). Raises ``ShardError``, and
+    """This process's part of the selection (``--part``; a resumed file's own). Raises ``PartError``, and
     ``SelectionError`` for options naming no cases (the caller's parser says it)."""
-    return select_part(selection, world_sizes, shard=args.shard, shard_costs=args.shard_costs, stored=stored)
+    return select_part(selection, world_sizes, part=args.part, part_costs=args.part_costs, stored=stored)
 
 
 def lane_text(lanes: dict[int, list[Any]]) -> str:
@@ -250,7 +250,7 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     selection, _, stored = _resumed(args, options, out, [ws])
     try:
         part = _part(args, selection, [ws], stored)
-    except ShardError as exc:
+    except PartError as exc:
         return _refuse(str(exc))
 
     # Where every rank lives, so a lost node is named (torchrun's GROUP_RANK, the host).
@@ -321,12 +321,12 @@ def main_list(args: argparse.Namespace) -> int:
     options = selection_options(args)
     try:
         part = _part(args, options.selection(), list(options.world_sizes or [2]), None)
-    except ShardError as exc:
+    except PartError as exc:
         print(f"harness list: {exc}", file=sys.stderr)
         return 2
     for case in part.cases:
         print(case.full_id)
-    print(f"{len(part.cases)} cases" + (f" ({part.describe()})" if part.shard else ""), file=sys.stderr)
+    print(f"{len(part.cases)} cases" + (f" ({part.describe()})" if part.cut else ""), file=sys.stderr)
     return 0
 
 
@@ -345,7 +345,7 @@ def main_models(args: argparse.Namespace) -> int:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_selection(p)
-    add_sharding(p)
+    add_part_options(p)
     p.add_argument("--out", type=non_empty_path, default=None, help="results file (JSON Lines); default results/run-<time>.jsonl")
     p.add_argument("--resume", action="store_true",
                    help="continue --out, skipping the cases it records; the exit status covers every case in the file")
@@ -360,4 +360,4 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_list_arguments(p: argparse.ArgumentParser) -> None:
     add_selection(p)
-    add_sharding(p)
+    add_part_options(p)

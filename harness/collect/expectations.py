@@ -1,8 +1,8 @@
 """What an engine is known to get wrong: one type, :class:`ExpectedFailure`, for every suite that expects a
 failure.
 
-A generated suite's slice (``SuiteMatrix.expected_failures``), a seed check's subtests, the checks of a rank
-session (``api_session_tests(expected_failures=...)``) and a test's own scenarios name theirs with it. The
+A generated suite's slice (``SuiteMatrix.expected_failures``), a seed check's subtests, the rank checks
+(``api_rank_check_tests(expected_failures=...)``) and a test's own scenarios name theirs with it. The
 pytest plugin makes one a strict xfail (``harness.pytest_plugin.expect_failure``: an unexpected pass fails
 the run, so a fixed engine is noticed), and the records of its cases carry its reason
 (``CaseRecord.expected_failure``), so a report tells a known bug from new breakage.
@@ -31,7 +31,7 @@ class ExpectedFailure:
     engine: str | None = None
     #: the device type of the ranks it shows on (``cpu``, ``cuda``); None: any.
     device: str | None = None
-    #: the checks it covers, by name (a rank session's check, a test's scenario); empty: any.
+    #: the checks it covers, by name (a rank check, a test's scenario); empty: any.
     checks: tuple[str, ...] = ()
 
     def covers(self, device: str, *, case: CaseConfig | None = None, engine: str | None = None,

@@ -40,7 +40,7 @@ Each quantity is a ``QuantityError`` (max absolute and relative error, the toler
   it and the values could not tell an engine that ignores ``param_dtype``, ``reduce_dtype`` or
   ``buffer_dtype`` from an honest one (the knob checks would be the only guard). An honest engine
   rounds exactly as the emulation here (the same casts, a two-term sum): every mixed-precision case
-  of the pairwise lane on 2 gloo ranks measured ratio 0.0, and on 2 NCCL GPUs the built-in engine's
+  of the pairwise tier on 2 gloo ranks measured ratio 0.0, and on 2 NCCL GPUs the built-in engine's
   float16 cases matched the emulation bitwise. A run whose half distance is within torch's
   tolerance at the quantity's magnitude cannot be told apart by values and is not *resolvable* for
   that quantity (a cast with no numerical effect on the model); ``detail["resolvable"]`` of a record

@@ -16,7 +16,7 @@ fixtures and marks.
   conformance tests against any FSDP1-API engine (``certify``'s ``seeds`` family), with what they share:
 - ``fsdp1_checks``: the seed checks' comparison helpers over an engine's FSDP1 names, and the ``api``
   fixture that loads them;
-- ``rank_sessions``: many checks run in one set of rank processes (``session_tests``, ``api_session_tests``);
+- (the rank checks, many checks in one set of rank processes, are the pytest plugin's `rank_checks`);
 - ``engine_models``: the engine and seed suites' models, registered in the harness's zoo;
 - ``profiles``: the Hypothesis profiles (``ci``, ``nightly``, ``dev``);
 - ``fuzz_campaign``: ``python -m harness.conformance.fuzz_campaign``, the nightly's fuzz phase.
@@ -26,7 +26,7 @@ installed package must run (the fuzz campaign, certify's families) sits in this 
 it by its path inside the package (``pytest.main([file])``, or ``pytest --pyargs
 harness.conformance.<module>``), which works from a wheel as from a checkout. Its ``__all__`` names what
 a collector needs: its fixtures (defined there or imported: a module run alone must see them), its tests
-in the order they run, its marks. The CI lane collects the same functions by importing them into a suite
+in the order they run, its marks. The CI tier collects the same functions by importing them into a suite
 module (``suites/flat_param/test_fuzz_flat_param.py``, ``test_engine_layout.py``; ``suites/seeds``,
 ``suites/mixed_precision``, ``suites/wrap``: ``test_<module>.py`` for ``<folder>.<module>`` here), so their
 node ids, markers and the lane's counts are the suites' as before; the root ``conftest.py`` registers
@@ -44,7 +44,6 @@ ASSERT_REWRITE = (
     "harness.conformance.flat_param_properties",
     "harness.conformance.fsdp1_checks",
     "harness.conformance.mixed_precision",
-    "harness.conformance.rank_sessions",
     "harness.conformance.seeds",
     "harness.conformance.torch_common_fsdp",
     "harness.conformance.wrap",

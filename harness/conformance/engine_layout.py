@@ -7,7 +7,7 @@ torch FSDP1 to compare with likewise. The comparison is the fuzz properties' dif
 (metadata, the shard's real elements bitwise, the module's attributes), on fewer examples. It is what
 ``python -m harness certify`` reports as the ``flat-param`` family, run there as
 ``pytest --pyargs harness.conformance.engine_layout -p harness.pytest_plugin --engine SPEC`` (from an
-installed package too); the CI lane collects it through ``suites/flat_param/test_engine_layout.py``.
+installed package too); the CI tier collects it through ``suites/flat_param/test_engine_layout.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fuzzing the flat parameter: random module trees against layout invariants and torch FSDP1.
 
 Each test checks one property over :func:`~harness.conformance.flat_cases.flat_cases` on the builtin
-engine's ``FlatParamHandle``. Two runners collect them: the CI lane through
+engine's ``FlatParamHandle``. Two runners collect them: the CI tier through
 ``suites/flat_param/test_fuzz_flat_param.py`` (profile ``ci``: 300 derandomized examples, or
 ``--hypothesis-profile``/``FUZZ_PROFILE``), and the nightly's campaign
 (``python -m harness.conformance.fuzz_campaign``, profile ``nightly``: 10,000), which runs this file

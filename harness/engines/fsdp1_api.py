@@ -18,8 +18,8 @@ Documented differences by design (each check asserts each engine's own behaviour
 - torch FSDP1's CPU offload pins host memory, which needs an accelerator: offload checks skip on torch
   on CPU ranks (``FSDPApi.require_offload``) and run on ranks on the GPUs.
 
-Each check runs where its rank is (``harness.ranks.rank.rank_device()``): the seed suites run their sessions on CPU
-ranks and again on the GPUs (``api_session_tests(device=("cpu", "cuda"))``), sharing one where there are fewer
+Each check runs where its rank is (``harness.ranks.rank.rank_device()``): the ported suites run their rank checks on CPU
+ranks and again on the GPUs (``api_rank_check_tests(device=("cpu", "cuda"))``), sharing one where there are fewer
 GPUs than ranks.
 
 ``harness.conformance.seeds.fsdp_differences`` asserts each engine's own side of both.

@@ -10,17 +10,17 @@ Loaded by the root ``conftest.py``. What it adds:
 - ``@pytest.mark.parity_matrix(SuiteMatrix(...))`` on a test that takes ``parity_case``: the test is
   parametrized with the suite's cases for the chosen lane (``harness.pytest_plugin.cases``), each with its
   ``CaseConfig.full_id`` as test id (``-k 'full_shard-bf16'`` selects), marked ``slow`` outside the
-  smoke lane and ``gpu`` where its ranks run on GPUs;
+  smoke tier and ``gpu`` where its ranks run on GPUs;
 - ``@pytest.mark.engine_cases`` on a test (or module) whose parameters are hand-written ``CaseConfig``s: the
   cases on engines or references ``--engine``/``--reference`` leave out are deselected (``outside_options``),
   so a suite's own cases obey the options as the generated ones do, and start no pool;
 - ``fsdp_api``: a test or fixture that takes it runs once per requested engine with torch FSDP1's API
-  (of ``--engine``: ``builtin``, ``torch-fsdp``, any ``NAME=fsdp1:MODULE``; the seed conformance
+  (of ``--engine``: ``builtin``, ``torch-fsdp``, any ``NAME=fsdp1:MODULE``; the ported
   suites); its value is the engine's spec, which the rank processes resolve again, its test id the name;
 - fixtures ``parity_options``, ``parity_pools`` (one rank pool per world size, started once per pytest
   process and shared by every generated case) and ``parity_runner`` (runs a case, records it, maps its
   verdict: pass passes, unsupported skips with the engine's reason, fail / error / timeout / crash fail
-  with the details; ``run_all`` runs the cases of one check, a seed check's subtests, under one verdict;
+  with the details; ``run_all`` runs the cases of one check, a ported check's subtests, under one verdict;
   a test's strict xfail, ``expect_failure`` of a ``harness.collect.expectations.ExpectedFailure``, puts its reason on
   its records: ``CaseRecord.expected_failure``);
 - a test marked ``gpu`` is skipped with the reason where torch sees no CUDA GPU.
@@ -28,11 +28,11 @@ Loaded by the root ``conftest.py``. What it adds:
 Under pytest-xdist every worker's pools take a disjoint block of the GPUs where there are enough, and
 share the GPUs evenly where there are more workers than blocks (``plan_pool``: with ``-n 8`` on two GPUs
 every worker's two-rank pool runs on both GPUs); the report header says which. Every worker appends its records to its own file (``worker_results_path``) and the controller
-merges them into ``--results`` at the end of the session (no ``--results``: nothing is written).
+merges them into ``--results`` at the end of the pytest run (no ``--results``: nothing is written).
 Tests that share an expensive module-scoped set-up carry ``xdist_group`` marks; the project's
 ``addopts`` pick ``--dist loadgroup``, so such a module runs on one worker.
 
-The terminal summary counts the generated cases by verdict, and says where the engines agree: every seed
+The terminal summary counts the generated cases by verdict, and says where the engines agree: every ported
 check (``fsdp_api``) and every generated case that ran on two engines, with each disagreement listed.
 """
 
@@ -45,28 +45,28 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from harness.cases.case import CaseConfig, engine_name
 from harness.cases.records import CaseRecord
 from harness.collect.expectations import ExpectedFailure
-from harness.pytest_plugin.cases import Agreement, ParityOptions, PoolPlan, SuiteMatrix, outcome_of, plan_pool, verdict_table
+from harness.pytest_plugin.cases import Agreement, ParityOptions, SuiteMatrix, outcome_of, plan_pool, verdict_table
+from harness.pytest_plugin.pools import PoolRegistry, RankPools, gpus_missing, plan_here, skip_here
 from harness.run.options import SelectionOptions, as_typed, option_specs
 
 if TYPE_CHECKING:
     from harness.collect.collector import ResultWriter
-    from harness.ranks.pool import RankPool
 
 OPTIONS_KEY = pytest.StashKey[ParityOptions]()
-SESSION_KEY = pytest.StashKey["ParitySession"]()
+RESULTS_KEY = pytest.StashKey["ParityResults"]()
 
 #: ``user_properties`` a generated case leaves on its report, read by the controller's summary.
 VERDICT_PROPERTY = "parity_verdict"
 WALL_PROPERTY = "parity_wall_s"
 #: ``user_properties`` that say which engine a test ran on and what it checked apart from the engine,
-#: for the agreement summary (seed checks under ``fsdp_api``, generated cases).
+#: for the agreement summary (ported checks under ``fsdp_api``, generated cases).
 ENGINE_PROPERTY = "conformance_engine"
 KEY_PROPERTY = "conformance_key"
 #: ``workerinput`` key that hands the controller's run id to every xdist worker.
@@ -109,9 +109,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "engine_cases: the test's CaseConfig parameters run on the engines and references they name: "
         "--engine and --reference deselect those naming others (as the generated suites leave them out)"
     )
-    session = ParitySession(config, options)
-    config.stash[SESSION_KEY] = session
-    config.pluginmanager.register(session, "parity-session")
+    results = ParityResults(config, options)
+    config.stash[RESULTS_KEY] = results
+    config.pluginmanager.register(results, "parity-results")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -152,7 +152,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             )
         suite: SuiteMatrix = marker.args[0]
         marks = [pytest.mark.slow] if options.matrix != "smoke" else []
-        gpu = {ws: _plan(ws, options).devices is not None for ws in options.world_sizes}
+        gpu = {ws: plan_here(ws, options).devices is not None for ws in options.world_sizes}
 
         def case_marks(case: CaseConfig) -> list[pytest.MarkDecorator]:
             device = "cuda" if gpu[case.world_size] else "cpu"
@@ -167,7 +167,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             marks=pytest.mark.skip(reason=f"--engine {','.join(options.engines)} names no engine with torch FSDP1's API "
                                           "(e.g. builtin, torch-fsdp, NAME=fsdp1:MODULE)"),
         )]
-        # Module scope: a seed module spawns its ranks once per engine, not once per check.
+        # Module scope: a ported module spawns its ranks once per engine, not once per check.
         metafunc.parametrize("fsdp_api", engines, scope="module")
 
 
@@ -241,46 +241,17 @@ def _key_without_engine(item: pytest.Item, engine: str) -> str:
     return f"{item.path.name}::{name}" + (f"[{ids}]" if ids else "")
 
 
-def gpus_missing(n: int, why: str = "") -> str | None:
-    """Why a test that needs ``n`` CUDA GPUs cannot run here; None when it can. Multi-rank tests need one
-    GPU (``harness.ranks.placement.place`` shares it); only what measures NCCL itself needs one per rank,
-    and says so in ``why``."""
-    from harness.ranks.placement import n_gpus
-
-    found = n_gpus()
-    return None if found >= n else f"needs {n} CUDA GPU(s){f' ({why})' if why else ''}; this machine has {found}"
-
-
 def needs_gpus(n: int, why: str = "") -> pytest.MarkDecorator:
     """``skipif`` with the reason, for tests and modules that need ``n`` CUDA GPUs."""
     reason = gpus_missing(n, why)
     return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
-def skip_here(reason: str) -> NoReturn:
-    """Skip the running test, reported at the test's own location rather than at this plugin's line
-    (what pytest does for skip markers and skipping fixtures)."""
-    raise pytest.skip.Exception(reason, _use_item_location=True)
-
-
-def _worker() -> tuple[int, int]:
-    from harness.ranks.placement import xdist_worker
-
-    return xdist_worker()
-
-
-def _plan(world_size: int, options: ParityOptions) -> PoolPlan:
-    from harness.ranks.placement import n_gpus
-
-    worker, workers = _worker()
-    return plan_pool(world_size, options.backend, n_gpus(), worker, workers, options.device)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Session state: results file and verdict summary
+# Results: the results file and the verdict summary
 
 
-class ParitySession:
+class ParityResults:
     """This pytest process's share of the run: its results file, and (on the controller) the verdict counts.
 
     Registered as a plugin object so its hook methods see every report, including those xdist
@@ -299,8 +270,8 @@ class ParitySession:
         self._writer: ResultWriter | None = None
         self.counts: collections.Counter[str] = collections.Counter()
         self.case_wall_s = 0.0
-        #: the seed checks per FSDP1-API engine, and the generated cases per engine.
-        self.seed_agreement = Agreement()
+        #: the ported checks per FSDP1-API engine, and the generated cases per engine.
+        self.ported_agreement = Agreement()
         self.case_agreement = Agreement()
         if self.results is not None and not self.is_worker:
             self._refuse_stale_results(self.results)
@@ -337,7 +308,7 @@ class ParitySession:
         if self._writer is None:
             from harness.collect.collector import ResultWriter, run_info, worker_results_path
 
-            lanes = [plan.lane for plan in (_plan(ws, self.options) for ws in self.options.world_sizes) if plan.lane]
+            lanes = [plan.lane for plan in (plan_here(ws, self.options) for ws in self.options.world_sizes) if plan.lane]
             self._writer = ResultWriter(worker_results_path(self.results), run_info(lanes or "none", self.run_id))
         self._writer.append(record)
 
@@ -367,8 +338,8 @@ class ParitySession:
                 self.case_wall_s += float(props.get(WALL_PROPERTY, 0.0))
                 self.case_agreement.add(props[KEY_PROPERTY], props[ENGINE_PROPERTY], props[VERDICT_PROPERTY])
         elif KEY_PROPERTY in props:
-            # A seed check: the worst of its phases (a failing session fixture fails at setup).
-            self.seed_agreement.add(props[KEY_PROPERTY], props[ENGINE_PROPERTY], report.outcome)
+            # A ported check: the worst of its phases (a failing rank-checks fixture fails at setup).
+            self.ported_agreement.add(props[KEY_PROPERTY], props[ENGINE_PROPERTY], report.outcome)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self._writer is not None:
@@ -384,9 +355,9 @@ class ParitySession:
                 part.unlink()
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self.seed_agreement.compared():
-            terminalreporter.write_sep("-", "seed conformance: where the FSDP1-API engines agree")
-            terminalreporter.write_line(self.seed_agreement.render("seed check"))
+        if self.ported_agreement.compared():
+            terminalreporter.write_sep("-", "ported torch tests: where the FSDP1-API engines agree")
+            terminalreporter.write_line(self.ported_agreement.render("ported check"))
         if not self.counts:
             return
         terminalreporter.write_sep("-", "generated parity cases")
@@ -401,81 +372,18 @@ class ParitySession:
 # Pools and the runner
 
 
-class PoolRegistry:
-    """The rank pools of this pytest process: one per world size, started on first use, shared by every
-    generated case, closed at the end of the session."""
-
-    def __init__(self, options: ParityOptions) -> None:
-        self.options = options
-        self._pools: dict[int, RankPool] = {}
-        #: why a world size has no pool here: a plan that cannot run, or a start that failed once.
-        self._unavailable: dict[int, tuple[str, str]] = {}
-
-    def pool_for(self, world_size: int) -> "RankPool":
-        """The pool for ``world_size``; skips the test (no GPUs for it) or fails it (ranks did not start)."""
-        if world_size in self._unavailable:
-            action, reason = self._unavailable[world_size]
-            if action == "skip":
-                skip_here(reason)
-            pytest.fail(reason, pytrace=False)
-        if world_size not in self._pools:
-            plan = _plan(world_size, self.options)
-            if plan.skip_reason is not None:
-                self._unavailable[world_size] = ("skip", plan.skip_reason)
-                skip_here(plan.skip_reason)
-            from harness.ranks.pool import PoolConfig, PoolStartError, RankPool
-
-            if plan.devices is not None:
-                self._make_room(world_size)
-            pool = RankPool(PoolConfig(
-                world_size=world_size, backend=plan.backend, devices=plan.devices,  # type: ignore[arg-type]
-                case_timeout_s=self.options.case_timeout_s,
-            ))
-            try:
-                pool.start()
-            except PoolStartError as exc:
-                pool.close()
-                # Every later case of this size would wait for the same start-up to fail again.
-                self._unavailable[world_size] = ("fail", f"the {world_size} ranks did not start: {exc}")
-                pytest.fail(self._unavailable[world_size][1], pytrace=False)
-            self._pools[world_size] = pool
-        self._pools[world_size] = self._pools.pop(world_size)  # most recently used last
-        return self._pools[world_size]
-
-    def _make_room(self, world_size: int) -> None:
-        """Close the least recently used CUDA pools until ``world_size`` more CUDA ranks fit this worker's
-        share of the GPU and host memory (``harness.ranks.placement.cuda_rank_budget``): with ``-n 8`` and
-        world sizes up to 8 on one GPU, keeping every pool would hold over a hundred CUDA processes."""
-        from harness.ranks.placement import cuda_rank_budget, host_facts, n_gpus
-
-        budget = cuda_rank_budget(host_facts(), n_gpus(), _worker()[1])
-        if budget is None:
-            return
-        live = lambda: sum(ws for ws, pool in self._pools.items() if pool.config.devices is not None)  # noqa: E731
-        for ws in list(self._pools):
-            if live() + world_size <= budget:
-                break
-            if self._pools[ws].config.devices is not None:
-                self._pools.pop(ws).close()
-
-    def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close()
-        self._pools.clear()
-
-
 class ParityRunner:
     """Runs one generated case for one test: on the shared pool, recorded, verdict mapped to pytest."""
 
-    def __init__(self, pools: PoolRegistry, session: ParitySession, node: pytest.Item) -> None:
+    def __init__(self, pools: PoolRegistry, results: ParityResults, node: pytest.Item) -> None:
         self.pools = pools
-        self.session = session
+        self.results = results
         self.node = node
 
     def device_type(self, world_size: int) -> str:
         """``cuda`` where this process's pool of ``world_size`` ranks runs on GPUs, else ``cpu`` (what an
         expected failure measured on one kind of device is conditioned on)."""
-        return "cpu" if _plan(world_size, self.pools.options).devices is None else "cuda"
+        return "cpu" if plan_here(world_size, self.pools.options).devices is None else "cuda"
 
     def _expected(self, record: CaseRecord) -> CaseRecord:
         """``record`` with the test's expected failure (its strict xfail mark), the one decision that made the
@@ -490,7 +398,7 @@ class ParityRunner:
 
         pool = self.pools.pool_for(case.world_size)
         record = self._expected(run_case(pool, case, timeout_s=timeout_s))
-        self.session.record(record, self.node)
+        self.results.record(record, self.node)
         outcome = outcome_of(record)
         if outcome.action == "skip":
             skip_here(outcome.message)
@@ -499,15 +407,15 @@ class ParityRunner:
         return record
 
     def run_all(self, cases: Sequence[CaseConfig]) -> list[CaseRecord]:
-        """Every case of a test that checks several (a seed check and its subtests, one verdict as the
-        seed has it), each recorded; fails the test naming every failing case, skips it when no case
+        """Every case of a test that checks several (a ported check and its subtests, one verdict as the
+        ported test has it), each recorded; fails the test naming every failing case, skips it when no case
         could run (the first reason), else returns the records."""
         from harness.run.runner import run_case
 
         records = []
         for case in cases:
             records.append(self._expected(run_case(self.pools.pool_for(case.world_size), case)))
-            self.session.record(records[-1], self.node, one_case_test=False)
+            self.results.record(records[-1], self.node, one_case_test=False)
         outcomes = [(record, outcome_of(record)) for record in records]
         failed = [f"{CaseConfig.from_dict(r.case).full_id}: {o.message}" for r, o in outcomes if o.action == "fail"]
         if failed:
@@ -525,7 +433,7 @@ def parity_options(pytestconfig: pytest.Config) -> ParityOptions:
 
 @pytest.fixture(scope="session")
 def parity_pools(parity_options: ParityOptions) -> Iterator[PoolRegistry]:
-    """One rank pool per world size for the whole session (per xdist worker)."""
+    """One rank pool per world size for the whole pytest run (per xdist worker)."""
     registry = PoolRegistry(parity_options)
     try:
         yield registry
@@ -536,16 +444,20 @@ def parity_pools(parity_options: ParityOptions) -> Iterator[PoolRegistry]:
 @pytest.fixture
 def parity_runner(parity_pools: PoolRegistry, pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> ParityRunner:
     """Runs ``parity_case`` (or any case) on the shared pool and turns its verdict into the test's outcome."""
-    return ParityRunner(parity_pools, pytestconfig.stash[SESSION_KEY], request.node)
+    return ParityRunner(parity_pools, pytestconfig.stash[RESULTS_KEY], request.node)
 
 
 __all__ = [
     "ParityRunner",
     "expect_failure",
     "expected_failure_of",
-    "ParitySession",
+    "ParityResults",
     "PoolRegistry",
+    "RankPools",
+    "gpus_missing",
+    "needs_gpus",
     "parity_options",
     "parity_pools",
     "parity_runner",
+    "skip_here",
 ]

@@ -4,16 +4,16 @@ run, and what a case's record means to pytest.
 ``harness.pytest_plugin`` holds the options, hooks and fixtures; everything here is plain functions
 over plain data, testable without processes (``suites/parity/test_parity_plugin_logic.py``).
 
-[Note: suite slices and lanes]
+[Note: suite slices and generators]
 A generated suite runs a *slice* of the case matrix (``SuiteMatrix``): the axes it varies, with the
 values it gives them; every other axis stays at its engine's baseline (the first value of the axis
 the engine can run: FSDP2 has no ``use_orig_params=False`` and no ``backward_prefetch='none'``).
-The *lane* (``--matrix``) decides how the slice is walked, per engine so that every engine sees every
+The *generator* (``--matrix``) decides how the slice is walked, per engine so that every engine sees every
 pair: ``full`` is the product, ``pairwise`` a covering array (``harness.selection.matrix``), and ``smoke`` the
 matrix's smoke variants (``harness.selection.matrix.SMOKE_VARIANTS``) seen through the slice: each variant keeps
 only the values of the axes the suite varies, and is made valid for the engine by dropping as few of
 them as needed. Smoke pins the axes of ``smoke_each`` to each of their values in turn (a wrap suite
-shows every model), references and world sizes are pinned in turn in every lane (as ``harness run``
+shows every model), references and world sizes are pinned in turn by every generator (as ``harness run``
 does).
 """
 
@@ -145,7 +145,7 @@ def _engine_baseline(engine: str) -> tuple[tuple[str, Any], ...]:
 
 @dataclass(frozen=True)
 class SuiteMatrix:
-    """The slice of the case matrix one generated parity suite runs (see [Note: suite slices and lanes])."""
+    """The slice of the case matrix one generated parity suite runs (see [Note: suite slices and generators])."""
 
     #: short name, for messages.
     name: str
@@ -154,12 +154,12 @@ class SuiteMatrix:
     axes: Mapping[str, Sequence[Any]]
     #: ``CaseConfig`` fields every case of the suite pins (e.g. ``steps``, ``extras``).
     fixed: Mapping[str, Any] = field(default_factory=dict)
-    #: axes the smoke lane pins to each of their values in turn, so each value is seen (e.g. model).
+    #: axes the smoke tier pins to each of their values in turn, so each value is seen (e.g. model).
     smoke_each: tuple[str, ...] = ()
-    #: the smoke lane's variants before projection on ``axes``.
+    #: the smoke tier's variants before projection on ``axes``.
     smoke_variants: tuple[Mapping[str, Any], ...] = SMOKE_VARIANTS
     #: the widest generator the suite walks: ``pairwise`` for a slice whose full product would not fit the
-    #: full lane (the full lane then walks it pairwise).
+    #: full tier (the full tier then walks it pairwise).
     widest: str = "full"
     #: the engines the suite runs whatever ``--engine`` names (the engine suites test the builtin engine
     #: only); empty: the ``--engine`` ones.

@@ -147,7 +147,7 @@ OPTION_HELP = {
                "where there are fewer, gloo on CPU without GPUs; gloo: gloo on the GPUs (or the CPU); nccl: "
                "one GPU per rank or refused",
     "device": "auto: the GPUs where there are any, else the CPU; cpu: gloo ranks on the CPU of a GPU host "
-              "(the CPU lane); cuda: GPUs or refused",
+              "(the CPU tier); cuda: GPUs or refused",
 }
 
 
@@ -167,7 +167,7 @@ def place(
     - no GPU: gloo on the CPU.
 
     ``backend`` and ``device`` narrow it: ``device='cpu'`` keeps gloo ranks on the CPU of a GPU host (the
-    CPU lane), ``backend='gloo'`` runs gloo on the GPUs even where NCCL could, ``backend='nccl'`` or
+    CPU tier), ``backend='gloo'`` runs gloo on the GPUs even where NCCL could, ``backend='nccl'`` or
     ``device='cuda'`` that cannot run here raise ``PlacementError``. ``worker`` of ``n_workers`` (xdist
     workers, or pools side by side) picks the GPUs as ``assign_devices`` does.
     """

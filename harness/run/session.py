@@ -3,7 +3,7 @@
 The plumbing from a selection to recorded cases is one line, and this module is it:
 
 1. ``select_part``: the selection's cases (``harness.run.runner.select_cases``), and the part of them this
-   process runs (``--shard K/N``, ``harness.run.shards.partition``; all of them without one), with the stored
+   process runs (``--part K/N``, ``harness.run.parts.partition``; all of them without one), with the stored
    selection a resumed file keeps (``harness.run.stored_selection``);
 2. ``plan_local_lanes``: the rank pools of this host (``harness.ranks.placement.plan_lanes``), refused when the
    CPU ranks would not fit the memory, with a warning when they crowd the cores;
@@ -31,13 +31,13 @@ from harness.cases.case import CaseConfig
 from harness.cases.records import FAILING, CaseRecord
 from harness.ranks.placement import Lane
 from harness.run.runner import CaseRunner, Progress, Selection, Tee, select_cases
-from harness.run.shards import ShardError, ShardSpec, case_costs, partition, read_costs, resolve_shard
+from harness.run.parts import PartError, PartSpec, case_costs, partition, read_costs, resolve_part
 from harness.run.stored_selection import StoredSelection, selection_options, write_selection
 
 if TYPE_CHECKING:
     from harness.run.runner import Pool
 
-__all__ = ["Part", "RunSession", "plan_local_lanes", "select_part", "shard_text"]
+__all__ = ["Part", "RunSession", "plan_local_lanes", "select_part", "part_text"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -50,12 +50,13 @@ class Part:
 
     selection: Selection
     world_sizes: tuple[int, ...]
-    #: every selected case, in selection order (what every shard of the selection shares).
+    #: every selected case, in selection order (what every part of the selection shares).
     selected: tuple[CaseConfig, ...]
-    #: the cases of this part, in selection order; ``selected`` without a shard.
+    #: the cases of this part, in selection order; ``selected`` without a part.
     cases: tuple[CaseConfig, ...]
-    #: the shard's record for the stored selection (``StoredSelection.shard``); None for a whole run.
-    shard: dict[str, Any] | None
+    #: the cut's record for the stored selection (``StoredSelection.part``): index, count, partition and
+    #: case ids of this part; None for a whole run.
+    cut: dict[str, Any] | None
     #: the selection stored beside a resumed results file; None for a new one.
     stored: StoredSelection | None
 
@@ -65,16 +66,16 @@ class Part:
         if self.stored is not None:
             return self.stored
         return StoredSelection(selection_options(self.selection, self.world_sizes), tuple(c.full_id for c in self.selected),
-                               self.shard)
+                               self.cut)
 
     @property
     def id(self) -> str:
-        """The selection's id, the same in every shard of it (the shard is not part of it)."""
+        """The selection's id, the same in every part of it (the part is not part of it)."""
         return self.stored_selection.id
 
     def describe(self) -> str:
-        """``shard 2/4 of 60 cases (partition ...)``; empty for a whole run."""
-        return shard_text(self.shard, len(self.selected))
+        """``part 2/4 of 60 cases (partition ...)``; empty for a whole run."""
+        return part_text(self.cut, len(self.selected))
 
     def store(self, results: Path) -> StoredSelection:
         """Store the selection beside ``results`` (for ``--resume``) unless it came from there; a special
@@ -90,41 +91,41 @@ class Part:
         return stored
 
 
-def select_part(selection: Selection, world_sizes: Sequence[int], *, shard: ShardSpec | str | None = None,
-                shard_costs: Path | None = None, stored: StoredSelection | None = None,
+def select_part(selection: Selection, world_sizes: Sequence[int], *, part: PartSpec | str | None = None,
+                part_costs: Path | None = None, stored: StoredSelection | None = None,
                 prepare: Callable[[list[CaseConfig]], list[CaseConfig]] | None = None,
                 env: Mapping[str, str] | None = None) -> Part:
-    """The selection's cases (``prepare`` applied: the nightly's determinism sample) and the part ``shard``
-    names. Resuming (``stored``), the stored part is kept: a ``shard`` naming another part is refused,
-    and so is one given to a file of a whole run. Raises ``SelectionError`` or ``ShardError``."""
+    """The selection's cases (``prepare`` applied: the nightly's determinism sample) and the part ``part``
+    names. Resuming (``stored``), the stored part is kept: a ``part`` naming another part is refused,
+    and so is one given to a file of a whole run. Raises ``SelectionError`` or ``PartError``."""
     selected = select_cases(selection, world_sizes)
     if prepare is not None:
         selected = prepare(selected)
-    part = Part(selection, tuple(world_sizes), tuple(selected), tuple(selected), None, stored)
-    cases, record = _cut(part.selected, part.id, shard, shard_costs, stored, env)
+    whole = Part(selection, tuple(world_sizes), tuple(selected), tuple(selected), None, stored)
+    cases, record = _cut(whole.selected, whole.id, part, part_costs, stored, env)
     return Part(selection, tuple(world_sizes), tuple(selected), tuple(cases), record, stored)
 
 
-def _cut(cases: Sequence[CaseConfig], selection_id: str, given: ShardSpec | str | None, costs_path: Path | None,
+def _cut(cases: Sequence[CaseConfig], selection_id: str, given: PartSpec | str | None, costs_path: Path | None,
          stored: StoredSelection | None, env: Mapping[str, str] | None) -> tuple[list[CaseConfig], dict[str, Any] | None]:
     if costs_path is not None and given is None:
-        raise ShardError("--shard-costs: only balances shards; add --shard K/N (or auto)")
-    earlier = stored.shard if stored is not None else None
+        raise PartError("--part-costs: only balances parts; add --part K/N (or auto)")
+    earlier = stored.part if stored is not None else None
     if stored is not None and earlier is None and given is not None:
-        raise ShardError(f"--resume: --shard {given} contradicts the file, which holds a whole run (not a shard); "
-                         "drop --shard to continue it, or choose a new --out")
+        raise PartError(f"--resume: --part {given} contradicts the file, which holds a whole run (not a part); "
+                         "drop --part to continue it, or choose a new --out")
     if earlier is not None:
-        # The stored part is this file's, whatever the cost file says now: the other shards were cut
+        # The stored part is this file's, whatever the cost file says now: the other parts were cut
         # with the costs of then, so recutting could lose or repeat cases.
-        spec = resolve_shard(given, env) if given is not None else None
+        spec = resolve_part(given, env) if given is not None else None
         if spec is not None and (spec.index, spec.count) != (earlier["index"], earlier["count"]):
-            raise ShardError(f"--resume: --shard {spec} is another part than the file's (shard {earlier['index'] + 1}/"
+            raise PartError(f"--resume: --part {spec} is another part than the file's (part {earlier['index'] + 1}/"
                              f"{earlier['count']} of partition {earlier.get('partition')}); drop it to continue the "
                              "file, or choose a new --out")
         return _kept(cases, earlier["case_ids"]), earlier
     if given is None:
         return list(cases), None
-    spec = resolve_shard(given, env)
+    spec = resolve_part(given, env)
     assert spec is not None
     measured = read_costs(costs_path) if costs_path is not None else {}
     by_id = {c.full_id: c for c in cases}
@@ -142,11 +143,11 @@ def _kept(cases: Sequence[CaseConfig], ids: Sequence[str]) -> list[CaseConfig]:
     return [c for c in cases if c.full_id in wanted]
 
 
-def shard_text(shard: Mapping[str, Any] | None, total: int) -> str:
-    """``shard 2/4 of 60 cases (partition 0123abcd...)`` for messages; empty for a whole run."""
-    if shard is None:
+def part_text(part: Mapping[str, Any] | None, total: int) -> str:
+    """``part 2/4 of 60 cases (partition 0123abcd...)`` for messages; empty for a whole run."""
+    if part is None:
         return ""
-    return f"shard {shard['index'] + 1}/{shard['count']} of {total} cases (partition {shard['partition']})"
+    return f"part {part['index'] + 1}/{part['count']} of {total} cases (partition {part['partition']})"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 ``<results>.selection.json`` holds the options that selected the cases (every field of
 ``harness.run.runner.Selection`` and the world sizes: an option added to ``Selection`` is stored without an
 edit here) and the selected case ids. Its ``id`` is a hash of both: an id of the selection, not of the
-process that ran it, so every shard of one night shares it. Reports show a nightly's banner only over
+process that ran it, so every part of one night shares it. Reports show a nightly's banner only over
 results of the same id, and a nightly diffs only against a night of the same id.
 
 Resuming, an option given again with another value than the stored one contradicts the selection
@@ -73,10 +73,10 @@ class StoredSelection:
     options: dict[str, Any]
     #: the full ids of the selected cases, in selection order.
     case_ids: tuple[str, ...]
-    #: the part of the selection this file holds when it is a shard (``harness.run.shards``): ``index``
+    #: the part of the selection this file holds when it is a part (``harness.run.parts``): ``index``
     #: (0-based), ``count``, ``partition`` (``Partition.id``) and its ``case_ids``; None for a whole run.
-    #: Not part of ``id``: every shard of one selection shares it.
-    shard: dict[str, Any] | None = None
+    #: Not part of ``id``: every part of one selection shares it.
+    part: dict[str, Any] | None = None
 
     @property
     def id(self) -> str:
@@ -86,14 +86,14 @@ class StoredSelection:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "options": self.options, "case_ids": list(self.case_ids),
-                **({"shard": self.shard} if self.shard is not None else {})}
+                **({"shard": self.part} if self.part is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StoredSelection":
         if not isinstance(d, Mapping) or not isinstance(d.get("options"), Mapping) or not isinstance(d.get("case_ids"), list):
             raise ValueError("not a selection: an object with options and case_ids")
-        shard = d.get("shard")
-        return cls(dict(d["options"]), tuple(d["case_ids"]), dict(shard) if isinstance(shard, Mapping) else None)
+        part = d.get("shard")
+        return cls(dict(d["options"]), tuple(d["case_ids"]), dict(part) if isinstance(part, Mapping) else None)
 
 
 def selection_options(selection: "Selection", world_sizes: Sequence[int]) -> dict[str, Any]:

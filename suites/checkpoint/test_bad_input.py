@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType
 from engine.checkpoint_io import CheckpointError, dcp_load, dcp_save, load, save
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from suites.checkpoint.training import Setup, train
 
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
@@ -210,4 +210,4 @@ CHECKS = [
     check_truncated_distributed_checkpoint,
 ]
 
-session, test_check = session_tests(CHECKS, world_size=2)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=2)

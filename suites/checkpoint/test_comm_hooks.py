@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType, comm_hooks
-from harness.conformance.rank_sessions import RankSession, session_fixture, session_tests
+from harness.pytest_plugin.rank_checks import RankChecks, rank_checks_fixture, rank_check_tests
 from harness.pytest_plugin import needs_gpus
 from suites.checkpoint.training import CkptNet, device_for, full_state, hybrid_groups, make_optimizer, train, wrapped
 
@@ -156,17 +156,17 @@ CHECKS = [
     check_registration_rules,
 ]
 
-session, test_check = session_tests(CHECKS, world_size=2)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=2)
 
 GPU_CHECKS = [check_default_hooks_match_torch, check_compression_hooks_match_torch]
 
 
-gpu_session = session_fixture(GPU_CHECKS, world_size=2, device="cuda", timeout_s=600)
+gpu_checks = rank_checks_fixture(GPU_CHECKS, world_size=2, device="cuda", timeout_s=600)
 
 
 @pytest.mark.gpu
 @needs_gpus(1)
 @pytest.mark.parametrize("check", GPU_CHECKS, ids=lambda c: c.__name__)
-def test_against_torch_on_2_gpus(gpu_session: RankSession, check: Any) -> None:
+def test_against_torch_on_2_gpus(gpu_checks: RankChecks, check: Any) -> None:
     """With NCCL torch's own compression hooks run unchanged (their ``record_stream`` needs CUDA)."""
-    gpu_session.assert_passed(check)
+    gpu_checks.assert_passed(check)

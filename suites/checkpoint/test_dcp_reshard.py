@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from engine import FSDP, ShardingStrategy, StateDictType
 from engine.checkpoint_io import dcp_load, dcp_save
-from harness.conformance.rank_sessions import RankSession, run_checks
+from harness.pytest_plugin.rank_checks import RankChecks, run_checks
 from suites.checkpoint.training import CkptNet, Setup, full_state, train
 
 
@@ -63,12 +63,12 @@ def check_resume_on_4(path: str, rank: int, world_size: int) -> None:
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("dcp-reshard"))
     outcome = run_checks([check_save_on_2], world_size=2, args=(path,))
-    RankSession(outcome).assert_passed(check_save_on_2)
+    RankChecks(outcome).assert_passed(check_save_on_2)
     return path
 
 
 def test_resume_on_4_ranks(checkpoint_dir: str) -> None:
-    RankSession(run_checks([check_resume_on_4], world_size=4, args=(checkpoint_dir,))).assert_passed(check_resume_on_4)
+    RankChecks(run_checks([check_resume_on_4], world_size=4, args=(checkpoint_dir,))).assert_passed(check_resume_on_4)
 
 
 def test_load_unsharded_without_process_group(checkpoint_dir: str) -> None:

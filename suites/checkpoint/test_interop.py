@@ -30,7 +30,7 @@ from engine import (
     StateDictType,
 )
 from engine.dtensors import full_tensor
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.ranks.rank import rank_device
 from suites.checkpoint.training import CkptNet, Setup, full_state, make_optimizer, train, wrapped
 
@@ -282,4 +282,4 @@ CHECKS = [
     check_older_optimizer_helpers,
 ]
 
-session, test_check = session_tests(CHECKS, world_size=2, device=("cpu", "cuda"))
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=2, device=("cpu", "cuda"))

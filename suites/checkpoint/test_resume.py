@@ -2,7 +2,7 @@
 
 Every strategy x ``use_orig_params`` x state-dict type (full, sharded, local) x optimizer (SGD with
 momentum, AdamW), and each strategy x ``use_orig_params`` x type with CPU offload and bf16 mixed
-precision, on CPU/gloo must match the uninterrupted run bitwise. The CI lane runs a slice
+precision, on CPU/gloo must match the uninterrupted run bitwise. The CI tier runs a slice
 (each strategy, each type and each optimizer at least once at 2 ranks, a few cases at 4 ranks,
 CPU offload and bf16 mixed precision once each); the whole product runs with ``--matrix full`` (marked
 ``slow``). The same slice runs on 2 GPUs with NCCL (marked ``gpu``).
@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 
 from engine import ShardingStrategy as S
-from harness.conformance.rank_sessions import RankSession, run_checks, session_fixture
+from harness.pytest_plugin.rank_checks import RankChecks, run_checks, rank_checks_fixture
 from harness.pytest_plugin import needs_gpus
 from suites.checkpoint import training
 from suites.checkpoint.training import SD_TYPES, Setup
@@ -74,41 +74,41 @@ CHECKS_4 = _checks(CI_4, 4)
 FULL_2 = _checks(FULL_PRODUCT, 2)
 FULL_4 = _checks(FULL_PRODUCT, 4)
 
-session_2 = session_fixture(CHECKS_2, world_size=2, timeout_s=600)
-session_4 = session_fixture(CHECKS_4, world_size=4, timeout_s=600)
+checks_2 = rank_checks_fixture(CHECKS_2, world_size=2, timeout_s=600)
+checks_4 = rank_checks_fixture(CHECKS_4, world_size=4, timeout_s=600)
 
 
 @pytest.mark.parametrize("check", CHECKS_2, ids=lambda c: c.__name__)
-def test_resume_2_ranks(session_2: RankSession, check: Callable[[int, int], None]) -> None:
-    session_2.assert_passed(check)
+def test_resume_2_ranks(checks_2: RankChecks, check: Callable[[int, int], None]) -> None:
+    checks_2.assert_passed(check)
 
 
 @pytest.mark.parametrize("check", CHECKS_4, ids=lambda c: c.__name__)
-def test_resume_4_ranks(session_4: RankSession, check: Callable[[int, int], None]) -> None:
-    session_4.assert_passed(check)
+def test_resume_4_ranks(checks_4: RankChecks, check: Callable[[int, int], None]) -> None:
+    checks_4.assert_passed(check)
 
 
 @pytest.fixture(scope="module")
-def full_product(request: pytest.FixtureRequest) -> dict[int, RankSession]:
+def full_product(request: pytest.FixtureRequest) -> dict[int, RankChecks]:
     if request.config.getoption("--matrix") != "full":
         pytest.skip(reason="the whole strategy x use_orig_params x type x optimizer product runs with --matrix full")
     return {
-        2: RankSession(run_checks(FULL_2, world_size=2, timeout_s=1800)),
-        4: RankSession(run_checks(FULL_4, world_size=4, timeout_s=1800)),
+        2: RankChecks(run_checks(FULL_2, world_size=2, timeout_s=1800)),
+        4: RankChecks(run_checks(FULL_4, world_size=4, timeout_s=1800)),
     }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", FULL_2 + FULL_4, ids=lambda c: c.__name__)
-def test_resume_full_product(full_product: dict[int, RankSession], check: Callable[[int, int], None]) -> None:
+def test_resume_full_product(full_product: dict[int, RankChecks], check: Callable[[int, int], None]) -> None:
     full_product[4 if check.__name__.startswith("check_ws4") else 2].assert_passed(check)
 
 
-gpu_session = session_fixture(CHECKS_2, world_size=2, device="cuda", timeout_s=600)
+gpu_checks = rank_checks_fixture(CHECKS_2, world_size=2, device="cuda", timeout_s=600)
 
 
 @pytest.mark.gpu
 @needs_gpus(1)
 @pytest.mark.parametrize("check", CHECKS_2, ids=lambda c: c.__name__)
-def test_resume_2_gpus(gpu_session: RankSession, check: Callable[[int, int], None]) -> None:
-    gpu_session.assert_passed(check)
+def test_resume_2_gpus(gpu_checks: RankChecks, check: Callable[[int, int], None]) -> None:
+    gpu_checks.assert_passed(check)

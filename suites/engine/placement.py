@@ -1,4 +1,4 @@
-"""CPU-offload placement checks shared by the CPU lane (our engine on gloo) and the GPU lane (our
+"""CPU-offload placement checks shared by the CPU tier (our engine on gloo) and the GPU tier (our
 engine and torch FSDP1 side by side on NCCL): one training step per configuration, recorded with
 ``harness.compare.param_devices`` at every point a user can observe.
 """

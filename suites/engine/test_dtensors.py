@@ -21,7 +21,7 @@ import engine.collectives
 import engine.dtensors
 import harness.engines.dtensors
 from engine.materialize import sync_states
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.ranks.rank import rank_device
 from suites.engine.refusing_groups import groups_refusing_cpu
 
@@ -150,4 +150,4 @@ def test_groups_refusing_cpu_refuse_what_nccl_refuses() -> None:
 CHECKS = [check_uneven_shards_round_trip, check_matches_dtensor_on_cpu, check_two_dimensional_mesh,
           check_cpu_values_travel_through_the_accelerator]
 
-session, test_check = session_tests(CHECKS, world_size=2, device=("cpu", "cuda"), timeout_s=120)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=2, device=("cpu", "cuda"), timeout_s=120)

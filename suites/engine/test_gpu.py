@@ -22,7 +22,7 @@ from engine import FSDP, CPUOffload, MixedPrecision, ShardingStrategy
 from harness.cases.case import FLAT_STRATEGIES, FSDP1_STRATEGIES
 from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.conformance.engine_models import NestedWrapped
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.pytest_plugin import needs_gpus
 from suites.engine.delays import DELAYS, cuda_device as _device, delayed_step_parity, seed_delayed_check
 
@@ -96,4 +96,4 @@ CHECKS = [
     check_cpu_offload_placement,
     check_no_sync_mixed_precision_dtypes,
 ]
-session, test_check = session_tests(CHECKS, device="cuda", timeout_s=540)
+rank_checks, test_check = rank_check_tests(CHECKS, device="cuda", timeout_s=540)

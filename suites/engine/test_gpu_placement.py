@@ -25,14 +25,14 @@ from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.compare.param_devices import PlacementLog, offload_violations
 from harness.conformance.engine_models import NestedWrapped
 from harness.conformance.fsdp1_checks import load_api
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.pytest_plugin import needs_gpus
 from harness.ranks.placement import n_gpus
 from suites.engine.placement import configurations, offload_step
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
-#: ranks of the session: 2 where there are 2 GPUs, else 1 (see the module docstring).
+#: ranks of the rank checks: 2 where there are 2 GPUs, else 1 (see the module docstring).
 WORLD = 2 if n_gpus() >= 2 else 1
 
 #: (point, use_orig_params) where the engines keep a gradient in different places by design: inside
@@ -127,4 +127,4 @@ def check_module_moved_to_gpu_after_offload_wrapping(rank: int, world_size: int)
 
 
 CHECKS = [check_offload_placement_matches_torch, check_module_moved_to_gpu_after_offload_wrapping]
-session, test_check = session_tests(CHECKS, world_size=WORLD, device="cuda", timeout_s=540)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=WORLD, device="cuda", timeout_s=540)

@@ -6,7 +6,7 @@ stays sharded in our engine (the gather, the reduce-scatter and the replicas' al
 on groups of one), so one GPU checks what the per-iteration ordering of the all-gather stream must
 guarantee: no gather reads a shard before the optimizer step that writes it is done (the sleep
 before the step), and no free or reduction overtakes compute (the other two sleeps). With bf16
-parameters the gather also casts on its stream. The 2-GPU lane runs the same sleeps on every
+parameters the gather also casts on its stream. The 2-GPU tier runs the same sleeps on every
 strategy (``test_gpu.py``).
 
     PYTHONPATH=. python3 -m pytest suites/engine/test_gpu_streams.py -m gpu -q
@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from engine import CPUOffload, ShardingStrategy
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.pytest_plugin import needs_gpus
 from suites.engine.delays import DELAYS, delayed_step_parity
 
@@ -39,4 +39,4 @@ def check_one_rank_hybrid_under_sleeps(rank: int, world_size: int) -> None:
 
 
 CHECKS = [check_one_rank_hybrid_under_sleeps]
-session, test_check = session_tests(CHECKS, world_size=1, device="cuda", timeout_s=300)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=1, device="cuda", timeout_s=300)

@@ -3,7 +3,7 @@ all-data local reference and DDP, with groups passed as a pair, built from a 2-D
 default groups (a node of the launcher's ``LOCAL_WORLD_SIZE`` ranks).
 
 The parity checks are harness cases on the plugin's 4-rank pool (``test_hybrid_parity``); the checks of one rank
-session below look at what parity does not: where the shards live, the clip norm, module-state sync and
+rank checks below look at what parity does not: where the shards live, the clip norm, module-state sync and
 the default groups.
 """
 
@@ -23,7 +23,7 @@ from harness.cases.case import HYBRID_STRATEGIES, CaseConfig
 from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import NESTED, TRANSFORMER, NestedWrapped
 from harness.conformance.fsdp1_checks import all_data, assert_match
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.pytest_plugin import ParityRunner
 from harness.ranks.rank import new_hybrid_groups
 
@@ -35,7 +35,7 @@ HYBRID_CASE = CaseConfig(engine="builtin", world_size=4)
 def _cases(smoke: bool = False) -> list[CaseConfig]:
     """Groups as a pair (shard groups {0,1} {2,3}, replicate groups {0,2} {1,3}): strategy x
     use_orig_params x backward prefetch on the nested and transformer models, each combination against
-    one reference and the other model against the other (``smoke``, the CI lane: 4 combinations that show
+    one reference and the other model against the other (``smoke``, the CI tier: 4 combinations that show
     every value with both references); groups from a 2-D ``(replicate, shard)`` mesh with forward
     prefetch; accumulation inside no_sync."""
     cases = []
@@ -129,4 +129,4 @@ CHECKS = [
     check_hybrid_sync_module_states,
     check_hybrid_default_groups_from_local_world_size,
 ]
-session, test_check = session_tests(CHECKS, world_size=4, timeout_s=400)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=4, timeout_s=400)

@@ -15,7 +15,7 @@ from harness.cases.case import CaseConfig
 from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import NESTED, NestedWrapped
 from harness.conformance.fsdp1_checks import assert_trains_like_local_reference, load_api
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 
 CPU = torch.device("cpu")
 
@@ -147,4 +147,4 @@ CHECKS = [
     check_ignored_modules,
     check_param_change_after_init_persists,
 ]
-session, test_check = session_tests(CHECKS)
+rank_checks, test_check = rank_check_tests(CHECKS)

@@ -4,8 +4,8 @@ prefetch x CPU offload (hybrid strategies aside: ``test_hybrid.py``) on the engi
 tied-transformer and mixture-of-experts models (``harness.conformance.engine_models``), against DDP and the all-data
 local reference.
 
-The smoke lane (CI) shows every model with every value of every axis against both references; the
-full lane (``--matrix full``) runs the whole product, on the GPUs where the host has them. The mixture
+The smoke tier (CI) shows every model with every value of every axis against both references; the
+full tier (``--matrix full``) runs the whole product, on the GPUs where the host has them. The mixture
 of experts is compared with its declared reduction: its experts are units over one-rank groups, which
 DDP leaves out of its all-reduce and the local reference keeps per rank.
 """
@@ -36,10 +36,10 @@ def test_smoke_shows_every_model_and_axis_value_against_both_references() -> Non
             for value in ENGINE_SWEEP.axes[axis]:
                 for reference in ("ddp", "local"):
                     assert (axis, value, model, reference) in seen, f"{model} {axis}={value} misses {reference}"
-    assert len(cases) <= 30, f"the smoke lane stays small: {len(cases)} cases"
+    assert len(cases) <= 30, f"the smoke tier stays small: {len(cases)} cases"
 
 
-def test_the_full_lane_is_the_whole_product() -> None:
+def test_the_full_tier_is_the_whole_product() -> None:
     cases = ENGINE_SWEEP.cases(ParityOptions(matrix="full", references=("ddp",)))
     assert sorted(ENGINE_SWEEP.axes) == sorted(("model", *SWEEP_AXES))
     assert len(cases) == 3 * 2 * 3 * 2 * 2 * len(ENGINE_SWEEP.axes["model"]), len(cases)

@@ -1,4 +1,4 @@
-"""CPU offload placement on the CPU lane: the recorder of ``harness.compare.param_devices`` and its offload rule
+"""CPU offload placement on the CPU tier: the recorder of ``harness.compare.param_devices`` and its offload rule
 (pure, over planted records), one offloaded training step of our engine on 2 gloo ranks for every
 strategy and ``use_orig_params`` (every point recorded, nothing off the promised device: the CPU
 is also the compute device here), and the refusal of a module moved off the CPU after wrapping.
@@ -17,7 +17,7 @@ from engine.unit import offloaded_placement_error
 from harness.compare.param_devices import COMPUTE_POINTS, PARAMETER_POINTS, Violation, offload_violations, original_names
 from harness.conformance.engine_models import NestedWrapped
 from harness.conformance.fsdp1_checks import load_api
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from suites.engine.placement import configurations, offload_step
 
 CPU = torch.device("cpu")
@@ -98,4 +98,4 @@ def _transformer() -> nn.Module:
 
 
 CHECKS = [check_offloaded_step_placement]
-session, test_check = session_tests(CHECKS)
+rank_checks, test_check = rank_check_tests(CHECKS)

@@ -1,5 +1,5 @@
 """no_sync, gradient accumulation, summon_full_params, clip_grad_norm_, attribute forwarding,
-fsdp_modules and misuse errors, on 2 CPU ranks (one spawned session); accumulation parity with and
+fsdp_modules and misuse errors, on 2 CPU ranks (one spawn of the ranks); accumulation parity with and
 without no_sync as harness cases (``ACCUMULATION_CASES``, on the plugin's pool)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from harness.cases.case import FLAT_STRATEGIES, FSDP1_STRATEGIES, CaseConfig
 from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import NESTED, TRANSFORMER, NestedWrapped
 from harness.conformance.fsdp1_checks import all_data, assert_match, assert_params_match, full_params, load_api, optim
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.pytest_plugin import ParityRunner
 
 CPU = torch.device("cpu")
@@ -379,4 +379,4 @@ CHECKS = [
     # Last: its peer timeout must not take other checks down with it.
     check_divergent_forward_surfaces_as_timeout,
 ]
-session, test_check = session_tests(CHECKS)
+rank_checks, test_check = rank_check_tests(CHECKS)

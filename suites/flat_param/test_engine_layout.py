@@ -1,5 +1,5 @@
 """The flat-parameter layout check of every selected FSDP1-API engine against torch FSDP1, collected into
-the CI lane.
+the CI tier.
 
 Written once, in ``harness.conformance.engine_layout``, so that ``python -m harness certify`` runs it
 (its ``flat-param`` family) from an installed package; importing the test and its fixture here makes

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
 
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.ranks.rank import rank_device
 
 
@@ -52,4 +52,4 @@ def check_ddp_averages_like_plain_collectives(rank: int, world_size: int) -> Non
 
 CHECKS = [check_ddp_averages_like_plain_collectives]
 
-session, test_check = session_tests(CHECKS, world_size=2, device=("cpu", "cuda"), timeout_s=120)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=2, device=("cpu", "cuda"), timeout_s=120)

@@ -34,7 +34,7 @@ def _harness(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("PYTEST_XDIST_WORKER", None)  # the subprocess is not an xdist worker
     if not gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU lane, even on a GPU machine
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier, even on a GPU machine
     return subprocess.run(
         [sys.executable, *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -140,7 +140,7 @@ def _all_of(path: Path) -> set[str]:
 
 def _tests_of(path: Path) -> set[str]:
     """The names pytest collects tests from in a module: ``test_*`` functions (defined or assigned, as
-    ``session_tests`` returns them) and ``Test*`` classes."""
+    ``rank_check_tests`` returns them) and ``Test*`` classes."""
     names = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):

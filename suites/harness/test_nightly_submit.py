@@ -13,7 +13,7 @@ import pytest
 
 from harness.cli import build_parser, main
 from harness.cli.nightly_submit import SUBMIT_DIR, SubmitOptions, _wait, plan_array, submit_options
-from harness.run.shards import ShardSpec
+from harness.run.parts import PartSpec
 
 #: a nightly of few real cases: no fuzz campaign, no performance section, no determinism reruns.
 SMALL = ["--matrix", "smoke", "--engines", "builtin", "--references", "local", "--fuzz-profile", "none",
@@ -28,17 +28,20 @@ def _args(*argv: str) -> Any:
 def test_the_array_runs_shard_k_of_n_in_task_k_into_the_night_s_shard_directories(tmp_path: Path) -> None:
     args = _args("--out", str(tmp_path / "night"), "--submit", "slurm", "--shards", "3", "--resume", *SMALL)
     options = submit_options(args)
-    assert options is not None and options.cluster == "slurm" and options.shards == 3
+    assert options is not None and options.cluster == "slurm" and options.parts == 3
     plan = plan_array(args, options)
-    assert [t.shard for t in plan.tasks] == [ShardSpec(0, 3), ShardSpec(1, 3), ShardSpec(2, 3)]
+    assert [t.part for t in plan.tasks] == [PartSpec(0, 3), PartSpec(1, 3), PartSpec(2, 3)]
     assert [t.out for t in plan.tasks] == [tmp_path / "night" / "shards" / f"{k}-of-3" for k in (1, 2, 3)]
     assert plan.folder == tmp_path / "night" / SUBMIT_DIR
     for task in plan.tasks:  # each task is the shard's own nightly, with the night's options
-        assert task.args.submit is None and not task.args.merge_shards and task.args.resume
+        assert task.args.submit is None and not task.args.merge_parts and task.args.resume
         assert task.args.matrix == "smoke" and task.args.engines == ["builtin"]
-    assert args.shard is None and args.submit == "slurm", "planning leaves the command line's options alone"
+    assert args.part is None and args.submit == "slurm", "planning leaves the command line's options alone"
     folder = tmp_path / "logs"
     assert plan_array(args, SubmitOptions("local", 2, folder=folder)).folder == folder
+    # ``--parts`` is the option's name, ``--shards`` its old spelling (an alias): the same plan.
+    new = _args("--out", str(tmp_path / "night"), "--submit", "slurm", "--parts", "3", "--resume", *SMALL)
+    assert submit_options(new) == options and [t.part for t in plan_array(new, options).tasks] == [t.part for t in plan.tasks]
 
 
 def test_a_requeued_task_resumes_its_own_shard(tmp_path: Path) -> None:
@@ -47,11 +50,11 @@ def test_a_requeued_task_resumes_its_own_shard(tmp_path: Path) -> None:
     task = plan_array(args, submit_options(args)).tasks[1]
     assert not task.args.resume
     again = task.checkpoint().function
-    assert again.shard == ShardSpec(1, 2) and not again.args.resume, "stopped before its results file: starts afresh"
+    assert again.part == PartSpec(1, 2) and not again.args.resume, "stopped before its results file: starts afresh"
     task.out.mkdir(parents=True)
     (task.out / "results.jsonl").write_text("")
     again = task.checkpoint().function
-    assert again.shard == ShardSpec(1, 2) and again.args.resume and not task.args.resume
+    assert again.part == PartSpec(1, 2) and again.args.resume and not task.args.resume
 
 
 def test_slurm_options_reach_submitit_s_parameters() -> None:
@@ -73,13 +76,13 @@ def test_slurm_options_reach_submitit_s_parameters() -> None:
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--submit", "local"], "--submit local: needs --shards N"),
-    (["--shards", "2"], "--shards: only with --submit local|slurm (one shard of a night: --shard K/N)"),
+    (["--submit", "local"], "--submit local: needs --parts N"),
+    (["--shards", "2"], "--parts: only with --submit local|slurm (one part of a night: --part K/N)"),
     (["--partition", "gpu"], "--partition: only with --submit"),
-    (["--submit", "local", "--shards", "2", "--shard", "1/2"], "--submit: gives every task its shard; drop --shard 1/2"),
-    (["--submit", "local", "--shards", "2", "--merge-shards"], "drop --merge-shards"),
+    (["--submit", "local", "--shards", "2", "--shard", "1/2"], "--submit: gives every task its part; drop --part 1/2"),
+    (["--submit", "local", "--shards", "2", "--merge-shards"], "drop --merge-parts"),
     (["--submit", "local", "--shards", "2", "--partition", "gpu"], "--partition: only for --submit slurm"),
-    (["--submit", "slurm", "--shards", "0"], "--shards: 0 must be at least 1"),
+    (["--submit", "slurm", "--parts", "0"], "--parts: 0 must be at least 1"),
     (["--submit", "pbs", "--shards", "2"], "--submit: invalid choice: 'pbs'"),
     (["--submit", "slurm", "--shards", "2", "--slurm-param", "account"], "--slurm-param: 'account' is not KEY=VALUE"),
 ])
@@ -113,8 +116,8 @@ def test_a_task_that_raised_or_could_not_run_its_cases_is_a_trouble_failing_case
     jobs = [_Job("7_0", 0), _Job("7_1", 1), _Job("7_2", RuntimeError("Job 7_2 failed\nkilled by signal 9")), _Job("7_3", 2)]
     troubles = _wait(jobs, tasks)
     assert len(troubles) == 2
-    assert troubles[0].startswith("shard 3/4 (job 7_2) failed: killed by signal 9") and "7_2_log.err" in troubles[0]
-    assert troubles[1].startswith("shard 4/4 (job 7_3) exited with status 2")
+    assert troubles[0].startswith("part 3/4 (job 7_2) failed: killed by signal 9") and "7_2_log.err" in troubles[0]
+    assert troubles[1].startswith("part 4/4 (job 7_3) exited with status 2")
 
 
 def test_submit_local_runs_both_shards_and_merges_one_night(
@@ -136,5 +139,5 @@ def test_submit_local_runs_both_shards_and_merges_one_night(
     for k in (1, 2):  # each task ran its own shard, told explicitly (no scheduler variables locally)
         shard = json.loads((night / "shards" / f"{k}-of-2" / "nightly.json").read_text())["shard"]
         assert (shard["index"], shard["count"]) == (k - 1, 2) and shard["selected"] == 2
-        assert f"shard {k}/2" in err
+        assert f"part {k}/2" in err
     assert any((night / SUBMIT_DIR).rglob("*.out")), "the tasks' logs are under OUT/submitit"

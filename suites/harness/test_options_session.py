@@ -154,14 +154,14 @@ def test_a_session_stops_every_lane_on_ctrl_c_and_says_so(tmp_path: Path, monkey
 def test_a_part_is_the_shard_and_stores_the_selection(tmp_path: Path) -> None:
     selection = Selection(matrix="smoke", engines=["torch-fsdp"], references=["local"])
     whole = select_part(selection, [2])
-    halves = [select_part(selection, [2], shard=f"{k}/2") for k in (1, 2)]
-    assert whole.shard is None and whole.cases == whole.selected and whole.describe() == ""
+    halves = [select_part(selection, [2], part=f"{k}/2") for k in (1, 2)]
+    assert whole.cut is None and whole.cases == whole.selected and whole.describe() == ""
     assert sorted(c.full_id for h in halves for c in h.cases) == sorted(c.full_id for c in whole.cases)
     assert {h.id for h in halves} == {whole.id}, "every shard shares the selection's id"
-    assert halves[0].describe().startswith(f"shard 1/2 of {len(whole.selected)} cases")
+    assert halves[0].describe().startswith(f"part 1/2 of {len(whole.selected)} cases")
     out = tmp_path / "r.jsonl"
     out.write_text("")
     stored = halves[1].store(out)
-    assert stored.shard is not None and stored.shard["index"] == 1
+    assert stored.part is not None and stored.part["index"] == 1
     resumed = select_part(selection, [2], stored=stored)
     assert resumed.cases == halves[1].cases and resumed.store(out) is stored

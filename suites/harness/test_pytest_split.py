@@ -1,7 +1,7 @@
 """The suites split over CI jobs with pytest-split (``--splits N --group K``, docs/testing.md "Splitting the
 pytest suites"): the groups are disjoint and cover the suite, its default algorithm (``duration_based_chunks``)
-cuts the collection order into contiguous runs, so at most N - 1 modules are split (their rank session
-then starts in two groups), and a group that drew no test passes (``harness.pytest_plugin.split_groups``)."""
+cuts the collection order into contiguous runs, so at most N - 1 modules are split (their rank checks
+then run in two groups), and a group that drew no test passes (``harness.pytest_plugin.split_groups``)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.ranks.rank import rank_device
 
 pytestmark = pytest.mark.gpu
@@ -51,4 +51,4 @@ def check_torch_fsdp1_offloaded_summon_breaks_the_next_all_gather(rank: int, wor
 
 CHECKS = [check_torch_fsdp1_offloaded_summon_breaks_the_next_all_gather]
 
-session, test_check = session_tests(CHECKS, world_size=2, device="cuda", timeout_s=120)
+rank_checks, test_check = rank_check_tests(CHECKS, world_size=2, device="cuda", timeout_s=120)

@@ -1,4 +1,4 @@
-"""``harness.conformance.mixed_precision.parity``, collected into the CI lane (written once, in the package: see
+"""``harness.conformance.mixed_precision.parity``, collected into the CI tier (written once, in the package: see
 ``harness.conformance``).
 The rank pools are the folder's (``conftest.py``): one for every module.
 """

@@ -1,6 +1,6 @@
 """The slices of the case matrix the generated parity suites run (see ``harness.pytest_plugin.cases``).
 
-One ``SuiteMatrix`` per suite, kept together so their sizes per lane can be read and tested in one
+One ``SuiteMatrix`` per suite, kept together so their sizes per tier can be read and tested in one
 place (``test_parity_plugin_logic.py`` pins the counts). Every suite also crosses the engines,
 references and world sizes the options ask for. Strategies include the hybrid ones: the matrix's rules
 keep them to world sizes of at least 4 (``--world-size 4``).
@@ -49,7 +49,7 @@ MIXED_PRECISION = SuiteMatrix(
 #: Models whose units are cut differently: every submodule a unit, a rank-local expert over a one-rank
 #: group, frozen and trainable units (LoRA), BatchNorm as its own unit, a tied LM head (GPT); each
 #: with flat and original parameters and every backward prefetch (which unit is prefetched when
-#: depends on how the units are cut). The smoke lane shows every model.
+#: depends on how the units are cut). The smoke tier shows every model.
 WRAP = SuiteMatrix(
     "wrap",
     axes={
@@ -90,7 +90,7 @@ TORCH_FSDP1_COMPILED_ON_CUDA = ExpectedFailure(
 #: What real training loops add around the engine (``harness.selection.matrix.LOOP_SLICE``): parameter groups and
 #: two optimizers, clipping, accumulation with and without no_sync, activation checkpointing and compile,
 #: on the nested units and the tied transformer, with flat and original parameters, across strategies,
-#: bf16 and CPU offload. The smoke lane runs the smoke variants
+#: bf16 and CPU offload. The smoke tier runs the smoke variants
 #: that set these axes: every value once.
 TRAINING_LOOP = SuiteMatrix(
     "training_loop",
@@ -111,7 +111,7 @@ TRAINING_LOOP = SuiteMatrix(
 
 #: The seed's test_nested_wrapped_model_single_iteration_mixed_precision: one fp16 step (parameters,
 #: reduction and buffers in float16) of the nested units over strategy x CPU offload x use_orig_params,
-#: against the reference emulating the casts. The smoke lane (CI) shows every strategy with and without
+#: against the reference emulating the casts. The smoke tier (CI) shows every strategy with and without
 #: offload.
 FP16_SINGLE_ITERATION = SuiteMatrix(
     "fp16_single_iteration",
@@ -128,8 +128,8 @@ FP16_SINGLE_ITERATION = SuiteMatrix(
 #: The engine suites' parity sweep (``suites/engine/test_parity.py``): every strategy x use_orig_params x
 #: backward prefetch x forward prefetch x CPU offload on the engine suites' nested, tied-transformer and
 #: mixture-of-experts models, on the builtin engine only whatever ``--engine`` says (so it is not among
-#: ``SUITES``, whose sizes are per requested engine). The smoke lane shows every model with every value of
-#: every axis against both references; the full lane is the whole product.
+#: ``SUITES``, whose sizes are per requested engine). The smoke tier shows every model with every value of
+#: every axis against both references; the full tier is the whole product.
 ENGINE_SWEEP = SuiteMatrix(
     "engine_sweep",
     axes={

@@ -1,7 +1,7 @@
 """Generated parity cases: strategy x backward prefetch x CPU offload x use_orig_params on the core models (nested units, tied transformer).
 
 Each case trains the engine and the reference side by side (harness.compare.parity) on the shared rank pool;
-the slice is ``suites.parity.slices.CORE``, walked by the lane ``--matrix`` chooses, for every
+the slice is ``suites.parity.slices.CORE``, walked by the generator ``--matrix`` chooses, for every
 ``--engine`` x ``--reference`` x ``--world-size``. An engine that cannot express a case skips it
 with its reason.
 """

@@ -113,11 +113,11 @@ def test_k_selects_by_case_id(pytester: pytest.Pytester) -> None:
     ]
 
 
-def test_larger_lanes_are_marked_slow(pytester: pytest.Pytester) -> None:
+def test_larger_tiers_are_marked_slow(pytester: pytest.Pytester) -> None:
     done = collect(pytester, "--matrix", "pairwise", "--engine", "builtin", "-m", "not slow")
     assert done.ret == 0, done.stdout.str()
     assert "test_seed_engines[builtin]" in done.stdout.str()
-    assert "test_ok[" not in done.stdout.str(), "cases of the pairwise and full lanes are marked slow"
+    assert "test_ok[" not in done.stdout.str(), "cases of the pairwise and full tiers are marked slow"
 
 
 def test_loop_axes_deselects_the_generated_suites_without_a_training_loop_axis(pytester: pytest.Pytester) -> None:

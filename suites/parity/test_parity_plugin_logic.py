@@ -1,5 +1,5 @@
 """The pure logic of the generated suites (``harness.pytest_plugin.cases``), without processes: option parsing,
-suite slices per lane, where each xdist worker's ranks run, and what a record means to pytest."""
+suite slices per tier, where each xdist worker's ranks run, and what a record means to pytest."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_bad_slices_are_refused(kwargs: dict, message: str) -> None:
 
 @pytest.mark.parametrize("matrix", ["smoke", "pairwise", "full"])
 @pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.name)
-def test_every_lane_gives_valid_unique_cases_for_every_engine(suite: SuiteMatrix, matrix: str) -> None:
+def test_every_tier_gives_valid_unique_cases_for_every_engine(suite: SuiteMatrix, matrix: str) -> None:
     options = ParityOptions(matrix=matrix)  # type: ignore[arg-type]
     cases = suite.cases(options)
     assert cases == suite.cases(options), "deterministic"
@@ -197,7 +197,7 @@ def test_pairwise_covers_every_pair_of_the_slice_for_every_engine(suite: SuiteMa
 def test_full_is_the_product_of_the_slice_minus_invalid(suite: SuiteMatrix) -> None:
     cases = suite.cases(ParityOptions(matrix="full", references=("ddp",)))
     if suite.widest == "pairwise":
-        # Too large a product for the full lane: the lane walks it pairwise.
+        # Too large a product for the full tier: the tier walks it pairwise.
         assert [c.full_id for c in cases] == [c.full_id for c in suite.cases(ParityOptions(matrix="pairwise", references=("ddp",)))]
         return
     for engine in ENGINES:
@@ -226,9 +226,9 @@ def test_smoke_shows_every_variant_through_the_slice() -> None:
     assert any(c.cpu_offload for c in fsdp2), "a variant keeps what the engine can run (offload) when it drops BACKWARD_POST"
 
 
-def test_lane_sizes_stay_within_their_budgets() -> None:
-    """How many cases each lane runs on 2 ranks, every engine, both references: smoke stays small for
-    the CPU lane, full fits the 10-minute 2-GPU lane (a case takes well under a second there)."""
+def test_tier_sizes_stay_within_their_budgets() -> None:
+    """How many cases each tier runs on 2 ranks, every engine, both references: smoke stays small for
+    the CPU tier, full fits the 10-minute 2-GPU tier (a case takes well under a second there)."""
     sizes = {
         matrix: {s.name: len(s.cases(ParityOptions(matrix=matrix))) for s in SUITES}  # type: ignore[arg-type]
         for matrix in ("smoke", "pairwise", "full")
@@ -236,7 +236,7 @@ def test_lane_sizes_stay_within_their_budgets() -> None:
     # 200 before the training-loop suite, whose 24 smoke cases (compile and checkpointing among them) took
     # about 80 s on 2 contended CPU cores, and the fp16 single iteration's 36 (7 s).
     assert sum(sizes["smoke"].values()) <= 260, sizes
-    # 1074 before the training-loop suite, whose full lane is its pairwise walk (96 cases), and the fp16
+    # 1074 before the training-loop suite, whose full tier is its pairwise walk (96 cases), and the fp16
     # single iteration (60 one-step cases).
     assert sum(sizes["smoke"].values()) < sum(sizes["pairwise"].values()) < sum(sizes["full"].values()) <= 1250, sizes
     assert len(WRAP.cases(ParityOptions())) >= 3 * 2 * len(WRAP.axes["model"]), "smoke shows every wrap model per engine"

@@ -1,7 +1,7 @@
 """Generated parity cases of the training loop: parameter groups and two optimizers, gradient clipping,
 accumulation with and without no_sync, activation checkpointing and compile (``harness.selection.matrix.LOOP_SLICE``).
 
-The slice is ``suites.parity.slices.TRAINING_LOOP``, walked by the lane ``--matrix`` chooses, for every
+The slice is ``suites.parity.slices.TRAINING_LOOP``, walked by the generator ``--matrix`` chooses, for every
 ``--engine`` x ``--reference`` x ``--world-size``; what an engine cannot express is left out by its
 capability rules, and what it gets wrong is a strict expected failure below, with the reason.
 """

@@ -1,7 +1,7 @@
 """Generated parity cases: models with different wrap units: always-wrap, rank-local expert, LoRA, BatchNorm unit, tied GPT.
 
 Each case trains the engine and the reference side by side (harness.compare.parity) on the shared rank pool;
-the slice is ``suites.parity.slices.WRAP``, walked by the lane ``--matrix`` chooses, for every
+the slice is ``suites.parity.slices.WRAP``, walked by the generator ``--matrix`` chooses, for every
 ``--engine`` x ``--reference`` x ``--world-size``. An engine that cannot express a case skips it
 with its reason.
 """

@@ -2,7 +2,7 @@
 
 - The matrix: the three stages against DDP and the local reference, every axis a DeepSpeed engine can
   express walked pairwise with ``--matrix pairwise`` (same-engine full and sharded checkpoints, SGD, AdamW
-  and its parameter groups, activation checkpointing, both models); the CI lane runs a sample (each stage
+  and its parameter groups, activation checkpointing, both models); the CI tier runs a sample (each stage
   plain and with a full AdamW checkpoint). What DeepSpeed cannot express is left out by its capability
   rules (``harness.engines.deepspeed_adapter.DEEPSPEED_RULES``), or is ``unsupported`` with the reason.
 - Cross-engine resume through the neutral full state dict (DeepSpeed <-> our engine, FSDP2).
@@ -90,7 +90,7 @@ def test_cross_engine_resume_through_the_neutral_full_state_dict(
     case: CaseConfig, parity_runner: ParityRunner, parity_options: ParityOptions, request: pytest.FixtureRequest
 ) -> None:
     if request.node.get_closest_marker("slow") is not None and parity_options.matrix == "smoke":
-        pytest.skip(reason="runs with --matrix pairwise|full; the CI lane runs DeepSpeed <-> builtin")
+        pytest.skip(reason="runs with --matrix pairwise|full; the CI tier runs DeepSpeed <-> builtin")
     parity_runner.run(case)
 
 

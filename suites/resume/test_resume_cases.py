@@ -3,7 +3,7 @@ resume (saved by one engine, resumed by another), and planted load bugs that mus
 
 Every case runs through ``harness.run.runner.run_case`` on the shared rank pools (``parity_pools``), so it is
 decided exactly as ``harness run`` decides it, and (but for the planted bugs) is recorded in ``--results``; a resharded case compares against the local reference,
-which replays the same change of world size. The CI lane runs a slice (each reshard direction, each
+which replays the same change of world size. The CI tier runs a slice (each reshard direction, each
 engine pair once, two planted bugs); the cases marked ``slow`` run with ``--matrix full``.
 """
 
@@ -24,7 +24,7 @@ SLOW = pytest.mark.slow
 @pytest.fixture(autouse=True)
 def _lane(request: pytest.FixtureRequest, parity_options: ParityOptions) -> None:
     if request.node.get_closest_marker("slow") is not None and parity_options.matrix != "full":
-        pytest.skip(reason="runs in the --matrix full lane; the CI lane runs a slice of these cases")
+        pytest.skip(reason="runs in the --matrix full tier; the CI tier runs a slice of these cases")
 
 
 def _run(pools: PoolRegistry, case: CaseConfig) -> CaseRecord:
@@ -40,7 +40,7 @@ def _passes(record: CaseRecord) -> None:
 # --- DCP reshard -------------------------------------------------------------------------------------
 
 RESHARD = [
-    # (engine, save ranks, resume ranks, extra fields, CI lane)
+    # (engine, save ranks, resume ranks, extra fields, CI tier)
     ("torch-fsdp", 2, 1, {}, True),
     ("builtin", 2, 1, {"optimizer": "adamw", "use_orig_params": True}, False),
     ("torch-fsdp2", 2, 1, {"optimizer": "adamw"}, False),
@@ -73,7 +73,7 @@ def test_dcp_reshard(parity_runner: ParityRunner, engine: str, saving: int, resu
 FSDP2_OK = {"use_orig_params": True, "backward_prefetch": "pre"}
 
 CROSS = [
-    # (saved by, resumed by, checkpoint, fields, CI lane)
+    # (saved by, resumed by, checkpoint, fields, CI tier)
     ("builtin", "torch-fsdp", "full", {"optimizer": "adamw"}, True),
     ("torch-fsdp", "builtin", "full", {"use_orig_params": True}, False),
     ("builtin", "torch-fsdp", "sharded", {"use_orig_params": True}, False),
@@ -104,7 +104,7 @@ def test_local_checkpoint_across_engines_is_unsupported_with_its_reason(
     case = cross_case("builtin", "torch-fsdp", "local", {})
     assert "LOCAL" in (invalid_reason(case) or "")
     record = _run(parity_pools, case)
-    parity_runner.session.record(record, parity_runner.node)  # the resume matrix shows the refused cell
+    parity_runner.results.record(record, parity_runner.node)  # the resume matrix shows the refused cell
     assert record.verdict == "unsupported" and "flat" in record.reason, record.reason
 
 

@@ -3,7 +3,7 @@ trajectory against the uninterrupted reference at the case's own tolerance (``ha
 
 The slice is strategy x ``use_orig_params`` x state-dict type (full, sharded, local) x optimizer (SGD with
 momentum, AdamW), for every ``--engine`` x ``--reference`` x ``--world-size`` (hybrid strategies from 4
-ranks). ``--matrix full`` walks the whole product (marked ``slow``); the smoke lane runs three cases per
+ranks). ``--matrix full`` walks the whole product (marked ``slow``); the smoke tier runs three cases per
 engine and reference: the baseline with a full checkpoint, a sharded one with AdamW and original
 parameters, a local one with AdamW under SHARD_GRAD_OP. What an engine cannot save or load is skipped
 with its reason (FSDP2 has no local state dict).

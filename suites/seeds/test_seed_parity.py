@@ -1,4 +1,4 @@
-"""``harness.conformance.seeds.seed_parity``, collected into the CI lane (written once, in the package: see
+"""``harness.conformance.seeds.seed_parity``, collected into the CI tier (written once, in the package: see
 ``harness.conformance``).
 """
 

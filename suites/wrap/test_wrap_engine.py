@@ -1,4 +1,4 @@
-"""``harness.conformance.wrap.wrap_engine``, collected into the CI lane (written once, in the package: see
+"""``harness.conformance.wrap.wrap_engine``, collected into the CI tier (written once, in the package: see
 ``harness.conformance``).
 """
 

@@ -4,7 +4,7 @@ two gloo CPU ranks shared by both engines (and, in ``suites/mixed_precision``, b
 folder). The same jobs run on two GPUs with NCCL in ``gpu``.
 
 float16 compute works on CPU in torch 2.13 (linear, layer norm, softmax, embedding, batch norm,
-conv, the transformer layers and cross entropy all have float16 CPU kernels), so the CPU lane
+conv, the transformer layers and cross entropy all have float16 CPU kernels), so the CPU tier
 uses the seed's float16 (and bfloat16 where the seed does) rather than substituting bfloat16.
 
 CPU offload runs as its own test id: torch FSDP1's offload pins host memory, which needs an

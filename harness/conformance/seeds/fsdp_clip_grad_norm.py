@@ -17,12 +17,12 @@ import torch.nn as nn
 from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.conformance.engine_models import NestedWrapped
 from harness.conformance.fsdp1_checks import FSDPApi, all_data, assert_match, assert_params_match, load_api
-from harness.conformance.rank_sessions import api_session_tests
+from harness.pytest_plugin.rank_checks import api_rank_check_tests
 from harness.ranks.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
-__all__ = ["session", "test_check"]
+__all__ = ["rank_checks", "test_check"]
 
 
 def check_norm_over_shards_and_clipped_gradients(api: FSDPApi, rank: int, world_size: int) -> None:
@@ -73,4 +73,4 @@ CHECKS = [
     check_norm_dtype_follows_the_gradients,
     check_a_rank_without_gradients_warns,
 ]
-session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"))
+rank_checks, test_check = api_rank_check_tests(CHECKS, load_api, device=("cpu", "cuda"))

@@ -5,7 +5,7 @@ torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 ranks on the CPU
 use_orig_params, with and without CPU offload, parameter change after init, pre-backward hook
 registration (also after a state-dict round trip), eval output equals no_grad output, unsharded
 parameters are Tensor views during compute even with prefetching. The parity checks are harness cases
-(``harness.conformance.seeds.seed_parity``); the others run here in one rank session per engine and device.
+(``harness.conformance.seeds.seed_parity``); the others run here as rank checks, one spawn of the ranks per engine and device.
 
 The seed's delayed variants (GPU sleeps, our engine, the parity checks' whole product, the mixture of
 experts included) are in suites/engine/test_gpu.py; its CUDA init modes have no CPU meaning: the parity
@@ -27,13 +27,13 @@ from torch.testing import assert_close
 from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.conformance.engine_models import NestedWrapped, SharedTransformer
 from harness.conformance.fsdp1_checks import FSDPApi, load_api, optim
-from harness.conformance.rank_sessions import api_session_tests
+from harness.pytest_plugin.rank_checks import api_rank_check_tests
 from harness.engines.optim import sgd
 from harness.ranks.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
-__all__ = ["session", "test_check"]
+__all__ = ["rank_checks", "test_check"]
 
 
 def _prefetches(api: FSDPApi) -> list:
@@ -217,4 +217,4 @@ CHECKS = [
     check_transformer_eval_equals_no_grad,
     check_unshard_params_as_tensors,
 ]
-session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=400)
+rank_checks, test_check = api_rank_check_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=400)

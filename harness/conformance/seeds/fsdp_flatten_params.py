@@ -13,11 +13,11 @@ from torch.testing import assert_close
 
 from harness.conformance.flat_handles import flatten_params_transformer
 from harness.conformance.fsdp1_checks import FSDPApi, load_api
-from harness.conformance.rank_sessions import api_session_tests
+from harness.pytest_plugin.rank_checks import api_rank_check_tests
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
-__all__ = ["session", "test_check"]
+__all__ = ["rank_checks", "test_check"]
 
 CPU = torch.device("cpu")
 
@@ -137,4 +137,4 @@ CHECKS = [
     check_output,
     check_pnorm_after_step_with_shared_params,
 ]
-session, test_check = api_session_tests(CHECKS, load_api, world_size=1)
+rank_checks, test_check = api_rank_check_tests(CHECKS, load_api, world_size=1)

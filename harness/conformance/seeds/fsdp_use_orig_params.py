@@ -8,9 +8,9 @@ FQNs in forward, no_sync correctness and mixed-precision dtypes, non-uniform req
 
 DDP is the reference where the seed uses it; no_sync against the all-data reference is harness cases
 (``seed_parity``). The training against DDP (parameter groups, trainability, multiple optimizers,
-compile) is ``orig_params_ddp``'s. The CI lane runs a representative part of the seed's
+compile) is ``orig_params_ddp``'s. The CI tier runs a representative part of the seed's
 test_diff_hyperparams (6 subtests that show every value of every axis) and of its test_fsdp_compile
-(FULL_SHARD, 3 iterations); the slow lane (``--matrix pairwise|full``, ``SLOW_CHECKS``) runs their whole
+(FULL_SHARD, 3 iterations); the slow tier (``--matrix pairwise|full``, ``SLOW_CHECKS``) runs their whole
 products, 10 iterations each, with the seed's init modes on CUDA ranks and inductor there.
 """
 
@@ -30,7 +30,7 @@ from torch.testing import assert_close
 from harness.cases.model_protocol import wrap_bottom_up
 from harness.conformance.engine_models import SharedTransformer
 from harness.conformance.fsdp1_checks import FSDPApi, clean as _clean, load_api
-from harness.conformance.rank_sessions import api_session_tests
+from harness.pytest_plugin.rank_checks import api_rank_check_tests
 from harness.conformance.seeds.orig_params_ddp import (
     HYPERPARAM_AXES,
     _check_param_parity,
@@ -52,7 +52,7 @@ from harness.ranks.rank import rank_device
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
-__all__ = ["session", "test_check",
+__all__ = ["rank_checks", "test_check",
            "test_hyperparam_subtests_are_the_seeds_product_and_smoke_shows_every_value"]
 
 
@@ -413,4 +413,4 @@ SLOW_CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
     check_diff_hyperparams_cpu_offload_every_subtest,
     check_fsdp_compile_every_subtest,
 ]
-session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=600, slow_checks=SLOW_CHECKS)
+rank_checks, test_check = api_rank_check_tests(CHECKS, load_api, device=("cpu", "cuda"), timeout_s=600, slow_checks=SLOW_CHECKS)

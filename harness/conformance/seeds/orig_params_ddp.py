@@ -287,7 +287,7 @@ def _compiled_parity(api: FSDPApi, strategy: Any, iters: int, skip_fsdp_guards: 
 
 
 def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's test_fsdp_compile in the CI lane: FULL_SHARD, 3 iterations (the seed's product:
+    """The seed's test_fsdp_compile in the CI tier: FULL_SHARD, 3 iterations (the seed's product:
     ``check_fsdp_compile_every_subtest``; the parity matrix's ``compile`` axis has the rest)."""
     _compiled_parity(api, api.ShardingStrategy.FULL_SHARD, iters=3)
 

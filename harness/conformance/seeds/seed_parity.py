@@ -1,14 +1,14 @@
-"""The seed files' training-parity checks, as harness cases on the plugin's pool for every engine with
-torch FSDP1's API (``fsdp_api``), where ``--device`` places the ranks; the seed files' other checks run in
-their rank sessions (a module of its own keeps pytest from interleaving these tests with a session's and
-starting the session again).
+"""The ported files' training-parity checks, as harness cases on the plugin's pool for every engine with
+torch FSDP1's API (``fsdp_api``), where ``--device`` places the ranks; the ported files' other checks run as
+their rank checks (a module of its own keeps pytest from interleaving these tests with a module's rank checks
+and starting those ranks again).
 
 - test_fsdp_core.py: parity with DDP of the nested, always-wrap nested, tied transformer and mixture of
   experts models (the engine suites' zoo models; the experts are rank-local, which DDP leaves out: the
   model's declared reduction), with and without CPU offload, over the seed's product of strategy x backward
   prefetch x forward prefetch x use_orig_params x init mode (the init modes on CUDA ranks, where they
-  differ); each seed check is one test of its subtests. The CI lane (``--matrix smoke``) runs 6 of them
-  that show every value of every axis; ``--matrix pairwise|full`` (the slow lanes) and the GPU runs with
+  differ); each seed check is one test of its subtests. The CI tier (``--matrix smoke``) runs 6 of them
+  that show every value of every axis; ``--matrix pairwise|full`` (the slow tiers) and the GPU runs with
   them run the whole product.
 - test_fsdp_use_orig_params.py: no_sync with original parameters against the all-data reference, per
   strategy.
@@ -48,7 +48,7 @@ def init_modes(offload: bool, device: str) -> list[str]:
 
 def seed_subtests(model: str, offload: bool, smoke: bool = False, device: str = "cpu") -> list[CaseConfig]:
     """The seed's subtests against DDP: every strategy x backward prefetch x forward prefetch x
-    use_orig_params x init mode (``init_modes``). ``smoke`` (the CI lane) keeps, per strategy, one backward
+    use_orig_params x init mode (``init_modes``). ``smoke`` (the CI tier) keeps, per strategy, one backward
     prefetch with both use_orig_params values, forward prefetch alternating and the init modes taking turns:
     every value of every axis in 6 subtests."""
     modes = init_modes(offload, device)
@@ -97,7 +97,7 @@ RACE_REPEATS = 3
 @pytest.mark.parametrize("check", PARITY_CHECKS)
 def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, parity_options: ParityOptions,
                      request: pytest.FixtureRequest) -> None:
-    """One seed check: its subtests as harness cases on the plugin's pool (the smoke lane's selection
+    """One seed check: its subtests as harness cases on the plugin's pool (the smoke tier's selection
     there, every subtest in the others: ``--matrix pairwise|full``), failing if any fails."""
     model, offload = PARITY_CHECKS[check]
     device = parity_runner.device_type(CaseConfig().world_size)

@@ -11,11 +11,11 @@ share the pools below (module-scoped; each job loads its engine by name on the r
 
 Skips (decided here, in the test process, before any rank starts a collective, so every rank agrees):
 
-- torch FSDP1 with ``offload_params=True`` on the CPU lane: it pins the host memory of offloaded shards,
+- torch FSDP1 with ``offload_params=True`` on the CPU tier: it pins the host memory of offloaded shards,
   which needs an accelerator (``FSDPApi.require_offload``), and even where pinning works, its
   post-backward callback synchronizes the compute device's current stream, which ``torch.cpu.Stream``
   cannot (``AttributeError: 'Stream' object has no attribute 'synchronize'``). Our engine offloads on
-  the CPU lane; on GPUs both engines offload.
+  the CPU tier; on GPUs both engines offload.
 - CPU offload with the module moved to CUDA after wrapping, on both engines, as the seed does (FSDP1
   requires offloaded flat parameters to stay on the CPU).
 """

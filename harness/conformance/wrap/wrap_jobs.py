@@ -6,7 +6,7 @@ Module-level functions ``job(ctx, payload)`` (pickled by name). The payload name
 the same user code on every engine. Each job raises ``AssertionError`` naming every mismatch it found,
 and returns plain data for the parent to compare across ranks.
 
-Init modes (the seed's ``CUDAInitMode`` plus a CPU lane):
+Init modes (the seed's ``CUDAInitMode`` plus a CPU tier):
 
 - ``cpu``: gloo ranks, the module on the CPU, ``device_id=cpu``. torch FSDP1 needs ``device_id=cpu``
   on every host: without it a CPU module's compute device is the accelerator's current device (and on
@@ -56,7 +56,7 @@ def _place(model: nn.Module, init_mode: InitMode, device: torch.device) -> nn.Mo
 
 
 def _cpu_lane(init_mode: InitMode) -> dict[str, Any]:
-    """The CPU lane names its device (see the module docstring); the CUDA modes pass what the seed passes."""
+    """The CPU tier names its device (see the module docstring); the CUDA modes pass what the seed passes."""
     return {"device_id": torch.device("cpu")} if init_mode == "cpu" else {}
 
 

@@ -1,6 +1,6 @@
 """Models and a recording wrapper shared by the wrap suites.
 
-The models mirror the seed's (``test_wrap.py``) in structure, kept small for a 2-core CPU lane; they
+The models mirror the seed's (``test_wrap.py``) in structure, kept small for a 2-core CPU tier; they
 have no inputs or loss (nothing trains them: only which modules become units matters), but for
 :class:`FourLinears`, which the main wrap API check trains: it is in the zoo (``wrap_four_linears``), so
 the harness's local reference says what its parameters must be. The tied

@@ -1,6 +1,6 @@
-"""Shards of a run (``harness.run.shards``, ``--shard K/N``): the parts of a selection are disjoint and cover it,
-balanced by cost, the same on every call; ``--shard auto`` reads Slurm, Kubernetes and CI variables; a
-shard records its partition, and a killed shard resumes without touching the others. In-process, with
+"""Parts of a run (``harness.run.parts``, ``--part K/N``, alias ``--shard``): the parts of a selection are disjoint
+and cover it, balanced by cost, the same on every call; ``--part auto`` reads Slurm, Kubernetes and CI variables; a
+part records its partition, and a killed part resumes without touching the others. In-process, with
 ``run_case`` replaced where cases run (no ranks start)."""
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from harness.cases.records import CaseRecord, RunInfo
 from harness.cli import main
 from harness.collect.collector import ResultWriter, read_records, record_full_id
 from harness.run.runner import Selection, select_cases
-from harness.run.shards import (
+from harness.run.parts import (
     COUNT_VARIABLE,
     INDEX_VARIABLE,
-    ShardError,
-    ShardSpec,
+    PartError,
+    PartSpec,
     case_costs,
     estimate_s,
-    parse_shard,
+    parse_part,
     partition,
     read_costs,
-    shard_from_env,
+    part_from_env,
 )
 from harness.run.stored_selection import read_selection
 
@@ -42,7 +42,7 @@ def _listed(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
 
 def test_four_shards_of_the_pairwise_matrix_are_exactly_the_one_shot_selection(capsys: pytest.CaptureFixture[str]) -> None:
     whole = _listed(capsys, *PAIRWISE)
-    parts = [_listed(capsys, *PAIRWISE, "--shard", f"{k}/4") for k in range(1, 5)]
+    parts = [_listed(capsys, *PAIRWISE, "--part", f"{k}/4") for k in range(1, 5)]
     union = [i for part in parts for i in part]
     assert len(union) == len(set(union)) == len(whole), "a case lost or listed by two shards"
     assert set(union) == set(whole)
@@ -51,6 +51,8 @@ def test_four_shards_of_the_pairwise_matrix_are_exactly_the_one_shot_selection(c
     for part in parts:
         assert part == [i for i in whole if i in set(part)]
     # The same on every call: a scheduler's N processes cut the same partition.
+    assert _listed(capsys, *PAIRWISE, "--part", "3/4") == parts[2]
+    # The old spellings are aliases: the same selection.
     assert _listed(capsys, *PAIRWISE, "--shard", "3/4") == parts[2]
 
 
@@ -97,40 +99,40 @@ def test_unmeasured_cases_are_estimated_in_the_measured_seconds() -> None:
 
 
 @pytest.mark.parametrize("env, shard", [
-    ({"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, ShardSpec(0, 4)),  # --array=1-4
-    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, ShardSpec(3, 4)),
-    ({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "2"}, ShardSpec(0, 2)),  # --array=0-1
-    ({"JOB_COMPLETION_INDEX": "2", COUNT_VARIABLE: "3"}, ShardSpec(2, 3)),  # a Kubernetes Indexed Job
-    ({INDEX_VARIABLE: "0", COUNT_VARIABLE: "1"}, ShardSpec(0, 1)),  # a CI matrix
+    ({"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, PartSpec(0, 4)),  # --array=1-4
+    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, PartSpec(3, 4)),
+    ({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "2"}, PartSpec(0, 2)),  # --array=0-1
+    ({"JOB_COMPLETION_INDEX": "2", COUNT_VARIABLE: "3"}, PartSpec(2, 3)),  # a Kubernetes Indexed Job
+    ({INDEX_VARIABLE: "0", COUNT_VARIABLE: "1"}, PartSpec(0, 1)),  # a CI matrix
     # Explicit variables win over the scheduler's (a CI job inside an allocation).
-    ({INDEX_VARIABLE: "1", COUNT_VARIABLE: "2", "SLURM_ARRAY_TASK_ID": "7"}, ShardSpec(1, 2)),
+    ({INDEX_VARIABLE: "1", COUNT_VARIABLE: "2", "SLURM_ARRAY_TASK_ID": "7"}, PartSpec(1, 2)),
 ])
-def test_auto_reads_the_scheduler_s_variables(env: dict[str, str], shard: ShardSpec) -> None:
-    assert shard_from_env(env) == shard == parse_shard("auto", env)
+def test_auto_reads_the_scheduler_s_variables(env: dict[str, str], shard: PartSpec) -> None:
+    assert part_from_env(env) == shard == parse_part("auto", env)
 
 
 @pytest.mark.parametrize("env, says", [
     ({}, "no scheduler variables set"),
     ({"JOB_COMPLETION_INDEX": "0"}, f"{COUNT_VARIABLE} is not"),  # Kubernetes gives no count
     ({"SLURM_ARRAY_TASK_ID": "1"}, "SLURM_ARRAY_TASK_MIN and SLURM_ARRAY_TASK_COUNT not"),
-    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, "name no shard"),
+    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "4"}, "name no part"),
     ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "2",
       "SLURM_ARRAY_TASK_STEP": "2"}, "SLURM_ARRAY_TASK_STEP=2"),
-    ({INDEX_VARIABLE: "2", COUNT_VARIABLE: "2"}, "name no shard"),
+    ({INDEX_VARIABLE: "2", COUNT_VARIABLE: "2"}, "name no part"),
     ({INDEX_VARIABLE: "one", COUNT_VARIABLE: "2"}, "is not an integer"),
 ])
 def test_auto_refuses_a_missing_or_inconsistent_environment(env: dict[str, str], says: str) -> None:
-    with pytest.raises(ShardError, match="--shard auto") as info:
-        shard_from_env(env)
+    with pytest.raises(PartError, match="--part auto") as info:
+        part_from_env(env)
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--shard", "0/4"], "K must be between 1 and N"),
-    (["--shard", "5/4"], "K must be between 1 and N"),
-    (["--shard", "2"], "give K/N"),
-    (["--shard", "a/b"], "give K/N"),
-    (["--shard-costs", "x.jsonl"], "--shard-costs: only balances shards"),
+    (["--part", "0/4"], "K must be between 1 and N"),
+    (["--part", "5/4"], "K must be between 1 and N"),
+    (["--part", "2"], "give K/N"),
+    (["--part", "a/b"], "give K/N"),
+    (["--part-costs", "x.jsonl"], "--part-costs: only balances parts"),
 ])
 def test_bad_shard_options_are_one_line_naming_the_option(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], says: str
@@ -139,7 +141,7 @@ def test_bad_shard_options_are_one_line_naming_the_option(
         raise SystemExit(main(["list", *args]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert says in err and "--shard" in err and len(err.splitlines()) == 1
+    assert says in err and "--part" in err and len(err.splitlines()) == 1
     # auto outside any scheduler: exit 2, one line.
     for name in ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX", INDEX_VARIABLE, COUNT_VARIABLE):
         monkeypatch.delenv(name, raising=False)
@@ -162,11 +164,13 @@ def test_a_cost_file_balances_by_measured_wall_times(capsys: pytest.CaptureFixtu
     walls = {i: 1.0 for i in ids[1:]} | {ids[0]: float(len(ids) - 1)}
     costs_file = _results(tmp_path / "night" / "results.jsonl", walls)
     assert read_costs(costs_file) == read_costs(costs_file.parent) == walls
-    parts = [_listed(capsys, "--matrix", "pairwise", "--shard", f"{k}/2", "--shard-costs", str(costs_file)) for k in (1, 2)]
+    parts = [_listed(capsys, "--matrix", "pairwise", "--part", f"{k}/2", "--part-costs", str(costs_file)) for k in (1, 2)]
     assert parts[0] == [ids[0]] and sorted(parts[1]) == sorted(ids[1:])
+    # The old spellings are aliases: the same parts.
+    assert parts == [_listed(capsys, "--matrix", "pairwise", "--shard", f"{k}/2", "--shard-costs", str(costs_file)) for k in (1, 2)]
     empty = _results(tmp_path / "empty.jsonl", {})
     assert main(["list", "--matrix", "pairwise", "--shard", "1/2", "--shard-costs", str(empty)]) == 2
-    assert "--shard-costs" in capsys.readouterr().err
+    assert "--part-costs" in capsys.readouterr().err
 
 
 def _ids(path: Path) -> list[str]:
@@ -184,9 +188,9 @@ def test_a_killed_shard_resumes_its_own_part_without_touching_the_others(
         assert main([*run, "--shard", f"{k}/3", "--out", str(out)]) == 0
     whole = [c.full_id for c in select_cases(Selection(matrix="pairwise", engines=["builtin", "torch-fsdp"]), [2])]
     stored = [read_selection(out) for out in outs]
-    assert all(s is not None and s.shard is not None for s in stored)
+    assert all(s is not None and s.part is not None for s in stored)
     assert len({s.id for s in stored}) == 1, "every shard shares the selection's id"  # type: ignore[union-attr]
-    assert len({s.shard["partition"] for s in stored}) == 1  # type: ignore[union-attr,index]
+    assert len({s.part["partition"] for s in stored}) == 1  # type: ignore[union-attr,index]
     assert sorted(i for out in outs for i in _ids(out)) == sorted(whole)
     # Shard 2 is killed after its first case (its last line cut mid-write).
     lines = outs[1].read_text().splitlines(keepends=True)
@@ -196,12 +200,12 @@ def test_a_killed_shard_resumes_its_own_part_without_touching_the_others(
     fake_run_case.clear()
     # Resumed as a requeued task would be: the same command line, with --resume.
     assert main([*run, "--shard", "2/3", "--out", str(outs[1]), "--resume"]) == 0
-    assert sorted(fake_run_case) == sorted(set(stored[1].shard["case_ids"]) - {_ids_first(lines[0])})  # type: ignore[union-attr,index]
+    assert sorted(fake_run_case) == sorted(set(stored[1].part["case_ids"]) - {_ids_first(lines[0])})  # type: ignore[union-attr,index]
     assert all(out.read_text() == text for out, text in others.items())
     assert sorted({i for out in outs for i in _latest_ids(out)}) == sorted(whole)
     # Resuming with another shard is refused, naming the options.
     assert main(["run", "--out", str(outs[1]), "--resume", "--shard", "1/3"]) == 2
-    assert "--shard 1/3 is another part than the file's (shard 2/3" in capsys.readouterr().err
+    assert "--part 1/3 is another part than the file's (part 2/3" in capsys.readouterr().err
 
 
 def _ids_first(line: str) -> str:
@@ -236,7 +240,7 @@ def test_a_resumed_shard_keeps_its_part_when_the_cost_file_changed(
     out = tmp_path / "shard.jsonl"
     command = ["run", "--matrix", "pairwise", "--no-progress", "--shard", "1/2", "--shard-costs", str(costs), "--out", str(out)]
     assert main(command) == 0
-    part = read_selection(out).shard  # type: ignore[union-attr]
+    part = read_selection(out).part  # type: ignore[union-attr]
     lines = out.read_text().splitlines(keepends=True)
     out.write_text(lines[0])
     # Last night's costs, read again on a requeue, now say otherwise: the part stays the stored one.
@@ -246,5 +250,5 @@ def test_a_resumed_shard_keeps_its_part_when_the_cost_file_changed(
     fake_run_case.clear()
     assert main([*command, "--resume"]) == 0
     assert sorted(fake_run_case) == sorted(set(part["case_ids"]) - {_ids_first(lines[0])})  # type: ignore[index]
-    assert read_selection(out).shard == part  # type: ignore[union-attr]
+    assert read_selection(out).part == part  # type: ignore[union-attr]
     assert sorted(_latest_ids(out)) == sorted(part["case_ids"])  # type: ignore[index]

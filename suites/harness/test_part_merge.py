@@ -116,9 +116,9 @@ def test_a_sharded_night_merges_and_a_missing_or_killed_shard_is_never_green(
     assert sum(merged["verdicts"].values()) == merged["cases"]["selected"] == len(set(fake_run_case))
     # The next night diffs against this merged one, as against any night of its selection.
     later = tmp_path / "2026-01-03"
-    for k in (1, 2):
-        assert main([*NIGHTLY, "--out", str(later), "--shard", f"{k}/2"]) == 0
-    assert main(["nightly", "--out", str(later), "--merge-shards"]) == 0
+    for k in (1, 2):  # the options' names; the night above used their old spellings (aliases)
+        assert main([*NIGHTLY, "--out", str(later), "--part", f"{k}/2"]) == 0
+    assert main(["nightly", "--out", str(later), "--merge-parts"]) == 0
     assert _night(later)["diff"]["previous"] == str(night) and (later / "diff.md").is_file()
 
     # Shard 2 killed after one case: the merge names it and fails; resumed, shard 1 untouched, the night is whole.

@@ -1,6 +1,6 @@
-"""The rank sessions the engine and seed suites run their checks in (``harness.conformance.rank_sessions``, on
+"""The rank checks the engine and ported suites run their checks as (``harness.pytest_plugin.rank_checks``, on
 ``harness.ranks.pool.RankPool``): a failure names the rank and keeps its traceback, a skip needs every rank,
-and the checks after a failure still run; ``--device`` narrows a session run on both devices, and an
+and the checks after a failure still run; ``--device`` narrows checks run on both devices, and an
 expected failure is a strict xfail."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.conformance.rank_sessions import run_checks
+from harness.pytest_plugin.rank_checks import run_checks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,20 +41,20 @@ def test_failures_skips_and_later_checks() -> None:
     assert outcomes["check_all_reduce"].passed, outcomes["check_all_reduce"].report()
 
 
-#: A scratch suite: a session on both devices, and one per engine whose expected failures are planted.
+#: A scratch suite: rank checks on both devices, and one per engine whose expected failures are planted.
 _SCRATCH_DEVICES = '''
-from harness.conformance.rank_sessions import session_tests
+from harness.pytest_plugin.rank_checks import rank_check_tests
 
 
 def check_ok(rank, world_size):
     pass
 
 
-session, test_check = session_tests([check_ok], device=("cpu", "cuda"))
+rank_checks, test_check = rank_check_tests([check_ok], device=("cpu", "cuda"))
 '''
 _SCRATCH_KNOWN = '''
 from harness.collect.expectations import ExpectedFailure
-from harness.conformance.rank_sessions import api_session_tests
+from harness.pytest_plugin.rank_checks import api_rank_check_tests
 
 
 def check_fails(api, rank, world_size):
@@ -69,7 +69,7 @@ KNOWN = (
     ExpectedFailure("planted: the engine gets this wrong", engine="builtin", device="cpu", checks=("check_fails",)),
     ExpectedFailure("planted: said to fail, but passes", engine="builtin", device="cpu", checks=("check_passes",)),
 )
-session, test_check = api_session_tests([check_fails, check_passes], lambda spec: spec, expected_failures=KNOWN)
+rank_checks, test_check = api_rank_check_tests([check_fails, check_passes], lambda spec: spec, expected_failures=KNOWN)
 '''
 
 
@@ -84,11 +84,11 @@ def _scratch_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_device_option_narrows_sessions_and_expected_failures_are_strict(tmp_path: Path) -> None:
+def test_device_option_narrows_rank_checks_and_expected_failures_are_strict(tmp_path: Path) -> None:
     done = _scratch_run(tmp_path, "--engine", "builtin", "--device", "cpu")
     out = done.stdout
     assert "PASSED test_devices.py::test_check[on_cpu-check_ok]" in out, out[-3000:]
-    assert "--device cpu: the cuda session is not selected" in out, out[-3000:]
+    assert "--device cpu: the cuda rank checks are not selected" in out, out[-3000:]
     # A known failure is an xfail with its reason; one that passes fails the run (strict).
     assert "XFAIL test_known.py::test_check[builtin-check_fails]" in out and "the engine gets this wrong" in out, out[-3000:]
     assert "FAILED test_known.py::test_check[builtin-check_passes]" in out and "XPASS(strict)" in out, out[-3000:]

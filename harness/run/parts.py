@@ -6,14 +6,14 @@ take about the same time. ``partition`` is a pure function of the selected cases
 a cost per case: every case goes to exactly one part (longest processing time first: the costliest
 case to the least loaded part, ties to the lower part, then the earlier case), and each part keeps the
 selection's order. A case's cost is its wall time in an earlier results file where one is given
-(``--shard-costs``), else an estimate from its world size and steps (``estimate_s``), scaled to the
+(``--part-costs``), else an estimate from its world size and steps (``estimate_s``), scaled to the
 measured ones where some are known so that both speak seconds.
 
-Every shard records the partition's identity (``Partition.id``: a hash of N, the selection id and the
-costs used), so shards cut from different partitions are never merged as one night, and its own case
-ids, so that ``--resume`` of a killed shard continues exactly its part.
+Every part records the partition's identity (``Partition.id``: a hash of N, the selection id and the
+costs used), so parts cut from different partitions are never merged as one night, and its own case
+ids, so that ``--resume`` of a killed part continues exactly its part.
 
-``--shard auto`` reads the index and count from the scheduler's environment (``shard_from_env``).
+``--part auto`` reads the index and count from the scheduler's environment (``part_from_env``).
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ __all__ = [
     "COUNT_VARIABLE",
     "INDEX_VARIABLE",
     "Partition",
-    "ShardError",
-    "ShardSpec",
+    "PartError",
+    "PartSpec",
     "case_costs",
     "estimate_s",
     "measured_costs",
-    "parse_shard",
+    "parse_part",
     "partition",
     "read_costs",
-    "resolve_shard",
-    "shard_from_env",
+    "resolve_part",
+    "part_from_env",
 ]
 
 #: the explicit variables of a CI matrix (and the count of a Kubernetes Indexed Job, which gives none).
@@ -51,12 +51,12 @@ COUNT_VARIABLE = "FSDP_PARITY_SHARD_COUNT"
 BASE_CASE_S = 0.41
 
 
-class ShardError(ValueError):
-    """A ``--shard`` value or scheduler environment that names no valid shard; the message says what to change."""
+class PartError(ValueError):
+    """A ``--part`` value or scheduler environment that names no valid part; the message says what to change."""
 
 
 @dataclass(frozen=True)
-class ShardSpec:
+class PartSpec:
     """One part of N: ``index`` is 0-based here; the command line and every message say ``K/N``, 1-based."""
 
     index: int
@@ -64,32 +64,32 @@ class ShardSpec:
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
-            raise ShardError(f"--shard {self.index + 1}/{self.count}: K must be between 1 and N, N at least 1")
+            raise PartError(f"--part {self.index + 1}/{self.count}: K must be between 1 and N, N at least 1")
 
     def __str__(self) -> str:
         return f"{self.index + 1}/{self.count}"
 
 
-def parse_shard(text: str, env: Mapping[str, str] | None = None) -> ShardSpec:
-    """``K/N`` (1-based K) or ``auto`` (from ``env``: ``shard_from_env``)."""
+def parse_part(text: str, env: Mapping[str, str] | None = None) -> PartSpec:
+    """``K/N`` (1-based K) or ``auto`` (from ``env``: ``part_from_env``)."""
     text = text.strip()
     if text == "auto":
-        return shard_from_env({} if env is None else env)
+        return part_from_env({} if env is None else env)
     k, slash, n = text.partition("/")
     try:
         index, count = int(k), int(n)
     except ValueError:
-        raise ShardError(f"--shard {text!r}: give K/N (the K-th of N parts, K counted from 1, e.g. 1/4) or auto") from None
+        raise PartError(f"--part {text!r}: give K/N (the K-th of N parts, K counted from 1, e.g. 1/4) or auto") from None
     if not slash or count < 1 or not 1 <= index <= count:
-        raise ShardError(f"--shard {text}: K must be between 1 and N (K counted from 1, e.g. 1/4 .. 4/4)")
-    return ShardSpec(index - 1, count)
+        raise PartError(f"--part {text}: K must be between 1 and N (K counted from 1, e.g. 1/4 .. 4/4)")
+    return PartSpec(index - 1, count)
 
 
-def resolve_shard(given: ShardSpec | str | None, env: Mapping[str, str] | None = None) -> ShardSpec | None:
-    """``--shard``'s value: ``K/N`` text parsed, ``auto`` read from the environment (``shard_from_env``;
-    ``env`` defaults to this process's). Raises ``ShardError``."""
+def resolve_part(given: PartSpec | str | None, env: Mapping[str, str] | None = None) -> PartSpec | None:
+    """``--part``'s value: ``K/N`` text parsed, ``auto`` read from the environment (``part_from_env``;
+    ``env`` defaults to this process's). Raises ``PartError``."""
     if isinstance(given, str):
-        return parse_shard(given, os.environ if env is None else env)
+        return parse_part(given, os.environ if env is None else env)
     return given
 
 
@@ -97,11 +97,11 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
     except ValueError:
-        raise ShardError(f"--shard auto: {name}={env[name]!r} is not an integer") from None
+        raise PartError(f"--part auto: {name}={env[name]!r} is not an integer") from None
 
 
-def shard_from_env(env: Mapping[str, str]) -> ShardSpec:
-    """The shard a scheduler's environment names, first match wins:
+def part_from_env(env: Mapping[str, str]) -> PartSpec:
+    """The part a scheduler's environment names, first match wins:
 
     - explicit ``FSDP_PARITY_SHARD_INDEX`` (0-based) and ``FSDP_PARITY_SHARD_COUNT`` (a CI matrix);
     - a Kubernetes Indexed Job: ``JOB_COMPLETION_INDEX`` (0-based) with ``FSDP_PARITY_SHARD_COUNT``
@@ -113,28 +113,28 @@ def shard_from_env(env: Mapping[str, str]) -> ShardSpec:
     if INDEX_VARIABLE in env or "JOB_COMPLETION_INDEX" in env:
         name = INDEX_VARIABLE if INDEX_VARIABLE in env else "JOB_COMPLETION_INDEX"
         if COUNT_VARIABLE not in env:
-            raise ShardError(f"--shard auto: {name} is set but {COUNT_VARIABLE} is not; set it to the number of "
+            raise PartError(f"--part auto: {name} is set but {COUNT_VARIABLE} is not; set it to the number of "
                              "shards (for an Indexed Job, its spec.completions)")
         index, count = _int_var(env, name), _int_var(env, COUNT_VARIABLE)
         where = f"{name}={index}, {COUNT_VARIABLE}={count}"
     elif "SLURM_ARRAY_TASK_ID" in env:
         missing = [v for v in ("SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT") if v not in env]
         if missing:
-            raise ShardError(f"--shard auto: SLURM_ARRAY_TASK_ID is set but {' and '.join(missing)} not; "
+            raise PartError(f"--part auto: SLURM_ARRAY_TASK_ID is set but {' and '.join(missing)} not; "
                              "is this an array job (sbatch --array)?")
         task, low, count = (_int_var(env, v) for v in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT"))
         step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
         if step != 1:
-            raise ShardError(f"--shard auto: SLURM_ARRAY_TASK_STEP={step}; submit the array without a step "
-                             "(--array=1-N) or pass --shard K/N")
+            raise PartError(f"--part auto: SLURM_ARRAY_TASK_STEP={step}; submit the array without a step "
+                             "(--array=1-N) or pass --part K/N")
         index = task - low
         where = f"SLURM_ARRAY_TASK_ID={task}, SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_COUNT={count}"
     else:
-        raise ShardError(f"--shard auto: no scheduler variables set (SLURM_ARRAY_TASK_ID, JOB_COMPLETION_INDEX, "
-                         f"{INDEX_VARIABLE}/{COUNT_VARIABLE}); pass --shard K/N")
+        raise PartError(f"--part auto: no scheduler variables set (SLURM_ARRAY_TASK_ID, JOB_COMPLETION_INDEX, "
+                         f"{INDEX_VARIABLE}/{COUNT_VARIABLE}); pass --part K/N")
     if count < 1 or not 0 <= index < count:
-        raise ShardError(f"--shard auto: {where} name no shard: the index must be from 0 to count - 1")
-    return ShardSpec(index, count)
+        raise PartError(f"--part auto: {where} name no part: the index must be from 0 to count - 1")
+    return PartSpec(index, count)
 
 
 def estimate_s(case: Mapping[str, Any]) -> float:
@@ -161,10 +161,10 @@ def case_costs(cases: Mapping[str, Mapping[str, Any]], measured: Mapping[str, fl
 
 @dataclass(frozen=True)
 class Partition:
-    """N disjoint parts of one selection: ``parts[k]`` holds the full ids of shard ``k`` (0-based)."""
+    """N disjoint parts of one selection: ``parts[k]`` holds the full ids of part ``k`` (0-based)."""
 
     count: int
-    #: the selection's id (``harness.run.stored_selection.StoredSelection.id``), the same in every shard.
+    #: the selection's id (``harness.run.stored_selection.StoredSelection.id``), the same in every part.
     selection_id: str
     #: the cost of every selected case, seconds, rounded as hashed.
     costs: Mapping[str, float]
@@ -188,7 +188,7 @@ def partition(case_ids: Sequence[str], count: int, costs: Mapping[str, float], s
     within 4/3 of the optimum. Deterministic: ties go to the earlier case and the lower part. A part
     may be empty when there are fewer cases than parts."""
     if count < 1:
-        raise ShardError(f"--shard: N={count} must be at least 1")
+        raise PartError(f"--part: N={count} must be at least 1")
     if len(set(case_ids)) != len(case_ids):
         raise ValueError("partition: the selection lists a case twice")
     rounded = {i: round(float(costs[i]), 3) for i in case_ids}
@@ -210,21 +210,21 @@ def measured_costs(records: Iterable[Any]) -> dict[str, float]:
     return {i: float(r.wall_s) for i, r in latest_records(records).items() if r.wall_s and r.wall_s > 0}
 
 
-#: where a nightly keeps its results, and its shards' (``harness.cli.nightly``): what a cost file names.
+#: where a nightly keeps its results, and its parts' (``harness.cli.nightly``): what a cost file names.
 _RESULTS_NAME = "results.jsonl"
 
 
 def read_costs(path: os.PathLike[str] | str) -> dict[str, float]:
     """``measured_costs`` of a results file, or of a nightly directory (its ``results.jsonl`` and its
-    shards' ``shards/*/results.jsonl``). Raises ``ShardError`` naming ``--shard-costs`` when it holds none."""
+    parts' ``shards/*/results.jsonl``). Raises ``PartError`` naming ``--part-costs`` when it holds none."""
     from harness.collect.collector import read_records
 
     path = Path(path)
     files = ([path / _RESULTS_NAME, *sorted(path.glob(f"shards/*/{_RESULTS_NAME}"))] if path.is_dir() else [path])
     files = [f for f in files if f.is_file()]
     if not files:
-        raise ShardError(f"--shard-costs {path}: no results file there; give a results.jsonl or a nightly directory")
+        raise PartError(f"--part-costs {path}: no results file there; give a results.jsonl or a nightly directory")
     costs = measured_costs(read_records(files)[0])
     if not costs:
-        raise ShardError(f"--shard-costs {path}: no record with a wall time; give the results of a run that finished cases")
+        raise PartError(f"--part-costs {path}: no record with a wall time; give the results of a run that finished cases")
     return costs

@@ -1,9 +1,11 @@
-"""Run many checks in one set of rank processes (started once per test module).
+"""Rank checks: many checks of one test module run in one set of rank processes (started once per module).
 
 Torch's own FSDP tests spawn ``world_size`` processes per test, which costs seconds each on a
 small machine. Here a test module lists its checks (module-level functions ``check(rank,
 world_size)``), one :class:`harness.ranks.pool.RankPool` starts the ranks once, every check runs on
 every rank in order in the same process group, and each pytest test asserts the outcome of its check.
+The pool is held as every pool a test runs on is (``harness.pytest_plugin.pools.RankPools``, through
+``placed_pool``); the generated cases run on the plugin's shared ``RankPools`` instead (``ParityRunner``).
 
 The pool is the harness's own, so a check that hangs is a timeout with every rank's stack, a rank
 that dies is a crash with its stderr, and a check that fails on one rank while its peers wait in a
@@ -11,8 +13,8 @@ collective is an error after the pool's grace period; in each case the pool is r
 next check runs on fresh ranks.
 
 A check may call ``pytest.skip(reason=...)`` before its first collective (on every rank alike, e.g. a
-feature the engine under test lacks here): the test skips with that reason and the session goes on.
-Checks can take leading arguments (``args``, e.g. the engine API of the seed conformance suites):
+feature the engine under test lacks here): the test skips with that reason and the other checks go on.
+Checks can take leading arguments (``args``, e.g. the engine API of the ported suites):
 ``check(*args, rank, world_size)``.
 """
 
@@ -25,13 +27,13 @@ import pytest
 import torch
 
 from harness.collect.expectations import ExpectedFailure, expected_failure
-from harness.pytest_plugin import expect_failure, gpus_missing
-from harness.pytest_plugin.pools import placed_pool
+from harness.pytest_plugin import expect_failure
+from harness.pytest_plugin.pools import gpus_missing, placed_pool
 from harness.ranks.placement import DeviceChoice
 from harness.ranks.pool import PoolOutcome
 from harness.ranks.rank import RankContext
 
-__all__ = ["CheckOutcome", "RankSession", "api_session_tests", "run_checks", "session_fixture", "session_tests"]
+__all__ = ["CheckOutcome", "RankChecks", "api_rank_check_tests", "rank_check_tests", "rank_checks_fixture", "run_checks"]
 
 Check = Callable[..., None]
 
@@ -111,8 +113,9 @@ def run_checks(
     return outcomes
 
 
-class RankSession:
-    """The outcomes of one spawned session, looked up by check (for a module-scoped fixture)."""
+class RankChecks:
+    """The outcomes of one spawn of the ranks for a module's checks, looked up by check (for a module-scoped
+    fixture)."""
 
     def __init__(self, outcomes: dict[str, CheckOutcome], engine: str = "", device: DeviceChoice = "cpu") -> None:
         self.outcomes = outcomes
@@ -135,56 +138,56 @@ class RankSession:
 
 
 def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:
-    """Keep a module's checks on one pytest-xdist worker (``--dist loadgroup``): the session fixture
+    """Keep a module's checks on one pytest-xdist worker (``--dist loadgroup``): the rank-checks fixture
     runs every check of the module, so each worker that got one of them would run them all again."""
-    return pytest.mark.xdist_group(name=f"rank-session:{checks[0].__module__}")
+    return pytest.mark.xdist_group(name=f"rank-checks:{checks[0].__module__}")
 
 
-def session_fixture(
+def rank_checks_fixture(
     checks: Sequence[Check],
     world_size: int = 2,
     device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
     timeout_s: float = 240.0,
     args: tuple[Any, ...] = (),
 ):
-    """A module-scoped fixture whose value is the :class:`RankSession` of ``checks`` (``run_checks``: one
+    """A module-scoped fixture whose value is the :class:`RankChecks` of ``checks`` (``run_checks``: one
     spawn of the ranks for them all), named as the module binds it::
 
-        session_4 = session_fixture(CHECKS_4, world_size=4)
+        checks_4 = rank_checks_fixture(CHECKS_4, world_size=4)
 
     ``device=("cpu", "cuda")`` runs every check on CPU ranks and again on ranks on the GPUs (sharing one
-    where there are fewer GPUs than ranks); the CUDA session skips, with the reason, on a host without.
+    where there are fewer GPUs than ranks); the CUDA run skips, with the reason, on a host without.
     """
     devices, params = _device_params(device)
 
     @pytest.fixture(scope="module", **params)
-    def session(request: pytest.FixtureRequest) -> RankSession:
-        where = _session_device(request, devices)
-        return RankSession(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s, args=args),
-                           device=where)
+    def rank_checks(request: pytest.FixtureRequest) -> RankChecks:
+        where = _checks_device(request, devices)
+        return RankChecks(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s, args=args),
+                          device=where)
 
-    return session
+    return rank_checks
 
 
-def session_tests(
+def rank_check_tests(
     checks: Sequence[Check],
     world_size: int = 2,
     device: DeviceChoice | tuple[DeviceChoice, ...] = "cpu",
     timeout_s: float = 240.0,
 ):
-    """A module-scoped ``session`` fixture (``session_fixture``) and a test per check, for a test module's
-    namespace::
+    """A module-scoped ``rank_checks`` fixture (``rank_checks_fixture``) and a test per check, for a test
+    module's namespace::
 
-        session, test_check = session_tests(CHECKS)
+        rank_checks, test_check = rank_check_tests(CHECKS)
     """
-    session = session_fixture(checks, world_size, device, timeout_s)
+    fixture = rank_checks_fixture(checks, world_size, device, timeout_s)
 
     @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
-    def test_check(session: RankSession, check: Check) -> None:
-        session.assert_passed(check)
+    def test_check(rank_checks: RankChecks, check: Check) -> None:
+        rank_checks.assert_passed(check)
 
-    return session, test_check
+    return fixture, test_check
 
 
 def _device_params(device: DeviceChoice | tuple[DeviceChoice, ...]) -> tuple[tuple[DeviceChoice, ...], dict[str, Any]]:
@@ -194,24 +197,24 @@ def _device_params(device: DeviceChoice | tuple[DeviceChoice, ...]) -> tuple[tup
     return devices, params
 
 
-def _session_device(request: pytest.FixtureRequest, devices: tuple[DeviceChoice, ...]) -> DeviceChoice:
-    """The device of this parametrization of the session; skips the CUDA one, saying why, without a GPU."""
+def _checks_device(request: pytest.FixtureRequest, devices: tuple[DeviceChoice, ...]) -> DeviceChoice:
+    """The device of this parametrization of the checks; skips the CUDA one, saying why, without a GPU."""
     where: DeviceChoice = getattr(request, "param", devices[0])
     chosen = request.config.getoption("device", default="auto")
     if len(devices) > 1 and chosen in devices and where != chosen:
-        # ``--device`` narrows a session run on both (``harness certify`` passes its placement's).
-        pytest.skip(reason=f"--device {chosen}: the {where} session is not selected")
+        # ``--device`` narrows checks run on both (``harness certify`` passes its placement's).
+        pytest.skip(reason=f"--device {chosen}: the {where} rank checks are not selected")
     if where == "cuda" and (reason := gpus_missing(1)):
         pytest.skip(reason=reason)
     return where
 
 
-#: why a check of ``slow_checks`` did not run: the lane.
-SLOW_LANE = ("runs with --matrix pairwise|full (the slow lane: the seed's whole product); the CI lane runs a "
+#: why a check of ``slow_checks`` did not run: the tier.
+SLOW_TIER = ("runs with --matrix pairwise|full (the slow tier: the ported test's whole product); the CI tier runs a "
              "representative part of it")
 
 
-def api_session_tests(
+def api_rank_check_tests(
     checks: Sequence[Check],
     load_api: Callable[[str], Any],
     world_size: int = 2,
@@ -220,44 +223,44 @@ def api_session_tests(
     expected_failures: Sequence[ExpectedFailure] = (),
     slow_checks: Sequence[Check] = (),
 ):
-    """``session_tests`` once per engine of the ``fsdp_api`` parametrization (``harness.pytest_plugin``:
-    the engines with torch FSDP1's API that ``--engine`` names) and per device. Each check is called
+    """``rank_check_tests`` once per engine of the ``fsdp_api`` parametrization (``harness.pytest_plugin``:
+    the engines with torch FSDP1's API that ``--engines`` names) and per device. Each check is called
     ``check(api, rank, world_size)`` with ``api = load_api(fsdp_api)``, built in the parent and pickled
     to the ranks; the ranks are spawned once per engine and device::
 
-        session, test_check = api_session_tests(CHECKS, load_api, device=("cpu", "cuda"))
+        rank_checks, test_check = api_rank_check_tests(CHECKS, load_api, device=("cpu", "cuda"))
 
     ``expected_failures`` names what an engine gets wrong (its checks by name, ``ExpectedFailure.checks``,
     on a device): those tests are strict xfails there (a pass fails the test, so a fixed engine is noticed).
 
-    ``slow_checks`` (a seed's whole product, where a check of ``checks`` runs a representative part) run
-    after ``checks`` in the same session with ``--matrix pairwise|full`` only; their tests are marked
-    ``slow`` and skip, saying so, in the smoke lane (the CI lane).
+    ``slow_checks`` (a ported test's whole product, where a check of ``checks`` runs a representative part)
+    run after ``checks`` on the same ranks with ``--matrix pairwise|full`` only; their tests are marked
+    ``slow`` and skip, saying so, in the smoke tier (the CI tier).
     """
     devices, params = _device_params(device)
     slow_names = {c.__name__ for c in slow_checks}
 
     @pytest.fixture(scope="module", **params)
-    def session(request: pytest.FixtureRequest, fsdp_api: str) -> RankSession:
-        where = _session_device(request, devices)
+    def rank_checks(request: pytest.FixtureRequest, fsdp_api: str) -> RankChecks:
+        where = _checks_device(request, devices)
         api = load_api(fsdp_api)
         slow = request.config.getoption("matrix", default="smoke") != "smoke"
         run = [*checks, *(slow_checks if slow else ())]
         outcomes = run_checks(run, world_size=world_size, device=where, timeout_s=timeout_s, args=(api,))
-        return RankSession(outcomes, engine=fsdp_api, device=where)
+        return RankChecks(outcomes, engine=fsdp_api, device=where)
 
     every = [pytest.param(c, id=c.__name__, marks=[pytest.mark.slow] if c.__name__ in slow_names else [])
              for c in [*checks, *slow_checks]]
 
     @_one_xdist_worker(checks)
     @pytest.mark.parametrize("check", every)
-    def test_check(request: pytest.FixtureRequest, session: RankSession, check: Check) -> None:
-        if check.__name__ not in session.outcomes:
-            pytest.skip(reason=SLOW_LANE)
-        # Applied during the call: the engine and device are the session's, known only once it ran.
-        expected = expected_failure(expected_failures, session.device, engine=session.engine, check=check.__name__)
+    def test_check(request: pytest.FixtureRequest, rank_checks: RankChecks, check: Check) -> None:
+        if check.__name__ not in rank_checks.outcomes:
+            pytest.skip(reason=SLOW_TIER)
+        # Applied during the call: the engine and device are the fixture's, known only once it ran.
+        expected = expected_failure(expected_failures, rank_checks.device, engine=rank_checks.engine, check=check.__name__)
         if expected is not None:
             request.applymarker(expect_failure(expected))
-        session.assert_passed(check)
+        rank_checks.assert_passed(check)
 
-    return session, test_check
+    return rank_checks, test_check
