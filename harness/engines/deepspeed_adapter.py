@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import json
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,6 +46,7 @@ from harness.engines.adapters import EngineAdapter, EngineFacts, EngineTrainee, 
 from harness.engines.checkpoint import agree_loaded
 from harness.engines.optim import build_optimizers
 from harness.engines.owned_step import FINDING, NEUTRAL_FULL_FILE, OwnedStep, neutral_param_groups
+from harness.engines.spec_files import read_json_object
 from harness.ranks.rank import RankContext
 
 __all__ = ["DEEPSPEED_STAGES", "DeepSpeedAdapter", "deepspeed_missing", "merged_config", "neutral_config"]
@@ -90,21 +90,6 @@ def merged_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, A
     for key, value in override.items():
         out[key] = merged_config(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    if "," in path:
-        raise ValueError(f"deepspeed config {path!r}: a path with a comma cannot travel in a comma list of engines; "
-                         "move or rename the file")
-    try:
-        config = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"deepspeed config {path!r} does not exist; give NAME=deepspeed:PATH.json an existing file") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"deepspeed config {path!r} is not JSON ({exc}); fix the file") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"deepspeed config {path!r} must hold a JSON object, not {type(config).__name__}")
-    return config
 
 
 def _rule(name: str, axes: tuple[str, ...], reason: str, matches: Any) -> Rule:
@@ -164,7 +149,7 @@ class DeepSpeedAdapter(EngineAdapter):
         self._stage = stage
         if config_path is not None:
             # Read now: a bad file stops the run before anything runs (``harness.engines.registry.resolve``).
-            self._user = _read_config(config_path)
+            self._user = read_json_object(config_path, "deepspeed")
         else:
             self._user = {}
 

@@ -11,6 +11,9 @@ records, reports):
   ``CPUOffloadPolicy``, through ``FSDP2Adapter``;
 - ``NAME=deepspeed:PATH.json``: DeepSpeed ZeRO with a config file over the adapter's neutral defaults
   (``harness.engines.deepspeed_adapter``); ``deepspeed-zero1|2|3`` are registered with the defaults alone;
+- ``NAME=megatron-fsdp:PATH.json``: Megatron-FSDP with a file of ``fully_shard`` keywords over the adapter's
+  (``harness.engines.megatron_fsdp_adapter``); ``megatron-fsdp``, ``megatron-fsdp-zero1|2`` are registered, and
+  ``fairscale`` (``harness.engines.fairscale_adapter``);
 - ``NAME=MODULE:OBJECT``: an ``EngineAdapter`` instance, or a factory called with the name (or with no
   argument) that returns one.
 
@@ -38,7 +41,9 @@ from typing import Any
 from harness.cases.case import DEFAULT_ENGINES, engine_name
 from harness.engines.adapters import EngineAdapter, FSDP1Adapter
 from harness.engines.deepspeed_adapter import DEEPSPEED_STAGES, DeepSpeedAdapter
+from harness.engines.fairscale_adapter import FairScaleAdapter
 from harness.engines.fsdp2_adapter import FSDP2Adapter
+from harness.engines.megatron_fsdp_adapter import MegatronFSDPAdapter
 
 __all__ = [
     "API_KINDS",
@@ -63,9 +68,10 @@ API_KINDS: dict[str, Callable[[str, str], EngineAdapter]] = {
     "fsdp1": FSDP1Adapter,
     "fsdp2": FSDP2Adapter,
     "deepspeed": lambda name, path: DeepSpeedAdapter(name, config_path=path),
+    "megatron-fsdp": lambda name, path: MegatronFSDPAdapter(name, config_path=path),
 }
 #: the API kinds whose target is a file path (which a comma list of engines cannot carry with a comma).
-PATH_KINDS = ("deepspeed",)
+PATH_KINDS = ("deepspeed", "megatron-fsdp")
 
 #: name -> factory, filled below and by ``register``; entry points are read on first use.
 _REGISTERED: dict[str, Factory] = {}
@@ -93,6 +99,11 @@ register("torch-fsdp2", lambda name: FSDP2Adapter(name, None))
 # deepspeed installed their cases are unsupported with the install line.
 for _stage in DEEPSPEED_STAGES:
     register(f"deepspeed-zero{_stage}", functools.partial(lambda name, stage: DeepSpeedAdapter(name, stage=stage), stage=_stage))
+# Megatron-FSDP by zero_dp_strategy (3: ``megatron-fsdp``, full_shard) and FairScale's FSDP, CUDA only; without the
+# package, or on CPU ranks, their cases are unsupported with the one line saying so.
+for _name, _level in (("megatron-fsdp", 3), ("megatron-fsdp-zero2", 2), ("megatron-fsdp-zero1", 1)):
+    register(_name, functools.partial(lambda name, level: MegatronFSDPAdapter(name, level=level), level=_level))
+register("fairscale", FairScaleAdapter)
 
 
 @functools.lru_cache(maxsize=None)
