@@ -31,6 +31,13 @@ def batch(seed: int, step: int, rank: int, shape: tuple[int, ...], vocab: int | 
     return torch.randn(shape, generator=g)
 
 
+def _init_device(device: torch.device | str) -> str:
+    """Where a model of these checks draws its initial weights: the CPU's generator, wherever the model
+    lives after (``meta`` stays meta). A CUDA generator draws other values from the same seed, and the
+    seeds' CUDA_AFTER twins (built on the CPU, moved after wrapping) must start from DDP's weights."""
+    return "meta" if torch.device(device).type == "meta" else "cpu"
+
+
 class NestedWrapped(ZooModel):
     """Linear -> (Linear -> ReLU -> Linear) -> Linear: a nested unit inside a unit inside the root.
 
@@ -41,9 +48,11 @@ class NestedWrapped(ZooModel):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp = nn.Linear(8, 12, device=device)
-        self.block = nn.Sequential(nn.Linear(12, 16, device=device), nn.ReLU(), nn.Linear(16, 12, device=device))
-        self.out = nn.Linear(12, 5, device=device)
+        init = _init_device(device)
+        self.inp = nn.Linear(8, 12, device=init)
+        self.block = nn.Sequential(nn.Linear(12, 16, device=init), nn.ReLU(), nn.Linear(16, 12, device=init))
+        self.out = nn.Linear(12, 5, device=init)
+        self.to(device)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.relu(self.block(torch.relu(self.inp(x)))))
@@ -81,16 +90,18 @@ class SharedTransformer(ZooModel):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Embedding(self.vocab, self.d_model, device=device)
+        init = _init_device(device)
+        self.embed = nn.Embedding(self.vocab, self.d_model, device=init)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(
-                self.d_model, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True, device=device
+                self.d_model, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True, device=init
             )
             for _ in range(2)
         )
-        self.norm = nn.LayerNorm(self.d_model, device=device)
-        self.proj = nn.Linear(self.d_model, self.vocab, bias=False, device=device)
+        self.norm = nn.LayerNorm(self.d_model, device=init)
+        self.proj = nn.Linear(self.d_model, self.vocab, bias=False, device=init)
         self.proj.weight = self.embed.weight  # tied
+        self.to(device)
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.embed(tokens)
@@ -118,14 +129,16 @@ class MixtureOfExperts(ZooModel):
     def __init__(self, rank: int, device: torch.device | str = "cpu") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp = nn.Linear(6, 10, device=device)
-        self.shared = nn.Linear(10, 9, device=device)
+        init = _init_device(device)
+        self.inp = nn.Linear(6, 10, device=init)
+        self.shared = nn.Linear(10, 9, device=init)
         torch.manual_seed(42 + rank)
-        self.expert = nn.Linear(9, 10, device=device)
+        self.expert = nn.Linear(9, 10, device=init)
         for p in self.expert.parameters():
             p.expert = True  # type: ignore[attr-defined]
         torch.manual_seed(1)
-        self.out = nn.Linear(10, 4, device=device)
+        self.out = nn.Linear(10, 4, device=init)
+        self.to(device)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.relu(self.expert(torch.relu(self.shared(torch.relu(self.inp(x)))))))
