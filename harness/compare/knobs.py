@@ -105,19 +105,25 @@ def check_sharding(
 
 
 def _check_zero(strategy: str, events: Sequence[CommEvent], seen: str) -> KnobCheck:
-    """ZeRO-1/2 never shard parameters: nothing is gathered for forward or backward, gradients are
-    reduced in backward (all-reduced or reduce-scattered), and each rank's updated partition is
-    all-gathered after the optimizer step. Which of the two it is (whether the gradients stay
-    partitioned between backward and step) shows in memory, not in the collectives of a small model."""
-    gathered = ops(events, op="all_gather", phase="forward") + ops(events, op="all_gather", phase="backward")
+    """ZeRO-1/2 never shard parameters: they start whole (nothing gathered in the first step's forward),
+    nothing is gathered in backward, gradients are reduced in backward (all-reduced or reduce-scattered),
+    and each rank's updated partition is all-gathered once the optimizer stepped: right after the step
+    (DeepSpeed) or lazily, before its next use in forward (Megatron-FSDP's ``optim``/``optim_grads``).
+    Which of the two strategies it is (whether the gradients stay partitioned between backward and step)
+    shows in memory, not in the collectives of a small model."""
+    forward = ops(events, op="all_gather", phase="forward")
+    first = min((e.step for e in events), default=0)
+    first_forward = [e for e in forward if e.step == first]
+    backward = ops(events, op="all_gather", phase="backward")
     reduced = ops(events, op=("all_reduce", "reduce_scatter"), phase="backward")
     after_step = ops(events, op="all_gather", phase="step")
-    seen = f"{seen}; all-gathers after the step {len(after_step)}"
-    ok = not gathered and bool(reduced) and bool(after_step)
+    seen = f"{seen}; all-gathers after the step {len(after_step)}, in the first step's forward {len(first_forward)}"
+    synced = bool(after_step) or len(forward) > len(first_forward)
+    ok = not first_forward and not backward and bool(reduced) and synced
     if ok:
         return KnobCheck("sharding_strategy", "ok", seen)
-    expected = ("no all-gather in forward or backward (parameters never sharded), gradients reduced in backward, "
-                "the updated partitions all-gathered after the step")
+    expected = ("parameters never sharded (no all-gather in the first step's forward nor in backward), gradients "
+                "reduced in backward, the updated partitions all-gathered after the step or before their next use")
     return KnobCheck("sharding_strategy", "ignored", f"{strategy}: expected {expected}; saw {seen}")
 
 

@@ -125,6 +125,33 @@ MEGATRON_FSDP_RULES: tuple[Rule, ...] = (
 )
 
 
+def unit_classes(model: nn.Module) -> list[type[nn.Module]]:
+    """The classes of the model's units, which is how ``fully_shard``'s ``fsdp_unit_modules`` names units."""
+    return list(dict.fromkeys(type(unit) for unit in model.wrap_units()))
+
+
+def units_by_class_reason(model: nn.Module) -> str | None:
+    """Why Megatron-FSDP cannot take this model's units, or None. It picks units by class, outermost
+    first (a unit inside a unit is not one of its own): the classes of the harness's units must pick
+    exactly those modules, or the engine would shard other units than the case describes."""
+    classes = tuple(unit_classes(model))
+    wanted = {id(unit) for unit in model.wrap_units()}
+    picked: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, classes) and not any(_inside(module, outer) for outer in picked):
+            picked.append(module)
+    if {id(m) for m in picked} == wanted:
+        return None
+    names = ", ".join(sorted({c.__name__ for c in classes}))
+    return (f"Megatron-FSDP picks units by class (fsdp_unit_modules), outermost first: the classes of this model's "
+            f"units ({names}) pick {len(picked)} module(s), not its {len(wanted)} units (nested units, or units that "
+            f"share a class with modules that are none)")
+
+
+def _inside(module: nn.Module, outer: nn.Module) -> bool:
+    return module is not outer and any(m is module for m in outer.modules())
+
+
 class MegatronFSDPAdapter(EngineAdapter):
     """Megatron-FSDP at one ``zero_dp_strategy`` (``level``) or as a user's keyword file (``config_path``)."""
 
@@ -182,6 +209,8 @@ class MegatronFSDPAdapter(EngineAdapter):
                       f"this rank runs on {ctx.device_type} over {ctx.backend}")
         if reason is None and model.rank_local_modules():
             reason = "Megatron-FSDP reduces every parameter over the data-parallel group: no rank-local modules"
+        if reason is None:
+            reason = units_by_class_reason(model)
         return f"{self.name}: {reason}" if reason else None
 
     def build(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
@@ -192,7 +221,7 @@ class MegatronFSDPAdapter(EngineAdapter):
         apply_activation_checkpointing(model, checkpointed_units(model), case.activation_checkpointing)
         named = [(canonical_name(n), p) for n, p in model.named_parameters()]
         (optimizer,) = build_optimizers(case, named)
-        units = list(dict.fromkeys(type(unit) for unit in model.wrap_units()))
+        units = unit_classes(model)
         mesh = ctx.mesh((ctx.world_size, 1), (_DP_DIM, _TP_DIM))
         hyper = optimizer.param_groups[0]
         saved = {k: hyper[k] for k in ("lr", "weight_decay") if k in hyper}
