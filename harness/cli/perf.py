@@ -16,7 +16,13 @@ ranks on CPU with a tiny model); ``harness.perf.benchmark`` is the rank side, ``
 
 Columns: the median over the timed steps of the slowest rank's step time and its p10..p90 spread,
 peak allocated and reserved memory (the largest rank's), tokens/s of all ranks, TFLOP/s per GPU by the
-6N rule, the final loss, and the ratio to torch FSDP1 with the same strategy measured in this run.
+6N rule, the final loss, the ratio to torch FSDP1 with the same strategy measured in this run and the
+ratio to the faster torch engine (of torch FSDP1 and FSDP2, the one with the smaller step time at that
+strategy in this run; one that failed or ran out of memory is not a candidate). ``--repeats N`` runs N
+interleaved repetitions on the same pool, each every engine and strategy once with the engine order
+rotated: the step time is then the median of the repetitions' (min..max in place of p10..p90), peak
+memory the largest, and each ratio the median of the per-repetition (paired) ratios, printed with their
+range (``harness.perf.perf_rows``). ``--json`` keeps the summary rows and every repetition's.
 ``--profile DIR`` writes a Chrome trace of a few extra steps per engine, strategy and rank.
 
 Exit status: 0; 1 when a run failed or a final loss differs from torch FSDP1's by more than
@@ -34,9 +40,10 @@ from pathlib import Path
 
 import torch
 
-from harness.cli.options import add_placement, positive_float
+from harness.cli.options import add_placement, positive_float, positive_int
 from harness.perf.benchmark import CPU_MODEL, ENGINES, SIZES, STRATEGIES, GPTConfig, count_params
-from harness.perf.perf_run import BASELINE, ZOO_MODELS, PerfConfig, ratio_lines, run, table
+from harness.perf.perf_rows import BASELINE, PerfRow, ratio_lines, summarize, table
+from harness.perf.perf_run import ZOO_MODELS, PerfConfig, run_repetitions
 
 
 def config_from_args(args: argparse.Namespace) -> PerfConfig:
@@ -57,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> PerfConfig:
         warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr, world_size=args.world_size,
         backend=lane.backend, devices=lane.devices, timeout_s=args.timeout, loss_rtol=args.loss_rtol,
         profile_dir=str(args.profile) if args.profile is not None else None,
-        zoo_models=list(args.zoo_models) if args.small else [], cprofile=args.cprofile,
+        zoo_models=list(args.zoo_models) if args.small else [], cprofile=args.cprofile, repeats=args.repeats,
     )
 
 
@@ -69,6 +76,9 @@ def _header(config: PerfConfig, device: str) -> str:
         where += ("\nranks share GPUs through gloo: step times include the host staging of every collective "
                   "and no NCCL overlap; compare engines within this run only")
     timing = f"median of {config.steps} steps after {config.warmup} warm-up steps"
+    if config.repeats > 1:
+        timing += (f"; {config.repeats} interleaved repetitions (engine order rotated each): median over them, "
+                   "min..max across them, ratios paired per repetition")
     if config.zoo_models:
         return (f"{where}\nhost-bound regime: zoo models {', '.join(config.zoo_models)} built and wrapped as the "
                 f"parity matrix does; {config.precision}; SGD; per-step wall time; {timing}")
@@ -92,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"zoo models of --small (default {','.join(ZOO_MODELS)})")
     p.add_argument("--steps", type=int, default=10, help="timed steps per engine")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="interleaved repetitions of every engine and strategy on the same ranks, the engine order "
+                        "rotated each; reports the median and min..max over them and paired ratios (default 1; 3 or 5 on GPUs)")
     for name, help_text in (("vocab", "vocabulary"), ("d-model", "model width"), ("layers", "blocks"),
                             ("heads", "attention heads"), ("seq", "tokens per sequence"), ("batch", "sequences per rank")):
         p.add_argument(f"--{name}", type=int, default=None,
@@ -121,6 +134,17 @@ def _print_trace_summaries(directory: Path) -> None:
             print("\n".join(summary_lines(path.stem, summarize(events, PROFILE_STEPS))))
 
 
+def json_data(config: PerfConfig, device: str, wall_s: float, rows: list[PerfRow],
+              repetitions: list[list[PerfRow]]) -> dict[str, object]:
+    """What ``--json`` writes: the configuration, the summary ``rows`` (one per engine and strategy) and,
+    under ``repetitions``, every repetition's rows in the order they ran."""
+    return {"config": asdict(config), "params": None if config.zoo_models else count_params(config.model),
+            "torch": torch.__version__, "device": device, "wall_s": wall_s, "repeats": config.repeats,
+            "rows": [asdict(r) for r in rows],
+            "repetitions": [{"repetition": i + 1, "order": [r.label for r in rep], "rows": [asdict(r) for r in rep]}
+                            for i, rep in enumerate(repetitions)]}
+
+
 def main(args: argparse.Namespace) -> int:
     from harness.ranks.pool import PoolStartError
 
@@ -131,10 +155,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     start = time.monotonic()
     try:
-        rows, device = run(config)
+        repetitions, device = run_repetitions(config)
     except (PoolStartError, ValueError) as exc:  # ValueError: fewer GPUs than --world-size
         print(f"harness perf: {exc}", file=sys.stderr)
         return 2
+    rows = summarize(repetitions, config.loss_rtol)
     print(_header(config, device))
     print(table(rows))
     for line in ratio_lines(rows):
@@ -142,14 +167,14 @@ def main(args: argparse.Namespace) -> int:
     wall = time.monotonic() - start
     failed = [r.label for r in rows if r.status not in ("ok", "unsupported")]
     differs = [r.label for r in rows if r.loss_matches is False]
-    print(f"{len(rows)} runs in {wall:.1f} s" + (f"; failed: {failed}" if failed else "")
+    runs = f"{len(rows)} runs" + (f" x {config.repeats} repetitions" if config.repeats > 1 else "")
+    print(f"{runs} in {wall:.1f} s" + (f"; failed: {failed}" if failed else "")
           + (f"; final loss differs from {BASELINE}: {differs}" if differs else "")
           + (f"; traces in {config.profile_dir}" if config.profile_dir else ""))
     if config.profile_dir:
         _print_trace_summaries(Path(config.profile_dir))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        data = {"config": asdict(config), "params": None if config.zoo_models else count_params(config.model),
-                "torch": torch.__version__, "device": device, "wall_s": wall, "rows": [asdict(r) for r in rows]}
-        args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        args.json.write_text(json.dumps(json_data(config, device, wall, rows, repetitions), indent=2) + "\n",
+                             encoding="utf-8")
     return 1 if failed or differs else 0

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.perf.benchmark import CPU_MODEL, SIZES, GPTConfig, count_params
-from harness.perf.perf_run import BASELINE, PerfConfig, PerfRow, run
+from harness.perf.perf_rows import BASELINE, PerfRow
+from harness.perf.perf_run import PerfConfig, run
 from harness.ranks.placement import place
 
 #: a ratio more than this much worse (relative) than the previous night's is a regression.

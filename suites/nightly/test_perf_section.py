@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.perf.benchmark import CPU_MODEL
-from harness.perf.perf_run import PerfRow
+from harness.perf.perf_rows import PerfRow
 from harness.perf.perf_section import (
     build_section,
     compare_sections,

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,8 @@ from harness.perf.benchmark import (
     ZooJob,
     zoo_job,
 )
-from harness.perf.perf_run import PerfConfig, PerfRow, add_ratios, plan_runs, row_from_values, spread, tflops_per_gpu
+from harness.perf.perf_rows import PerfRow, add_ratios, spread, tflops_per_gpu
+from harness.perf.perf_run import PerfConfig, plan_runs, row_from_values
 from harness.pytest_plugin import needs_gpus
 from harness.ranks.rank import RankContext
 
@@ -205,6 +207,33 @@ def test_small_mode_times_zoo_models_against_torch_fsdp1(tmp_path: Path) -> None
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["engine"], r["status"]) for r in rows] == [("always_wrap", "builtin", "ok"), ("always_wrap", "torch-fsdp", "ok")]
     assert rows[0]["loss_matches"] is True and rows[0]["tokens_per_s"] is None and rows[0]["cpu_ms"] > 0 and rows[0]["setup_ms"] > 0
+
+
+def test_perf_with_two_repetitions_prints_paired_ratios_and_keeps_every_repetition(tmp_path: Path) -> None:
+    out = tmp_path / "perf.json"
+    done = _perf("--engines", "builtin,torch-fsdp,torch-fsdp2", "--repeats", "2", "--steps", "2", "--warmup", "1",
+                 "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    number, span = r"(\d+\.\d+)", r"per-rep ratios (\d+\.\d+)\.\.(\d+\.\d+)"
+    fsdp1 = re.search(rf"ratio builtin / torch-fsdp step time \(full_shard\): {number} \(median of 2; {span};", done.stdout)
+    faster = re.search(rf"ratio builtin / faster torch \((torch-fsdp2?)\) step time \(full_shard\): {number} "
+                       rf"\(median of 2; {span};", done.stdout)
+    assert fsdp1 and faster, done.stdout
+    assert "2 interleaved repetitions" in done.stdout and "3 runs x 2 repetitions" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["repeats"] == 2 and [r["repetition"] for r in data["repetitions"]] == [1, 2]
+    assert [r["order"] for r in data["repetitions"]] == [
+        ["builtin full_shard", "torch-fsdp full_shard", "torch-fsdp2 full_shard"],
+        ["torch-fsdp full_shard", "torch-fsdp2 full_shard", "builtin full_shard"]]
+    summary = {r["engine"]: r for r in data["rows"]}
+    per_rep = [{r["engine"]: r for r in rep["rows"]} for rep in data["repetitions"]]
+    ours = summary["builtin"]
+    assert ours["repeats"] == 2 and ours["step_ms"] == pytest.approx(statistics.median(p["builtin"]["step_ms"] for p in per_rep))
+    paired = sorted(p["builtin"]["step_ms"] / p["torch-fsdp"]["step_ms"] for p in per_rep)
+    assert ours["ratio"] == pytest.approx(float(fsdp1[1]), abs=1e-3) == pytest.approx(statistics.median(paired), abs=1e-3)
+    assert (ours["ratio_min"], ours["ratio_max"]) == (pytest.approx(paired[0]), pytest.approx(paired[1]))
+    assert ours["faster_torch"] == faster[1] and ours["faster_ratio"] == pytest.approx(float(faster[2]), abs=1e-3)
+    assert ours["loss_matches"] is True and ours["tflops"] > 0 and len(ours["steps_ms"]) == 4
 
 
 @pytest.mark.gpu
