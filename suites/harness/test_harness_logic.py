@@ -284,21 +284,19 @@ def test_check_sharding_hybrid_reads_the_groups_ranks() -> None:
         assert check_sharding(strategy, [], sharded_units=2, hybrid_groups=single, world_size=2).status == "ignored"
 
 
-def test_check_sharding_zero_takes_the_sync_after_the_step_or_before_the_next_forward() -> None:
-    """ZeRO-1/2: parameters start whole and are never gathered in backward; the updated partitions are
-    gathered right after the step (DeepSpeed) or lazily in the next step's forward (Megatron-FSDP)."""
+def test_check_sharding_zero_takes_the_sync_after_the_step_or_in_the_next_forward() -> None:
+    """ZeRO-1/2: never gathered in backward; the updated partitions are gathered right after the step
+    (DeepSpeed) or in the next forward (Megatron-FSDP, whose first forward also gathers its buffer)."""
     reduce = [ev("reduce_scatter", "backward", step=s) for s in range(3)]
     eager = reduce + [ev("all_gather", "step", step=s) for s in range(3)]
-    lazy = reduce + [ev("all_gather", "forward", step=s) for s in (1, 2)]
+    lazy = reduce + [ev("all_gather", "forward", step=s) for s in range(3)]
     for strategy in ("zero1", "zero2"):
         assert check_sharding(strategy, eager, sharded_units=2).status == "ok"
         assert check_sharding(strategy, lazy, sharded_units=2).status == "ok"
-    # Gathered in the first step's forward: the parameters were sharded (SHARD_GRAD_OP's trace).
-    sharded = reduce + [ev("all_gather", "forward", step=s) for s in range(3)]
-    check = check_sharding("zero2", sharded, sharded_units=2)
-    assert check.status == "ignored" and "in the first step's forward 1" in check.reason
-    # Re-gathered in backward (FULL_SHARD), never synced, or never reduced.
-    assert check_sharding("zero2", eager + [ev("all_gather", "backward", step=1)], sharded_units=2).status == "ignored"
+    # Re-gathered in backward (FULL_SHARD's trace), never synced (NO_SHARD's), or never reduced.
+    check = check_sharding("zero2", eager + [ev("all_gather", "backward", step=1)], sharded_units=2)
+    assert check.status == "ignored" and "backward all-gathers 1" in check.reason
+    assert check_sharding("zero2", FULL_SHARD, sharded_units=2).status == "ignored"
     assert check_sharding("zero1", reduce, sharded_units=2).status == "ignored"
     assert check_sharding("zero1", [ev("all_gather", "step", step=0)], sharded_units=2).status == "ignored"
 
