@@ -125,9 +125,10 @@ def test_the_pairwise_matrix_on_two_gpus_has_no_failure(engine: str, tmp_path: P
 
 
 CROSS = [
-    pytest.param(CaseConfig(engine="megatron-fsdp", resume_engine="torch-fsdp2", reference="local", checkpoint="full",
-                            optimizer="adamw", use_orig_params=True, backward_prefetch="pre", model="transformer"),
-                 id="megatron-to-fsdp2-adamw"),
+    # Not torch FSDP2: it prefetches always (backward_prefetch "pre"), which Megatron-FSDP's rules leave out,
+    # so such a case is unsupported whichever side saves.
+    pytest.param(CaseConfig(engine="megatron-fsdp", resume_engine="builtin", reference="local", checkpoint="full",
+                            optimizer="adamw", use_orig_params=True, model="transformer"), id="megatron-to-builtin-adamw"),
     pytest.param(CaseConfig(engine="builtin", resume_engine="megatron-fsdp", reference="local", checkpoint="full",
                             use_orig_params=True, model="transformer"), id="builtin-to-megatron"),
 ]
