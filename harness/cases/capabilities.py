@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Rule", "first_reason", "for_engine"]
+__all__ = ["Rule", "first_reason", "for_engine", "prefixed_rule"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class Rule:
     reason: str
     #: True when the case (a mapping holding at least ``axes``) is invalid.
     matches: Callable[[Mapping[str, Any]], bool]
+
+
+def prefixed_rule(prefix: str, name: str, axes: tuple[str, ...], reason: str,
+                  matches: Callable[[Mapping[str, Any]], bool]) -> Rule:
+    """A rule named ``PREFIX_NAME``: the adapters of engines we did not write name theirs by engine."""
+    return Rule(f"{prefix}_{name}", axes, reason, matches)
 
 
 def for_engine(engine: str, label: str, rule: Rule) -> Rule:

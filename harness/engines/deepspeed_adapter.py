@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.cases.capabilities import Rule
+from harness.cases.capabilities import Rule, prefixed_rule
 from harness.cases.case import CaseConfig
 from harness.cases.dtypes import dtype_of
 from harness.cases.models import ZooModel, to_device
@@ -92,8 +92,7 @@ def merged_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, A
     return out
 
 
-def _rule(name: str, axes: tuple[str, ...], reason: str, matches: Any) -> Rule:
-    return Rule(f"deepspeed_{name}", axes, reason, matches)
+_rule = functools.partial(prefixed_rule, "deepspeed")
 
 
 #: What the DeepSpeed adapters do not express, whatever the stage, each with DeepSpeed's reason.

@@ -25,6 +25,7 @@ case is ``unsupported`` with that one line.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from harness.cases.capabilities import Rule
+from harness.cases.capabilities import Rule, prefixed_rule
 from harness.cases.case import PRECISIONS, CaseConfig, PrecisionSpec
 from harness.cases.dtypes import dtype_of
 from harness.cases.models import ZooModel, wrap_bottom_up
@@ -115,8 +116,7 @@ def _slices(root: nn.Module, kind: str) -> list[ParamSlice]:
     return out
 
 
-def _rule(name: str, axes: tuple[str, ...], reason: str, matches: Any) -> Rule:
-    return Rule(f"fairscale_{name}", axes, reason, matches)
+_rule = functools.partial(prefixed_rule, "fairscale")
 
 
 #: What the FairScale adapter does not express, each with the reason.

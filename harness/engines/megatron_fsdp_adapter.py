@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.cases.capabilities import Rule
+from harness.cases.capabilities import Rule, prefixed_rule
 from harness.cases.case import CaseConfig
 from harness.cases.models import ZooModel
 from harness.engines.activation_checkpointing import apply_activation_checkpointing, checkpointed_units
@@ -83,8 +83,7 @@ def zero_dp_level(value: Any, where: str) -> int:
     raise ValueError(f"{where}: zero_dp_strategy={value!r}; set it to 0-3 or one of {sorted(_LEVEL_NAMES)}")
 
 
-def _rule(name: str, axes: tuple[str, ...], reason: str, matches: Any) -> Rule:
-    return Rule(f"megatron_fsdp_{name}", axes, reason, matches)
+_rule = functools.partial(prefixed_rule, "megatron_fsdp")
 
 
 #: What the Megatron-FSDP adapters do not express, whatever the strategy, each with the reason.
