@@ -20,6 +20,7 @@ from harness.collect.collector import out_path_problem
 from harness.run.one_line_parser import OneLineParser, non_empty_path
 from reports import api, render
 from reports.diff import RATIO_FACTOR, RATIO_FLOOR
+from reports.scope import PARTS_KEY
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                   f"-> {args.out}/: {', '.join(shown)}, {pages} case page(s) in cases/")
             for bad in summary.bad_lines:
                 print(f"warning: unreadable line {bad}", file=sys.stderr)
-            for problem in (summary.scope or {}).get("shards") or []:
+            for problem in (summary.scope or {}).get(PARTS_KEY) or []:
                 print(f"warning: incomplete run: {problem}", file=sys.stderr)
             return 0
         result = api.diff(args.old, args.new, ratio_factor=args.ratio_factor, ratio_floor=args.ratio_floor)

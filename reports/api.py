@@ -33,7 +33,7 @@ from reports.grid import build_grid
 from reports.matrix import (
     Summary, frame_from_csv, latest, marginals, parity_matrices, records_frame, sort_failing, summarize, unexpected_passes,
 )
-from reports.scope import RunScope, ShardInput, merge_scopes, not_run_frame, scope_from_nightly, shard_problems
+from reports.scope import PartInput, RunScope, merge_scopes, not_run_frame, part_problems, scope_from_nightly
 
 CSV_NAME = "results.csv"
 SUMMARY_NAME = "summary.json"
@@ -89,7 +89,8 @@ def staged(out: Path) -> Iterator[Path]:
 def selection_ids(path: Path) -> set[str]:
     """The ids of the selections ``path`` holds results of (``harness.run.stored_selection``): a results
     file's own, or those of the results files in a directory."""
-    # A merged night's selection is its shards' (``shards/K-of-N``, every shard shares the selection's id).
+    # A merged night's selection is its parts' (``shards/K-of-N``: the directory keeps its earlier name; every
+    # part shares the selection's id).
     files = (sorted([*path.glob("*" + SELECTION_SUFFIX), *path.glob("shards/*/*" + SELECTION_SUFFIX)]) if path.is_dir()
              else [selection_path(path)])
     found = (read_selection(f.with_name(f.name[: -len(SELECTION_SUFFIX)]), unreadable_ok=True) for f in files)
@@ -136,7 +137,7 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not paths:
         raise ValueError("reports: give at least one results file or report directory")
-    frames, bad_lines, records, shards = [], [], [], []
+    frames, bad_lines, records, parts = [], [], [], []
     scopes = []
     for path in paths:
         frame, bad, recs = _load_one(path)
@@ -146,19 +147,19 @@ def load(paths: PathLike | Iterable[PathLike]) -> Loaded:
         scopes.append(read_scope(path if path.is_dir() else path.parent, selection_ids(path)))
         stored = None if path.is_dir() else read_selection(path, unreadable_ok=True)
         if stored is not None and stored.part is not None:
-            shards.append(ShardInput(str(path), stored.part, stored.case_ids, frozenset(map(record_full_id, recs)),
-                                     frozenset(n.full_id for n in scopes[-1].not_run) if scopes[-1] is not None else frozenset()))
-    problems = shard_problems(shards)  # refuses shards of different partitions (ValueError)
+            parts.append(PartInput(str(path), stored.part, stored.case_ids, frozenset(map(record_full_id, recs)),
+                                   frozenset(n.full_id for n in scopes[-1].not_run) if scopes[-1] is not None else frozenset()))
+    problems = part_problems(parts)  # refuses parts of different partitions (ValueError)
     frames = [f for f in frames if not f.empty]
     frame = pd.concat(frames, ignore_index=True) if frames else records_frame([])
     frame, superseded = latest(frame)
     # The same winner as ``latest``: the newest time, the later input on a tie.
     by_id = {record_full_id(r): r for r in sorted(records, key=lambda r: r.time)}
     scope = merge_scopes(scopes)
-    if problems:  # the whole selection is what the shards were cut from, present or not
+    if problems:  # the whole selection is what the parts were cut from, present or not
         base = scope or RunScope()
-        scope = RunScope(len(shards[0].selection), base.not_run, base.not_selected,
-                         ", ".join(filter(None, [base.source, "shards"])), base.shards + problems)
+        scope = RunScope(len(parts[0].selection), base.not_run, base.not_selected,
+                         ", ".join(filter(None, [base.source, "parts"])), base.parts + problems)
     return Loaded(frame, bad_lines, superseded, [str(p) for p in paths], by_id, scope)
 
 
@@ -196,7 +197,7 @@ def _write_report(loaded: Loaded, out: Path, stage: Path, cases: Iterable[str],
     frame = loaded.frame
     scope = loaded.scope
     if not_run is not None or selected is not None:
-        scope = RunScope(selected, [NotRun(*n) for n in not_run or []], [], "arguments", loaded.scope.shards if loaded.scope else [])
+        scope = RunScope(selected, [NotRun(*n) for n in not_run or []], [], "arguments", loaded.scope.parts if loaded.scope else [])
     scope = scope if scope is not None and scope.partial else None
     banner = scope.banner() if scope is not None else ""
     matrices = parity_matrices(frame)

@@ -18,6 +18,11 @@ import pandas as pd
 from harness.cases.records import NotRun
 from reports.matrix import AXIS_COLUMNS, case_axes
 
+#: The key under which ``summary.json``'s scope and a merged night's ``nightly.json`` keep the parts of a
+#: run (``RunScope.parts``): "shards", the name these files had before "part" meant a part of a run; kept so
+#: that earlier files stay readable and every file's key the same.
+PARTS_KEY = "shards"
+
 
 @dataclass
 class RunScope:
@@ -31,12 +36,12 @@ class RunScope:
     not_selected: list[str] = field(default_factory=list)
     #: where this came from (``nightly.json``, ``not_run.txt``, the command line).
     source: str = ""
-    #: the shards of a sharded run that are missing or unfinished (``shard_problems``), one phrase each.
-    shards: list[str] = field(default_factory=list)
+    #: the parts of a run split into parts that are missing or unfinished (``part_problems``), one phrase each.
+    parts: list[str] = field(default_factory=list)
 
     @property
     def partial(self) -> bool:
-        return bool(self.not_run or self.not_selected or self.shards)
+        return bool(self.not_run or self.not_selected or self.parts)
 
     def reasons(self) -> dict[str, int]:
         """Cases not run per reason, most first."""
@@ -45,8 +50,8 @@ class RunScope:
     def banner(self) -> str:
         """One sentence for the top of every page; empty when the run was whole."""
         parts = []
-        if self.shards:
-            parts.append(f"Incomplete run: {'; '.join(self.shards)}; the tables count only the cases recorded.")
+        if self.parts:
+            parts.append(f"Incomplete run: {'; '.join(self.parts)}; the tables count only the cases recorded.")
         if self.not_run:
             of = f" of {self.selected:,}" if self.selected is not None else ""
             why = "; ".join(f"{why} ({n:,})" if len(self.reasons()) > 1 else why for why, n in self.reasons().items())
@@ -58,7 +63,7 @@ class RunScope:
     def to_dict(self) -> dict[str, Any]:
         return {"selected": self.selected, "not_run": len(self.not_run), "reasons": self.reasons(),
                 "not_selected": list(self.not_selected), "source": self.source,
-                **({"shards": list(self.shards)} if self.shards else {})}
+                **({PARTS_KEY: list(self.parts)} if self.parts else {})}
 
 
 def scope_from_nightly(state: Mapping[str, Any], not_run: Sequence[NotRun] = ()) -> RunScope:
@@ -76,8 +81,9 @@ def scope_from_nightly(state: Mapping[str, Any], not_run: Sequence[NotRun] = ())
         for ws, info in (cases.get("world_sizes_skipped") or {}).items()
     ]
     selected = cases.get("selected")
-    shards = [str(p) for p in (state.get("shards") or {}).get("problems") or []]  # a merged night's
-    return RunScope(int(selected) if selected is not None else None, listed, skipped, "nightly.json", shards)
+    # A merged night's missing or unfinished parts, in the section its nightly.json keeps under PARTS_KEY.
+    parts = [str(p) for p in (state.get(PARTS_KEY) or {}).get("problems") or []]
+    return RunScope(int(selected) if selected is not None else None, listed, skipped, "nightly.json", parts)
 
 
 def merge_scopes(scopes: Iterable[RunScope]) -> RunScope | None:
@@ -88,18 +94,19 @@ def merge_scopes(scopes: Iterable[RunScope]) -> RunScope | None:
     selected = None if any(s.selected is None for s in scopes) else sum(s.selected or 0 for s in scopes)
     return RunScope(
         selected, [x for s in scopes for x in s.not_run], [x for s in scopes for x in s.not_selected],
-        ", ".join(dict.fromkeys(s.source for s in scopes if s.source)), [x for s in scopes for x in s.shards],
+        ", ".join(dict.fromkeys(s.source for s in scopes if s.source)), [x for s in scopes for x in s.parts],
     )
 
 
 @dataclass(frozen=True)
-class ShardInput:
-    """One input of a report that is a shard of a run (``harness.run.parts``), as its stored selection says."""
+class PartInput:
+    """One input of a report that is a part of a run (``harness.run.parts``), as its stored selection says."""
 
     #: the results file.
     path: str
-    #: the stored selection's ``shard``: ``index`` (0-based), ``count``, ``partition``, ``case_ids``.
-    shard: Mapping[str, Any]
+    #: the stored selection's part (its on-disk key is ``shard``, kept so that earlier runs stay readable):
+    #: ``index`` (0-based), ``count``, ``partition``, ``case_ids``.
+    part: Mapping[str, Any]
     #: every case id of the whole selection.
     selection: Sequence[str]
     #: the full ids the file records.
@@ -108,40 +115,40 @@ class ShardInput:
     not_run: frozenset[str] = frozenset()
 
 
-class ShardMismatch(ValueError):
-    """Inputs that are shards of different partitions: not parts of one run."""
+class PartMismatch(ValueError):
+    """Inputs that are parts of different partitions: not parts of one run."""
 
 
-def shard_problems(inputs: Sequence[ShardInput]) -> list[str]:
-    """What keeps the shards given from being the whole run: each missing shard (with the cases no given
-    shard holds) and each unfinished one (cases of its part neither recorded nor listed as not run).
-    Raises ``ShardMismatch`` naming two inputs of different partitions."""
+def part_problems(inputs: Sequence[PartInput]) -> list[str]:
+    """What keeps the parts given from being the whole run: each missing part (with the cases no given
+    part holds) and each unfinished one (cases of its part neither recorded nor listed as not run).
+    Raises ``PartMismatch`` naming two inputs of different partitions."""
     if not inputs:
         return []
     first = inputs[0]
     for other in inputs[1:]:
-        if other.shard.get("partition") != first.shard.get("partition"):
-            raise ShardMismatch(
-                f"{other.path} is shard {other.shard['index'] + 1}/{other.shard['count']} of partition "
-                f"{other.shard.get('partition')}, {first.path} shard {first.shard['index'] + 1}/{first.shard['count']} of "
-                f"{first.shard.get('partition')}: shards of different partitions (another N, selection or costs) "
-                "are not one run; give the shards of one partition")
-    count = int(first.shard["count"])
-    present = {int(i.shard["index"]) for i in inputs}
-    held = {c for i in inputs for c in i.shard["case_ids"]}
+        if other.part.get("partition") != first.part.get("partition"):
+            raise PartMismatch(
+                f"{other.path} is part {other.part['index'] + 1}/{other.part['count']} of partition "
+                f"{other.part.get('partition')}, {first.path} part {first.part['index'] + 1}/{first.part['count']} of "
+                f"{first.part.get('partition')}: parts of different partitions (another N, selection or costs) "
+                "are not one run; give the parts of one partition")
+    count = int(first.part["count"])
+    present = {int(i.part["index"]) for i in inputs}
+    held = {c for i in inputs for c in i.part["case_ids"]}
     out = []
     missing = sorted(set(range(count)) - present)
     if missing:
         lost = len(set(first.selection) - held)
         names = ", ".join(f"{k + 1}/{count}" for k in missing)
-        out.append(f"shard{'s' if len(missing) > 1 else ''} {names} missing ({lost:,} case{'s' if lost != 1 else ''})")
+        out.append(f"part{'s' if len(missing) > 1 else ''} {names} missing ({lost:,} case{'s' if lost != 1 else ''})")
     recorded = {c for i in inputs for c in i.recorded}
     not_run = {c for i in inputs for c in i.not_run}
-    for i in sorted(inputs, key=lambda i: int(i.shard["index"])):
-        left = [c for c in i.shard["case_ids"] if c not in recorded and c not in not_run]
+    for i in sorted(inputs, key=lambda i: int(i.part["index"])):
+        left = [c for c in i.part["case_ids"] if c not in recorded and c not in not_run]
         if left:
-            out.append(f"shard {int(i.shard['index']) + 1}/{count} unfinished ({len(left):,} of "
-                       f"{len(i.shard['case_ids']):,} cases not recorded: --resume it)")
+            out.append(f"part {int(i.part['index']) + 1}/{count} unfinished ({len(left):,} of "
+                       f"{len(i.part['case_ids']):,} cases not recorded: --resume it)")
     return out
 
 

@@ -19,8 +19,10 @@ NIGHTLY_NAME = "nightly.json"
 NOT_RUN_NAME = "not_run.txt"
 DIFF_MD_NAME = "diff.md"
 DIFF_JSON_NAME = "diff.json"
-#: why a shard but the first skips the fuzz campaign and the performance section (not a partial night).
-ONE_SHARD = "run once per night, by shard 1"
+#: why a part but the first skips the fuzz campaign and the performance section (not a partial night).
+ONE_PART = "run once per night, by part 1"
+#: ``ONE_PART`` as nights written before "part" replaced "shard" stored it; still read as ``ONE_PART``.
+ONE_PART_EARLIER = "run once per night, by shard 1"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,7 +94,7 @@ def baseline_source(previous: Path) -> Path:
 def exit_status(verdicts: Mapping[str, int], fuzz_exit: int | None, regressions: int, pools_failed: bool,
                 empty_part: bool = False) -> tuple[int, list[str]]:
     """The nightly's exit status and the reasons for it (see the module docstring); ``empty_part``: a
-    shard whose part holds no case (more shards than cases), which has nothing to run."""
+    part that holds no case (more parts than cases), which has nothing to run."""
     reasons: list[str] = []
     if not sum(verdicts.values()) and not empty_part:
         reasons.append("no case was run")  # an empty nightly checked nothing: never a green one
@@ -117,7 +119,7 @@ def partial_reasons(state: Mapping[str, Any]) -> list[str]:
         out.append(f"{cases['not_run']} of {cases.get('selected', '?')} cases not run")
     for phase, chosen in (("fuzz", "--fuzz-profile none"), ("perf", "--no-perf")):
         skipped = (state.get(phase) or {}).get("skipped")
-        if skipped and skipped not in (chosen, ONE_SHARD):
+        if skipped and skipped not in (chosen, ONE_PART, ONE_PART_EARLIER):
             out.append(f"{phase} skipped ({skipped})")
     return out
 

@@ -57,7 +57,7 @@ from harness.cli.night import (
     NOT_RUN_NAME,
     DIFF_MD_NAME,
     DIFF_JSON_NAME,
-    ONE_SHARD,
+    ONE_PART,
     night_selection,
     find_previous,
     determinism_sample,
@@ -250,6 +250,8 @@ class Nightly:
             stored = part.store(self.results)
             self.state["selection"] = {"id": stored.id, "options": stored.options}
             if part.cut is not None:
+                # "shard": nightly.json's key for the part since before "part" replaced it; kept so that
+                # earlier nights and their merge (harness.cli.nightly_merge) read the same key.
                 self.state["shard"] = {k: v for k, v in part.cut.items() if k != "case_ids"} | {"selected": len(part.selected)}
                 print(f"harness nightly: {part.describe()} -> {out}", file=sys.stderr)
             todo = session.todo(part.cases)
@@ -338,7 +340,7 @@ class Nightly:
         if not config.perf:
             self.state["perf"] = {"skipped": "--no-perf"}
         elif _other_part(self.cut):
-            self.state["perf"] = {"skipped": ONE_SHARD}
+            self.state["perf"] = {"skipped": ONE_PART}
         elif config.resume and self.earlier.get("perf") and not self.earlier["perf"].get("skipped"):
             self.state["perf"] = self.earlier["perf"]
         elif self.deadline is not None and time.monotonic() > self.deadline:
@@ -434,7 +436,7 @@ def _fuzz_not_run(config: NightlyConfig, earlier: Mapping[str, Any], path: Path,
     if config.fuzz_profile == "none":
         return dataclasses.asdict(FuzzOutcome("none", config.fuzz_max_examples, skipped="--fuzz-profile none"))
     if _other_part(part):
-        return dataclasses.asdict(FuzzOutcome(config.fuzz_profile, config.fuzz_max_examples, skipped=ONE_SHARD))
+        return dataclasses.asdict(FuzzOutcome(config.fuzz_profile, config.fuzz_max_examples, skipped=ONE_PART))
     if config.resume and earlier.get("fuzz", {}).get("exit_code") is not None and path.exists():
         return {**earlier["fuzz"], "resumed_from_earlier_attempt": True}
     if budget is not None and budget <= 0:

@@ -165,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_alias(g, "--shards", "parts", type=_positive_int, metavar="N")  # type: ignore[arg-type]
     g.add_argument("--partition", default=None, help="Slurm partition of the tasks")
     g.add_argument("--time-limit-min", type=_positive_int, default=None, metavar="MIN",
-                   help="minutes per task; a task stopped at its limit is requeued and resumes its shard")
+                   help="minutes per task; a task stopped at its limit is requeued and resumes its part")
     g.add_argument("--gpus-per-task", type=_positive_int, default=None, metavar="G", help="GPUs of each task (one node); locally, every task sees the first G GPUs")
     g.add_argument("--cpus-per-task", type=_positive_int, default=None, metavar="C", help="CPU cores of each task")
     g.add_argument("--array-parallelism", type=_positive_int, default=None, metavar="P",

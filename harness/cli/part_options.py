@@ -40,8 +40,9 @@ def add_part_options(p: argparse.ArgumentParser, more: str = "") -> None:
     p.add_argument("--part", dest="part", type=_part_value, default=None, metavar="K/N|auto",
                    help="run only the K-th of N disjoint parts of the selected cases, K counted from 1 (1/4 .. 4/4), "
                         "balanced by cost; every case is in exactly one part. auto: from SLURM_ARRAY_TASK_ID "
-                        "(against SLURM_ARRAY_TASK_MIN and _COUNT), JOB_COMPLETION_INDEX with FSDP_PARITY_SHARD_COUNT, "
-                        "or FSDP_PARITY_SHARD_INDEX (0-based) and FSDP_PARITY_SHARD_COUNT" + (f"; {more}" if more else ""))
+                        "(against SLURM_ARRAY_TASK_MIN and _COUNT), JOB_COMPLETION_INDEX with FSDP_PARITY_PART_COUNT, "
+                        "or FSDP_PARITY_PART_INDEX (0-based) and FSDP_PARITY_PART_COUNT (earlier names: "
+                        "FSDP_PARITY_SHARD_INDEX, _COUNT)" + (f"; {more}" if more else ""))
     p.add_argument("--part-costs", dest="part_costs", type=Path, default=None, metavar="FILE",
                    help="a results file or nightly directory whose wall times balance the parts "
                         "(default: an estimate per case from its world size and steps)")

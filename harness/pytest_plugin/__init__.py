@@ -52,7 +52,7 @@ import pytest
 from harness.cases.case import CaseConfig, engine_name
 from harness.cases.records import CaseRecord
 from harness.collect.expectations import ExpectedFailure
-from harness.pytest_plugin.cases import Agreement, ParityOptions, SuiteMatrix, outcome_of, plan_pool, verdict_table
+from harness.pytest_plugin.cases import Agreement, ParityOptions, SuiteMatrix, TestOutcome, outcome_of, plan_pool, verdict_table
 from harness.pytest_plugin.pools import PoolRegistry, RankPools, gpus_missing, plan_here, skip_here
 from harness.run.options import SelectionOptions, as_typed, option_specs
 
@@ -241,6 +241,16 @@ def _key_without_engine(item: pytest.Item, engine: str) -> str:
     return f"{item.path.name}::{name}" + (f"[{ids}]" if ids else "")
 
 
+def act_on(outcome: TestOutcome) -> None:
+    """Make ``outcome`` the running test's: a skip at the test's own location, a failure with its message (no
+    traceback of this plugin's), a pass returns. How a case's record (``outcome_of``) and a rank check's
+    outcome (``harness.pytest_plugin.rank_checks.CheckOutcome.as_test_outcome``) become a pytest outcome alike."""
+    if outcome.action == "skip":
+        skip_here(outcome.message)
+    if outcome.action == "fail":
+        pytest.fail(outcome.message, pytrace=False)
+
+
 def needs_gpus(n: int, why: str = "") -> pytest.MarkDecorator:
     """``skipif`` with the reason, for tests and modules that need ``n`` CUDA GPUs."""
     reason = gpus_missing(n, why)
@@ -399,11 +409,7 @@ class ParityRunner:
         pool = self.pools.pool_for(case.world_size)
         record = self._expected(run_case(pool, case, timeout_s=timeout_s))
         self.results.record(record, self.node)
-        outcome = outcome_of(record)
-        if outcome.action == "skip":
-            skip_here(outcome.message)
-        if outcome.action == "fail":
-            pytest.fail(outcome.message, pytrace=False)
+        act_on(outcome_of(record))
         return record
 
     def run_all(self, cases: Sequence[CaseConfig]) -> list[CaseRecord]:
@@ -448,6 +454,7 @@ def parity_runner(parity_pools: PoolRegistry, pytestconfig: pytest.Config, reque
 
 
 __all__ = [
+    "act_on",
     "ParityRunner",
     "expect_failure",
     "expected_failure_of",

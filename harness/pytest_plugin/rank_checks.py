@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from harness.collect.expectations import ExpectedFailure, expected_failure
-from harness.pytest_plugin import expect_failure
+from harness.pytest_plugin import act_on, expect_failure
+from harness.pytest_plugin.cases import TestOutcome
 from harness.pytest_plugin.pools import gpus_missing, placed_pool
 from harness.ranks.placement import DeviceChoice
 from harness.ranks.pool import PoolOutcome
@@ -61,6 +62,20 @@ class CheckOutcome:
 
     def report(self) -> str:
         return "\n".join(f"--- rank {r} ---\n{e}" for r, e in enumerate(self.errors) if e is not None)
+
+    def as_test_outcome(self) -> TestOutcome:
+        """What pytest makes of it, as of a case's record (``harness.pytest_plugin.cases.outcome_of``): a
+        failure with every failing rank's report, a skip when every rank skipped, a failure when only some
+        ranks skipped (they would wait in each other's collectives), else a pass."""
+        if not self.passed:
+            return TestOutcome("fail", f"check {self.name} failed:\n{self.report()}")
+        reason = self.skip_reason
+        if reason is not None:
+            return TestOutcome("skip", reason)
+        ran = [r for r, s in enumerate(self.skips) if s is None]
+        if self.skips and len(ran) != len(self.skips):
+            return TestOutcome("fail", f"check {self.name} skipped on some ranks but ran on ranks {ran}: {self.skips}")
+        return TestOutcome("pass")
 
 
 def _run_check(ctx: RankContext, job: tuple[Check, tuple[Any, ...]]) -> str | None:
@@ -124,17 +139,9 @@ class RankChecks:
         self.device = device
 
     def assert_passed(self, check: Check | str) -> None:
-        """Fails the test with every rank's report, skips it when every rank skipped, else passes."""
-        name = check if isinstance(check, str) else check.__name__
-        outcome = self.outcomes[name]
-        if not outcome.passed:
-            raise AssertionError(f"check {name} failed:\n{outcome.report()}")
-        reason = outcome.skip_reason
-        if reason is not None:
-            pytest.skip(reason=reason)
-        ran = [r for r, s in enumerate(outcome.skips) if s is None]
-        if outcome.skips and len(ran) != len(outcome.skips):
-            raise AssertionError(f"check {name} skipped on some ranks but ran on ranks {ran}: {outcome.skips}")
+        """Fails the test with every rank's report, skips it when every rank skipped, else passes
+        (``CheckOutcome.as_test_outcome``, made the test's as a case's is: ``harness.pytest_plugin.act_on``)."""
+        act_on(self.outcomes[check if isinstance(check, str) else check.__name__].as_test_outcome())
 
 
 def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:

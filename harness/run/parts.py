@@ -1,4 +1,4 @@
-"""Shards of a run: the K-th of N disjoint parts of a selection, balanced by cost; pure, over plain data.
+"""Parts of a run: the K-th of N disjoint parts of a selection, balanced by cost; pure, over plain data.
 
 A scheduler (a Slurm job array, a Kubernetes Indexed Job, a CI matrix) starts N copies of one command;
 each must run a part of the selected cases such that the parts are disjoint, cover the selection, and
@@ -29,6 +29,7 @@ from typing import Any
 
 __all__ = [
     "COUNT_VARIABLE",
+    "EARLIER_VARIABLES",
     "INDEX_VARIABLE",
     "Partition",
     "PartError",
@@ -44,8 +45,10 @@ __all__ = [
 ]
 
 #: the explicit variables of a CI matrix (and the count of a Kubernetes Indexed Job, which gives none).
-INDEX_VARIABLE = "FSDP_PARITY_SHARD_INDEX"
-COUNT_VARIABLE = "FSDP_PARITY_SHARD_COUNT"
+INDEX_VARIABLE = "FSDP_PARITY_PART_INDEX"
+COUNT_VARIABLE = "FSDP_PARITY_PART_COUNT"
+#: their spellings from before "part" replaced "shard", still read when the new one is not set.
+EARLIER_VARIABLES = {INDEX_VARIABLE: "FSDP_PARITY_SHARD_INDEX", COUNT_VARIABLE: "FSDP_PARITY_SHARD_COUNT"}
 
 #: seconds of one 5-step case at world size 2 on 2 gloo CPU ranks (measured: 0.41 s over 273 cases).
 BASE_CASE_S = 0.41
@@ -100,23 +103,38 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
         raise PartError(f"--part auto: {name}={env[name]!r} is not an integer") from None
 
 
+def _set_name(env: Mapping[str, str], name: str) -> str | None:
+    """The name under which ``env`` sets ``name`` (``INDEX_VARIABLE`` or ``COUNT_VARIABLE``): itself,
+    else its earlier spelling (``EARLIER_VARIABLES``); None when neither is set. Raises ``PartError``
+    when both are set to different values."""
+    earlier = EARLIER_VARIABLES[name]
+    if name in env and earlier in env and env[name].strip() != env[earlier].strip():
+        raise PartError(f"--part auto: {name}={env[name]!r} and {earlier}={env[earlier]!r} disagree; "
+                        f"set only {name} ({earlier} is its earlier name)")
+    return name if name in env else earlier if earlier in env else None
+
+
 def part_from_env(env: Mapping[str, str]) -> PartSpec:
     """The part a scheduler's environment names, first match wins:
 
-    - explicit ``FSDP_PARITY_SHARD_INDEX`` (0-based) and ``FSDP_PARITY_SHARD_COUNT`` (a CI matrix);
-    - a Kubernetes Indexed Job: ``JOB_COMPLETION_INDEX`` (0-based) with ``FSDP_PARITY_SHARD_COUNT``
+    - explicit ``FSDP_PARITY_PART_INDEX`` (0-based) and ``FSDP_PARITY_PART_COUNT`` (a CI matrix);
+    - a Kubernetes Indexed Job: ``JOB_COMPLETION_INDEX`` (0-based) with ``FSDP_PARITY_PART_COUNT``
       (Kubernetes puts the job's completions in no variable: set it from ``spec.completions``);
     - a Slurm job array: ``SLURM_ARRAY_TASK_ID`` counted from ``SLURM_ARRAY_TASK_MIN`` (arrays are often
       1-based, ``--array=1-4``), count ``SLURM_ARRAY_TASK_COUNT``; an array with a step (``0-6:2``)
       numbers its tasks by that step, which is refused rather than guessed.
+
+    ``FSDP_PARITY_SHARD_INDEX`` and ``FSDP_PARITY_SHARD_COUNT``, their earlier names, are read where the
+    new one is not set; both set to different values is an error naming both.
     """
-    if INDEX_VARIABLE in env or "JOB_COMPLETION_INDEX" in env:
-        name = INDEX_VARIABLE if INDEX_VARIABLE in env else "JOB_COMPLETION_INDEX"
-        if COUNT_VARIABLE not in env:
+    index_name, count_name = _set_name(env, INDEX_VARIABLE), _set_name(env, COUNT_VARIABLE)
+    if index_name is not None or "JOB_COMPLETION_INDEX" in env:
+        name = index_name or "JOB_COMPLETION_INDEX"
+        if count_name is None:
             raise PartError(f"--part auto: {name} is set but {COUNT_VARIABLE} is not; set it to the number of "
-                             "shards (for an Indexed Job, its spec.completions)")
-        index, count = _int_var(env, name), _int_var(env, COUNT_VARIABLE)
-        where = f"{name}={index}, {COUNT_VARIABLE}={count}"
+                             "parts (for an Indexed Job, its spec.completions)")
+        index, count = _int_var(env, name), _int_var(env, count_name)
+        where = f"{name}={index}, {count_name}={count}"
     elif "SLURM_ARRAY_TASK_ID" in env:
         missing = [v for v in ("SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT") if v not in env]
         if missing:

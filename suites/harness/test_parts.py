@@ -18,6 +18,7 @@ from harness.collect.collector import ResultWriter, read_records, record_full_id
 from harness.run.runner import Selection, select_cases
 from harness.run.parts import (
     COUNT_VARIABLE,
+    EARLIER_VARIABLES,
     INDEX_VARIABLE,
     PartError,
     PartSpec,
@@ -106,6 +107,12 @@ def test_unmeasured_cases_are_estimated_in_the_measured_seconds() -> None:
     ({INDEX_VARIABLE: "0", COUNT_VARIABLE: "1"}, PartSpec(0, 1)),  # a CI matrix
     # Explicit variables win over the scheduler's (a CI job inside an allocation).
     ({INDEX_VARIABLE: "1", COUNT_VARIABLE: "2", "SLURM_ARRAY_TASK_ID": "7"}, PartSpec(1, 2)),
+    # The earlier names, FSDP_PARITY_SHARD_INDEX and _COUNT, still read; alone, mixed or agreeing with the new.
+    ({"FSDP_PARITY_SHARD_INDEX": "1", "FSDP_PARITY_SHARD_COUNT": "3"}, PartSpec(1, 3)),
+    ({"JOB_COMPLETION_INDEX": "2", "FSDP_PARITY_SHARD_COUNT": "3"}, PartSpec(2, 3)),
+    ({INDEX_VARIABLE: "2", "FSDP_PARITY_SHARD_COUNT": "3"}, PartSpec(2, 3)),
+    ({INDEX_VARIABLE: "0", "FSDP_PARITY_SHARD_INDEX": "0", COUNT_VARIABLE: "2", "FSDP_PARITY_SHARD_COUNT": "2"},
+     PartSpec(0, 2)),
 ])
 def test_auto_reads_the_scheduler_s_variables(env: dict[str, str], shard: PartSpec) -> None:
     assert part_from_env(env) == shard == parse_part("auto", env)
@@ -120,6 +127,13 @@ def test_auto_reads_the_scheduler_s_variables(env: dict[str, str], shard: PartSp
       "SLURM_ARRAY_TASK_STEP": "2"}, "SLURM_ARRAY_TASK_STEP=2"),
     ({INDEX_VARIABLE: "2", COUNT_VARIABLE: "2"}, "name no part"),
     ({INDEX_VARIABLE: "one", COUNT_VARIABLE: "2"}, "is not an integer"),
+    ({"FSDP_PARITY_SHARD_INDEX": "0"}, f"{COUNT_VARIABLE} is not"),
+    ({"FSDP_PARITY_SHARD_INDEX": "one", "FSDP_PARITY_SHARD_COUNT": "2"}, "FSDP_PARITY_SHARD_INDEX='one' is not"),
+    # Both names set and different: which one the scheduler meant is not guessed; the error names both.
+    ({INDEX_VARIABLE: "1", "FSDP_PARITY_SHARD_INDEX": "2", COUNT_VARIABLE: "3"},
+     "FSDP_PARITY_PART_INDEX='1' and FSDP_PARITY_SHARD_INDEX='2' disagree"),
+    ({"JOB_COMPLETION_INDEX": "0", COUNT_VARIABLE: "3", "FSDP_PARITY_SHARD_COUNT": "4"},
+     "FSDP_PARITY_PART_COUNT='3' and FSDP_PARITY_SHARD_COUNT='4' disagree"),
 ])
 def test_auto_refuses_a_missing_or_inconsistent_environment(env: dict[str, str], says: str) -> None:
     with pytest.raises(PartError, match="--part auto") as info:
@@ -143,7 +157,7 @@ def test_bad_shard_options_are_one_line_naming_the_option(
     err = capsys.readouterr().err.strip()
     assert says in err and "--part" in err and len(err.splitlines()) == 1
     # auto outside any scheduler: exit 2, one line.
-    for name in ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX", INDEX_VARIABLE, COUNT_VARIABLE):
+    for name in ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX", INDEX_VARIABLE, COUNT_VARIABLE, *EARLIER_VARIABLES.values()):
         monkeypatch.delenv(name, raising=False)
     assert main(["list", "--shard", "auto"]) == 2
     assert "no scheduler variables set" in capsys.readouterr().err

@@ -260,6 +260,19 @@ def test_pass_passes_and_unsupported_skips_with_the_reason() -> None:
     assert outcome.action == "skip" and "fully_shard always shards" in outcome.message
 
 
+def test_a_rank_check_s_outcome_maps_as_a_case_s() -> None:
+    """Rank checks (``RankChecks.assert_passed``) take the same pass / skip / fail outcome a case's record does."""
+    from harness.pytest_plugin.rank_checks import CheckOutcome
+
+    assert CheckOutcome("c", (None, None), (None, None)).as_test_outcome().action == "pass"
+    skipped = CheckOutcome("c", (None, None), ("no GPU", "no GPU")).as_test_outcome()
+    assert skipped.action == "skip" and skipped.message == "no GPU"
+    failed = CheckOutcome("c", (None, "Traceback: boom"), (None, None)).as_test_outcome()
+    assert failed.action == "fail" and failed.message == "check c failed:\n--- rank 1 ---\nTraceback: boom"
+    half = CheckOutcome("c", (None, None), ("no GPU", None)).as_test_outcome()
+    assert half.action == "fail" and "skipped on some ranks but ran on ranks [1]" in half.message
+
+
 def test_fail_lists_the_worst_quantities_and_ignored_knobs() -> None:
     errors = [
         QuantityError("loss@0", 0.0, 0.0, 1e-5, 1e-6, True, 0.1),

@@ -1,4 +1,4 @@
-"""The seed's test_multi_tensor_apply_size0_tensors: torch's foreach kernels (what optimizers and gradient
+"""The ported test_multi_tensor_apply_size0_tensors: torch's foreach kernels (what optimizers and gradient
 clipping run over many shards) accept empty tensors, as a rank's padding-only shard is, on CPU and CUDA.
 No engine is involved: it checks the torch the engines run on."""
 
@@ -13,7 +13,7 @@ from harness.pytest_plugin import needs_gpus
 #: the order they run, then the marks.
 __all__ = ["test_foreach_kernels_take_empty_tensors"]
 
-#: the seed's count: a list long enough to have crashed torch's multi-tensor apply on empty tensors (its
+#: the ported test's count: a list long enough to have crashed torch's multi-tensor apply on empty tensors (its
 #: "large enough to trigger stack corruption"); the kernels walk the list in several launches.
 NUM_SIZE0_TENSORS = 1000
 

@@ -1,4 +1,4 @@
-"""Seed behaviours of torch's test_fsdp_checkpoint.py, as conformance checks against every engine with
+"""Behaviours of torch's test_fsdp_checkpoint.py, as conformance checks against every engine with
 torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), as harness cases on the plugin's pool:
 activation checkpointing (``checkpoint_wrapper``, reentrant and non-reentrant) inside the units
 (``FSDP(checkpoint_wrapper(block))``) and around them (``checkpoint_wrapper(FSDP(block))``, the

@@ -1,4 +1,4 @@
-"""Seed behaviours of torch's test_fsdp_core.py, as conformance checks run against every engine with
+"""Behaviours of torch's test_fsdp_core.py, as conformance checks run against every engine with
 torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 ranks on the CPU and again on the GPUs
 (gloo ranks sharing one where there are fewer GPUs than ranks): parity with DDP
 (nested, always-wrap nested, tied transformer, mixture of experts) over strategy x prefetch x
@@ -7,7 +7,7 @@ registration (also after a state-dict round trip), eval output equals no_grad ou
 parameters are Tensor views during compute even with prefetching. The parity checks are harness cases
 (``harness.conformance.seeds.seed_parity``); the others run here as rank checks, one spawn of the ranks per engine and device.
 
-The seed's delayed variants (GPU sleeps, our engine, the parity checks' whole product, the mixture of
+The ported test's delayed variants (GPU sleeps, our engine, the parity checks' whole product, the mixture of
 experts included) are in suites/engine/test_gpu.py; its CUDA init modes have no CPU meaning: the parity
 checks run them on CUDA ranks (``seed_parity``), the hook checks build the model both ways on every device.
 """
@@ -70,7 +70,7 @@ def _check_pre_backward_hook_registration(model: nn.Module) -> None:
 
 
 def _transformer(api: FSDPApi, cuda_first: bool, **kwargs: Any) -> nn.Module:
-    """The seed's recursively wrapped transformer: built on the rank's device and wrapped (its
+    """The ported test's recursively wrapped transformer: built on the rank's device and wrapped (its
     ``CUDA_BEFORE``, ``cuda_first``), or built on the CPU, wrapped there and moved after (``CUDA_AFTER``).
     On CPU ranks the two are the same model."""
     device = rank_device()
@@ -118,7 +118,7 @@ def _hooks_registered_builtin(api: FSDPApi, rank: int, model: nn.Module) -> None
 
 
 def _hooks_registered_torch(api: FSDPApi, rank: int, model: nn.Module) -> None:
-    """torch FSDP1 registers them in ``_runtime_utils`` (as the seed checks, by patching)."""
+    """torch FSDP1 registers them in ``_runtime_utils`` (as the ported test checks it, by patching)."""
     import torch.distributed.fsdp._runtime_utils as runtime_utils
 
     with mock.patch.object(
@@ -132,7 +132,7 @@ def _hooks_registered_torch(api: FSDPApi, rank: int, model: nn.Module) -> None:
 
 
 def check_register_functions_called(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's product: built before or after the move to the device, with and without (default)
+    """The ported test's product: built before or after the move to the device, with and without (default)
     mixed precision."""
     # The functions that register the hooks are internals, named differently in each engine.
     registered = _hooks_registered_torch if api.is_torch else _hooks_registered_builtin
@@ -141,7 +141,7 @@ def check_register_functions_called(api: FSDPApi, rank: int, world_size: int) ->
 
 
 def check_transformer_eval_equals_no_grad(api: FSDPApi, rank: int, world_size: int) -> None:
-    # bfloat16 stands in for the seed's float16 (CPU kernels).
+    # bfloat16 stands in for the ported test's float16 (CPU kernels).
     bf16 = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
     device = rank_device()
     for mp in (None, bf16):

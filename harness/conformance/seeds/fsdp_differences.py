@@ -1,12 +1,12 @@
 """Where our engine and torch FSDP1 differ by design, each engine's own behaviour (``api``), so that a
-change on either side shows here rather than as a mysterious skip in the seed suites.
+change on either side shows here rather than as a mysterious skip in the ported suites.
 
-Both differences are about hosts without an accelerator, where the seed suites run in CI:
+Both differences are about hosts without an accelerator, where the ported suites run in CI:
 
 - torch FSDP1 refuses a CPU module without ``device_id`` ("FSDP needs a non-CPU accelerator device");
-  our engine computes on CPU. The seed suites pass ``device_id=cpu`` to torch (``FSDPApi.wrap``).
+  our engine computes on CPU. The ported suites pass ``device_id=cpu`` to torch (``FSDPApi.wrap``).
 - torch FSDP1's CPU offload pins host memory at its lazy init, which raises without an accelerator;
-  our engine offloads to unpinned memory. The seed suites skip torch's offload checks there.
+  our engine offloads to unpinned memory. The ported suites skip torch's offload checks there.
 
 Units are built on a one-rank process-group double (no communication), as in ``fsdp_wrap``.
 """

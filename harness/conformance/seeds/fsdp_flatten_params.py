@@ -1,4 +1,4 @@
-"""Seed behaviours of torch's test_fsdp_flatten_params.py that need the runtime (the layout and
+"""Behaviours of torch's test_fsdp_flatten_params.py that need the runtime (the layout and
 metadata ones live in suites/flat_param), as conformance checks run against every engine with torch
 FSDP1's API (``fsdp_api``: our engine and torch FSDP1): partial flattening, flattening nothing, an
 empty module, numel, forward output and the parameter norm after a step with shared parameters, each

@@ -1,4 +1,4 @@
-"""Seed behaviours of torch's test_fsdp_use_orig_params.py, as conformance checks run against every
+"""Behaviours of torch's test_fsdp_use_orig_params.py, as conformance checks run against every
 engine with torch FSDP1's API (``fsdp_api``: our engine and torch FSDP1), 2 ranks on the CPU and on the GPUs:
 parameter groups with different hyperparameters (with and without CPU offload), different
 trainability, multiple optimizers,
@@ -6,12 +6,12 @@ multiple forwards before backward, summon between two forwards, access after for
 and gradient writeback (and shape mismatch), no-reshard changes between forward and backward,
 FQNs in forward, no_sync correctness and mixed-precision dtypes, non-uniform requires_grad.
 
-DDP is the reference where the seed uses it; no_sync against the all-data reference is harness cases
+DDP is the reference where the ported test uses it; no_sync against the all-data reference is harness cases
 (``seed_parity``). The training against DDP (parameter groups, trainability, multiple optimizers,
-compile) is ``orig_params_ddp``'s. The CI tier runs a representative part of the seed's
+compile) is ``orig_params_ddp``'s. The CI tier runs a representative part of the ported test's
 test_diff_hyperparams (6 subtests that show every value of every axis) and of its test_fsdp_compile
 (FULL_SHARD, 3 iterations); the slow tier (``--matrix pairwise|full``, ``SLOW_CHECKS``) runs their whole
-products, 10 iterations each, with the seed's init modes on CUDA ranks and inductor there.
+products, 10 iterations each, with the ported test's init modes on CUDA ranks and inductor there.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def check_summon_between_two_forwards_cpu_offload(api: FSDPApi, rank: int, world
 
 
 class _Lin2(nn.Module):
-    """The seed's writeback model: Linear(5, 5) -> ReLU -> Linear(5, 7)."""
+    """The ported test's writeback model: Linear(5, 5) -> ReLU -> Linear(5, 7)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -341,7 +341,7 @@ def check_no_sync_correctness(api: FSDPApi, rank: int, world_size: int) -> None:
 
 
 def check_no_sync_mixed_precision(api: FSDPApi, rank: int, world_size: int) -> None:
-    low = torch.bfloat16  # CPU kernels: bfloat16 stands in for the seed's float16
+    low = torch.bfloat16  # CPU kernels: bfloat16 stands in for the ported test's float16
     for strategy in (api.ShardingStrategy.FULL_SHARD, api.ShardingStrategy.SHARD_GRAD_OP, api.ShardingStrategy.NO_SHARD):
         model = api.wrap(
             nn.Linear(3, 3, device=rank_device()),
@@ -406,7 +406,7 @@ def test_hyperparam_subtests_are_the_seeds_product_and_smoke_shows_every_value(d
     assert ("after" in {sub["init_mode"] for sub in every}) == after
 
 
-#: The seed's whole products where the checks above run a representative part (``slow_checks``: the slow
+#: The ported test's whole products where the checks above run a representative part (``slow_checks``: the slow
 #: lane, ``--matrix pairwise|full``, on GPUs too).
 SLOW_CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
     check_diff_hyperparams_every_subtest,

@@ -1,12 +1,12 @@
-"""Seed behaviours of torch's test_wrap.py that build units in this process, as conformance tests run
+"""Behaviours of torch's test_wrap.py that build units in this process, as conformance tests run
 against every engine with torch FSDP1's API (``api``: our engine and torch FSDP1): the already-wrapped
 error, BatchNorm wrapped individually (also through ``_or_policy``), ``enable_wrap``/``wrap`` and their
 defaults, always-wrap, transformer and module policies, custom policies with per-unit settings,
 size-based presets (exclude, force leaf), ignored modules, frozen parameters (error without
 ``use_orig_params``, warning with it), and the settings every auto-wrapped unit inherits.
 
-Units are built on a process-group double (rank and size only, no communication), as the seed's
-``TestAutoWrap`` does. The training parts of the seed (main wrap API, auto-wrap smoke test) run in
+Units are built on a process-group double (rank and size only, no communication), as the ported test's
+``TestAutoWrap`` does. The training parts of the ported test (main wrap API, auto-wrap smoke test) run in
 rank processes in ``harness.conformance.wrap.wrap_engine``.
 """
 
@@ -77,7 +77,7 @@ def wrap_bn_individually(api: FSDPApi) -> object:
 
 
 def assert_nested_sequential_wrapped(api: FSDPApi, model: nn.Module) -> None:
-    """The seed's ``verify_model``: only the inner Sequential (60 numel) reaches 40."""
+    """The ported test's ``verify_model``: only the inner Sequential (60 numel) reaches 40."""
     FSDP = api.FSDP
     assert isinstance(model, FSDP)
     assert isinstance(model.module[0], nn.Linear) and isinstance(model.module[1], nn.Linear)
@@ -350,7 +350,7 @@ def test_auto_wrap_with_ignored_modules(api: FSDPApi, wrap_method: str, policy_n
 def test_main_wrap_api_settings(
     api: FSDPApi, offload_params: bool, backward_prefetch: str, forward_prefetch: bool, mixed_precision: bool
 ) -> None:
-    """Every unit auto wrapping creates carries the root's settings (the seed's per-unit checks)."""
+    """Every unit auto wrapping creates carries the root's settings (the ported test's per-unit checks)."""
     cpu_offload = api.CPUOffload(offload_params=offload_params)
     prefetch = api.BackwardPrefetch[backward_prefetch]
     mp = api.MixedPrecision(param_dtype=torch.bfloat16) if mixed_precision else None

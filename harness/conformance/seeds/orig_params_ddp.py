@@ -1,6 +1,6 @@
-"""The use_orig_params seed's training against DDP (test_fsdp_use_orig_params.py's
+"""The use_orig_params ported test's training against DDP (test_fsdp_use_orig_params.py's
 TestFSDPUseOrigParamsMultipleParamGroups), checks of ``fsdp_use_orig_params``'s session kept apart: the
-transformer and its parameter groups, the seed's training loop (10 iterations, ``zero_grad`` before
+transformer and its parameter groups, the ported test's training loop (10 iterations, ``zero_grad`` before
 forward or between forward and backward, losses and then full parameters against DDP), and its
 subtests: different hyperparameters per group (with and without CPU offload), different trainability,
 multiple optimizers, ``torch.compile``. ``_train_parity`` stays (SGD and Adam family with and without
@@ -56,7 +56,7 @@ def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def _adam_family(groups: Any, foreach: bool, adamw: bool) -> torch.optim.Optimizer:
-    """The seed's optimizers over the parameter groups: AdamW for test_diff_hyperparams, Adam for its
+    """The ported test's optimizers over the parameter groups: AdamW for test_diff_hyperparams, Adam for its
     CPU-offload twin and for test_diff_trainability."""
     return (torch.optim.AdamW if adamw else torch.optim.Adam)(groups, lr=5e-3, foreach=foreach)
 
@@ -95,7 +95,7 @@ def _key_bias_bound(ddp_bias: torch.Tensor, fsdp_bias: torch.Tensor, bound: floa
     return torch.cat([q, v]), torch.cat([fq, fv])
 
 
-#: the seed's training iterations per parity subtest (its ``_check_train_parity`` and test_fsdp_compile).
+#: the ported test's training iterations per parity subtest (its ``_check_train_parity`` and test_fsdp_compile).
 SEED_ITERS = 10
 
 
@@ -121,14 +121,14 @@ def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, se
     _check_param_parity(api, ddp, fsdp, adam_steps=iters if adam else 0, lr=lr)
 
 
-#: The axes of the seed's test_diff_hyperparams subtests, each with its values (the sharding strategy by its
+#: The axes of the ported test_diff_hyperparams subtests, each with its values (the sharding strategy by its
 #: member name; the init mode: ``harness.conformance.seeds.seed_parity.init_modes``).
 HYPERPARAM_AXES = ("strategy", "init_mode", "optim_before_wrap", "foreach", "set_to_none", "prefetch", "skip_writeback_check")
 
 
 def hyperparam_subtests(offload: bool, device: str, smoke: bool) -> list[dict[str, Any]]:
-    """The seed's test_diff_hyperparams subtests: every strategy x init mode (before and after wrapping on
-    CUDA ranks; before with offload, as the seed's offload twin) x optimizer built before or after wrapping x
+    """The ported test_diff_hyperparams subtests: every strategy x init mode (before and after wrapping on
+    CUDA ranks; before with offload, as the ported test's offload twin) x optimizer built before or after wrapping x
     ``foreach`` x ``set_to_none`` x backward prefetch x writeback check skipped or not. ``smoke`` (the CI
     lane) keeps 6 of them that show every value of every axis."""
     modes = ["before", "after"] if device == "cuda" and not offload else ["before"]
@@ -157,7 +157,7 @@ def _diff_hyperparams(api: FSDPApi, offload: bool, smoke: bool) -> None:
             ddp_opt = _adam_family(_param_groups(ddp), sub["foreach"], adamw=not offload)
             prefetch = sub["prefetch"] and getattr(api.BackwardPrefetch, sub["prefetch"])
             kwargs = dict(sharding_strategy=strategy, backward_prefetch=prefetch, cpu_offload=api.CPUOffload(offload))
-            # The seed's CUDA_AFTER: built on the CPU, wrapped there, moved to the GPU after.
+            # The ported test's CUDA_AFTER: built on the CPU, wrapped there, moved to the GPU after.
             after = sub["init_mode"] == "after"
             module = SharedTransformer("cpu" if after else device)
             if sub["optim_before_wrap"]:
@@ -190,7 +190,7 @@ def check_diff_hyperparams_cpu_offload_every_subtest(api: FSDPApi, rank: int, wo
 
 
 def check_diff_trainability(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's: Adam over the three parameter groups, BACKWARD_PRE, the biases (one group) frozen, every
+    """The ported test's: Adam over the three parameter groups, BACKWARD_PRE, the biases (one group) frozen, every
     strategy x ``foreach``."""
     for strategy, foreach in itertools.product(_strategies(api), [False, True]):
         ddp = DDP(SharedTransformer(rank_device()), find_unused_parameters=True)
@@ -213,7 +213,7 @@ def _grads_between_forward_and_backward(model: nn.Module) -> list[str]:
 
 
 def check_multiple_optimizers(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's two optimizers: Adam (5e-3) over the weights, AdamW (1e-2) over the rest, the first
+    """The ported test's two optimizers: Adam (5e-3) over the weights, AdamW (1e-2) over the rest, the first
     zeroing to None and the second to zeros; at one step the first's gradients are dropped before stepping
     (Adam skips a None gradient but steps a zero one); ``.grad`` between forward and backward holds no
     stale gradient."""
@@ -253,7 +253,7 @@ def _compiled_parity(api: FSDPApi, strategy: Any, iters: int, skip_fsdp_guards: 
     (inductor on GPUs; ``aot_eager`` on CPU ranks, where inductor takes about a minute per graph on two
     cores). The compiled model checkpoints activations inside its units: without that Dynamo skips the
     FSDP1 modules' forward whole (both engines; measured with torch 2.13) and compiles no graph, so the
-    seed's check would compare eager with eager. ``skip_fsdp_guards``: Dynamo's ``skip_fsdp_guards`` for
+    ported test's check would compare eager with eager. ``skip_fsdp_guards``: Dynamo's ``skip_fsdp_guards`` for
     the run (None keeps the default)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -287,12 +287,12 @@ def _compiled_parity(api: FSDPApi, strategy: Any, iters: int, skip_fsdp_guards: 
 
 
 def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's test_fsdp_compile in the CI tier: FULL_SHARD, 3 iterations (the seed's product:
+    """The ported test_fsdp_compile in the CI tier: FULL_SHARD, 3 iterations (the ported test's product:
     ``check_fsdp_compile_every_subtest``; the parity matrix's ``compile`` axis has the rest)."""
     _compiled_parity(api, api.ShardingStrategy.FULL_SHARD, iters=3)
 
 
 def check_fsdp_compile_every_subtest(api: FSDPApi, rank: int, world_size: int) -> None:
-    """The seed's test_fsdp_compile: every strategy x Dynamo's ``skip_fsdp_guards``, 10 iterations each."""
+    """The ported test_fsdp_compile: every strategy x Dynamo's ``skip_fsdp_guards``, 10 iterations each."""
     for strategy, skip_guards in itertools.product(_strategies(api), (True, False)):
         _compiled_parity(api, strategy, iters=SEED_ITERS, skip_fsdp_guards=skip_guards)

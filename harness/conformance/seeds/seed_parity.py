@@ -5,15 +5,15 @@ and starting those ranks again).
 
 - test_fsdp_core.py: parity with DDP of the nested, always-wrap nested, tied transformer and mixture of
   experts models (the engine suites' zoo models; the experts are rank-local, which DDP leaves out: the
-  model's declared reduction), with and without CPU offload, over the seed's product of strategy x backward
+  model's declared reduction), with and without CPU offload, over the ported test's product of strategy x backward
   prefetch x forward prefetch x use_orig_params x init mode (the init modes on CUDA ranks, where they
-  differ); each seed check is one test of its subtests. The CI tier (``--matrix smoke``) runs 6 of them
+  differ); each ported check is one test of its subtests. The CI tier (``--matrix smoke``) runs 6 of them
   that show every value of every axis; ``--matrix pairwise|full`` (the slow tiers) and the GPU runs with
   them run the whole product.
 - test_fsdp_use_orig_params.py: no_sync with original parameters against the all-data reference, per
   strategy.
 
-The seed's checkpoint parity is ``test_fsdp_checkpoint.py``'s.
+The ported test's checkpoint parity is ``test_fsdp_checkpoint.py``'s.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ __all__ = ["test_seed_parity", "test_the_subtests_are_the_seeds_product_and_smok
            "test_the_moe_offload_expectation_covers_torch_fsdp1_on_cuda_only", "test_no_sync_parity"]
 
 
-#: The seed's init modes (its ``CUDAInitMode``) as the harness's ``init_mode``: CUDA_BEFORE and CUDA_AFTER, and
-#: CUDA_NEVER with offload only, as the seed runs them. CUDA_AFTER with offload is the seed's expected error
-#: (a module moved to the GPU after offload wrapping; the harness's invalid ``offload_after_wrap``, whose
-#: error suites/engine/test_gpu_placement.py checks on both engines). On CPU ranks every mode builds the same
-#: model (nothing moves), so there ``before`` stands for them all.
+#: The ported test's init modes (its ``CUDAInitMode``) as the harness's ``init_mode``: CUDA_BEFORE and
+#: CUDA_AFTER, and CUDA_NEVER with offload only, as the ported test runs them. CUDA_AFTER with offload is the
+#: ported test's expected error (a module moved to the GPU after offload wrapping; the harness's invalid
+#: ``offload_after_wrap``, whose error suites/engine/test_gpu_placement.py checks on both engines). On CPU ranks
+#: every mode builds the same model (nothing moves), so there ``before`` stands for them all.
 def init_modes(offload: bool, device: str) -> list[str]:
     if device != "cuda":
         return ["before"]
@@ -47,7 +47,7 @@ def init_modes(offload: bool, device: str) -> list[str]:
 
 
 def seed_subtests(model: str, offload: bool, smoke: bool = False, device: str = "cpu") -> list[CaseConfig]:
-    """The seed's subtests against DDP: every strategy x backward prefetch x forward prefetch x
+    """The ported test's subtests against DDP: every strategy x backward prefetch x forward prefetch x
     use_orig_params x init mode (``init_modes``). ``smoke`` (the CI tier) keeps, per strategy, one backward
     prefetch with both use_orig_params values, forward prefetch alternating and the init modes taking turns:
     every value of every axis in 6 subtests."""
@@ -68,7 +68,7 @@ def seed_subtests(model: str, offload: bool, smoke: bool = False, device: str = 
     return kept
 
 
-#: The seed's parity checks, each a set of harness cases (the engine suites' zoo models; the mixture of
+#: The ported test's parity checks, each a set of harness cases (the engine suites' zoo models; the mixture of
 #: experts against DDP, which leaves its rank-local experts out: its declared reduction).
 PARITY_CHECKS = {
     f"check_parity_{name}{'_offload' if offload else ''}": (model, offload)
@@ -97,7 +97,7 @@ RACE_REPEATS = 3
 @pytest.mark.parametrize("check", PARITY_CHECKS)
 def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, parity_options: ParityOptions,
                      request: pytest.FixtureRequest) -> None:
-    """One seed check: its subtests as harness cases on the plugin's pool (the smoke tier's selection
+    """One ported check: its subtests as harness cases on the plugin's pool (the smoke tier's selection
     there, every subtest in the others: ``--matrix pairwise|full``), failing if any fails."""
     model, offload = PARITY_CHECKS[check]
     device = parity_runner.device_type(CaseConfig().world_size)
