@@ -2,7 +2,7 @@
 
 ``harness.pytest_plugin`` adds the parity options (``--engine``, ``--reference``, ``--matrix``,
 ``--world-size``, ``--backend``, ``--case-timeout``, ``--results``), the generated parity cases, the
-``fsdp_api`` parametrization of the seed suites and the shared rank pools; see its docstring.
+``fsdp_api`` parametrization of the ported suites and the shared rank pools; see its docstring.
 
 ``harness.conformance.profiles`` registers the Hypothesis profiles; one is chosen with Hypothesis's own
 ``--hypothesis-profile`` option or, when that is not given, the ``FUZZ_PROFILE`` environment variable

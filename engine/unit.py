@@ -236,7 +236,7 @@ class FsdpUnit:
         self.view_state = ViewState.SHARDED
 
     def use_compute_views(self) -> None:
-        # torch FSDP1's name for the switch: PyTorch's FSDP tests (ported in the seed suites) patch it on
+        # torch FSDP1's name for the switch: PyTorch's FSDP tests (the ported tests) patch it on
         # the handle class of either engine.
         self.handle._use_unsharded_views(as_params=False)
         self.view_state = ViewState.COMPUTE

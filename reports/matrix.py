@@ -104,7 +104,7 @@ def expected_failures(cases: pd.DataFrame) -> pd.Series:
 #: what the pages say of a case expected to fail that passed (``unexpected_passes``).
 UNEXPECTED_PASS_NOTE = (
     "passed although its suite expects a failure: the bug may be fixed, or a race spared this run (a check of several "
-    "cases, such as a seed check's subtests, is expected to fail as a whole). A strict expectation fails the pytest "
+    "cases, such as a ported check's subtests, is expected to fail as a whole). A strict expectation fails the pytest "
     "run when its test passes, until it is removed from the suite."
 )
 

@@ -164,7 +164,7 @@ class PrecisionSpec:
         return self.compute, self.reduced, None if self.buffer in (None, self.full) else self.buffer
 
 
-#: The precision configs of the matrix; names follow the seed's mixed-precision configs.
+#: The precision configs of the matrix; names follow the mixed-precision configs of torch's ``test_fsdp_mixed_precision.py``.
 PRECISIONS: dict[str, PrecisionSpec] = {
     "fp32": PrecisionSpec(full="float32", param=None, reduce=None, buffer=None),
     "fp64": PrecisionSpec(full="float64", param=None, reduce=None, buffer=None),

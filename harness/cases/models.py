@@ -23,7 +23,7 @@ models`` and the zoo's tests enumerate) and the models suites add with ``registe
 name like any other, never enumerated with the harness's own). The library never imports a suite.
 
 Deliberately the harness's own models (written for this project, shaped after the behaviours the
-seeds describe), so a change in PyTorch's test utilities never changes what a case means.
+ported tests describe), so a change in PyTorch's test utilities never changes what a case means.
 """
 
 from __future__ import annotations

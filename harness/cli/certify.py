@@ -7,7 +7,7 @@ one does, 2 when the engine spec is bad (one line naming it) or the ranks cannot
 
 The families (``FAMILIES``; adding one is one line there):
 
-- ``seeds``: the seed suites (``harness.conformance.seeds``, ``.mixed_precision``, ``.wrap``) through
+- ``seeds``: the ported suites (``harness.conformance.seeds``, ``.mixed_precision``, ``.wrap``) through
   pytest in a subprocess with ``--engine SPEC`` (engines with torch FSDP1's API), one count per test;
 - ``parity-ddp`` / ``parity-local``: the generated cases (pairwise matrix; ``--quick``: the smoke cases of
   one small model) through ``harness.run.runner``, judged on their numbers against each reference;
@@ -20,7 +20,7 @@ The families (``FAMILIES``; adding one is one line there):
 On CPU the ranks run on gloo, on GPUs as ``harness.ranks.placement.place`` puts them (``--world-size`` defaults to
 every local GPU where there are 2 or more, else 2).
 Engines are resolved by ``harness.engines.registry``; a plug-in's spec must be resolvable in a fresh process
-(a spec or an entry point), since the seed families run pytest in one.
+(a spec or an entry point), since the families of test modules run pytest in one.
 
 Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are library calls, and
 ``seeds``, ``flat-param`` and ``torch-common-fsdp`` run test modules shipped in the package (``pytest
@@ -55,10 +55,10 @@ __all__ = ["FAMILIES", "Family", "add_arguments", "main"]
 #: the directory this package runs from (a checkout's root, or site-packages): the pytest child imports it
 #: from there, and from a checkout's root it runs under the checkout's pytest configuration.
 REPO = Path(__file__).resolve().parents[2]
-#: the seed suites' test modules, shipped in the package (``harness.conformance``), in the order
+#: the ported suites' test modules, shipped in the package (``harness.conformance``), in the order
 #: ``suites/seeds``, ``suites/mixed_precision`` and ``suites/wrap`` collect them (by import, under the
 #: names ``test_<module>.py``).
-SEED_MODULES = (
+PORTED_MODULES = (
     "harness.conformance.seeds.foreach",
     "harness.conformance.seeds.fsdp_checkpoint",
     "harness.conformance.seeds.fsdp_clip_grad_norm",
@@ -78,10 +78,10 @@ SEED_MODULES = (
     "harness.conformance.wrap.wrap_oracle",
     "harness.conformance.wrap.wrap_policies",
 )
-#: what ``--quick`` keeps of the seed suites: the core parity checks (CI can afford them twice).
-QUICK_SEEDS = ("--pyargs", "harness.conformance.seeds.seed_parity",
+#: what ``--quick`` keeps of the ported suites: the core parity checks (CI can afford them twice).
+QUICK_PORTED = ("--pyargs", "harness.conformance.seeds.seed_parity",
                "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
-FULL_SEEDS = ("--pyargs", *SEED_MODULES)
+FULL_PORTED = ("--pyargs", *PORTED_MODULES)
 FLAT_PARAM_TESTS = ("--pyargs", "harness.conformance.engine_layout")
 TORCH_COMMON_TESTS = ("--pyargs", "harness.conformance.torch_common_fsdp")
 #: the report of the certification's cases, beside the certificate: its case pages are linked from it.
@@ -226,7 +226,7 @@ def _needs_fsdp1(run: CertifyRun, result: FamilyResult) -> bool:
 
 def judge_seeds(run: CertifyRun, result: FamilyResult) -> None:
     if _needs_fsdp1(run, result):
-        _from_tests(result, *run.pytest("seeds", QUICK_SEEDS if run.quick else FULL_SEEDS, 900 if run.quick else 5400))
+        _from_tests(result, *run.pytest("seeds", QUICK_PORTED if run.quick else FULL_PORTED, 900 if run.quick else 5400))
 
 
 def judge_parity(reference: str) -> Callable[[CertifyRun, FamilyResult], None]:
@@ -324,7 +324,7 @@ def _torch_testing_missing() -> str | None:
 
 #: Every family, in certificate order.
 FAMILIES: tuple[Family, ...] = (
-    Family("seeds", "seed behaviours: the seed suites (pytest --engine SPEC)", judge_seeds),
+    Family("seeds", "ported tests' behaviours: the ported suites (pytest --engine SPEC)", judge_seeds),
     Family("parity-ddp", "generated parity against DDP", judge_parity("ddp")),
     Family("parity-local", "generated parity against the unsharded local reference", judge_parity("local")),
     Family("knobs", "knob propagation: every setting shows its effect", judge_knobs),
@@ -355,7 +355,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", required=True,
                    help="the engine: a registered name or a spec NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT")
     p.add_argument("--quick", action="store_true",
-                   help="what CI can afford: the core seed checks and the smoke cases of one small model (2 steps)")
+                   help="what CI can afford: the core ported checks and the smoke cases of one small model (2 steps)")
     p.add_argument("--families", default=",".join(f.name for f in FAMILIES),
                    help=f"comma list of families (default all: {','.join(f.name for f in FAMILIES)})")
     p.add_argument("--out", type=non_empty_path, default=None, help="directory for the certificate (default certificates/NAME-TIME)")
@@ -460,7 +460,7 @@ def _environment(run: CertifyRun, n_gpus: int) -> dict[str, Any]:
     info = run_info([run.lane])
     devices = "CPU" if run.lane.devices is None else f"GPUs {list(run.lane.devices)} of {n_gpus} ({info.gpu})"
     return {
-        "mode": "quick" if run.quick else "pairwise matrix, full seed suites",
+        "mode": "quick" if run.quick else "pairwise matrix, full ported suites",
         "torch": info.torch_version,
         "python": platform.python_version(),
         "backend": run.lane.backend,

@@ -1,7 +1,7 @@
 """What an engine is known to get wrong: one type, :class:`ExpectedFailure`, for every suite that expects a
 failure.
 
-A generated suite's slice (``SuiteMatrix.expected_failures``), a seed check's subtests, the rank checks
+A generated suite's slice (``SuiteMatrix.expected_failures``), a ported check's subtests, the rank checks
 (``api_rank_check_tests(expected_failures=...)``) and a test's own scenarios name theirs with it. The
 pytest plugin makes one a strict xfail (``harness.pytest_plugin.expect_failure``: an unexpected pass fails
 the run, so a fixed engine is noticed), and the records of its cases carry its reason

@@ -12,12 +12,12 @@ fixtures and marks.
   test per ``--engine``; ``certify``'s ``flat-param`` family);
 - ``torch_common_fsdp``: torch's own FSDP parity machinery over the engine (``certify``'s
   ``torch-common-fsdp`` family; GPU only);
-- ``seeds``, ``mixed_precision``, ``wrap``: the seed suites, PyTorch's FSDP1 test files ported as
+- ``seeds``, ``mixed_precision``, ``wrap``: the ported suites, PyTorch's FSDP1 test files ported as
   conformance tests against any FSDP1-API engine (``certify``'s ``seeds`` family), with what they share:
-- ``fsdp1_checks``: the seed checks' comparison helpers over an engine's FSDP1 names, and the ``api``
+- ``fsdp1_checks``: the ported checks' comparison helpers over an engine's FSDP1 names, and the ``api``
   fixture that loads them;
 - (the rank checks, many checks in one set of rank processes, are the pytest plugin's `rank_checks`);
-- ``engine_models``: the engine and seed suites' models, registered in the harness's zoo;
+- ``engine_models``: the engine and ported suites' models, registered in the harness's zoo;
 - ``profiles``: the Hypothesis profiles (``ci``, ``nightly``, ``dev``);
 - ``fuzz_campaign``: ``python -m harness.conformance.fuzz_campaign``, the nightly's fuzz phase.
 

@@ -1,9 +1,9 @@
-"""The engine and seed suites' models, registered in the harness's zoo (``harness.cases.models``).
+"""The engine and ported suites' models, registered in the harness's zoo (``harness.cases.models``).
 
 Each is a ``ZooModel``: its inputs come from ``get_input(seed=, step=, rank=)`` (on CPU; callers move
 them with ``harness.cases.model_protocol.to_device``), its loss from ``get_loss(inputs, output)``, and its
 units from ``wrap_units()`` (``harness.cases.model_protocol.wrap_bottom_up`` wraps them deepest first).
-Unlike the harness's own models, each seeds the global RNG itself when built (the seeds' tests build
+Unlike the harness's own models, each seeds the global RNG itself when built (the ported checks build
 them directly, on any device), so every rank builds the same parameters, except the experts of
 :class:`MixtureOfExperts`, which differ per rank by design and are never averaged. ``ENGINE_MODELS``
 maps their zoo names to their classes.
@@ -34,7 +34,7 @@ def batch(seed: int, step: int, rank: int, shape: tuple[int, ...], vocab: int | 
 def _init_device(device: torch.device | str) -> str:
     """Where a model of these checks draws its initial weights: the CPU's generator, wherever the model
     lives after (``meta`` stays meta). A CUDA generator draws other values from the same seed, and the
-    seeds' CUDA_AFTER twins (built on the CPU, moved after wrapping) must start from DDP's weights."""
+    torch tests' CUDA_AFTER twins (built on the CPU, moved after wrapping) must start from DDP's weights."""
     return "meta" if torch.device(device).type == "meta" else "cpu"
 
 

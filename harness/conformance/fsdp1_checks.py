@@ -1,7 +1,7 @@
-"""The helpers the seed checks share, per engine (``FSDPApi``, ``harness.engines.fsdp1_api``), and the ``api``
+"""The helpers the ported checks share, per engine (``FSDPApi``, ``harness.engines.fsdp1_api``), and the ``api``
 fixture that loads the engine under test.
 
-The seed suites are conformance tests: every check takes an ``FSDPApi`` first and uses only its names,
+The ported suites are conformance tests: every check takes an ``FSDPApi`` first and uses only its names,
 so the same check runs on every engine with torch FSDP1's API that ``--engine`` selects; what the names
 are and the documented differences between engines are ``harness.engines.fsdp1_api``'s.
 """
@@ -23,7 +23,7 @@ from harness.engines.fsdp1_api import FSDPApi, load_api
 from harness.engines.optim import sgd
 from harness.engines.references import LocalReference, all_rank_batch
 
-#: the seed checks take both from here, with the helpers below.
+#: the ported checks take both from here, with the helpers below.
 __all__ = ["FSDPApi", "api", "load_api"]
 
 
@@ -44,7 +44,7 @@ MOMENTUM = 0.9
 
 
 def optim(params: Any) -> torch.optim.Optimizer:
-    """The harness's parity optimizer (``harness.engines.optim.sgd``) at the seed checks' ``LR`` and ``MOMENTUM``."""
+    """The harness's parity optimizer (``harness.engines.optim.sgd``) at the ported checks' ``LR`` and ``MOMENTUM``."""
     return sgd(params, LR, MOMENTUM)
 
 
@@ -94,7 +94,7 @@ def assert_matches_local_reference(api: FSDPApi, model: nn.Module, case: CaseCon
 
 def assert_trains_like_local_reference(api: FSDPApi, model: nn.Module, zoo: ZooModel, case: CaseConfig,
                                        device: torch.device, context: str) -> None:
-    """Train ``model`` (``zoo`` wrapped by a check, as the harness cannot: an auto-wrap policy, the seed's
+    """Train ``model`` (``zoo`` wrapped by a check, as the harness cannot: an auto-wrap policy, the torch test's
     init modes) the case's way by hand, SGD over ``zoo``'s batches and loss for ``case.steps`` steps with
     inputs on ``device``, then compare it with the harness's local reference
     (``assert_matches_local_reference``)."""

@@ -131,7 +131,7 @@ class EngineAdapter(ABC):
     #: the engine's name: case ids, reports and certificates show it.
     name: str
     #: the module with torch FSDP1's public API the engine is driven through, or None when it has none
-    #: (the seed suites run on every engine that has one).
+    #: (the ported suites run on every engine that has one).
     fsdp1_module: str | None = None
     #: the strategies (``harness.cases.case.ShardingName``, by what they shard) this engine maps; the others are
     #: unsupported with the reason (``strategy_rule``). An engine declaring ZeRO-1/2 brings them onto the

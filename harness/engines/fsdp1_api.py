@@ -56,7 +56,7 @@ _WRAP = (
 
 @dataclass(frozen=True)
 class FSDPApi:
-    """The names of one FSDP1-API engine a seed check may use (pickled by name for the rank processes)."""
+    """The names of one FSDP1-API engine a ported check may use (pickled by name for the rank processes)."""
 
     #: the engine's spec (``builtin``, ``mine=fsdp1:pkg``): what the rank processes resolve again.
     spec: str

@@ -38,7 +38,7 @@ __all__ = [
 NAMED_OPTIMIZERS = ("adamw_groups", "two_optimizers")
 #: ``adamw_groups``: the no-decay group's learning rate, as a fraction of ``CaseConfig.lr``.
 NO_DECAY_LR_FACTOR = 0.5
-#: ``two_optimizers``: the learning rates of the seed's test_multiple_optimizers (Adam, AdamW).
+#: ``two_optimizers``: the learning rates of torch's test_multiple_optimizers (Adam, AdamW).
 TWO_OPTIMIZER_LRS = (5e-3, 1e-2)
 
 #: AdamW's hyperparameters besides ``CaseConfig.lr``: torch's defaults, with a weight decay that is

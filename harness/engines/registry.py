@@ -234,5 +234,5 @@ def _refuse_split_path(specs: Sequence[str], option: str) -> None:
 
 
 def fsdp1_engines(specs: Sequence[str]) -> tuple[str, ...]:
-    """The specs among ``specs`` whose engine speaks torch FSDP1's public API (the seed suites' engines)."""
+    """The specs among ``specs`` whose engine speaks torch FSDP1's public API (the ported suites' engines)."""
     return tuple(s for s in specs if resolve(s).fsdp1_module is not None)

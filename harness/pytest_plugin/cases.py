@@ -121,7 +121,7 @@ class ParityOptions:
 
     @property
     def fsdp1_engines(self) -> tuple[str, ...]:
-        """The requested engines that speak the FSDP1 API (the seed suites' ``fsdp_api``), as specs."""
+        """The requested engines that speak the FSDP1 API (the ported suites' ``fsdp_api``), as specs."""
         return fsdp1_engines(self.engines)
 
 

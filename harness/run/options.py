@@ -205,7 +205,7 @@ class SelectionOptions:
         "point of fsdp_parity.engines, NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, NAME=MODULE:OBJECT", pytest=True,
         aliases=("--engine",), **_LIST,
         pytest_help="comma list of engines under test: registered names or specs NAME=fsdp1:MODULE, NAME=fsdp2:MODULE, "
-                    "NAME=MODULE:OBJECT (harness.engines.registry; default: builtin,torch-fsdp,torch-fsdp2); the seed suites "
+                    "NAME=MODULE:OBJECT (harness.engines.registry; default: builtin,torch-fsdp,torch-fsdp2); the ported suites "
                     "run the ones with torch FSDP1's API")
     references: tuple[str, ...] | None = _option(
         "--references", "comma list: ddp,local (default: the matrix's)", pytest=True, aliases=("--reference",), **_LIST,

@@ -365,7 +365,7 @@ def _pairwise(space: _Space) -> list[CaseConfig]:
     """AETG-style greedy: each new case starts from the most-needed uncovered pair, then fills the other
     axes one at a time with the value covering the most uncovered pairs, keeping the case completable.
 
-    Every loop covers at least its seed pair (feasible by construction), so it terminates; ties break
+    Every loop covers at least its starting pair (feasible by construction), so it terminates; ties break
     by axis and value order, so the result never depends on hashing.
     """
     order = space.order
@@ -378,8 +378,8 @@ def _pairwise(space: _Space) -> list[CaseConfig]:
         for pair in uncovered:
             for av in pair:
                 need[av] = need.get(av, 0) + 1
-        seed = min(uncovered, key=lambda p: (-(need[p[0]] + need[p[1]]), rank[p]))
-        assign = dict(seed)
+        start = min(uncovered, key=lambda p: (-(need[p[0]] + need[p[1]]), rank[p]))
+        assign = dict(start)
         rest = sorted(
             (a for a in order if a not in assign),
             key=lambda a: (-sum(need.get((a, v), 0) for v in space.axes[a]), order.index(a)),

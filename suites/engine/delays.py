@@ -23,7 +23,7 @@ from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.cases.models import build_model
 from harness.conformance.engine_models import MOE, NESTED, singleton_groups
 from harness.conformance.fsdp1_checks import assert_matches_local_reference, load_api
-from harness.conformance.seeds.seed_parity import seed_subtests
+from harness.conformance.seeds.seed_parity import ported_subtests
 from harness.engines.adapters import fsdp1_options
 from harness.engines.optim import sgd
 from harness.ranks.rank import rank_device
@@ -39,23 +39,23 @@ DELAYED_CASE = CaseConfig(engine="builtin", reference="local", model=NESTED, ste
 #: (before_reduce, before_free, before_step): one sleep at a time.
 DELAYS = [(True, False, False), (False, True, False), (False, False, True)]
 
-#: The seed's delayed checks of test_fsdp_core.py: the model each trains and where it sleeps. Its
+#: The torch test's delayed checks of test_fsdp_core.py: the model each trains and where it sleeps. Its
 #: ``delay_after_loss_ms`` sleeps between the loss and the optimizer step; here the sleep is right before
 #: the step, after backward (what it exposes: the next forward's all-gathers must wait for the step).
-SEED_DELAYS: dict[str, tuple[str, tuple[bool, bool, bool]]] = {
+TORCH_TEST_DELAYS: dict[str, tuple[str, tuple[bool, bool, bool]]] = {
     "delayed_optim_step": (NESTED, (False, False, True)),
     "delayed_reduce_scatter": (NESTED, (True, False, False)),
     "mixture_of_experts_with_delay_before_free": (MOE, (False, True, False)),
 }
 
 
-def seed_delayed_cases(name: str, device: str = "cuda") -> list[CaseConfig]:
-    """The subtests of the seed's delayed check ``name`` (``SEED_DELAYS``): the seed parity checks' product,
+def ported_delayed_cases(name: str, device: str = "cuda") -> list[CaseConfig]:
+    """The subtests of the torch test's delayed check ``name`` (``TORCH_TEST_DELAYS``): the ``seed_parity`` checks' product,
     every strategy x backward prefetch x forward prefetch x use_orig_params x init mode, with and without
-    CPU offload (``harness.conformance.seeds.seed_parity.seed_subtests``), on the check's model."""
-    model = SEED_DELAYS[name][0]
+    CPU offload (``harness.conformance.seeds.seed_parity.ported_subtests``), on the check's model."""
+    model = TORCH_TEST_DELAYS[name][0]
     return [case.replace(engine="builtin", reference="local", steps=DELAYED_CASE.steps)
-            for offload in (False, True) for case in seed_subtests(model, offload, device=device)]
+            for offload in (False, True) for case in ported_subtests(model, offload, device=device)]
 
 
 def cuda_device() -> torch.device:
@@ -147,8 +147,8 @@ def delayed_step_parity(kwargs: dict, before_reduce: bool, before_free: bool, be
     assert_matches_local_reference(BUILTIN, model, case, where)
 
 
-def seed_delayed_check(name: str) -> None:
-    """Every subtest of the seed's delayed check ``name`` (``seed_delayed_cases``) under its sleep."""
-    plan = SEED_DELAYS[name][1]
-    for case in seed_delayed_cases(name, rank_device().type):
+def ported_delayed_check(name: str) -> None:
+    """Every subtest of the torch test's delayed check ``name`` (``ported_delayed_cases``) under its sleep."""
+    plan = TORCH_TEST_DELAYS[name][1]
+    for case in ported_delayed_cases(name, rank_device().type):
         delayed_step_parity({}, *plan, case=case)

@@ -1,6 +1,6 @@
 """The checks' own models draw their initial weights from the CPU's generator wherever they live, so a
-twin built on the CPU and moved to a GPU after wrapping (the seeds' CUDA_AFTER) starts from the weights
-of one built on the GPU (DDP's side): on two NCCL GPUs the use_orig_params seed failed at its first loss
+twin built on the CPU and moved to a GPU after wrapping (the torch tests' CUDA_AFTER) starts from the weights
+of one built on the GPU (DDP's side): on two NCCL GPUs the use_orig_params ported check failed at its first loss
 without it."""
 
 from __future__ import annotations

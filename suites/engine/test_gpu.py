@@ -1,5 +1,5 @@
 """Models that sleep on the GPU before the gradient reduction, before the optimizer step and before
-freeing unsharded parameters (each exposes a missing stream synchronization; the seed's three delayed
+freeing unsharded parameters (each exposes a missing stream synchronization; the torch test's three delayed
 checks over their whole strategy x offload x init mode x prefetch x use_orig_params product, the mixture
 of experts for the delay before free), CPU offload placement
 and no_sync's gradient dtypes, on 2 GPU ranks. The parity cross product runs on the GPUs as harness
@@ -24,7 +24,7 @@ from harness.cases.model_protocol import to_device, wrap_bottom_up
 from harness.conformance.engine_models import NestedWrapped
 from harness.pytest_plugin.rank_checks import rank_check_tests
 from harness.pytest_plugin import needs_gpus
-from suites.engine.delays import DELAYS, cuda_device as _device, delayed_step_parity, seed_delayed_check
+from suites.engine.delays import DELAYS, cuda_device as _device, delayed_step_parity, ported_delayed_check
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,17 +42,17 @@ def check_delays_expose_missing_synchronization(rank: int, world_size: int) -> N
             delayed_step_parity(kwargs, *plan)
 
 
-# The seed's delayed checks of test_fsdp_core.py, each over its whole product (suites.engine.delays).
-def check_seed_delayed_optim_step(rank: int, world_size: int) -> None:
-    seed_delayed_check("delayed_optim_step")
+# The torch test's delayed checks of test_fsdp_core.py, each over its whole product (suites.engine.delays).
+def check_ported_delayed_optim_step(rank: int, world_size: int) -> None:
+    ported_delayed_check("delayed_optim_step")
 
 
-def check_seed_delayed_reduce_scatter(rank: int, world_size: int) -> None:
-    seed_delayed_check("delayed_reduce_scatter")
+def check_ported_delayed_reduce_scatter(rank: int, world_size: int) -> None:
+    ported_delayed_check("delayed_reduce_scatter")
 
 
-def check_seed_mixture_of_experts_with_delay_before_free(rank: int, world_size: int) -> None:
-    seed_delayed_check("mixture_of_experts_with_delay_before_free")
+def check_ported_mixture_of_experts_with_delay_before_free(rank: int, world_size: int) -> None:
+    ported_delayed_check("mixture_of_experts_with_delay_before_free")
 
 
 def check_cpu_offload_placement(rank: int, world_size: int) -> None:
@@ -90,9 +90,9 @@ def check_no_sync_mixed_precision_dtypes(rank: int, world_size: int) -> None:
 
 CHECKS = [
     check_delays_expose_missing_synchronization,
-    check_seed_delayed_optim_step,
-    check_seed_delayed_reduce_scatter,
-    check_seed_mixture_of_experts_with_delay_before_free,
+    check_ported_delayed_optim_step,
+    check_ported_delayed_reduce_scatter,
+    check_ported_mixture_of_experts_with_delay_before_free,
     check_cpu_offload_placement,
     check_no_sync_mixed_precision_dtypes,
 ]

@@ -2,7 +2,7 @@
 
 The shard-metadata tables are checked on our handle and on torch FSDP1's own FlatParamHandle:
 the second run guards the transcription of the tables, the first is the conformance check.
-The seed's tests that need a wrapped forward (partial flattening, outputs, pnorm after a step,
+The torch test's checks that need a wrapped forward (partial flattening, outputs, pnorm after a step,
 the empty module) belong with the runtime suites.
 """
 
@@ -68,7 +68,7 @@ def test_flat_param_shard_metadata_aligned_full_precision(impl: Implementation) 
         param_numels=(21, 35),
         param_offsets=((0, 20), (0, 18)),
     )
-    # Rank 1 of 2: 16 + (1) + 25 = 42 elements (the seed's end index, one past the buffer, is kept).
+    # Rank 1 of 2: 16 + (1) + 25 = 42 elements (the torch test's end index, one past the buffer, is kept).
     assert _probe(handle, 43, 85) == FlatParamShardMetadata(
         param_names=("1.weight", "2.weight"),
         param_shapes=((5, 7), (5, 5)),

@@ -1,5 +1,5 @@
 """``harness.collect.expectations.ExpectedFailure``: the one type every suite names a known engine bug with (a
-generated slice's cases, a seed check's subtests, a module's rank checks, a test's scenarios)."""
+generated slice's cases, a ported check's subtests, a module's rank checks, a test's scenarios)."""
 
 from __future__ import annotations
 

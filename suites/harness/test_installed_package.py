@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.certify import REPO, SEED_MODULES
+from harness.cli.certify import REPO, PORTED_MODULES
 from harness.cli.fuzz import parse_fuzz_totals
 
-#: the suites that collect the seed family's tests from the package by import.
-SEED_SUITES = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
+#: the suites that collect the ``seeds`` family's tests from the package by import.
+PORTED_SUITES = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
 #: what the wheel is built from: the project's metadata and its three packages (never ``suites/``).
 BUILT_FROM = ("pyproject.toml", "README.md", "engine", "harness", "reports")
 
@@ -98,7 +98,7 @@ def test_the_fuzz_campaign_runs_from_the_installed_package(site: Path, tmp_path:
     assert totals is not None and totals["examples"] >= 6 * 3, proc.stdout[-3000:]
 
 
-def test_certify_runs_the_shipped_seed_family_from_the_installed_package(site: Path, tmp_path: Path, certified: Certified) -> None:
+def test_certify_runs_the_shipped_seeds_family_from_the_installed_package(site: Path, tmp_path: Path, certified: Certified) -> None:
     # What certify's pytest child sees (this environment, its path first): the installed package, no suites.
     found = _run(site, tmp_path, "-c", "import importlib.util as u, harness; print(u.find_spec('suites'), harness.__file__)")
     assert found.stdout.split() == ["None", str(site / "harness" / "__init__.py")], found.stdout + found.stderr
@@ -150,20 +150,20 @@ def _tests_of(path: Path) -> set[str]:
     return {n for n in names if n.startswith(("test_", "Test"))}
 
 
-def test_the_seed_family_runs_what_the_seed_suites_collect() -> None:
-    """Every test module of the seed suites collects a module of ``SEED_MODULES`` (certify's ``seeds``),
-    every test of it, and every module of the package's seed folders that holds tests is one of them: a
+def test_the_seeds_family_runs_what_the_ported_suites_collect() -> None:
+    """Every test module of the ported suites collects a module of ``PORTED_MODULES`` (certify's ``seeds``),
+    every test of it, and every module of the package's ported-suite folders that holds tests is one of them: a
     test added on either side runs on both."""
     collected: dict[str, set[str]] = {}
-    for suite in SEED_SUITES:
+    for suite in PORTED_SUITES:
         for path in sorted((REPO / suite).glob("test_*.py")):
-            shipped = {m: names for m, names in _imported_from(path).items() if m in SEED_MODULES}
-            assert len(shipped) == 1, f"{path.name} collects no module of certify's SEED_MODULES (or several)"
+            shipped = {m: names for m, names in _imported_from(path).items() if m in PORTED_MODULES}
+            assert len(shipped) == 1, f"{path.name} collects no module of certify's PORTED_MODULES (or several)"
             collected.update(shipped)
-    for name in SEED_MODULES:
+    for name in PORTED_MODULES:
         tests = _tests_of(REPO / (name.replace(".", "/") + ".py"))
         assert tests and tests <= collected.get(name, set()), f"{name}: not collected by a suite: {tests - collected.get(name, set())}"
     holding_tests = {f"harness.conformance.{p.parent.name}.{p.stem}"
                      for folder in ("seeds", "mixed_precision", "wrap")
                      for p in (REPO / "harness" / "conformance" / folder).glob("*.py") if _tests_of(p)}
-    assert holding_tests <= set(SEED_MODULES), f"test modules certify's seeds family leaves out: {holding_tests - set(SEED_MODULES)}"
+    assert holding_tests <= set(PORTED_MODULES), f"test modules certify's seeds family leaves out: {holding_tests - set(PORTED_MODULES)}"

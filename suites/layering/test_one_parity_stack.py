@@ -31,7 +31,7 @@ FACTORY_KEYWORDS = {"SGD": {"lr", "momentum"}, "AdamW": {"lr", "betas", "eps", "
 ALLOWED = {
     "harness/conformance/mixed_precision/precision_logic.py": "plain data-parallel training by hand is the oracle "
     "the local reference is tested against",
-    "harness/conformance/seeds/orig_params_ddp.py": "the seed's checks against DDP cross optimizers the case's "
+    "harness/conformance/seeds/orig_params_ddp.py": "the torch test's checks against DDP cross optimizers the case's "
     "optimizer axis does not express (the Adam family with and without foreach, per-group hyperparameters, "
     "set_to_none=False, frozen parameters)",
     "harness/conformance/seeds/fsdp_use_orig_params.py": "parameter and gradient writeback, and engine twins "
@@ -127,7 +127,7 @@ def test_planted_pieces_are_found(tmp_path: Path) -> None:
     (tmp_path / "pkg" / "own.py").write_text(
         "import torch\n"
         "plain = torch.optim.SGD(params, lr=0.1)\n"
-        "seed = torch.optim.SGD(params, lr=5e-3, momentum=0.9, foreach=True)\n"
+        "ported = torch.optim.SGD(params, lr=5e-3, momentum=0.9, foreach=True)\n"
         "adam = torch.optim.Adam(params, lr=1e-2)\n"
         "mine = m.get_input(step=0, rank=rank)\n"
     )

@@ -20,7 +20,7 @@ from harness.selection.matrix import AXES, LOOP_SLICE, LOOP_SMOKE_VARIANTS
 
 STRATEGIES = list(get_args(ShardingName))
 
-#: Strategy x backward prefetch x CPU offload x use_orig_params on the seed's core models: the nested
+#: Strategy x backward prefetch x CPU offload x use_orig_params on the torch test's core models: the nested
 #: units (a unit inside a unit inside the root) and the transformer whose output projection is tied
 #: to its embedding. Forward prefetch lives in ORIG_PARAMS, precision in MIXED_PRECISION.
 CORE = SuiteMatrix(
@@ -109,7 +109,7 @@ TRAINING_LOOP = SuiteMatrix(
     expected_failures=(TORCH_FSDP1_COMPILED_ON_CUDA,),
 )
 
-#: The seed's test_nested_wrapped_model_single_iteration_mixed_precision: one fp16 step (parameters,
+#: Torch's test_nested_wrapped_model_single_iteration_mixed_precision: one fp16 step (parameters,
 #: reduction and buffers in float16) of the nested units over strategy x CPU offload x use_orig_params,
 #: against the reference emulating the casts. The smoke tier (CI) shows every strategy with and without
 #: offload.

@@ -1,4 +1,4 @@
-"""Generated parity cases of the seed's test_nested_wrapped_model_single_iteration_mixed_precision: one
+"""Generated parity cases of torch's test_nested_wrapped_model_single_iteration_mixed_precision: one
 float16 step of the nested units over strategy x CPU offload x use_orig_params, against the reference
 emulating the casts (``suites.parity.slices.FP16_SINGLE_ITERATION``), for every ``--engine`` x
 ``--reference`` x ``--world-size``; the smoke tier (CI) shows every strategy with and without offload.

@@ -54,7 +54,7 @@ def test_hang(parity_case, parity_runner):
     parity_runner.run(parity_case, timeout_s=HANG_TIMEOUT_S)
 
 
-def test_seed_engines(fsdp_api):
+def test_ported_engines(fsdp_api):
     assert fsdp_api in ("builtin", "torch-fsdp")
 
 
@@ -102,7 +102,7 @@ def test_ids_are_full_ids_and_the_options_choose_the_cases(pytester: pytest.Pyte
     ids = [line.split("::")[-1] for line in done.stdout.lines if "::" in line]
     assert "test_ok[torch-fsdp:ddp:full_shard-fp32-bwd_none-nested-steps2]" in ids
     assert "test_ok[torch-fsdp2:ddp:full_shard-fp32-bwd_pre-orig-nested-steps2]" in ids, "FSDP2 at its own baseline"
-    assert "test_seed_engines[torch-fsdp]" in ids and "test_seed_engines[builtin]" not in ids
+    assert "test_ported_engines[torch-fsdp]" in ids and "test_ported_engines[builtin]" not in ids
 
 
 def test_k_selects_by_case_id(pytester: pytest.Pytester) -> None:
@@ -116,7 +116,7 @@ def test_k_selects_by_case_id(pytester: pytest.Pytester) -> None:
 def test_larger_tiers_are_marked_slow(pytester: pytest.Pytester) -> None:
     done = collect(pytester, "--matrix", "pairwise", "--engine", "builtin", "-m", "not slow")
     assert done.ret == 0, done.stdout.str()
-    assert "test_seed_engines[builtin]" in done.stdout.str()
+    assert "test_ported_engines[builtin]" in done.stdout.str()
     assert "test_ok[" not in done.stdout.str(), "cases of the pairwise and full tiers are marked slow"
 
 
@@ -136,7 +136,7 @@ def test_loop_axes_deselects_the_generated_suites_without_a_training_loop_axis(p
     ids = [line.split("::")[-1] for line in done.stdout.lines if "::" in line]
     generated = [i for i in ids if i.startswith(("test_ok[", "test_perturbed[", "test_hang[", "test_loop["))]
     assert generated and all(i.startswith("test_loop[") for i in generated), ids
-    assert "test_seed_engines[torch-fsdp]" in ids, "tests that are not generated cases stay"
+    assert "test_ported_engines[torch-fsdp]" in ids, "tests that are not generated cases stay"
     assert re.search(r"\d+ deselected", done.stdout.str()), done.stdout.str()
 
 
@@ -146,12 +146,12 @@ def test_bad_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
     assert "--engine: engine 'fsdp3' is not registered" in done.stderr.str()
 
 
-def test_an_engine_spec_runs_the_seeds_and_the_cases_under_its_name(pytester: pytest.Pytester) -> None:
+def test_an_engine_spec_runs_the_ported_checks_and_the_cases_under_its_name(pytester: pytest.Pytester) -> None:
     done = collect(pytester, "--engine", "mine=fsdp1:engine,torch-fsdp2", "--reference", "ddp")
     assert done.ret == 0, done.stdout.str()
     ids = [line.split("::")[-1] for line in done.stdout.lines if "::" in line]
     assert "test_ok[mine:ddp:full_shard-fp32-bwd_none-nested-steps2]" in ids
-    assert [i for i in ids if i.startswith("test_seed_engines")] == ["test_seed_engines[mine]"], "FSDP1-API engines only"
+    assert [i for i in ids if i.startswith("test_ported_engines")] == ["test_ported_engines[mine]"], "FSDP1-API engines only"
 
 
 def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_path: Path, pytester: pytest.Pytester) -> None:
@@ -169,7 +169,7 @@ def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_pat
         f"test_ok[{base.replace('-nested', '-offload-nested')}]": "SKIPPED",
         f"test_perturbed[{base}]": "FAILED",
         f"test_hang[{base}]": "FAILED",
-        "test_seed_engines[torch-fsdp]": "PASSED",
+        "test_ported_engines[torch-fsdp]": "PASSED",
         "test_gpu_only": "SKIPPED",
     }, done.stdout[-4000:] + done.stderr[-2000:]
     assert "unsupported: torch-fsdp: CPU offload pins host memory" in done.stdout

@@ -332,9 +332,9 @@ def test_agreement_separates_disagreements_from_capabilities() -> None:
     assert set(agreement.compared()) == {"same", "differ", "offload"}
     assert agreement.disagreements() == {"differ": {"builtin": "passed", "torch-fsdp": "failed"}}
     assert set(agreement.one_engine_only()) == {"offload"}
-    text = agreement.render("seed check")
+    text = agreement.render("ported check")
     assert text.splitlines()[0] == (
-        "seed check on builtin, torch-fsdp: 3 compared, 1 agree, 1 disagree, 1 ran on one engine only"
+        "ported check on builtin, torch-fsdp: 3 compared, 1 agree, 1 disagree, 1 ran on one engine only"
     )
     assert "differ" in text and "offload" in text and "alone" not in text
 
@@ -344,10 +344,10 @@ def test_agreement_ranks_verdicts_and_pytest_outcomes_on_one_severity() -> None:
     is worse than an error, pytest's ``failed`` as a failure."""
     agreement = Agreement()
     for key, outcomes in (("flaky", ("pass", "flaky", "pass")), ("crash", ("error", "crash", "fail")),
-                          ("seed", ("passed", "failed", "skipped"))):
+                          ("ported", ("passed", "failed", "skipped"))):
         for outcome in outcomes:
             agreement.add(key, "builtin", outcome)
-    assert agreement.outcomes == {"flaky": {"builtin": "flaky"}, "crash": {"builtin": "crash"}, "seed": {"builtin": "failed"}}
+    assert agreement.outcomes == {"flaky": {"builtin": "flaky"}, "crash": {"builtin": "crash"}, "ported": {"builtin": "failed"}}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -199,7 +199,7 @@ def test_mixed_precision_keeps_the_full_dtypes_rtol_up_to_two_ranks() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checks that compare tensors directly (the seed suites) decide as a full-precision case at two ranks
+# Checks that compare tensors directly (the ported suites) decide as a full-precision case at two ranks
 
 
 @pytest.mark.parametrize("dtype", sorted(DEFAULT_TOLERANCES, key=str))

@@ -198,7 +198,7 @@ def _env() -> dict[str, str]:
 
 def test_certificate_renders_counts_failures_and_status() -> None:
     families = [
-        FamilyResult("seeds", "seed behaviours", passed=3),
+        FamilyResult("seeds", "ported tests' behaviours", passed=3),
         FamilyResult("knobs", "knob propagation", passed=1, failed=1,
                      failures=[Failure("mine:ddp:x", "ignored: reduce in float32", "precision", None)]),
         FamilyResult("checkpoints", "checkpoints", note="not yet available"),

@@ -1,4 +1,4 @@
-"""The seed's ``test_fsdp_mixed_precision.py`` (and its grad-scaler tests) as conformance tests against
+"""Torch's ``test_fsdp_mixed_precision.py`` (and its grad-scaler tests) as conformance tests against
 every engine with torch FSDP1's API.
 
 The tests: ``mixed_precision`` (on two gloo CPU ranks), ``gpu`` (the same jobs and the CUDA-only ones on

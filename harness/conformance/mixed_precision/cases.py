@@ -11,12 +11,12 @@ from harness.cases.records import CaseRecord
 from harness.collect.expectations import ExpectedFailure
 from harness.conformance.mixed_precision.models import PARITY_NET
 
-#: the prefetch subtests of the seed's e2e test: forward prefetch x backward prefetch.
+#: the prefetch subtests of the torch test's e2e test: forward prefetch x backward prefetch.
 ALL_PREFETCH = [(fwd, bwd) for fwd in (False, True) for bwd in get_args(PrefetchName)]
 #: configurations of the e2e product per mp config and CPU offload value: fp32/fp64 x grad scaler x prefetch.
 E2E_RUNS = 2 * 2 * len(ALL_PREFETCH)
 
-#: the seed's embedding-table mixed-precision configs.
+#: the torch test's embedding-table mixed-precision configs.
 EMBEDDING_CONFIGS: dict[str, PrecisionSpec] = {
     "reduce": PRECISIONS["reduce_only"],
     "only_params_and_bufs": PRECISIONS["param_buffer"],

@@ -1,4 +1,4 @@
-"""The seed's end-to-end mixed-precision product as rank jobs: dtypes inside forward, the all-gathered
+"""The torch test's end-to-end mixed-precision product as rank jobs: dtypes inside forward, the all-gathered
 shard copies and their release, reduction dtypes, buffers, summoning and state dicts, per strategy,
 CPU offload, grad scaler and prefetch setting."""
 
@@ -34,7 +34,7 @@ from harness.ranks.rank import RankContext
 
 
 def _probe_models(api: FSDPApi, full: torch.dtype, device: torch.device, kwargs: dict[str, Any]) -> Iterator[nn.Module]:
-    """The seed's simple model (one probe) and nested model (a probe unit inside a root with a probe)."""
+    """The torch test's simple model (one probe) and nested model (a probe unit inside a root with a probe)."""
     torch.manual_seed(0)
     yield api.wrap(PrecisionProbe(full).to(device), **kwargs)
     torch.manual_seed(0)
@@ -67,7 +67,7 @@ def _check_gathers(
 
 def _freed(ref: weakref.ref) -> bool:
     """The storage is gone (our engine drops its shard copy) or resized to nothing (torch FSDP1 keeps
-    its low-precision shard tensor and frees the storage under it, as the seed checks)."""
+    its low-precision shard tensor and frees the storage under it, as the torch test checks)."""
     storage = ref()
     return storage is None or storage.nbytes() == 0
 
@@ -186,7 +186,7 @@ def _run_e2e(
 
 
 def e2e_matrix(ctx: RankContext, payload: dict[str, Any]) -> int:
-    """The seed's ``test_mixed_precision_e2e_full_shard`` product for one mp config and one CPU
+    """The torch test's ``test_mixed_precision_e2e_full_shard`` product for one mp config and one CPU
     offload value: full precision (fp32, fp64) x grad scaler x prefetch settings. Returns the
     number of configurations run."""
     api = engine_api(payload)

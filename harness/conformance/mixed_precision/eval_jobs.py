@@ -71,7 +71,7 @@ def _transformer(api: FSDPApi, mp: Any, ctx: RankContext, recursive: bool, **kwa
 
 def full_precision_in_eval(ctx: RankContext, payload: dict[str, Any]) -> None:
     """In eval with FSDP_USE_FULL_PREC_IN_EVAL=1 the loss is full precision; in train it is low: the
-    seed's product (``cast_forward_inputs`` x full precision in eval) on the seed's layout (FULL_SHARD,
+    torch test's product (``cast_forward_inputs`` x full precision in eval) on the torch test's layout (FULL_SHARD,
     flat parameters), and each combination again under another strategy and use_orig_params."""
     api = engine_api(payload)
     low = dtype_of(payload.get("low", "float16"))

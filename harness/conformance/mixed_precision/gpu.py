@@ -1,5 +1,5 @@
 """The mixed-precision suites on two GPUs with NCCL, for every engine with torch FSDP1's API
-(``fsdp_api``): every CPU job again (float16 as in the seed, CPU offload for both engines: torch
+(``fsdp_api``): every CPU job again (float16 as in the torch test, CPU offload for both engines: torch
 FSDP1 can pin memory here), plus what needs CUDA: SyncBatchNorm's forward and ResNet-50 with
 size-based wrapping.
 

@@ -5,12 +5,12 @@ folder). The same jobs run on two GPUs with NCCL in ``gpu``.
 
 float16 compute works on CPU in torch 2.13 (linear, layer norm, softmax, embedding, batch norm,
 conv, the transformer layers and cross entropy all have float16 CPU kernels), so the CPU tier
-uses the seed's float16 (and bfloat16 where the seed does) rather than substituting bfloat16.
+uses the torch test's float16 (and bfloat16 where the torch test does) rather than substituting bfloat16.
 
 CPU offload runs as its own test id: torch FSDP1's offload pins host memory, which needs an
 accelerator, so on CPU ranks those ids skip for ``torch-fsdp`` with that reason (``FSDPApi.require_offload``).
 
-Left out, with reason: the seed's ``use_composable=True`` variants (torch's composable
+Left out, with reason: the torch test's ``use_composable=True`` variants (torch's composable
 ``fully_shard`` is not an FSDP1-wrapper API); SyncBatchNorm's forward and ResNet-50 (they need GPUs:
 ``gpu``).
 """
@@ -79,8 +79,8 @@ def test_mixed_precision_no_reshard_after_forward(cpu_pair: RankPool, fsdp_api: 
 @pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "FULL_SHARD"])
 @OFFLOAD
 def test_mixed_precision_unsharded(cpu_pair: RankPool, fsdp_api: str, strategy: str, offload: bool) -> None:
-    """The seed's world-size-1 variants (each rank in its own group, so NO_SHARD with all-reduce);
-    the seed offloads, the offload-free id keeps the behaviour covered where offload cannot run."""
+    """The torch test's world-size-1 variants (each rank in its own group, so NO_SHARD with all-reduce);
+    the torch test offloads, the offload-free id keeps the behaviour covered where offload cannot run."""
     payload = {"engine": fsdp_api, "mp": "mp_diff_buffer_reduce", "strategy": strategy, "world": 1, "offload": offload,
                "full": ["float64"], "scaler": [False], "prefetch": [(False, "none")]}
     assert assert_ok(cpu_pair.run(e2e_jobs.e2e_matrix, payload)) == [1, 1]
@@ -142,7 +142,7 @@ def test_mixed_precision_with_ignored_module(cpu_pair: RankPool, fsdp_api: str) 
 
 
 def test_submodules_with_different_precisions(cpu_pair: RankPool, fsdp_api: str) -> None:
-    """The seed's five layouts: three work (with the recorded input dtypes), two raise."""
+    """The torch test's five layouts: three work (with the recorded input dtypes), two raise."""
     values = assert_ok(cpu_pair.run(module_jobs.submodule_precision, {"engine": fsdp_api}))
     assert values[0]["low_on_c2_no_cast"] == values[0]["low_on_c1_under_f32_root"] == "raised"
 

@@ -1,4 +1,4 @@
-"""Models for the mixed-precision suites (ours, shaped after what the seed exercises).
+"""Models for the mixed-precision suites (ours, shaped after what the torch test exercises).
 
 Every model builds identically on every rank (seeded by the caller) and is small enough for two
 CPU ranks.
@@ -46,7 +46,7 @@ class Expectation:
     #: parameter stays the full-precision shard and compute uses separate storage (our engine).
     swaps_registered: bool = False
     #: with ``swaps_registered``: at least one registered parameter is swapped while a probe runs
-    #: (the seed's "active unit" check; sharded strategies, world > 1).
+    #: (the torch test's "active unit" check; sharded strategies, world > 1).
     expect_active_unit: bool = True
 
 
@@ -133,7 +133,7 @@ class SaveForwardInputsModel(nn.Module):
 
 
 class BatchNormNet(nn.Module):
-    """Linear -> BatchNorm1d -> Linear -> LayerNorm -> Linear -> softmax (the seed's batch-norm net)."""
+    """Linear -> BatchNorm1d -> Linear -> LayerNorm -> Linear -> softmax (the torch test's batch-norm net)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""What every rank job of the mixed-precision suites shares: the engine under test by name, the seed's
+"""What every rank job of the mixed-precision suites shares: the engine under test by name, the torch test's
 configurations by name, the collectives a block issues (``harness.compare.trace.CommTrace``), and turning a
 pool outcome into values or a skip.
 
@@ -35,7 +35,7 @@ from harness.engines.adapters import fsdp1_mixed_precision
 from harness.ranks.pool import PoolOutcome
 from harness.ranks.rank import RankContext
 
-#: The seed's mixed-precision configs by the names its test ids use, as the harness's precision names.
+#: The torch test's mixed-precision configs by the names its test ids use, as the harness's precision names.
 MP_CONFIGS: dict[str, PrecisionName] = {
     "mp_fp16": "fp16",
     "mp_only_reduce": "reduce_only",
@@ -71,12 +71,12 @@ def strategy(api: FSDPApi, name: str) -> Any:
 
 
 def make_mp(api: FSDPApi, name: str) -> Any:
-    """The ``MixedPrecision`` of the seed's config ``name`` (``MP_CONFIGS``)."""
+    """The ``MixedPrecision`` of the torch test's config ``name`` (``MP_CONFIGS``)."""
     return fsdp1_mixed_precision(api, PRECISIONS[MP_CONFIGS[name]])
 
 
 def device_kwargs(ctx: RankContext) -> dict[str, Any]:
-    """``device_id`` on GPUs, as the seed passes it; on CPU ``FSDPApi.wrap`` adds what the engine needs."""
+    """``device_id`` on GPUs, as the torch test passes it; on CPU ``FSDPApi.wrap`` adds what the engine needs."""
     return {"device_id": ctx.device} if ctx.device.type == "cuda" else {}
 
 

@@ -53,7 +53,7 @@ from harness.ranks.rank import rank_device
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
 __all__ = ["rank_checks", "test_check",
-           "test_hyperparam_subtests_are_the_seeds_product_and_smoke_shows_every_value"]
+           "test_hyperparam_subtests_are_the_torch_tests_product_and_smoke_shows_every_value"]
 
 
 def _orig_and_flat_models(api: FSDPApi, strategy: Any, offload: bool):
@@ -397,7 +397,7 @@ CHECKS: list[Callable[[FSDPApi, int, int], None]] = [
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
-def test_hyperparam_subtests_are_the_seeds_product_and_smoke_shows_every_value(device: str, offload: bool) -> None:
+def test_hyperparam_subtests_are_the_torch_tests_product_and_smoke_shows_every_value(device: str, offload: bool) -> None:
     smoke, every = hyperparam_subtests(offload, device, smoke=True), hyperparam_subtests(offload, device, smoke=False)
     after = device == "cuda" and not offload
     assert len(every) == 144 * (2 if after else 1) and len(smoke) == 6 and all(sub in every for sub in smoke)

@@ -96,11 +96,11 @@ def _key_bias_bound(ddp_bias: torch.Tensor, fsdp_bias: torch.Tensor, bound: floa
 
 
 #: the ported test's training iterations per parity subtest (its ``_check_train_parity`` and test_fsdp_compile).
-SEED_ITERS = 10
+TORCH_TEST_ITERS = 10
 
 
 def _train_parity(api: FSDPApi, ddp: DDP, ddp_opt, fsdp: nn.Module, fsdp_opt, set_to_none: bool,
-                  iters: int = SEED_ITERS) -> None:
+                  iters: int = TORCH_TEST_ITERS) -> None:
     adam = isinstance(ddp_opt, torch.optim.Adam | torch.optim.AdamW)
     rank = dist.get_rank()
     for i in range(iters):
@@ -295,4 +295,4 @@ def check_fsdp_compile(api: FSDPApi, rank: int, world_size: int) -> None:
 def check_fsdp_compile_every_subtest(api: FSDPApi, rank: int, world_size: int) -> None:
     """The ported test_fsdp_compile: every strategy x Dynamo's ``skip_fsdp_guards``, 10 iterations each."""
     for strategy, skip_guards in itertools.product(_strategies(api), (True, False)):
-        _compiled_parity(api, strategy, iters=SEED_ITERS, skip_fsdp_guards=skip_guards)
+        _compiled_parity(api, strategy, iters=TORCH_TEST_ITERS, skip_fsdp_guards=skip_guards)

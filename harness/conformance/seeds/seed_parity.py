@@ -31,7 +31,7 @@ from harness.pytest_plugin.cases import ParityOptions
 
 #: what a collector of these tests imports (the suite of the same name): fixtures, then the tests in
 #: the order they run, then the marks.
-__all__ = ["test_seed_parity", "test_the_subtests_are_the_seeds_product_and_smoke_shows_every_value",
+__all__ = ["test_seed_parity", "test_the_subtests_are_the_torch_tests_product_and_smoke_shows_every_value",
            "test_the_moe_offload_expectation_covers_torch_fsdp1_on_cuda_only", "test_no_sync_parity"]
 
 
@@ -46,7 +46,7 @@ def init_modes(offload: bool, device: str) -> list[str]:
     return ["before", "never"] if offload else ["before", "after"]
 
 
-def seed_subtests(model: str, offload: bool, smoke: bool = False, device: str = "cpu") -> list[CaseConfig]:
+def ported_subtests(model: str, offload: bool, smoke: bool = False, device: str = "cpu") -> list[CaseConfig]:
     """The ported test's subtests against DDP: every strategy x backward prefetch x forward prefetch x
     use_orig_params x init mode (``init_modes``). ``smoke`` (the CI tier) keeps, per strategy, one backward
     prefetch with both use_orig_params values, forward prefetch alternating and the init modes taking turns:
@@ -102,11 +102,11 @@ def test_seed_parity(fsdp_api: str, check: str, parity_runner: ParityRunner, par
     model, offload = PARITY_CHECKS[check]
     device = parity_runner.device_type(CaseConfig().world_size)
     cases = [case.replace(engine=fsdp_api)
-             for case in seed_subtests(model, offload, smoke=parity_options.matrix == "smoke", device=device)]
+             for case in ported_subtests(model, offload, smoke=parity_options.matrix == "smoke", device=device)]
     if TORCH_FSDP1_MOE_OFFLOAD.covers(device, case=cases[0]):
         # A race: one run of the subtests passed once on a lightly loaded GPU, so the strict expectation
         # gets every subtest, RACE_REPEATS times, to show it.
-        cases = [case.replace(engine=fsdp_api) for case in seed_subtests(model, offload, device=device)] * RACE_REPEATS
+        cases = [case.replace(engine=fsdp_api) for case in ported_subtests(model, offload, device=device)] * RACE_REPEATS
         request.applymarker(expect_failure(TORCH_FSDP1_MOE_OFFLOAD))
     else:
         cases = [case for case in cases if not _no_shard_offload_race(case, device)]
@@ -120,8 +120,8 @@ def _no_shard_offload_race(case: CaseConfig, device: str) -> bool:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
-def test_the_subtests_are_the_seeds_product_and_smoke_shows_every_value(device: str, offload: bool) -> None:
-    smoke, every = seed_subtests(NESTED, offload, smoke=True, device=device), seed_subtests(NESTED, offload, device=device)
+def test_the_subtests_are_the_torch_tests_product_and_smoke_shows_every_value(device: str, offload: bool) -> None:
+    smoke, every = ported_subtests(NESTED, offload, smoke=True, device=device), ported_subtests(NESTED, offload, device=device)
     modes = init_modes(offload, device)
     assert len(every) == 36 * len(modes) == len(set(every)), "strategy x bwd x fwd x orig x init mode, each once"
     assert len(smoke) == 6 and set(smoke) <= set(every)
@@ -138,7 +138,7 @@ def test_the_moe_offload_expectation_covers_torch_fsdp1_on_cuda_only() -> None:
     """The strict expectation applies to torch FSDP1's offload subtests of the mixture of experts on CUDA
     ranks, and to nothing our engine runs, on CPU ranks or without offload."""
     for check, (model, offload) in PARITY_CHECKS.items():
-        for case in seed_subtests(model, offload, device="cuda"):
+        for case in ported_subtests(model, offload, device="cuda"):
             for engine, device in itertools.product(("torch-fsdp", "builtin"), ("cuda", "cpu")):
                 expected = engine == "torch-fsdp" and device == "cuda" and check == "check_parity_mixture_of_experts_offload"
                 assert TORCH_FSDP1_MOE_OFFLOAD.applies(case.replace(engine=engine), device) == expected, (check, engine, device)

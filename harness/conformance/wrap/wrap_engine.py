@@ -1,12 +1,12 @@
-"""The seed's ``test_wrap.py`` training behaviours, as conformance tests run against every engine with
+"""Torch's ``test_wrap.py`` training behaviours, as conformance tests run against every engine with
 torch FSDP1's API (``fsdp_api``: our engine ``builtin`` and torch FSDP1 ``torch-fsdp``; ``--engine``
 restricts them).
 
 The structure tests (units built in this process on a process-group double) run against the same
 engines in ``harness.conformance.seeds.fsdp_wrap``. Here the main wrap API, the auto-wrap smoke test and a
 mixed-precision run with batch norm train in rank processes (:mod:`harness.conformance.wrap.wrap_jobs`, which load the engine
-by name on the rank): on two gloo CPU ranks (one for the smoke test, the seed's world-size-1 group)
-and, where there are GPUs, on NCCL with the seed's CUDA init modes and ``device_id``. Both engines
+by name on the rank): on two gloo CPU ranks (one for the smoke test, the torch test's world-size-1 group)
+and, where there are GPUs, on NCCL with the torch test's CUDA init modes and ``device_id``. Both engines
 share the pools below (module-scoped; each job loads its engine by name on the rank).
 
 Skips (decided here, in the test process, before any rank starts a collective, so every rank agrees):
@@ -16,7 +16,7 @@ Skips (decided here, in the test process, before any rank starts a collective, s
   post-backward callback synchronizes the compute device's current stream, which ``torch.cpu.Stream``
   cannot (``AttributeError: 'Stream' object has no attribute 'synchronize'``). Our engine offloads on
   the CPU tier; on GPUs both engines offload.
-- CPU offload with the module moved to CUDA after wrapping, on both engines, as the seed does (FSDP1
+- CPU offload with the module moved to CUDA after wrapping, on both engines, as the torch test does (FSDP1
   requires offloaded flat parameters to stay on the CPU).
 """
 
@@ -51,7 +51,7 @@ GPU_WORLD = 2
 
 
 cpu_pair = rank_pool_fixture(2, "cpu", timeout_s=120.0, doc="Two gloo ranks on CPU, started once for the module.")
-cpu_single = rank_pool_fixture(1, "cpu", timeout_s=120.0, doc="One gloo rank on CPU: the seed's world-size-1 default group.")
+cpu_single = rank_pool_fixture(1, "cpu", timeout_s=120.0, doc="One gloo rank on CPU: the torch test's world-size-1 default group.")
 gpu_pair = rank_pool_fixture(GPU_WORLD, "cuda", timeout_s=120.0, doc="Two ranks on this worker's GPUs (one each, or sharing one).")
 gpu_single = rank_pool_fixture(1, "cuda", timeout_s=120.0, doc="One rank on this worker's first GPU.")
 
@@ -70,7 +70,7 @@ def _pool_for(request: pytest.FixtureRequest, init_mode: str, world: int) -> Ran
 
 #: why each engine skips CPU offload where it does (see the module docstring).
 CUDA_AFTER_OFFLOAD = (
-    "CPU offload with the model moved to CUDA after wrapping is unsupported (the seed skips it: FSDP1 requires "
+    "CPU offload with the model moved to CUDA after wrapping is unsupported (the torch test skips it: FSDP1 requires "
     "offloaded flat parameters to stay on the CPU)"
 )
 TORCH_CPU_OFFLOAD = (
@@ -134,7 +134,7 @@ def test_main_wrap_api(
 def test_auto_wrap_smoke_test(
     request: pytest.FixtureRequest, api: FSDPApi, init_mode: str, use_device_id: bool, offload_params: bool
 ) -> None:
-    """Size-based auto wrap on a one-rank group: the seed's layout, then a forward and backward."""
+    """Size-based auto wrap on a one-rank group: the torch test's layout, then a forward and backward."""
     _require_offload_supported(api, offload_params, init_mode)
     pool = _pool_for(request, init_mode, world=1)
     cfg = {"engine": api.name, "init_mode": init_mode, "use_device_id": use_device_id, "offload_params": offload_params}

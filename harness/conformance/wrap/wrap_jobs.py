@@ -6,7 +6,7 @@ Module-level functions ``job(ctx, payload)`` (pickled by name). The payload name
 the same user code on every engine. Each job raises ``AssertionError`` naming every mismatch it found,
 and returns plain data for the parent to compare across ranks.
 
-Init modes (the seed's ``CUDAInitMode`` plus a CPU tier):
+Init modes (the torch test's ``CUDAInitMode`` plus a CPU tier):
 
 - ``cpu``: gloo ranks, the module on the CPU, ``device_id=cpu``. torch FSDP1 needs ``device_id=cpu``
   on every host: without it a CPU module's compute device is the accelerator's current device (and on
@@ -37,7 +37,7 @@ InitMode = Literal["cpu", "cuda_before", "cuda_after"]
 
 
 def units_in_graph_order(api: FSDPApi, wrapped: nn.Module) -> dict[str, nn.Module]:
-    """The modules of a wrapped :class:`FourLinears` that the seed expects to be units."""
+    """The modules of a wrapped :class:`FourLinears` that the torch test expects to be units."""
     inner = wrapped.module
     lin4 = inner.lin4
     return {
@@ -56,21 +56,21 @@ def _place(model: nn.Module, init_mode: InitMode, device: torch.device) -> nn.Mo
 
 
 def _cpu_lane(init_mode: InitMode) -> dict[str, Any]:
-    """The CPU tier names its device (see the module docstring); the CUDA modes pass what the seed passes."""
+    """The CPU tier names its device (see the module docstring); the CUDA modes pass what the torch test passes."""
     return {"device_id": torch.device("cpu")} if init_mode == "cpu" else {}
 
 
-#: how the main wrap API check trains: the case of its zoo model (six steps, as the seed), whose local
+#: how the main wrap API check trains: the case of its zoo model (six steps, as in the torch test), whose local
 #: reference says what the parameters must be after them.
 MAIN_WRAP_CASE = CaseConfig(engine="builtin", reference="local", model=FOUR_LINEARS, steps=6)
 
 
 def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> None:
-    """The seed's main wrap API: every module its own unit, then six SGD steps.
+    """The torch test's main wrap API: every module its own unit, then six SGD steps.
 
     Checks that every module is a unit carrying the root's offload and prefetch settings, then trains
     the wrapped model the case's way (``MAIN_WRAP_CASE``: units the harness cannot build, from a
-    size-based policy, under the seed's init modes) and compares its parameters with the harness's local
+    size-based policy, under the torch test's init modes) and compares its parameters with the harness's local
     reference.
     """
     api = load_api(cfg["engine"])
@@ -103,14 +103,14 @@ def main_wrap_api(ctx: RankContext, cfg: dict[str, Any]) -> None:
 
 
 def auto_wrap_smoke(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, float]:
-    """The seed's auto-wrap smoke test on a one-rank default group: structure, forward, backward."""
+    """The torch test's auto-wrap smoke test on a one-rank default group: structure, forward, backward."""
     api = load_api(cfg["engine"])
     torch.manual_seed(0)
     sequential = _place(nested_sequential(), cfg["init_mode"], ctx.device)
     reference = copy.deepcopy(sequential).to(ctx.device)
     device_kwargs = _cpu_lane(cfg["init_mode"])
     if cfg["use_device_id"]:
-        # Explicit index, as the seed passes it: FSDP1 warns on an index-less CUDA device and takes the current one.
+        # Explicit index, as the torch test passes it: FSDP1 warns on an index-less CUDA device and takes the current one.
         device_kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())}
     model = api.FSDP(
         sequential,

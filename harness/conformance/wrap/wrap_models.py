@@ -1,6 +1,6 @@
 """Models and a recording wrapper shared by the wrap suites.
 
-The models mirror the seed's (``test_wrap.py``) in structure, kept small for a 2-core CPU tier; they
+The models mirror the torch test's (``test_wrap.py``) in structure, kept small for a 2-core CPU tier; they
 have no inputs or loss (nothing trains them: only which modules become units matters), but for
 :class:`FourLinears`, which the main wrap API check trains: it is in the zoo (``wrap_four_linears``), so
 the harness's local reference says what its parameters must be. The tied
@@ -124,7 +124,7 @@ class Nested(nn.Module):
 
 
 class FourLinears(ZooModel):
-    """The seed's main-wrap-API model: three Linear(1, 1) and one nested in a submodule."""
+    """The torch test's main-wrap-API model: three Linear(1, 1) and one nested in a submodule."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -137,7 +137,7 @@ class FourLinears(ZooModel):
         return self.lin4(self.lin3(self.lin2(self.lin1(x))))
 
     def get_input(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
-        # The seed feeds ones on every rank; different batches per rank also check the averaging.
+        # The torch test feeds ones on every rank; different batches per rank also check the averaging.
         return (1.0 + torch.rand(4, 1, generator=batch_generator(seed, step, rank)),)
 
     def get_loss(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,7 @@ class FourLinears(ZooModel):
 
 #: its name in the zoo: the main wrap API check's case trains it.
 FOUR_LINEARS = "wrap_four_linears"
-register_model(FOUR_LINEARS, "the wrap suites' four 1x1 linears (the seed's main wrap API model)",
+register_model(FOUR_LINEARS, "the wrap suites' four 1x1 linears (the torch test's main wrap API model)",
                lambda seed, rank, world_size: FourLinears())
 
 

@@ -2,7 +2,7 @@
 
 The wrapper here is :class:`RecordingUnit`, which auto-wraps as the runtime's constructor does and
 records its kwargs, so these tests pin down *which* modules become units and *with what settings*.
-The seed behaviours that need real units (rank/world size from the process group, settings on
+Torch's ``test_wrap.py`` behaviours that need real units (rank/world size from the process group, settings on
 the unit objects, training steps) are in ``wrap_engine``; the property test against torch
 FSDP1's own wrapping in ``wrap_oracle``.
 """
