@@ -6,7 +6,6 @@ without it."""
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.testing import assert_close
 
 from harness.conformance.engine_models import MixtureOfExperts, NestedWrapped, SharedTransformer
