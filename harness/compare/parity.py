@@ -377,7 +377,8 @@ def _reference_with_budgets(case: CaseConfig, spec: PrecisionSpec, source: Budge
 
 def _budget_source(adapter: EngineAdapter, case: CaseConfig, model: ZooModel, world_size: int) -> tuple[PrecisionSpec, BudgetSource]:
     spec = adapter.effective_precision(case, model)
-    return spec, budget_source(spec, world_size, reorders=case.compile != "none" or case.grad_accum != "none")
+    reorders = case.compile != "none" or case.grad_accum != "none" or adapter.sums_in_own_order
+    return spec, budget_source(spec, world_size, reorders=reorders)
 
 
 def unsupported_here(adapter: EngineAdapter, case: CaseConfig, model: ZooModel, ctx: RankContext) -> str | None:

@@ -139,9 +139,10 @@ class EngineAdapter(ABC):
     strategies: tuple[str, ...] = FSDP_STRATEGIES
     #: True when the engine owns its training step (``harness.engines.owned_step``): its trainees carry ``owned``.
     owns_step: bool = False
-    #: True when the engine sums gradients in an order of its own even on CPU ranks (DeepSpeed ZeRO-3's
-    #: reduce-scatter of flat partitions): Adam's null-gradient elements are then held to its drift bound,
-    #: as on CUDA ranks (``harness.compare.tolerance``).
+    #: True when the engine computes gradients in an order of its own (DeepSpeed ZeRO-3's own linear
+    #: backward and reduce-scatter of flat partitions): its cases are budgeted as cases that reorder sums
+    #: (``harness.compare.tolerance.budget_source``), and Adam's null-gradient elements are held to its drift
+    #: bound on any rank, as on CUDA ranks (``harness.compare.tolerance``).
     sums_in_own_order: bool = False
 
     def capability_rules(self) -> tuple[Rule, ...]:
