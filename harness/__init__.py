@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 #: public name -> the module that defines it.
 PUBLIC: dict[str, str] = {
     **dict.fromkeys(("CaseConfig",), "harness.cases.case"),
-    **dict.fromkeys(("Rule",), "harness.cases.capabilities"),
+    **dict.fromkeys(("Rule", "prefixed_rule"), "harness.cases.capabilities"),
     **dict.fromkeys(("ZooModel",), "harness.cases.model_protocol"),
     **dict.fromkeys(("MODELS", "register_model", "build_model"), "harness.cases.models"),
     **dict.fromkeys(("RankContext",), "harness.ranks.rank"),
@@ -28,6 +28,8 @@ PUBLIC: dict[str, str] = {
                      "canonical_name"), "harness.engines.adapters"),
     **dict.fromkeys(("FSDP2Adapter",), "harness.engines.fsdp2_adapter"),
     **dict.fromkeys(("DeepSpeedAdapter",), "harness.engines.deepspeed_adapter"),
+    **dict.fromkeys(("MegatronFSDPAdapter",), "harness.engines.megatron_fsdp_adapter"),
+    **dict.fromkeys(("FairScaleAdapter",), "harness.engines.fairscale_adapter"),
     **dict.fromkeys(("FINDING", "OwnedStep"), "harness.engines.owned_step"),
     **dict.fromkeys(("build_optimizers",), "harness.engines.optim"),
     **dict.fromkeys(("API_KINDS", "ENTRY_POINT_GROUP", "EngineSpecError", "check_engines", "register",
@@ -37,14 +39,16 @@ PUBLIC: dict[str, str] = {
 __all__ = sorted(PUBLIC)
 
 if TYPE_CHECKING:
-    from harness.cases.capabilities import Rule
+    from harness.cases.capabilities import Rule, prefixed_rule
     from harness.cases.case import CaseConfig
     from harness.cases.model_protocol import ZooModel
     from harness.cases.models import MODELS, build_model, register_model
     from harness.engines.adapters import (EngineAdapter, EngineFacts, EngineTrainee, EngineUtilities, FSDP1Adapter,
                                           ParamSlice, canonical_name)
     from harness.engines.deepspeed_adapter import DeepSpeedAdapter
+    from harness.engines.fairscale_adapter import FairScaleAdapter
     from harness.engines.fsdp2_adapter import FSDP2Adapter
+    from harness.engines.megatron_fsdp_adapter import MegatronFSDPAdapter
     from harness.engines.optim import build_optimizers
     from harness.engines.owned_step import FINDING, OwnedStep
     from harness.engines.registry import (API_KINDS, ENTRY_POINT_GROUP, EngineSpecError, check_engines, register,
