@@ -135,20 +135,18 @@ def units_by_class_reason(model: nn.Module) -> str | None:
     exactly those modules, or the engine would shard other units than the case describes."""
     classes = tuple(unit_classes(model))
     wanted = {id(unit) for unit in model.wrap_units()}
-    picked: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, classes) and not any(_inside(module, outer) for outer in picked):
-            picked.append(module)
-    if {id(m) for m in picked} == wanted:
+    picked: set[int] = set()
+    covered: set[int] = set()
+    for module in model.modules():  # parents before their children
+        if id(module) not in covered and isinstance(module, classes):
+            picked.add(id(module))
+            covered.update(id(m) for m in module.modules())
+    if picked == wanted:
         return None
     names = ", ".join(sorted({c.__name__ for c in classes}))
     return (f"Megatron-FSDP picks units by class (fsdp_unit_modules), outermost first: the classes of this model's "
             f"units ({names}) pick {len(picked)} module(s), not its {len(wanted)} units (nested units, or units that "
             f"share a class with modules that are none)")
-
-
-def _inside(module: nn.Module, outer: nn.Module) -> bool:
-    return module is not outer and any(m is module for m in outer.modules())
 
 
 class MegatronFSDPAdapter(EngineAdapter):

@@ -6,6 +6,7 @@ matrix against DDP and the local reference over NCCL, with no failure but the de
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ BF16_HALF_INPUTS = ("FairScale 0.4.13 casts the root's inputs with .half() whate
                     "parameters meet fp16 inputs")
 
 
+@functools.cache
 def _floating_inputs(model: str) -> bool:
     inputs = build_model(model, seed=0, rank=0, world_size=2).get_input(seed=0, step=0, rank=0)
     return any(t.is_floating_point() for t in inputs)
