@@ -290,7 +290,8 @@ def _unsupported(reason: str) -> RankResult:
 
 
 def _local_observation(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> Observation:
-    return Observation.from_reference(LocalReference.for_case(case, spec, ctx.device, ctx.world_size).run(ctx.rank))
+    return Observation.from_reference(
+        LocalReference.for_case(case, spec, ctx.device, ctx.world_size, ctx.local_world_size).run(ctx.rank))
 
 
 def _budgets(
@@ -359,7 +360,7 @@ REFERENCES = ReferenceCache()
 def _reference_with_budgets(case: CaseConfig, spec: PrecisionSpec, source: BudgetSource, ctx: RankContext) -> CachedReference:
     """The case's reference and budgets: from this rank's cache when every rank has them, else computed
     (and kept). Collective: every rank calls it alike."""
-    key = reference_key(case, spec, source, ctx.device) if cacheable(case) else None
+    key = reference_key(case, spec, source, ctx.device, ctx.local_world_size) if cacheable(case) else None
     kept = REFERENCES.get(key) if key is not None else None
     if key is not None and consensus(kept is not None, ctx.device):
         REFERENCES.hits += 1

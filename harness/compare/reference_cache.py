@@ -3,8 +3,8 @@
 A case's reference (DDP or the local model), and under mixed precision or past two ranks its budgets
 (the float64 run and the cast ablations, ``harness.compare.tolerance``), depend on what is trained (model, seed,
 steps, optimizer, precision as the engine applies it, training loop, checkpoint schedule, world size,
-device), never on how the engine shards it: strategy, prefetch, offload, ``use_orig_params``, init mode,
-the engine itself and whether it is compiled. A nightly walks hundreds of engine configurations per
+device, the groups a hybrid strategy sums within), never otherwise on how the engine shards it:
+strategy, prefetch, offload, ``use_orig_params``, init mode, the engine itself and whether it is compiled. A nightly walks hundreds of engine configurations per
 trained configuration, and the reference with its budgets is most of a case's time (one float64 run and
 up to three ablated runs beside the engine's one under mixed precision), so each rank process of a pool
 keeps them, keyed by ``reference_key``.
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from harness.cases.case import CaseConfig, PrecisionSpec
 from harness.compare.compare import Observation
+from harness.engines.references import reduce_shard_size
 
 __all__ = ["CachedReference", "ReferenceCache", "cacheable", "consensus", "reference_key"]
 
@@ -54,11 +55,13 @@ def cacheable(case: CaseConfig) -> bool:
     return case.stress == "none" and "fault" not in case.extra
 
 
-def reference_key(case: CaseConfig, spec: PrecisionSpec, budget_source: str, device: torch.device) -> tuple[Any, ...]:
+def reference_key(case: CaseConfig, spec: PrecisionSpec, budget_source: str, device: torch.device,
+                  local_world_size: int | None = None) -> tuple[Any, ...]:
     """The case with its engine-only fields at their defaults, the precision the engine applies, where
-    the budgets come from (compiled and accumulated cases budget otherwise) and the ranks' device."""
+    the budgets come from (compiled and accumulated cases budget otherwise), the ranks' device, and the
+    groups a hybrid strategy sums gradients within (the one thing of the strategy a reference emulates)."""
     trained = tuple((f.name, getattr(case, f.name)) for f in dataclasses.fields(case) if f.name not in ENGINE_ONLY_FIELDS)
-    return (trained, spec, budget_source, str(device))
+    return (trained, spec, budget_source, str(device), reduce_shard_size(case, case.world_size, local_world_size))
 
 
 def consensus(hit: bool, device: torch.device) -> bool:

@@ -194,6 +194,10 @@ class DeepSpeedAdapter(EngineAdapter):
         reason = deepspeed_missing() or self.unsupported(case)
         if reason is None and model.rank_local_modules():
             reason = "DeepSpeed reduces every parameter over the data-parallel group: no rank-local modules"
+        if reason is None and self.stage == 3 and ctx.device.type == "cuda" and ctx.device.index != ctx.local_rank:
+            # zero.Init sets the device from the variable (deepspeed/runtime/zero/partition_parameters.py).
+            reason = (f"ZeRO-3 allocates on cuda:$LOCAL_RANK (cuda:{ctx.local_rank}), not the rank's {ctx.device}: "
+                      "ranks sharing a GPU cannot run it; give each rank a GPU of its own")
         return f"{self.name}: {reason}" if reason else None
 
     def build(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:

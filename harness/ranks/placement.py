@@ -43,6 +43,8 @@ __all__ = [
     "default_backend",
     "default_shard_size",
     "hybrid_shard_size",
+    "rank_device_index",
+    "rank_visible_devices",
     "gpus_shared",
     "host_facts",
     "n_gpus",
@@ -226,6 +228,27 @@ def hybrid_group_ranks(rank: int, world_size: int, shard_size: int) -> tuple[tup
         raise ValueError(f"hybrid shard_size={shard_size} must divide world_size={world_size}")
     first = rank - rank % shard_size
     return tuple(range(first, first + shard_size)), tuple(range(rank % shard_size, world_size, shard_size))
+
+
+def rank_visible_devices(devices: tuple[int, ...] | None, visible: str | None) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` a pool's ranks start with, given the pool's ``devices`` and the parent's
+    ``visible`` (None: unset): ``""`` for a CPU pool; for one distinct GPU per rank, the pool's GPUs in rank
+    order, named as the parent names them, so that rank ``r`` computes on ``cuda:r``, ``cuda:$LOCAL_RANK`` as
+    under torchrun (DeepSpeed ZeRO-3 puts parameters on ``cuda:$LOCAL_RANK`` whatever device it was given);
+    None (the parent's) where ranks share GPUs."""
+    if devices is None:
+        return ""
+    if len(set(devices)) != len(devices):
+        return None
+    names = [v.strip() for v in visible.split(",")] if visible else None
+    if names is not None and max(devices) >= len(names):
+        raise ValueError(f"PoolConfig.devices={devices} names GPUs past CUDA_VISIBLE_DEVICES={visible!r}")
+    return ",".join(names[d] if names is not None else str(d) for d in devices)
+
+
+def rank_device_index(devices: tuple[int, ...], rank: int) -> int:
+    """The CUDA index rank ``rank`` computes on, in the devices ``rank_visible_devices`` leaves it."""
+    return rank if len(set(devices)) == len(devices) else devices[rank]
 
 
 @dataclass(frozen=True)

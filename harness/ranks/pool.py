@@ -46,7 +46,8 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from harness.cases.models import registering_modules
-from harness.ranks.placement import Backend, BackendChoice, DeviceChoice, Lane, n_gpus, place, xdist_worker
+from harness.ranks.placement import (Backend, BackendChoice, DeviceChoice, Lane, n_gpus, place, rank_visible_devices,
+                                     xdist_worker)
 from harness.ranks.rank import RankContext
 from harness.ranks.rank_process import Boot, RankError, rank_main
 from harness.ranks.stacks import describe_exit, last_line, timeout_reason
@@ -57,7 +58,7 @@ __all__ = [
     "PoolStartError",
     "RankError",
     "RankPool",
-    "gpus_hidden",
+    "gpus_for_ranks",
     "remove_stale_pool_dirs",
 ]
 
@@ -84,7 +85,7 @@ class PoolConfig:
     #: rank, ``devices`` required and distinct). ``harness.ranks.placement.place`` chooses it.
     backend: Backend = "gloo"
     #: CUDA device index of each rank (``len == world_size``; repeated where gloo ranks share a GPU); None
-    #: runs on CPU (gloo only), with the GPUs hidden from the ranks (``gpus_hidden``) so a CPU pool is
+    #: runs on CPU (gloo only), with the GPUs hidden from the ranks (``gpus_for_ranks``) so a CPU pool is
     #: the same on a GPU host as on CI.
     devices: tuple[int, ...] | None = None
     #: a case with no answer from every rank after this many seconds is a ``timeout``.
@@ -165,9 +166,10 @@ _START_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def gpus_hidden(hide: bool = True) -> Iterator[None]:
-    """Processes started inside this block see no GPU (``CUDA_VISIBLE_DEVICES=""``); the block holds the
-    process-wide start lock, so processes started from other threads meanwhile wait and see the GPUs.
+def gpus_for_ranks(devices: tuple[int, ...] | None) -> Iterator[None]:
+    """Processes started inside this block see the GPUs ``rank_visible_devices`` gives a pool of
+    ``devices`` (none for a CPU pool); the block holds the process-wide start lock, so processes started
+    from other threads meanwhile wait and see their own.
 
     A CPU pool must compute on CPU on any host: torch FSDP1 given a CPU module and no ``device_id``
     moves it to the current accelerator by itself, and every rank would take GPU 0 (and pay CUDA's
@@ -176,11 +178,12 @@ def gpus_hidden(hide: bool = True) -> Iterator[None]:
     ``start()``, so setting it around the start suffices.
     """
     with _START_LOCK:
-        if not hide:
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        value = rank_visible_devices(devices, saved)
+        if value is None:
             yield
             return
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["CUDA_VISIBLE_DEVICES"] = value
         try:
             yield
         finally:
@@ -300,7 +303,7 @@ class RankPool:
                         registering_modules())
             parent_conn, child_conn = context.Pipe()
             proc = context.Process(target=rank_main, args=(boot, child_conn), daemon=True, name=f"harness-rank{rank}")
-            with gpus_hidden(cfg.devices is None):
+            with gpus_for_ranks(cfg.devices):
                 proc.start()
             child_conn.close()
             self._procs.append(proc)

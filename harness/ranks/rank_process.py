@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.ranks.placement import xdist_worker
+from harness.ranks.placement import rank_device_index, xdist_worker
 from harness.ranks.rank import RankContext
 
 __all__ = ["Boot", "RankError", "die_with_parent", "launcher_environment", "rank_main", "serve"]
@@ -104,7 +104,7 @@ def rank_main(boot: Boot, conn: mp_connection.Connection) -> None:
     cfg = boot.config
     os.environ.update(launcher_environment(boot.rank, cfg.world_size, boot.store_host, boot.store_port))
     if cfg.devices is not None:
-        device = torch.device("cuda", cfg.devices[boot.rank])
+        device = torch.device("cuda", rank_device_index(cfg.devices, boot.rank))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -547,9 +547,13 @@ def test_a_results_file_deleted_under_the_run_is_noticed_with_exit_2(
     def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         ran.append(case.full_id)
         if len(ran) == (1 if when == "mid-run" else 3):
-            out.unlink()
             if when == "replaced":
-                out.write_text("")
+                # Atomically, as an editor's save does: a case finishing on another lane (GPU nodes run
+                # several) must never see the path missing in between.
+                (tmp_path / "other.jsonl").write_text("")
+                os.replace(tmp_path / "other.jsonl", out)
+            else:
+                out.unlink()
         return _record(case, "pass", when=time.time())
 
     monkeypatch.setattr(runner, "run_case", run_case)

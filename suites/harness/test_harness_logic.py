@@ -20,7 +20,7 @@ from harness.compare.parity import RankResult, record_from_outcome
 from harness.compare.tolerance import DEFAULT_TOLERANCES, TolerancePolicy
 from harness.compare.trace import CommEvent, movable_gathers, ops, signature, total_bytes
 from harness.engines.adapters import ParamSlice, canonical_name
-from harness.engines.references import gradient_divide_factors
+from harness.engines.references import gradient_divide_factors, reduce_shard_size, sum_over_ranks
 from harness.ranks.placement import assign_devices, default_shard_size, hybrid_group_ranks, xdist_worker
 from harness.ranks.pool import PoolOutcome, RankError
 
@@ -128,6 +128,24 @@ def test_gradient_divide_factors_split_the_world_size() -> None:
         assert pre * post == pytest.approx(ws)
     assert gradient_divide_factors(2) == (2.0, 1.0)
     assert gradient_divide_factors(8) == (4.0, 2.0)
+
+
+def test_hybrid_gradients_are_summed_within_shard_groups_then_across_replicas() -> None:
+    # bfloat16 keeps 8 significant bits: 1 + 2**-8 rounds back to 1, 1 + 2**-7 does not. Summed rank after
+    # rank the small terms vanish one by one; summed in pairs (the shard groups) they survive as 2**-7.
+    grads = [torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([2.0**-8]), torch.tensor([2.0**-8])]
+    flat = sum_over_ranks(grads, torch.bfloat16, 1.0)
+    grouped = sum_over_ranks(grads, torch.bfloat16, 1.0, shard_size=2)
+    assert flat.item() == 1.0 and grouped.item() == 1.0 + 2.0**-7
+    assert sum_over_ranks(grads, torch.float64, 1.0, shard_size=2).item() == 1.0 + 2.0**-7
+    assert sum_over_ranks(grads, torch.bfloat16, 2.0).item() == 0.5, "pre-divided before the sum"
+
+    hybrid = CaseConfig(sharding_strategy="hybrid_shard", world_size=4)
+    assert reduce_shard_size(hybrid, 4) == 2 and reduce_shard_size(hybrid.replace(sharding_strategy="hybrid_shard_zero2"), 4) == 2
+    assert reduce_shard_size(hybrid, 4, local_world_size=2) == 2, "a node of 2 GPUs is the shard group"
+    assert reduce_shard_size(hybrid, 2) is None, "one group: one sum"
+    assert reduce_shard_size(hybrid.replace(sharding_strategy="full_shard"), 4) is None
+    assert reduce_shard_size(hybrid.replace(extras=(("shard_size", 1),)), 4) == 1
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -34,6 +34,11 @@ def test_the_key_ignores_how_the_engine_shards_and_nothing_else() -> None:
              BASE.replace(grad_accum="no_sync", extras=(("micro_batches", 3),))]
     assert len({_key(c) for c in other} | {_key(BASE)}) == len(other) + 1
     assert reference_key(BASE, BASE.precision_spec, "ablation", CPU) != _key(BASE), "budgets derived otherwise"
+    # Past 2 ranks a hybrid strategy's gradients are summed within its shard groups first, as its reference does.
+    wide = BASE.replace(world_size=4)
+    hybrid = [wide.replace(sharding_strategy="hybrid_shard"), wide.replace(sharding_strategy="hybrid_shard_zero2")]
+    assert {_key(c) for c in hybrid} == {_key(hybrid[0])} != {_key(wide)}
+    assert _key(hybrid[0].replace(extras=(("shard_size", 1),))) != _key(hybrid[0])
     assert not cacheable(BASE.replace(stress="delay")) and not cacheable(BASE.replace(extras=(("fault", "perturb_grad_rank1"),)))
 
 

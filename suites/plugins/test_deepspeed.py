@@ -112,3 +112,23 @@ def test_certify_quick_shows_coverage_per_family(tmp_path: Path) -> None:
     assert cert["verdict"] == "CONFORMS", cert["coverage"]
     assert set(cert["coverage"]) == {"parity-ddp", "parity-local", "knobs"}
     assert "## Coverage" in proc.stdout and "parity-local: every declared value ran" in proc.stdout
+
+
+def test_zero3_on_a_gpu_its_local_rank_does_not_name_is_unsupported_with_the_reason() -> None:
+    """ZeRO-3 allocates on cuda:$LOCAL_RANK whatever device it is handed: a rank whose GPU is another
+    (gloo ranks sharing one GPU) is refused in one line; ranks with a GPU each compute on cuda:$LOCAL_RANK
+    (``harness.ranks.placement.rank_visible_devices``) and run it. No GPU is needed to ask."""
+    import torch
+
+    from harness.cases.models import build_model
+    from harness.engines.registry import resolve
+    from harness.ranks.rank import RankContext
+
+    case, model = CaseConfig(engine="deepspeed-zero3", use_orig_params=True), build_model("nested", seed=0, rank=1, world_size=2)
+    shared = RankContext(1, 2, 1, 2, "gloo", torch.device("cuda", 0))
+    reason = resolve("deepspeed-zero3").unsupported_reason(case, model, shared)
+    assert reason is not None and "cuda:$LOCAL_RANK (cuda:1), not the rank's cuda:0" in reason, reason
+    own = RankContext(1, 2, 1, 2, "nccl", torch.device("cuda", 1))
+    assert resolve("deepspeed-zero3").unsupported_reason(case, model, own) is None
+    assert resolve("deepspeed-zero2").unsupported_reason(case.replace(engine="deepspeed-zero2", sharding_strategy="zero2"),
+                                                         model, shared) is None, "only ZeRO-3 reads the variable"
