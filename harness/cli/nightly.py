@@ -20,7 +20,8 @@ written into the out directory as it is made; the cases run through ``harness.ru
 4. the diff against the previous nightly (the newest sibling directory holding a ``nightly.json`` whose
    name sorts before this one, or ``--previous``): ``diff.md``, ``diff.json``; and its performance ratios
    (a ratio to torch FSDP1 more than 5% worse on the same device is a regression): ``perf_diff``;
-5. ``nightly.json``: counts per verdict, cases per second, wall times, nondeterministic engines per
+5. ``nightly.json``: counts per verdict, cases per second, wall times, where the cases' time went and how busy
+   the host was (``harness.collect.breakdown``, ``harness.run.host_load``), nondeterministic engines per
    configuration, what was not run and why (rewritten after every phase; ``finished`` is set at the end,
    ``complete`` is true only when nothing was left out: every case, the fuzz campaign and the
    performance section that were asked for); ``not_run.txt`` lists the cases a time budget left out.
@@ -74,7 +75,9 @@ from harness.cli.options import (
 )
 from harness.cli.part_options import add_alias, add_part_options, part_dir, resolve_part
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
+from harness.collect.breakdown import breakdown, breakdown_table
 from harness.ranks.placement import Lane, PlacementError, host_facts, n_gpus
+from harness.run.host_load import HostSampler, host_text
 from harness.run.runner import Selection, SelectionError, select_cases, under_torchrun
 from harness.run.session import Part, RunSession, plan_local_lanes, select_part
 from harness.run.parts import PartError
@@ -268,7 +271,10 @@ class Nightly:
                 "world_sizes_skipped": self.skipped, "order": "sampled" if self.deadline is not None else "generator",
             }
             self.save()
+            gpus = {d for group in self.lanes.values() for lane in group for d in lane.devices or ()}
+            sampler = HostSampler(gpus=sorted(gpus))
             try:
+                sampler.start()
                 session.run(todo)
             except KeyboardInterrupt as exc:
                 self._stop_cases(interrupted=True)
@@ -280,6 +286,8 @@ class Nightly:
                 print(f"harness nightly: {exc}" + (f"; the records written before it are kept: free space and rerun "
                                                     f"with: {config.resume_line()}" if kept else ""), file=sys.stderr)
                 return 2
+            finally:
+                self.state["cases"]["host"] = sampler.stop()
         not_run = session.not_run
         _write_not_run(out / NOT_RUN_NAME, not_run)
         cases_wall = time.monotonic() - cases_start
@@ -289,6 +297,7 @@ class Nightly:
             not_run_reasons=dict(collections.Counter(why for _, why in not_run)),
             lane_errors=session.runner.lane_errors, wall_s=round(cases_wall, 3),
             cases_per_s=round(session.recorded / cases_wall, 3) if cases_wall > 0 else None,
+            breakdown=breakdown(session.records, session.records_s, cases_wall),
         )
         self.save()
         if not_run:
@@ -477,6 +486,8 @@ def _summary_text(state: Mapping[str, Any]) -> str:
         f"{cases['recorded']} run now in {cases.get('wall_s', 0):.1f} s "
         f"({rate if rate is not None else '-'} cases/s on {len(cases['lanes'])} pools), {cases['not_run']} not run"
     )
+    if cases.get("breakdown", {}).get("cases"):
+        lines += [breakdown_table(cases["breakdown"]), host_text(cases["host"])]
     determinism = state.get("determinism") or {}
     if determinism.get("configurations"):
         checked = sum(v["checked"] for v in determinism["configurations"].values())

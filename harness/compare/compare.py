@@ -34,6 +34,7 @@ __all__ = [
     "compare_tensors",
     "derive_budgets",
     "error_text",
+    "first_difference",
     "magnitudes",
     "measure_drift",
     "merge_drifts",
@@ -300,3 +301,21 @@ def merge_quantities(per_rank: Sequence[Sequence[Finding]]) -> tuple[list[Quanti
             if worse:
                 where[error.name] = {"rank": rank, "step": f.step}
     return list(merged.values()), where
+
+
+def first_difference(a: Observation, b: Observation) -> str:
+    """Empty when two engine runs are bitwise identical, else the first difference."""
+    if a.losses != b.losses:
+        return "losses differ"
+    if [[(p.name, p.start) for p in g] for g in a.grads] != [[(p.name, p.start) for p in g] for g in b.grads]:
+        return "the gradient pieces differ"
+    if [(p.name, p.start) for p in a.params] != [(p.name, p.start) for p in b.params]:
+        return "the parameter pieces differ"
+    for step, (x, y) in enumerate(zip(a.grads, b.grads)):
+        for p, q in zip(x, y):
+            if p.name != q.name or not torch.equal(p.value, q.value):
+                return f"grad:{p.name} differs at step {step}"
+    for p, q in zip(a.params, b.params):
+        if p.name != q.name or not torch.equal(p.value, q.value):
+            return f"param:{p.name} differs"
+    return ""

@@ -40,6 +40,7 @@ from harness.compare.compare import (
     compare_observations,
     derive_budgets,
     error_text,
+    first_difference,
     measure_drift,
     merge_drifts,
     merge_quantities,
@@ -58,6 +59,7 @@ from harness.compare.knobs import (
     check_use_orig_params,
 )
 from harness.compare.offload_probe import probe_offload_placement
+from harness.compare.phases import PhaseClock, handoff_s, slowest
 from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
 from harness.compare.resume import run_resumed
 from harness.compare.stress import Stress
@@ -93,10 +95,12 @@ FAULTS = ("skip_collective_on_rank1", "hang_in_forward_rank1", "exit_rank1", "se
 # Training (rank side; the loop itself is ``harness.compare.training``)
 
 
-def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, steps: int) -> Observation:
+def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, steps: int,
+                clock: PhaseClock | None = None) -> Observation:
     """Build and train the engine under a communication trace; a checkpoint case saves and resumes
     half-way (``harness.compare.resume``) when it trains past its checkpoint step; a stressed case delays the
-    compute stream at the race points (``harness.compare.stress``)."""
+    compute stream at the race points (``harness.compare.stress``). ``clock`` laps ``build`` once the engine
+    is built, where it is built once (a resumed run's builds are its steps')."""
     model, table = fresh_model(case, ctx)
     stress = Stress(ctx.device) if case.stress == "delay" else None
     trace = CommTrace(before_reduce=lambda: gpu_sleep(model.sleeps.before_reduce_ms, ctx.device),
@@ -117,6 +121,8 @@ def _run_engine(adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, step
                     stress.watch_no_sync(trainee.module)
                 if case.compile == "compiled":
                     trainee.module = compile_module(trainee.module, ctx.device_type)
+                if clock is not None:  # host time: kernels the build queued on CUDA finish in the steps
+                    clock.lap("build")
                 obs = train(trainee, case, ctx, steps, table, trace=trace, perturb=perturb, stress=stress)
                 if case.compile == "compiled":
                     counts = compiled_counts()
@@ -206,24 +212,6 @@ def knob_checks(
     return checks
 
 
-def _same(a: Observation, b: Observation) -> str:
-    """Empty when two engine runs are bitwise identical, else the first difference."""
-    if a.losses != b.losses:
-        return "losses differ"
-    if [[(p.name, p.start) for p in g] for g in a.grads] != [[(p.name, p.start) for p in g] for g in b.grads]:
-        return "the gradient pieces differ"
-    if [(p.name, p.start) for p in a.params] != [(p.name, p.start) for p in b.params]:
-        return "the parameter pieces differ"
-    for step, (x, y) in enumerate(zip(a.grads, b.grads)):
-        for p, q in zip(x, y):
-            if p.name != q.name or not torch.equal(p.value, q.value):
-                return f"grad:{p.name} differs at step {step}"
-    for p, q in zip(a.params, b.params):
-        if p.name != q.name or not torch.equal(p.value, q.value):
-            return f"param:{p.name} differs"
-    return ""
-
-
 def _hang_in_forward(module: torch.nn.Module, args: Any) -> None:
     while True:
         time.sleep(1.0)
@@ -283,10 +271,12 @@ class RankResult:
     stress_points: dict[str, int] = field(default_factory=dict)
     #: per quantity (``loss``, ``grad_norm``) and side (``engine``, ``reference``): this rank's value per step.
     curves: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    #: seconds per phase of this rank's job (``harness.compare.phases``).
+    phases_s: dict[str, float] = field(default_factory=dict)
 
 
-def _unsupported(reason: str) -> RankResult:
-    return RankResult("unsupported", reason)
+def _unsupported(reason: str, phases_s: dict[str, float] | None = None) -> RankResult:
+    return RankResult("unsupported", reason, phases_s=phases_s or {})
 
 
 def _local_observation(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> Observation:
@@ -420,13 +410,16 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     """The pool's job: the whole case as this rank sees it (see ``record_from_outcome``)."""
     if case.world_size != ctx.world_size:
         return _unsupported(f"case world_size={case.world_size} but the ranks are {ctx.world_size}")
+    clock = PhaseClock()
     adapter = resolve(case.engine)  # the spec travels in the case; each rank resolves it once
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
     reason = unsupported_here(adapter, case, model, ctx)
     if reason:
-        return _unsupported(reason)
+        clock.lap("setup")
+        return _unsupported(reason, clock.seconds)
     _inject_fault(case, ctx)
     spec, source = _budget_source(adapter, case, model, ctx.world_size)
+    clock.lap("setup")
     t0 = time.perf_counter()
     known = _reference_with_budgets(case, spec, source, ctx)
     reference, budgets, resolvable, notes = known.reference, known.budgets, known.resolvable, list(known.notes)
@@ -435,21 +428,25 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     if ctx.device_type == "cuda":
         torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
+    clock.lap("reference")
     t0 = time.perf_counter()
-    engine = _run_engine(adapter, case, ctx, case.steps)
+    engine = _run_engine(adapter, case, ctx, case.steps, clock)
     engine_s = time.perf_counter() - t0
+    clock.lap("steps")
     peak = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device_type == "cuda" else 0
 
     policy = _null_gradient_policy(TolerancePolicy.for_precision(spec, budgets, source), case, model, reference, ctx,
                                    adapter.sums_in_own_order)
     findings = compare_observations(engine, reference, policy)
     checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
+    clock.lap("compare")
 
     deterministic: bool | None = None
     nondeterminism = ""
     if case.check_determinism:
-        nondeterminism = _same(engine, _run_engine(adapter, case, ctx, case.steps))
+        nondeterminism = first_difference(engine, _run_engine(adapter, case, ctx, case.steps))
         deterministic = not nondeterminism
+        clock.lap("determinism")
 
     training = [e for e in engine.events if e.phase in ("forward", "backward", "step")]
     return RankResult(
@@ -472,6 +469,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
             "loss": {"engine": engine.losses, "reference": reference.losses},
             "grad_norm": {"engine": engine.grad_norms, "reference": reference.grad_norms},
         },
+        phases_s=clock.seconds,
     )
 
 
@@ -531,9 +529,11 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
         return CaseRecord(verdict=outcome.status, reason=outcome.reason, detail=detail, **base)
 
     values: list[RankResult] = list(outcome.values)
+    phases = [v.phases_s for v in values]
+    timing = {"phases_s": slowest(phases), "handoff_s": handoff_s(outcome.wall_s, phases)}
     unsupported = [v for v in values if v.status == "unsupported"]
     if unsupported:
-        return CaseRecord(verdict="unsupported", reason=unsupported[0].reason, **base)
+        return CaseRecord(verdict="unsupported", reason=unsupported[0].reason, detail=timing, **base)
 
     errors, where = merge_quantities([v.findings for v in values])
     rank_order = {"ignored": 2, "ok": 1, "n/a": 0}
@@ -585,6 +585,7 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
             "worst_at": {name: where[name] for name in (e.name for e in failing[:10])},
             "engine_s": [v.engine_s for v in values],
             "reference_s": [v.reference_s for v in values],
+            **timing,
             "collectives": values[0].collectives,
             "budget_source": values[0].budget_source,
             "resolvable": values[0].resolvable,

@@ -13,6 +13,7 @@ import collections
 from collections.abc import Sequence
 
 from harness.cases.records import FAILING, CaseRecord
+from harness.compare.phases import add_phases
 
 __all__ = ["decide", "merge_runs", "needs_rerun", "outcome_text"]
 
@@ -55,6 +56,12 @@ def merge_runs(runs: Sequence[CaseRecord]) -> CaseRecord:
     if verdict == "flaky":
         reason = f"runs disagree ({outcome_text(counts)}); first {body.verdict}: {body.reason}".rstrip(": ")
     detail = {**body.detail, "runs": [{"verdict": r.verdict, "reason": r.reason, "wall_s": r.wall_s} for r in runs]}
+    measured = [r.detail for r in runs if "phases_s" in r.detail]
+    if measured:
+        # ``wall_s`` is every run's, so the phases and the hand-off are too (a run without them, a timeout, stays
+        # outside them: ``harness.collect.breakdown`` counts it unmeasured).
+        detail["phases_s"] = add_phases([d["phases_s"] for d in measured])
+        detail["handoff_s"] = sum(float(d.get("handoff_s", 0.0)) for d in measured)
     return CaseRecord(
         case=body.case, case_id=body.case_id, verdict=verdict, reason=reason, run=body.run, time=body.time,  # type: ignore[arg-type]
         errors=body.errors, deterministic=body.deterministic, wall_s=sum(r.wall_s for r in runs),

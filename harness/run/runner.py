@@ -403,6 +403,8 @@ class CaseRunner:
         self.stop = threading.Event()
         #: cases launched and recorded by this runner.
         self.recorded = 0
+        #: seconds spent writing records (each durable before the next: ``ResultWriter.append``'s fsync).
+        self.records_s = 0.0
         #: one line per pool that could not (re)start or whose thread failed.
         self.lane_errors: list[str] = []
         #: the results file could not be written: every lane stops and ``run`` raises this.
@@ -494,7 +496,9 @@ class CaseRunner:
                         if self.stop.is_set():
                             return
                         try:
+                            t0 = time.perf_counter()
                             self.writer.append(record)
+                            self.records_s += time.perf_counter() - t0
                         except OSError as exc:
                             # Losing results silently is worse than stopping: every lane stops.
                             self.write_error = exc

@@ -255,3 +255,8 @@ class RunSession:
     def recorded(self) -> int:
         """Cases this session ran and recorded."""
         return self.runner.recorded if self.runner is not None else 0
+
+    @property
+    def records_s(self) -> float:
+        """Seconds this session's lanes spent writing records (``harness.collect.breakdown``'s ``records``)."""
+        return self.runner.records_s if self.runner is not None else 0.0

@@ -64,7 +64,7 @@ def _quantities(pool: RankPool, case: CaseConfig) -> dict[str, Any]:
     record = record_from_outcome(case, pool.run(run_case_on_rank, case))
     assert record.errors, f"{case.full_id}: {record.verdict} {record.reason}: nothing compared"
     return {"verdict": record.verdict, "errors": [(e.name, e.max_abs, e.max_rel, e.atol, e.ratio) for e in record.errors],
-            "detail": {k: v for k, v in record.detail.items() if k not in ("engine_s", "reference_s", "runs")}}
+            "detail": {k: v for k, v in record.detail.items() if k not in ("engine_s", "reference_s", "phases_s", "handoff_s", "runs")}}
 
 
 @pytest.mark.parametrize("first", [BASE.replace(reference="ddp"), BASE.replace(precision="bf16")], ids=lambda c: c.case_id)

@@ -19,7 +19,9 @@ from harness.cases.case import CaseConfig
 from harness.cases.records import CaseRecord, RunInfo, parse_not_run
 from harness.cli import main
 from harness.cli.fuzz import report_reserve
+from harness.collect.breakdown import ROWS
 from harness.collect.collector import ResultWriter, read_records
+from harness.compare.phases import PHASES
 from harness.pytest_plugin import needs_gpus
 from harness.ranks.placement import n_gpus
 from harness.run.runner import Selection, select_cases
@@ -107,6 +109,14 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     assert "examples/s" in (out / "fuzz.txt").read_text()
     assert "nightly" in done.stdout and "regression" in done.stdout and "cases/s" in done.stdout
     assert state["cases"]["cases_per_s"] > 0 and state["cases"]["order"] == "generator"
+    # Where the cases' time went (issue 39): every phase of every case, none beyond the case's round trip but
+    # for the ranks' skew (each phase is its slowest rank's, so a skew between ranks counts in two phases).
+    breakdown = state["cases"]["breakdown"]
+    assert breakdown["cases"] == len(records) and list(breakdown["rows"]) == list(ROWS)
+    for record in records:
+        assert list(record.detail["phases_s"]) == list(PHASES) and record.detail["handoff_s"] >= 0
+        assert sum(record.detail["phases_s"].values()) <= record.wall_s * 1.05 + 0.05, (record.case_id, record.detail)
+    assert state["cases"]["host"]["samples"] >= 1 and "handoff" in done.stdout and "host (" in done.stdout
     # The determinism sample: one case per engine and strategy checked, none nondeterministic.
     strategies = {c.sharding_strategy for c in _tiny_cases() if not c.cpu_offload}
     assert set(state["determinism"]["configurations"]) >= {f"torch-fsdp/{s}" for s in strategies}

@@ -1,0 +1,66 @@
+"""Where a case's time goes on its ranks: seconds per phase of ``harness.compare.parity.run_case_on_rank``.
+
+A rank's ``PhaseClock`` is lapped at the end of each phase, so the phases tile the rank's job from its
+first step to its last with nothing counted twice:
+
+- ``setup``: resolve the adapter, build the model, the unsupported check, the budget source, fault injection;
+- ``reference``: the reference and its budgets, from the rank's cache or computed (on CUDA, until the
+  device has drained its queue, which the engine's timing waits for anyway);
+- ``build``: the engine's construction, ``torch.compile``'s wrapping included;
+- ``steps``: training under the communication trace (a checkpointed case that resumes half-way counts its
+  builds here: ``harness.compare.resume`` builds, saves, rebuilds and loads between its steps);
+- ``compare``: the tolerance policy, ``compare_observations`` and the knob checks (which rerun a short
+  prefetch baseline or an offload probe for the cases that set those knobs);
+- ``determinism``: the second run of a ``check_determinism`` case.
+
+The record keeps per phase the slowest rank's seconds (``slowest``), and ``handoff_s``: what the pool's
+round trip took beyond the busiest rank's job. Plain data, no torch: the collect stage reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+__all__ = ["PHASES", "PhaseClock", "add_phases", "handoff_s", "slowest"]
+
+#: the phases of one case on one rank, in the order they run.
+PHASES: tuple[str, ...] = ("setup", "reference", "build", "steps", "compare", "determinism")
+
+
+class PhaseClock:
+    """Laps of ``time.perf_counter``: ``lap(phase)`` adds the seconds since the previous lap (or since the clock
+    was made) to ``phase``. ``seconds`` holds every phase, those that did not run at 0."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if phase not in self.seconds:
+            raise ValueError(f"PhaseClock.lap: phase={phase!r} is not one of {list(PHASES)}")
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
+
+
+def slowest(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per phase the most seconds any rank spent in it (ranks wait for each other in collectives, so the
+    slowest rank's phase is the case's)."""
+    return {phase: max((float(r.get(phase, 0.0)) for r in per_rank), default=0.0) for phase in PHASES}
+
+
+def handoff_s(wall_s: float, per_rank: Sequence[Mapping[str, float]]) -> float:
+    """The pool's round trip (``wall_s``) less the busiest rank's phases: sending and pickling the job, the
+    answers coming back, and the wait for the slowest rank before the first phase starts.
+
+    Never negative: the round trip and the phases are read on different clocks (the parent's monotonic,
+    each rank's perf_counter) with a few microseconds of rounding between them, and a case whose whole
+    time is its phases has a hand-off of 0, not of minus that rounding."""
+    busiest = max((sum(float(v) for v in r.values()) for r in per_rank), default=0.0)
+    return max(wall_s - busiest, 0.0)
+
+
+def add_phases(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per phase the seconds of several runs of one case together (a repeated case's record)."""
+    return {phase: sum(float(r.get(phase, 0.0)) for r in runs) for phase in PHASES}
