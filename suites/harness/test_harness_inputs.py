@@ -138,9 +138,8 @@ def test_an_unknown_name_is_refused_by_its_option(
 
 
 @pytest.mark.parametrize("command", ["run", "list", "nightly"])
-def test_a_filter_matching_nothing_exits_2_naming_it(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
-) -> None:
+def test_a_filter_matching_nothing_exits_2_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                     command: str) -> None:
     out = tmp_path / ("n" if command == "nightly" else "r.jsonl")
     extra = ["--out", str(out), "--no-progress"] if command != "list" else []
     err = _usage_error(capsys, command, "--matrix", "smoke", "--filter", "no-such-case", *extra)
@@ -547,9 +546,7 @@ def test_a_results_file_deleted_under_the_run_is_noticed_with_exit_2(
     def run_case(pool: Any, case: CaseConfig, timeout_s: float | None = None) -> CaseRecord:
         ran.append(case.full_id)
         if len(ran) == (1 if when == "mid-run" else 3):
-            if when == "replaced":
-                # Atomically, as an editor's save does: a case finishing on another lane (GPU nodes run
-                # several) must never see the path missing in between.
+            if when == "replaced":  # atomically, as editors save: another lane (GPU nodes) never sees no file
                 (tmp_path / "other.jsonl").write_text("")
                 os.replace(tmp_path / "other.jsonl", out)
             else:
