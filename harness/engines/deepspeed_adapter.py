@@ -45,7 +45,7 @@ from harness.engines.activation_checkpointing import apply_activation_checkpoint
 from harness.engines.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice, canonical_name, module_version
 from harness.engines.checkpoint import agree_loaded
 from harness.engines.optim import build_optimizers
-from harness.engines.owned_step import FINDING, NEUTRAL_FULL_FILE, OwnedStep, neutral_param_groups
+from harness.engines.owned_step import FINDING, NEUTRAL_FULL_FILE, OwnedStep, neutral_model_state, neutral_param_groups
 from harness.engines.spec_files import read_json_object
 from harness.ranks.rank import RankContext
 
@@ -322,6 +322,7 @@ class _DeepSpeedStep:
                      **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
                  for n, p in self._trainable()}
         groups = neutral_param_groups(self._inner().param_groups, [n for n, _ in self._trainable()])
+        model = neutral_model_state(self.engine.module, model, canonical_name)
         return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
     def save(self, kind: str, path: Path, ctx: RankContext) -> None:

@@ -49,7 +49,7 @@ from harness.engines.activation_checkpointing import apply_activation_checkpoint
 from harness.engines.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice, canonical_name, module_version
 from harness.engines.checkpoint import agree_loaded
 from harness.engines.optim import build_optimizers
-from harness.engines.owned_step import NEUTRAL_FULL_FILE, OwnedStep, neutral_param_groups
+from harness.engines.owned_step import NEUTRAL_FULL_FILE, OwnedStep, neutral_model_state, neutral_param_groups
 from harness.engines.spec_files import read_json_object
 from harness.ranks.rank import RankContext
 
@@ -237,7 +237,7 @@ class MegatronFSDPAdapter(EngineAdapter):
         # After fully_shard the module holds the distributed parameters, in named_parameters' order, which
         # the optimizer steps and whose gradients the post-backward sync attaches.
         dist_named = [(canonical_name(n), p) for n, p in root.module.named_parameters()]
-        owned = _MegatronStep(root, optimizer, dist_named)
+        owned = _MegatronStep(root, optimizer, dist_named, model)
         return EngineTrainee(
             root, model,
             read_grads=owned.grads,
@@ -285,10 +285,13 @@ def _write_piece(target: Any, full: torch.Tensor, where: tuple[slice, ...] | Non
 class _MegatronStep:
     """The training step, readers and full checkpoint of one MegatronFSDP module on one rank."""
 
-    def __init__(self, root: Any, optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, root: Any, optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]],
+                 model: nn.Module) -> None:
         self.root = root
         self.optimizer = optimizer
         self.named = named
+        #: the module fully_shard was given: the names of tied parameters and the buffers of the full checkpoint.
+        self.model = model
 
     def _trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named if p.requires_grad]
@@ -318,7 +321,7 @@ class _MegatronStep:
 
     def save(self, kind: str, path: Path, ctx: RankContext) -> None:
         keys, scalars = self._state_keys(ctx)
-        model = {n: _full(p, p).cpu().clone() for n, p in self.named}
+        model = neutral_model_state(self.model, {n: _full(p, p).cpu().clone() for n, p in self.named}, canonical_name)
         state = {}
         for name, p in self._trainable():
             held = self.optimizer.state.get(p, {})

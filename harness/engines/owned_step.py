@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
-__all__ = ["FINDING", "NEUTRAL_FULL_FILE", "OwnedStep", "findings", "neutral_param_groups", "owned_checkpoint_reason"]
+__all__ = ["FINDING", "NEUTRAL_FULL_FILE", "OwnedStep", "findings", "neutral_model_state", "neutral_param_groups",
+           "owned_checkpoint_reason"]
 
 #: a note starting with this is a finding: a failing case's reason names it.
 FINDING = "finding: "
@@ -52,6 +54,27 @@ class OwnedStep:
     save: Callable[[str, Path, Any], None] | None = None
     #: ``load(kind, path, rank_context, fault)``: into this freshly built engine; collective. None: none.
     load: Callable[[str, Path, Any, str], None] | None = None
+
+
+def neutral_model_state(model: nn.Module, params: dict[str, torch.Tensor],
+                        canonical: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """The neutral full checkpoint's ``model``: ``params`` (each parameter's full value once, by canonical
+    name), plus every other name a tied parameter goes by and the persistent buffers (on the CPU), as the
+    unwrapped ``model``'s ``state_dict`` names them: torch FSDP1 and our engine load a full state dict
+    strictly, and a parameters-only one missed the transformer's tied head and its buffers (Megatron-FSDP
+    saved, our engine loaded, on two GPUs). ``canonical`` maps a module path to the canonical name."""
+    state = dict(params)
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        key = canonical(name)
+        source = first.setdefault(id(param), key)
+        if key not in state and source in state:
+            state[key] = state[source]
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                state.setdefault(canonical(f"{prefix}.{name}" if prefix else name), buffer.detach().cpu().clone())
+    return state
 
 
 def findings(notes: Sequence[str]) -> list[str]:

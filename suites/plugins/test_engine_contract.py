@@ -103,3 +103,23 @@ def test_coverage_names_what_never_ran_and_makes_the_certificate_partial() -> No
     full = [{"sharding_strategy": s, "precision": p} for s in declared["sharding_strategy"] for p in declared["precision"]]
     assert verdict(True, {"parity-local": family_coverage("parity-local", full, declared)}) == "CONFORMS"
     assert coverage_lines({"parity-local": local}) == ["parity-local: never exercised sharding_strategy no_shard; precision bf16"]
+
+
+def test_the_neutral_full_state_holds_every_name_of_the_unwrapped_models_state_dict() -> None:
+    """A neutral full checkpoint saved from parameters alone missed the transformer's tied head and its
+    buffers, and our engine's strict load refused it (Megatron-FSDP saved, on two GPUs): the saved state
+    names what the unwrapped model's ``state_dict`` names, a tied name with its source's value."""
+    import torch
+
+    from harness.cases.models import build_model
+    from harness.engines.adapters import canonical_name
+    from harness.engines.owned_step import neutral_model_state
+
+    model = build_model("transformer", seed=0, rank=0, world_size=2)
+    params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    state = neutral_model_state(model, params, canonical_name)
+    expected = model.state_dict()
+    assert set(state) == set(expected) > set(params), sorted(set(expected) ^ set(state))
+    assert all(torch.equal(state[k], v.cpu()) for k, v in expected.items())
+    tied = sorted(set(expected) - set(params) - {n for n, _ in model.named_buffers()})
+    assert tied and all(any(state[t] is state[p] for p in params) for t in tied), tied
