@@ -29,7 +29,7 @@ from harness.cases.case import CaseConfig, PrecisionSpec
 from harness.compare.compare import Observation
 from harness.engines.references import reduce_shard_size
 
-__all__ = ["CachedReference", "ReferenceCache", "cacheable", "consensus", "reference_key"]
+__all__ = ["CachedReference", "ReferenceCache", "cacheable", "consensus", "reference_key", "trained_fields"]
 
 #: fields of ``CaseConfig`` that only change how the engine trains, never what its reference computes.
 ENGINE_ONLY_FIELDS = (
@@ -60,8 +60,12 @@ def reference_key(case: CaseConfig, spec: PrecisionSpec, budget_source: str, dev
     """The case with its engine-only fields at their defaults, the precision the engine applies, where
     the budgets come from (compiled and accumulated cases budget otherwise), the ranks' device, and the
     groups a hybrid strategy sums gradients within (the one thing of the strategy a reference emulates)."""
-    trained = tuple((f.name, getattr(case, f.name)) for f in dataclasses.fields(case) if f.name not in ENGINE_ONLY_FIELDS)
-    return (trained, spec, budget_source, str(device), reduce_shard_size(case, case.world_size, local_world_size))
+    return (trained_fields(case), spec, budget_source, str(device), reduce_shard_size(case, case.world_size, local_world_size))
+
+
+def trained_fields(case: CaseConfig) -> tuple[tuple[str, Any], ...]:
+    """The case's fields but ``ENGINE_ONLY_FIELDS``: what its reference trains (the runner's lanes group cases by it)."""
+    return tuple((f.name, getattr(case, f.name)) for f in dataclasses.fields(case) if f.name not in ENGINE_ONLY_FIELDS)
 
 
 def consensus(hit: bool, device: torch.device) -> bool:

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from harness.cases.case import CaseConfig
 from harness.cases.records import FAILING, CaseRecord
+from harness.compare.reference_cache import trained_fields
 from harness.ranks.placement import Lane
+from harness.run.case_queue import CaseQueue
 from harness.run.repeats import merge_runs, needs_rerun
 from harness.selection.sampling import sample_order
 
@@ -437,11 +439,13 @@ class CaseRunner:
 
     def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
         """Run ``cases`` on ``lanes``; returns the cases that were not launched."""
-        queue = collections.deque(cases)
+        # Grouped by what the references train, so each pool's reference cache is hit; a time budget
+        # keeps the (sampled) order instead (``harness.run.case_queue``).
+        queue = CaseQueue(cases, trained_fields, grouped=self.deadline is None)
         # Each lane sets its own event when it is over: a Thread.join that Ctrl-C interrupts can mark a
         # running thread stopped (CPython 3.11), and ``interrupt`` must still wait for the pools to close.
         self._done = [threading.Event() for _ in lanes]
-        threads = [threading.Thread(target=self._lane, args=(lane, queue, done), daemon=True, name=f"harness-lane{i}")
+        threads = [threading.Thread(target=self._lane, args=(i, lane, queue, done), daemon=True, name=f"harness-lane{i}")
                    for i, (lane, done) in enumerate(zip(lanes, self._done))]
         for thread in threads:
             thread.start()
@@ -450,7 +454,7 @@ class CaseRunner:
                 pass
         if self.write_error is not None:
             raise self.write_error
-        return list(queue)
+        return queue.remaining()
 
     def interrupt(self, wait_s: float = 30.0) -> None:
         """Stop every lane: no case is launched or recorded any more, the running ones end with their
@@ -464,9 +468,9 @@ class CaseRunner:
         for done in self._done:
             done.wait(max(deadline - time.monotonic(), 0))
 
-    def _lane(self, lane: Lane, queue: collections.deque[CaseConfig], done: threading.Event) -> None:
+    def _lane(self, index: int, lane: Lane, queue: CaseQueue, done: threading.Event) -> None:
         try:
-            self._run_lane(lane, queue)
+            self._run_lane(index, lane, queue)
         finally:
             done.set()
 
@@ -476,7 +480,7 @@ class CaseRunner:
         return RankPool(PoolConfig(world_size=lane.world_size, backend=lane.backend, devices=lane.devices,  # type: ignore[arg-type]
                                    case_timeout_s=self.case_timeout_s))
 
-    def _run_lane(self, lane: Lane, queue: collections.deque[CaseConfig]) -> None:
+    def _run_lane(self, index: int, lane: Lane, queue: CaseQueue) -> None:
         from harness.ranks.pool import PoolStartError
 
         case: CaseConfig | None = None
@@ -488,9 +492,11 @@ class CaseRunner:
                     self._pools.append(pool)
                 while True:
                     with self._lock:
-                        if self.stop.is_set() or self.over_budget() or not queue:
+                        if self.stop.is_set() or self.over_budget():
                             return
-                        case = queue.popleft()
+                        case = queue.take(index)
+                        if case is None:
+                            return
                     record = run_repeated(pool, case, self.repeat, self.repeat_failures)
                     with self._lock:
                         if self.stop.is_set():
@@ -508,13 +514,13 @@ class CaseRunner:
                         self.recorded += 1
                         case = None
         except PoolStartError as exc:
-            self._lane_failed(lane, case, queue, f"pool did not start: {str(exc).splitlines()[0]}")
+            self._lane_failed(index, lane, case, queue, f"pool did not start: {str(exc).splitlines()[0]}")
         except Exception as exc:  # noqa: BLE001 - a lane's failure must leave its case visible as not run
-            self._lane_failed(lane, case, queue, f"{type(exc).__name__}: {exc}")
+            self._lane_failed(index, lane, case, queue, f"{type(exc).__name__}: {exc}")
 
-    def _lane_failed(self, lane: Lane, case: CaseConfig | None, queue: collections.deque[CaseConfig], why: str) -> None:
+    def _lane_failed(self, index: int, lane: Lane, case: CaseConfig | None, queue: CaseQueue, why: str) -> None:
         with self._lock:
             if case is not None:
-                queue.appendleft(case)  # not recorded: another lane may take it, or it is listed as not run
+                queue.put_back(index, case)  # not recorded: another lane may take it, or it is listed as not run
             where = f"GPUs {list(lane.devices)}" if lane.devices else "CPU"
             self.lane_errors.append(f"world size {lane.world_size} on {where}: {why}")
