@@ -3,6 +3,7 @@ reference their pool computed last, every case is taken once, and a budgeted run
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
@@ -10,6 +11,11 @@ from harness.cases.case import CaseConfig
 from harness.compare.reference_cache import trained_fields
 from harness.run.case_queue import CaseQueue
 from harness.selection.matrix import generate
+
+
+@functools.cache
+def _full() -> list[CaseConfig]:
+    return generate("full")
 
 
 def _cases(*models: str) -> list[CaseConfig]:
@@ -32,11 +38,12 @@ def test_every_case_is_taken_once_whatever_the_lanes_interleaving() -> None:
     assert sorted(c.full_id for c in taken) == sorted(c.full_id for c in cases)
 
 
-def test_grouping_computes_each_reference_about_once_per_configuration() -> None:
+def test_each_lane_computes_each_reference_about_once_grouped_or_in_sampled_order() -> None:
     """The default full matrix on 24 lanes taking turns: a lane's cache misses once per configuration it
-    takes; in the generator's order nearly every lane takes nearly every configuration."""
-    cases = generate("full")
+    takes; in the generator's or a sampled order nearly every lane takes nearly every configuration."""
+    cases = _full()
     configurations = len({trained_fields(c) for c in cases})
+    sampled = random.Random(0).sample(cases, len(cases))
 
     def references(queue: CaseQueue) -> int:
         seen: set[tuple[int, object]] = set()
@@ -47,8 +54,20 @@ def test_grouping_computes_each_reference_about_once_per_configuration() -> None
             seen.add((lane, trained_fields(case)))
         raise AssertionError("unreachable")
 
-    ungrouped, grouped = references(CaseQueue(cases, trained_fields, grouped=False)), references(CaseQueue(cases, trained_fields))
-    assert ungrouped > 15 * configurations and grouped <= 2 * configurations + 24, (ungrouped, grouped, configurations)
+    in_order = references(CaseQueue(cases, trained_fields, grouped=False))
+    grouped = references(CaseQueue(cases, trained_fields))
+    looking_ahead = references(CaseQueue(sampled, trained_fields, grouped=False, window=8 * 24))
+    assert in_order > 15 * configurations, in_order
+    assert grouped <= 2 * configurations + 24 and looking_ahead <= 3 * configurations, (grouped, looking_ahead)
+
+
+def test_looking_ahead_takes_no_case_more_than_the_window_early() -> None:
+    cases = random.Random(1).sample(_full(), 300)
+    queue, taken = CaseQueue(cases, trained_fields, grouped=False, window=16), []
+    while (case := queue.take(len(taken) % 3)) is not None:
+        taken.append(case)
+    assert sorted(c.full_id for c in taken) == sorted(c.full_id for c in cases)
+    assert all(cases.index(case) < at + 16 for at, case in enumerate(taken))
 
 
 def test_a_budgeted_run_keeps_its_order_and_a_failed_lanes_case_goes_first() -> None:
