@@ -4,10 +4,10 @@ A case's reference (DDP or the local model), and under mixed precision or past t
 (the float64 run and the cast ablations, ``harness.compare.tolerance``), depend on what is trained (model, seed,
 steps, optimizer, precision as the engine applies it, training loop, checkpoint schedule, world size,
 device, the groups a hybrid strategy sums within), never otherwise on how the engine shards it:
-strategy, prefetch, offload, ``use_orig_params``, init mode, the engine itself and whether it is compiled. A nightly walks hundreds of engine configurations per
-trained configuration, and the reference with its budgets is most of a case's time (one float64 run and
-up to three ablated runs beside the engine's one under mixed precision), so each rank process of a pool
-keeps them, keyed by ``reference_key``.
+strategy, prefetch, offload, ``use_orig_params``, init mode, the engine itself and whether it is compiled.
+A nightly walks hundreds of engine configurations per trained configuration, and the reference with its
+budgets is most of a case's time (one float64 run and up to three ablated runs beside the engine's one
+under mixed precision), so each rank process of a pool keeps them, keyed by ``reference_key``.
 
 Cases with an injected fault or stress delays never use it: their point is what happens on the ranks.
 Every rank of a pool runs every case, so the ranks' caches hold the same keys; ``consensus`` still
@@ -60,11 +60,13 @@ def reference_key(case: CaseConfig, spec: PrecisionSpec, budget_source: str, dev
     """The case with its engine-only fields at their defaults, the precision the engine applies, where
     the budgets come from (compiled and accumulated cases budget otherwise), the ranks' device, and the
     groups a hybrid strategy sums gradients within (the one thing of the strategy a reference emulates)."""
-    return (trained_fields(case), spec, budget_source, str(device), reduce_shard_size(case, case.world_size, local_world_size))
+    shard_size = reduce_shard_size(case, case.world_size, local_world_size)
+    return (trained_fields(case), spec, budget_source, str(device), shard_size)
 
 
 def trained_fields(case: CaseConfig) -> tuple[tuple[str, Any], ...]:
-    """The case's fields but ``ENGINE_ONLY_FIELDS``: what its reference trains (the runner's lanes group cases by it)."""
+    """The case's fields but ``ENGINE_ONLY_FIELDS``: what its reference trains (the runner's lanes group
+    cases by it)."""
     return tuple((f.name, getattr(case, f.name)) for f in dataclasses.fields(case) if f.name not in ENGINE_ONLY_FIELDS)
 
 

@@ -14,9 +14,9 @@ are ``r``'s own) with ``torch.func.functional_call``: parameters cast to the com
 buffers to the buffer dtype and floating inputs to the compute dtype (what FSDP does to the root's
 inputs). Each rank's gradient is cast to the reduce dtype, divided by the pre-divide factor, summed
 over ranks, divided by the post-divide factor (FSDP1's split of ``1/world_size``) and cast to the
-full precision of the master weights (under a hybrid strategy the sum is taken as the engine takes it:
-within each shard group, rounded to the reduce dtype, then across the replicas; see ``reduce_shard_size``), which the case's optimizer (``harness.engines.optim``, the engine's
-class and hyperparameters) then updates. A
+full precision of the master weights, which the case's optimizer (``harness.engines.optim``, the engine's
+class and hyperparameters) then updates. Under a hybrid strategy the sum is taken as the engine takes it:
+within each shard group, rounded to the reduce dtype, then across the replicas (``reduce_shard_size``). A
 rank-local parameter's gradient is its own rank's, unreduced. The result equals DDP's averaged
 gradient in full precision and emulates the engine's rounding in mixed precision.
 """
@@ -85,7 +85,8 @@ def reduce_shard_size(case: CaseConfig, world_size: int, local_world_size: int |
     return size if 1 <= size < world_size and world_size % size == 0 else None
 
 
-def sum_over_ranks(grads: Sequence[torch.Tensor], reduce: torch.dtype, pre: float, shard_size: int | None = None) -> torch.Tensor:
+def sum_over_ranks(grads: Sequence[torch.Tensor], reduce: torch.dtype, pre: float,
+                   shard_size: int | None = None) -> torch.Tensor:
     """The ranks' gradients cast to ``reduce``, pre-divided and summed in rank order, each addition rounding
     to ``reduce``: within each group of ``shard_size`` consecutive ranks first, then across the groups, where
     ``shard_size`` splits the ranks (``reduce_shard_size``)."""
@@ -274,8 +275,8 @@ class LocalReference:
                 micro = [[(0.0, {n: sum(m[r][1][n] for m in micro) for n in micro[0][r][1]}) for r in range(world_size)]]
             for n, p in self.shared.items():
                 if p.requires_grad:
-                    p.grad = sum((sum_over_ranks([g[n] for _, g in per_rank], self.reduce, pre, self.shard_size) / post).to(self.full)
-                                 for per_rank in micro)
+                    p.grad = sum((sum_over_ranks([g[n] for _, g in per_rank], self.reduce, pre, self.shard_size)
+                                  / post).to(self.full) for per_rank in micro)
             for r, params in enumerate(self.local[:world_size]):
                 for n, p in params.items():
                     if p.requires_grad:
