@@ -3,7 +3,8 @@ far the engine is from the reference per quantity (pure functions over tensors; 
 
 ``compare_observations`` gives a ``Finding`` per quantity (``loss@<step>``, ``grad_norm@<step>``,
 ``grad:<name>``, ``param:<name>``), worst over the steps, under a ``harness.compare.tolerance.TolerancePolicy``;
-``derive_budgets`` measures a run's distance to float64 (the budgets the policy widens ``atol`` by);
+``derive_budgets`` measures a run's distance to float64 (the budgets the policy widens ``atol`` by),
+``derive_budgets_over`` the worst of several runs' (the emulation summed in each of its orders);
 ``merge_quantities`` folds every rank's findings into one per quantity; ``measure_drift`` and
 ``merge_drifts`` measure, under mixed precision, how far the emulating reference is from the runs a
 cast-dropping engine would compute (``harness.compare.tolerance.mixed_precision_budgets`` reads them).
@@ -33,6 +34,7 @@ __all__ = [
     "compare_observations",
     "compare_tensors",
     "derive_budgets",
+    "derive_budgets_over",
     "error_text",
     "first_difference",
     "magnitudes",
@@ -224,6 +226,15 @@ def derive_budgets(emulated: Observation, truth: Observation, factor: float = BU
     reference, or the full-precision reference itself) and float64."""
     policy = TolerancePolicy(0.0, math.inf)
     return {f.error.name: factor * f.error.max_abs for f in compare_observations(emulated, truth, policy)}
+
+
+def derive_budgets_over(runs: Sequence[Observation], truth: Observation, factor: float = BUDGET_FACTOR) -> dict[str, float]:
+    """``derive_budgets`` of the run farthest from float64 per quantity: ``runs`` are the measured run summed
+    in each of its orders (``harness.compare.tolerance.emulation_orders``), any of which an honest engine's
+    backend may take."""
+    if not runs:
+        raise ValueError("derive_budgets_over: no run to measure")
+    return worst_budgets([derive_budgets(run, truth, factor) for run in runs])
 
 
 def distances(a: Observation, b: Observation) -> dict[str, float]:

@@ -38,7 +38,7 @@ from harness.compare.compare import (
     Finding,
     Observation,
     compare_observations,
-    derive_budgets,
+    derive_budgets_over,
     error_text,
     first_difference,
     measure_drift,
@@ -64,14 +64,15 @@ from harness.compare.reference_cache import CachedReference, ReferenceCache, cac
 from harness.compare.resume import run_resumed
 from harness.compare.stress import Stress
 from harness.compare.stress import unsupported_reason as stress_unsupported_reason
-from harness.compare.tolerance import BudgetSource, TolerancePolicy, adam_drift_bound, budget_source, mixed_precision_budgets
+from harness.compare.tolerance import (BudgetSource, TolerancePolicy, adam_drift_bound, budget_source, emulation_orders,
+                                       mixed_precision_budgets)
 from harness.compare.trace import CommTrace, ops, total_bytes
 from harness.compare.training import ACCUMULATE, fresh_model, mark_phase, train
 from harness.engines.adapters import EngineAdapter, EngineFacts, has_float_buffers
 from harness.engines.checkpoint import CHECKPOINT_FAULTS, unsupported_checkpoint
 from harness.engines.optim import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, adam_lr
 from harness.engines.owned_step import findings
-from harness.engines.references import TRUTH_SPEC, LocalReference, build_ddp, cast_ablations
+from harness.engines.references import TRUTH_SPEC, LocalReference, RankOrder, build_ddp, cast_ablations
 from harness.engines.registry import resolve
 from harness.ranks.placement import hybrid_group_ranks, hybrid_shard_size
 from harness.ranks.pool import PoolOutcome
@@ -279,9 +280,9 @@ def _unsupported(reason: str, phases_s: dict[str, float] | None = None) -> RankR
     return RankResult("unsupported", reason, phases_s=phases_s or {})
 
 
-def _local_observation(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext) -> Observation:
+def _local_observation(case: CaseConfig, spec: PrecisionSpec, ctx: RankContext, order: RankOrder = "ranks") -> Observation:
     return Observation.from_reference(
-        LocalReference.for_case(case, spec, ctx.device, ctx.world_size, ctx.local_world_size).run(ctx.rank))
+        LocalReference.for_case(case, spec, ctx.device, ctx.world_size, ctx.local_world_size, order).run(ctx.rank))
 
 
 def _budgets(
@@ -293,8 +294,11 @@ def _budgets(
         return {}, {}
     truth = _local_observation(case, TRUTH_SPEC, ctx)
     if source in ("reference", "emulation"):
+        # ``reference`` is the emulation in rank order; an engine's backend may sum in any other.
+        orders = emulation_orders(ctx.world_size)[1:] if source == "emulation" else ()
+        measured = [reference] + [_local_observation(case, spec, ctx, order) for order in orders]
         everyone: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(everyone, derive_budgets(reference, truth))
+        dist.all_gather_object(everyone, derive_budgets_over(measured, truth))
         return worst_budgets(everyone), {}
     model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
     others = {"fp64": truth}

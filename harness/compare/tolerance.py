@@ -54,6 +54,19 @@ Each quantity is a ``QuantityError`` (max absolute and relative error, the toler
   check does), so the budget is ``BUDGET_FACTOR`` times the emulation's distance to float64, with the
   rtol of the lowest-precision dtype the case computes or reduces in: a scalar such as a loss can
   land on a lucky rounding in the emulation, so one rounding of the low-precision dtype is allowed.
+  The distance is the worst over the orders the emulation sums the ranks in (``emulation_orders``:
+  rank order and its reverse past ``ORDER_FREE_WORLD_SIZE`` ranks), for the reason the budget is the
+  worst over the ranks: one order can land next to float64 by chance, and the engine's order is the
+  backend's, not the emulation's. Measured (seed 0 of the bf16 transformer at 4 gloo ranks, two
+  optimizers, clipping, two micro-batches under ``no_sync``): the emulation in rank order ended
+  0.47 from float64 on ``clip_norm@3``, where the same emulation in reverse order ended 3.36, in
+  three other orders 0.25 to 3.03, and with a float32 accumulator 3.26; our engine and torch FSDP1
+  (bitwise equal) ended 3.2 away, and bitwise on the emulation that adds each chunk's ranks in gloo's
+  ring order (``k+2, k+3, k+1, k`` for chunk ``k``), so only the order set them apart. Budgeted on
+  the rank order alone that case failed 3 of seeds 0-11 (ratios 1.91, 2.79, 1.44); over both orders
+  1 (seed 2, ratio 1.21 on one gradient, where the engine, again bitwise the gloo-order emulation,
+  ended 7.2e-4 from float64 and 11 other orders 1.2e-4 to 4.2e-4): two orders sample the spread,
+  they do not bound it, and each further order costs one more run of the emulation.
 
 - Cases that sum in an order of their own at any world size (``reorders``): compiled kernels
   (``CaseConfig.compile``: decompositions, fused reductions) and accumulated micro-batches
@@ -90,6 +103,7 @@ import torch
 
 from harness.cases.case import PrecisionSpec
 from harness.cases.dtypes import dtype_of
+from harness.engines.references import RankOrder
 
 __all__ = [
     "BUDGET_FACTOR",
@@ -102,6 +116,7 @@ __all__ = [
     "ablation_budget",
     "adam_drift_bound",
     "budget_source",
+    "emulation_orders",
     "mixed_precision_budgets",
 ]
 
@@ -212,6 +227,15 @@ def budget_source(spec: PrecisionSpec, world_size: int, reorders: bool = False) 
     if dtype_of(spec.full) == torch.float64 or order_free:
         return "none"
     return "reference"
+
+
+def emulation_orders(world_size: int) -> tuple[RankOrder, ...]:
+    """The orders the emulation sums the ranks' gradients in when it measures a budget (the module docstring
+    says why more than one): past ``ORDER_FREE_WORLD_SIZE`` ranks rank order and its reverse, the two
+    directions of a ring; up to it rank order alone, as one addition commutes."""
+    if world_size < 1:
+        raise ValueError(f"emulation_orders: world_size={world_size} must be at least 1")
+    return ("ranks",) if world_size <= ORDER_FREE_WORLD_SIZE else ("ranks", "reversed")
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ For every rank ``r`` the local reference runs rank ``r``'s batch through a model
 are ``r``'s own) with ``torch.func.functional_call``: parameters cast to the compute dtype, floating
 buffers to the buffer dtype and floating inputs to the compute dtype (what FSDP does to the root's
 inputs). Each rank's gradient is cast to the reduce dtype, divided by the pre-divide factor, summed
-over ranks, divided by the post-divide factor (FSDP1's split of ``1/world_size``) and cast to the
-full precision of the master weights, which the case's optimizer (``harness.engines.optim``, the engine's
-class and hyperparameters) then updates. Under a hybrid strategy the sum is taken as the engine takes it:
-within each shard group, rounded to the reduce dtype, then across the replicas (``reduce_shard_size``). A
-rank-local parameter's gradient is its own rank's, unreduced. The result equals DDP's averaged
-gradient in full precision and emulates the engine's rounding in mixed precision.
+over ranks (in rank order, or the reverse: ``sum_over_ranks``), divided by the post-divide factor
+(FSDP1's split of ``1/world_size``) and cast to the full precision of the master weights, which the
+case's optimizer (``harness.engines.optim``, the engine's class and hyperparameters) then updates.
+Under a hybrid strategy the sum is taken as the engine takes it: within each shard group, rounded to
+the reduce dtype, then across the replicas (``reduce_shard_size``). A rank-local parameter's gradient
+is its own rank's, unreduced. The result equals DDP's averaged gradient in full precision and
+emulates the engine's rounding in mixed precision.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -39,8 +41,11 @@ from harness.engines.optim import build_optimizers, freeze, sgd
 from harness.ranks.placement import hybrid_shard_size
 from harness.ranks.rank import RankContext
 
-__all__ = ["LocalReference", "ReferenceRun", "TrainingLoop", "TRUTH_SPEC", "all_rank_batch", "build_ddp", "cast_ablations",
-           "gradient_divide_factors", "reduce_shard_size", "sum_over_ranks"]
+__all__ = ["LocalReference", "RankOrder", "ReferenceRun", "TrainingLoop", "TRUTH_SPEC", "all_rank_batch", "build_ddp",
+           "cast_ablations", "gradient_divide_factors", "reduce_shard_size", "sum_over_ranks"]
+
+#: The order the local reference adds the ranks' gradients in: rank 0 first, or the last rank first.
+RankOrder = Literal["ranks", "reversed"]
 
 
 def build_ddp(case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
@@ -86,11 +91,16 @@ def reduce_shard_size(case: CaseConfig, world_size: int, local_world_size: int |
 
 
 def sum_over_ranks(grads: Sequence[torch.Tensor], reduce: torch.dtype, pre: float,
-                   shard_size: int | None = None) -> torch.Tensor:
-    """The ranks' gradients cast to ``reduce``, pre-divided and summed in rank order, each addition rounding
-    to ``reduce``: within each group of ``shard_size`` consecutive ranks first, then across the groups, where
-    ``shard_size`` splits the ranks (``reduce_shard_size``)."""
-    parts = [g.to(reduce) / pre for g in grads]
+                   shard_size: int | None = None, order: RankOrder = "ranks") -> torch.Tensor:
+    """The ranks' gradients cast to ``reduce``, pre-divided and summed in rank order (``order="reversed"``:
+    the last rank first), each addition rounding to ``reduce``: within each group of ``shard_size``
+    consecutive ranks first, then across the groups, where ``shard_size`` splits the ranks
+    (``reduce_shard_size``). Past two ranks the order changes the rounding, and no order is the engines':
+    a backend picks its own (gloo's ring reduce-scatter at 4 ranks adds chunk ``k``'s ranks as
+    ``k+2, k+3, k+1, k``), so budgets are measured over both orders (``harness.compare.tolerance``)."""
+    if order not in ("ranks", "reversed"):
+        raise ValueError(f"sum_over_ranks: order={order!r} must be 'ranks' or 'reversed'")
+    parts = [g.to(reduce) / pre for g in (grads if order == "ranks" else list(reversed(grads)))]
     if shard_size is not None and len(parts) % shard_size == 0 and len(parts) > shard_size:
         parts = [sum(parts[first:first + shard_size]) for first in range(0, len(parts), shard_size)]
     return sum(parts)  # type: ignore[return-value]
@@ -170,6 +180,7 @@ class LocalReference:
         make_optimizers: Callable[[list[tuple[str, nn.Parameter]]], list[torch.optim.Optimizer]] | None = None,
         loop: TrainingLoop | None = None,
         shard_size: int | None = None,
+        order: RankOrder = "ranks",
     ) -> None:
         if not replicas:
             raise ValueError("LocalReference needs one model per rank (replicas is empty)")
@@ -204,6 +215,8 @@ class LocalReference:
         self.loop = loop or TrainingLoop()
         #: ``reduce_shard_size``: the groups the gradients are summed within first; None: one sum.
         self.shard_size = shard_size
+        #: the order the ranks' gradients are added in (``sum_over_ranks``).
+        self.order = order
         if self.loop.clip_max_norm is not None and self.local_names:
             raise ValueError(
                 "LocalReference: clipping with rank-local parameters gives every rank its own total norm, so the "
@@ -216,10 +229,10 @@ class LocalReference:
 
     @classmethod
     def for_case(cls, case: CaseConfig, spec: PrecisionSpec, device: torch.device, world_size: int,
-                 local_world_size: int | None = None) -> "LocalReference":
+                 local_world_size: int | None = None, order: RankOrder = "ranks") -> "LocalReference":
         """The case's zoo model, one replica per rank where the model has rank-local modules, trained with
         the case's optimizer (``harness.engines.optim``) over the case's world-size schedule, its gradients
-        summed as the case's strategy sums them on ranks of ``local_world_size`` per node."""
+        summed as the case's strategy sums them on ranks of ``local_world_size`` per node, in ``order``."""
         first = build_model(case.model, seed=case.seed, rank=0, world_size=world_size)
         if first.rank_local_modules():
             replicas = [first] + [build_model(case.model, seed=case.seed, rank=r, world_size=world_size) for r in range(1, world_size)]
@@ -234,6 +247,7 @@ class LocalReference:
             loss=first.get_loss, local_names=local_names,
             make_optimizers=lambda named: build_optimizers(case, named), schedule=case_schedule(case),
             loop=TrainingLoop.for_case(case), shard_size=reduce_shard_size(case, world_size, local_world_size),
+            order=order,
         )
 
     def _view(self, r: int) -> dict[str, nn.Parameter]:
@@ -275,7 +289,7 @@ class LocalReference:
                 micro = [[(0.0, {n: sum(m[r][1][n] for m in micro) for n in micro[0][r][1]}) for r in range(world_size)]]
             for n, p in self.shared.items():
                 if p.requires_grad:
-                    p.grad = sum((sum_over_ranks([g[n] for _, g in per_rank], self.reduce, pre, self.shard_size)
+                    p.grad = sum((sum_over_ranks([g[n] for _, g in per_rank], self.reduce, pre, self.shard_size, self.order)
                                   / post).to(self.full) for per_rank in micro)
             for r, params in enumerate(self.local[:world_size]):
                 for n, p in params.items():

@@ -148,6 +148,23 @@ def test_hybrid_gradients_are_summed_within_shard_groups_then_across_replicas() 
     assert reduce_shard_size(hybrid.replace(extras=(("shard_size", 1),)), 4) == 1
 
 
+def test_the_reversed_order_sums_the_last_rank_first() -> None:
+    # Rank after rank the two 2**-8 vanish into 1 one by one; from the last rank they first add up to 2**-7,
+    # which survives: past two ranks the order alone changes a bfloat16 sum.
+    grads = [torch.tensor([1.0]), torch.tensor([2.0**-8]), torch.tensor([2.0**-8])]
+    assert sum_over_ranks(grads, torch.bfloat16, 1.0).item() == 1.0
+    assert sum_over_ranks(grads, torch.bfloat16, 1.0, order="reversed").item() == 1.0 + 2.0**-7
+    # Reversed, the shard groups keep their ranks, (3 + 2) + (1 + 0), where ((3 + 2) + 1) + 0 loses both 2**-8.
+    four = [torch.tensor([2.0**-8]), torch.tensor([2.0**-8]), torch.tensor([1.0]), torch.tensor([0.0])]
+    assert sum_over_ranks(four, torch.bfloat16, 1.0, order="reversed").item() == 1.0
+    assert sum_over_ranks(four, torch.bfloat16, 1.0, shard_size=2, order="reversed").item() == 1.0 + 2.0**-7
+    two = [torch.tensor([1.0]), torch.tensor([2.0**-7 + 2.0**-9])]
+    backwards = sum_over_ranks(two, torch.bfloat16, 1.0, order="reversed")
+    assert torch.equal(backwards, sum_over_ranks(two, torch.bfloat16, 1.0)), "two terms commute"
+    with pytest.raises(ValueError, match="order"):
+        sum_over_ranks(grads, torch.bfloat16, 1.0, order="ring")  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------------------------------
 # merging ranks and the verdict
 

@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.cases.case import PRECISIONS
-from harness.compare.compare import Observation, assert_tensors_match, compare_observations, derive_budgets, worst_budgets
+from harness.compare.compare import (Observation, assert_tensors_match, compare_observations, derive_budgets, derive_budgets_over,
+                                     worst_budgets)
 from harness.compare.tolerance import (
     BUDGET_FACTOR,
     DEFAULT_TOLERANCES,
@@ -24,6 +25,7 @@ from harness.compare.tolerance import (
     TolerancePolicy,
     ablation_budget,
     budget_source,
+    emulation_orders,
     mixed_precision_budgets,
 )
 from harness.engines.adapters import ParamSlice
@@ -144,6 +146,38 @@ def test_the_budget_is_the_factor_times_the_reference_drift() -> None:
     truth, reference, _, d = _runs(3e-6)
     budgets = derive_budgets(reference, truth)
     assert budgets["grad:w"] == pytest.approx(BUDGET_FACTOR * float(d.abs().max()))
+
+
+def test_the_emulation_is_measured_in_both_orders_only_where_order_matters() -> None:
+    assert emulation_orders(1) == emulation_orders(ORDER_FREE_WORLD_SIZE) == ("ranks",)
+    assert all(emulation_orders(ws) == ("ranks", "reversed") for ws in (ORDER_FREE_WORLD_SIZE + 1, 4, 8, 4096))
+    with pytest.raises(ValueError, match="world_size"):
+        emulation_orders(0)
+    with pytest.raises(ValueError, match="no run"):
+        derive_budgets_over([], _observation(torch.zeros(1)))
+
+
+def _clip_run(norm: float) -> Observation:
+    return Observation(clip_norms=[norm])
+
+
+def test_an_emulation_that_lands_next_to_float64_by_chance_does_not_set_the_budget_alone() -> None:
+    """``clip_norm@3`` of the bf16 transformer at 4 gloo ranks (two optimizers, clipping, two micro-batches
+    under no_sync, seed 0), as measured on rank 0: the emulation in rank order 0.47 from float64, in reverse
+    order 3.36, the engines 3.68 from the emulation. The rank order alone failed the engines (ratio 1.49, as
+    the case did); the worst of both orders passes them, and a norm off by a factor of 2 still fails."""
+    truth, in_rank_order, reversed_order = _clip_run(35.737), _clip_run(36.209), _clip_run(35.737 - 3.358)
+    engine, doubled = _clip_run(32.532), _clip_run(2 * 32.532)
+    bf16 = PRECISIONS["bf16"]
+
+    def policy(runs: list[Observation]) -> TolerancePolicy:
+        return TolerancePolicy.for_precision(bf16, worst_budgets([derive_budgets_over(runs, truth)]), "emulation")
+
+    ratio = compare_observations(engine, in_rank_order, policy([in_rank_order]))[0].error.ratio
+    assert ratio == pytest.approx(1.49, abs=0.01)
+    assert all(_verdicts(engine, in_rank_order, policy([in_rank_order, reversed_order])).values())
+    assert not any(_verdicts(doubled, in_rank_order, policy([in_rank_order, reversed_order])).values())
+    assert derive_budgets_over([in_rank_order], truth) == derive_budgets(in_rank_order, truth)
 
 
 # ---------------------------------------------------------------------------------------------------
