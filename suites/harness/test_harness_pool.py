@@ -197,8 +197,10 @@ def test_what_a_job_started_ends_with_the_ranks_killed_or_closed() -> None:
 
 _CHILD = textwrap.dedent(
     """
-    import sys
+    import faulthandler, signal, sys
     sys.path[:0] = {paths!r}
+    # The test asks for this process's stacks with SIGUSR1 if it outlives the signal it was sent.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import harness_jobs
     from harness.ranks.pool import PoolConfig, RankPool
 
@@ -227,7 +229,13 @@ def test_ctrl_c_or_a_killed_parent_leaves_no_rank_behind(tmp_path: Path, how: st
         assert len(pids) == 2, f"child printed {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
         assert all(_alive(p) for p in pids)
         proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # where it hangs, for the failure message
+            time.sleep(2)
+            proc.kill()
+            pytest.fail(f"the parent outlived {how} by 30 s; its stacks then:\n{proc.communicate()[1][-6000:]}")
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
