@@ -70,6 +70,12 @@ STDERR_TAIL = 4000
 #: a pool's temporary directory is ``<tmp>/harness-pool-<owner pid>-<random>``.
 POOL_DIR_PREFIX = "harness-pool-"
 
+#: longest sleep of the owner's waits on its ranks. The kernel may hand a process-wide SIGINT to any
+#: thread (the TCPStore's server thread, a lane); Python's handler then only flags it for the main
+#: thread, which sees it once its wait returns: a wait as long as the case's timeout would hold Ctrl-C
+#: that long.
+WAIT_SLICE_S = 0.5
+
 
 # ---------------------------------------------------------------------------------------------------
 # Plain data
@@ -314,9 +320,9 @@ class RankPool:
             remaining = deadline - time.monotonic()
             ready = mp_connection.wait(
                 [self._conns[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
-                timeout=max(remaining, 0),
+                timeout=min(max(remaining, 0), WAIT_SLICE_S),
             )
-            if not ready:
+            if not ready and time.monotonic() >= deadline:
                 self._fail_start(f"ranks {sorted(waiting)} did not join the process group within {cfg.start_timeout_s:.0f} s")
             for r in list(waiting):
                 conn = self._conns[r]
@@ -407,7 +413,8 @@ class RankPool:
             if now >= limit:
                 break
             ready = mp_connection.wait(
-                [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending], timeout=limit - now
+                [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
+                timeout=min(limit - now, WAIT_SLICE_S),
             )
             for r in list(pending):
                 conn = self._conns[r]

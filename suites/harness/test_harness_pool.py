@@ -246,6 +246,45 @@ def test_ctrl_c_or_a_killed_parent_leaves_no_rank_behind(tmp_path: Path, how: st
             proc.wait()
 
 
+_CHILD_SIGNALLED_ELSEWHERE = textwrap.dedent(
+    """
+    import signal, sys, threading, time
+    sys.path[:0] = {paths!r}
+    import harness_jobs
+    from harness.ranks.pool import PoolConfig, RankPool
+
+    def interrupt_from_this_thread():
+        time.sleep(1.0)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    if __name__ == "__main__":
+        pool = RankPool(PoolConfig(world_size=2, case_timeout_s=600))
+        try:
+            pool.run(harness_jobs.identity, None)
+            threading.Thread(target=interrupt_from_this_thread, daemon=True).start()
+            started = time.monotonic()
+            try:
+                pool.run(harness_jobs.sleep_forever, None)
+            except KeyboardInterrupt:
+                print(f"interrupted after {{time.monotonic() - started:.1f}} s", flush=True)
+        finally:
+            pool.close()
+    """
+)
+
+
+def test_ctrl_c_that_the_kernel_hands_to_another_thread_still_stops_the_wait(tmp_path: Path) -> None:
+    # A process-wide SIGINT may be delivered to any thread that does not block it (the TCPStore's server
+    # thread, a lane): Python's handler then only flags it, and a main thread asleep in a long wait on the
+    # ranks would not see it until the case's timeout. Sent to a side thread on purpose here.
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD_SIGNALLED_ELSEWHERE.format(paths=[str(ROOT), str(Path(__file__).parent)]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0 and done.stdout.startswith("interrupted after "), done.stdout + done.stderr[-3000:]
+    assert float(done.stdout.split()[2]) < 5.0, done.stdout
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_rank_whose_owner_died_before_it_armed_the_watch_exits() -> None:
     # A spawned rank imports torch before it arms the watch; were its owner killed meanwhile, the rank
