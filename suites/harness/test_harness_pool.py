@@ -199,6 +199,9 @@ _CHILD = textwrap.dedent(
     """
     import faulthandler, signal, sys
     sys.path[:0] = {paths!r}
+    # Ctrl-C as in a terminal, whatever this process inherited: a background job of a non-interactive shell
+    # starts with SIGINT ignored, and Python then leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # The test asks for this process's stacks with SIGUSR1 if it outlives the signal it was sent.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     import harness_jobs
@@ -250,6 +253,7 @@ _CHILD_SIGNALLED_ELSEWHERE = textwrap.dedent(
     """
     import signal, sys, threading, time
     sys.path[:0] = {paths!r}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever was inherited
     import harness_jobs
     from harness.ranks.pool import PoolConfig, RankPool
 
