@@ -294,9 +294,9 @@ def _budgets(
         return {}, {}
     truth = _local_observation(case, TRUTH_SPEC, ctx)
     if source in ("reference", "emulation"):
-        # ``reference`` is the emulation in rank order; an engine's backend may sum in any other.
-        orders = emulation_orders(ctx.world_size)[1:] if source == "emulation" else ()
-        measured = [reference] + [_local_observation(case, spec, ctx, order) for order in orders]
+        # ``reference`` is the emulation in rank order (measured already); an engine's backend may sum in any other.
+        others = [o for o in emulation_orders(ctx.world_size) if o != "ranks"] if source == "emulation" else []
+        measured = [reference, *(_local_observation(case, spec, ctx, order) for order in others)]
         everyone: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(everyone, derive_budgets_over(measured, truth))
         return worst_budgets(everyone), {}
