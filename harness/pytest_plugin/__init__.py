@@ -27,7 +27,9 @@ Loaded by the root ``conftest.py``. What it adds:
 
 Under pytest-xdist every worker's pools take a disjoint block of the GPUs where there are enough, and
 share the GPUs evenly where there are more workers than blocks (``plan_pool``: with ``-n 8`` on two GPUs
-every worker's two-rank pool runs on both GPUs); the report header says which. Every worker appends its records to its own file (``worker_results_path``) and the controller
+every worker's two-rank pool runs on both GPUs); the report header says which. A job's NCCL ranks hold
+GPU slots shared by the workers (``harness.ranks.gpu_slots``), so no GPU carries more than
+``MAX_NCCL_RANKS_PER_GPU`` computing NCCL ranks at once. Every worker appends its records to its own file (``worker_results_path``) and the controller
 merges them into ``--results`` at the end of the pytest run (no ``--results``: nothing is written).
 Tests that share an expensive module-scoped set-up carry ``xdist_group`` marks; the project's
 ``addopts`` pick ``--dist loadgroup``, so such a module runs on one worker.
@@ -112,6 +114,24 @@ def pytest_configure(config: pytest.Config) -> None:
     results = ParityResults(config, options)
     config.stash[RESULTS_KEY] = results
     config.pluginmanager.register(results, "parity-results")
+    if results.is_worker:
+        # Workers place their pools independently; the slots keep their NCCL ranks from crowding a GPU
+        # ([Note: NCCL under time-slicing]).
+        from harness.ranks import gpu_slots
+
+        gpu_slots.install(gpu_slots.GpuSlots(gpu_slots.run_slots_dir(results.run_id)))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from harness.ranks import gpu_slots
+
+    results = config.stash.get(RESULTS_KEY, None)
+    if results is None:
+        return
+    if results.is_worker:
+        gpu_slots.install(None)
+    else:
+        gpu_slots.GpuSlots(gpu_slots.run_slots_dir(results.run_id)).remove()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -1,4 +1,5 @@
-"""Stage 2, ranks: where a case runs: the placement rule (``placement``), the persistent rank processes and
+"""Stage 2, ranks: where a case runs: the placement rule (``placement``), the GPU slots
+xdist workers' NCCL ranks share (``gpu_slots``), the persistent rank processes and
 their watchdog (``pool``, ``rank_process``, ``rank``, ``stacks``) and torchrun's ranks (``torchrun_watch``,
 ``torchrun_world``).
 """

@@ -46,6 +46,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from harness.cases.models import registering_modules
+from harness.ranks import gpu_slots
 from harness.ranks.placement import (Backend, BackendChoice, DeviceChoice, Lane, n_gpus, place, rank_visible_devices,
                                      xdist_worker)
 from harness.ranks.rank import RankContext
@@ -379,9 +380,19 @@ class RankPool:
     # -- jobs -----------------------------------------------------------------------------------------
 
     def run(self, fn: Callable[[RankContext, Any], Any], payload: Any, timeout_s: float | None = None) -> PoolOutcome:
-        """Run ``fn(ctx, payload)`` on every rank; ``fn`` must be a module-level function (pickled by name)."""
+        """Run ``fn(ctx, payload)`` on every rank; ``fn`` must be a module-level function (pickled by name).
+
+        Under the GPU slots of a pytest-xdist run (``harness.ranks.gpu_slots``) the job first waits for its
+        NCCL ranks' slots; its timeout counts from when it has them."""
         if not self.alive:
             self.start()
+        slots = gpu_slots.installed()
+        if slots is None:
+            return self._run(fn, payload, timeout_s)
+        with slots.hold(self.config.backend, self.config.devices):
+            return self._run(fn, payload, timeout_s)
+
+    def _run(self, fn: Callable[[RankContext, Any], Any], payload: Any, timeout_s: float | None) -> PoolOutcome:
         cfg = self.config
         ws = cfg.world_size
         timeout = cfg.case_timeout_s if timeout_s is None else timeout_s

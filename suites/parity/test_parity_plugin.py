@@ -158,6 +158,13 @@ def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_pat
     """Two xdist workers (each its own pool): pass passes, unsupported skips with the reason, a wrong
     gradient and a hang fail with their evidence; every case has one record in the merged file."""
     results = tmp_path / "out" / "results.jsonl"
+    (tmp_path / "test_slots.py").write_text(textwrap.dedent('''
+        from harness.ranks import gpu_slots
+
+
+        def test_workers_share_one_run_s_gpu_slots():
+            assert gpu_slots.installed() is not None, "an xdist worker's pools would crowd the GPUs"
+    '''))
     done = pytest_in(
         tmp_path, "-n", "2", "-v", "--engine", "torch-fsdp", "--reference", "ddp", "--case-timeout", "180",
         "--results", str(results),
@@ -171,6 +178,7 @@ def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_pat
         f"test_hang[{base}]": "FAILED",
         "test_ported_engines[torch-fsdp]": "PASSED",
         "test_gpu_only": "SKIPPED",
+        "test_workers_share_one_run_s_gpu_slots": "PASSED",
     }, done.stdout[-4000:] + done.stderr[-2000:]
     assert "unsupported: torch-fsdp: CPU offload pins host memory" in done.stdout
     assert re.search(r"fail: grad:\S+: max_abs", done.stdout), "the failing quantity is named"
