@@ -23,8 +23,9 @@ from harness.ranks.torchrun_watch import Site, lost_text
 
 ROOT = Path(__file__).resolve().parents[2]
 #: a hybrid_shard case of each FSDP1-API engine against DDP, at world size 4 (two nodes of two ranks).
+#: A case that hangs is a ``timeout`` with every rank's stack well before the test gives up on the agents.
 RUN = ["run", "--matrix", "full", "--engines", "builtin,torch-fsdp", "--references", "ddp", "--world-size", "4",
-       "--filter", ":hybrid_shard-fp32-bwd_none-nested-ws4", "--no-progress"]
+       "--filter", ":hybrid_shard-fp32-bwd_none-nested-ws4", "--case-timeout", "120", "--no-progress"]
 
 
 def _free_port() -> int:
@@ -60,6 +61,19 @@ def _stop(agents: dict[int, subprocess.Popen[str]]) -> None:
             agent.wait(timeout=30)
 
 
+def _outputs(agents: dict[int, subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """Every agent's output once all have ended; past ``timeout_s`` the agents are stopped and the test
+    fails with what they printed (a bare ``TimeoutExpired`` would lose it)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        return [agent.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0] for agent in agents.values()]
+    except subprocess.TimeoutExpired:
+        _stop(agents)
+        said = [f"--- node {node} (exit {agent.returncode}):\n{(agent.communicate()[0] or '')[-3000:]}"
+                for node, agent in agents.items()]
+        pytest.fail(f"the agents ran past {timeout_s:.0f} s:\n" + "\n".join(said))
+
+
 def _running(marker: str) -> list[str]:
     """Command lines of the live (not zombie) processes whose command line holds ``marker``."""
     found = []
@@ -78,7 +92,7 @@ def test_two_torchrun_agents_run_hybrid_cases_with_a_node_per_shard_group(tmp_pa
     out = tmp_path / "nodes.jsonl"
     agents = _agents(RUN, out)
     try:
-        outputs = [agent.communicate(timeout=240)[0] for agent in agents.values()]
+        outputs = _outputs(agents, 270)
     finally:
         _stop(agents)
     assert [a.returncode for a in agents.values()] == [0, 0], "\n".join(outputs)

@@ -224,6 +224,9 @@ def test_a_killed_nightly_keeps_its_cases_and_resumes(tmp_path: Path, capsys: py
 
 @pytest.mark.gpu
 @needs_gpus(1)
+# The nightly's subprocess may take its 600 s where the GPUs are busy with a whole tree under xdist (the 1B
+# perf section's steps share every GPU with the other workers' ranks); pytest-timeout's limit is that one.
+@pytest.mark.timeout(660)
 def test_nightly_on_the_gpus(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
     done = _nightly("--out", str(out), "--matrix", "smoke", "--engines", "torch-fsdp,builtin", "--fuzz-profile", "none",
