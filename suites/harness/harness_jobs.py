@@ -69,3 +69,16 @@ def trace_collectives(ctx: RankContext, payload: Any) -> dict[str, Any]:
         "patched_inside": patched,
         "restored": dist.all_reduce is original and dist.distributed_c10d.all_reduce is original,
     }
+
+
+def reserve_and_drop(ctx: RankContext, nbytes: int) -> int:
+    """Allocate ``nbytes`` on the rank's GPU, drop it inside a reference cycle (as an engine's state may sit),
+    and return what the caching allocator holds reserved then."""
+    holder: dict[str, Any] = {"tensor": torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)}
+    holder["self"] = holder
+    del holder
+    return torch.cuda.memory_reserved(ctx.device)
+
+
+def reserved_bytes(ctx: RankContext, payload: Any) -> int:
+    return torch.cuda.memory_reserved(ctx.device)

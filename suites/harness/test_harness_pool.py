@@ -17,11 +17,13 @@ from pathlib import Path
 
 import harness_jobs
 import pytest
+import torch
 from harness_jobs import FAULT_TIMEOUT_S, HEALTHY
 
 from harness.cases.case import CaseConfig
 from harness.compare.parity import record_from_outcome, run_case_on_rank
 from harness.ranks.pool import PoolConfig, RankPool
+from harness.ranks.rank_process import KEEP_RESERVED_BYTES, release_cached_memory
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -307,3 +309,18 @@ def test_pool_config_validates() -> None:
         PoolConfig(world_size=2, devices=(0,))
     with pytest.raises(ValueError, match="nccl"):
         PoolConfig(world_size=2, backend="nccl")
+
+
+def test_a_cpu_rank_has_no_cached_memory_to_release() -> None:
+    assert release_cached_memory(torch.device("cpu")) is False
+
+
+@pytest.mark.gpu
+def test_a_rank_returns_a_large_case_s_cached_gpu_memory_before_the_next_case(gpu_pool: RankPool) -> None:
+    """Idle ranks of long-lived pools must not keep their largest case's blocks: under xdist the GPU is
+    shared by every worker's pools, and held blocks ran the next case out of memory."""
+    big = 2 * KEEP_RESERVED_BYTES
+    during = gpu_pool.run(harness_jobs.reserve_and_drop, big)
+    assert during.status == "ok" and all(v >= big for v in during.values), during.values
+    after = gpu_pool.run(harness_jobs.reserved_bytes, None)
+    assert after.status == "ok" and all(v <= KEEP_RESERVED_BYTES for v in after.values), after.values
