@@ -9,7 +9,8 @@ each GPU; such cases took 60 to 140 s that take 4 s on 2 CPU cores, and tests ra
 The nightly caps the pools on a group of GPUs in one process (``MAX_POOLS_PER_GROUP``); across processes,
 ``RankPool.run`` holds one slot per NCCL rank on its GPU for the length of a job, at most
 ``MAX_NCCL_RANKS_PER_GPU`` slots a GPU, and a job waits for its slots before its timeout starts. Gloo ranks
-sharing a GPU do not spin on it and take no slot.
+sharing a GPU do not spin on it and take no slot. The processes a test starts (``harness run`` and the
+like, whose pools run on the same GPUs) take slots from the same directory (``SLOTS_ENV``).
 
 Slots are ``flock``-ed files in a directory of the run: the kernel releases a killed holder's lock, so
 nothing stays taken when a worker dies. GPUs are taken in ascending order, which keeps holders of
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from harness.ranks.placement import MAX_POOLS_PER_GROUP
 
-__all__ = ["GpuSlots", "MAX_NCCL_RANKS_PER_GPU", "installed", "install", "run_slots_dir", "slot_needs"]
+__all__ = ["GpuSlots", "MAX_NCCL_RANKS_PER_GPU", "SLOTS_ENV", "installed", "install", "run_slots_dir", "slot_needs"]
 
 #: NCCL ranks of one run computing on one GPU at once: the density the nightly runs its pools at.
 MAX_NCCL_RANKS_PER_GPU = MAX_POOLS_PER_GROUP
@@ -113,16 +114,29 @@ class GpuSlots:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+#: the environment variable that hands a run's slots directory to the processes a test starts (a
+#: ``harness run``, ``certify`` or ``pytest`` of its own, whose pools would otherwise crowd the GPUs unseen).
+SLOTS_ENV = "HARNESS_GPU_SLOTS_DIR"
+
 _held = threading.local()
 _installed: GpuSlots | None = None
 
 
 def install(slots: GpuSlots | None) -> None:
-    """Make ``slots`` the ones every ``RankPool`` of this process holds (None: none)."""
+    """Make ``slots`` the ones every ``RankPool`` of this process and of the processes it starts holds
+    (None: none)."""
     global _installed
     _installed = slots
+    if slots is None:
+        os.environ.pop(SLOTS_ENV, None)
+    else:
+        os.environ[SLOTS_ENV] = str(slots.directory)
 
 
 def installed() -> GpuSlots | None:
-    """The slots ``RankPool.run`` holds in this process; None outside a pytest-xdist run."""
+    """The slots ``RankPool.run`` holds in this process: those installed here, else those of the run that
+    started this process (``SLOTS_ENV``); None outside a pytest-xdist run."""
+    global _installed
+    if _installed is None and os.environ.get(SLOTS_ENV):
+        _installed = GpuSlots(Path(os.environ[SLOTS_ENV]))
     return _installed

@@ -443,7 +443,12 @@ class CaseRunner:
         return not_run, pools_failed
 
     def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
-        """Run ``cases`` on ``lanes``; returns the cases that were not launched."""
+        """Run ``cases`` on ``lanes``; returns the cases that were not launched. No more pools start than
+        there are cases: the first lanes, which the plan lists group by group so they spread over the GPUs
+        (2 cases on 16 planned pools started all 16, 32 CUDA processes, for nothing)."""
+        lanes = list(lanes)[:len(cases)]
+        if not lanes:
+            return list(cases)
         # Handed out so that each pool's reference cache is hit: grouped by what the references train, or
         # under a time budget in the (sampled) order with a lookahead (``harness.run.case_queue``).
         queue = CaseQueue(cases, trained_fields, grouped=self.deadline is None, window=LOOKAHEAD_PER_LANE * len(lanes))

@@ -122,15 +122,24 @@ class _SpySlots(GpuSlots):
 
 @pytest.fixture
 def spy_slots(tmp_path: Path) -> Iterator[_SpySlots]:
-    spy = _SpySlots(tmp_path)
+    spy, before = _SpySlots(tmp_path), gpu_slots.installed()
     gpu_slots.install(spy)
     try:
         yield spy
     finally:
-        gpu_slots.install(None)
+        gpu_slots.install(before)  # an xdist worker's own slots stay for its next tests
 
 
 def test_every_job_of_a_pool_goes_through_the_installed_slots(fault_pool: RankPool, spy_slots: _SpySlots) -> None:
     outcome = fault_pool.run(harness_jobs.identity, "x")
     assert outcome.status == "ok"
     assert spy_slots.held == [(fault_pool.config.backend, fault_pool.config.devices)]
+
+
+def test_a_process_a_test_starts_takes_its_slots_from_the_same_run(spy_slots: _SpySlots) -> None:
+    """A ``harness run`` a test starts puts its pools on the same GPUs: its jobs must take the run's slots."""
+    seen = subprocess.run(
+        [sys.executable, "-c", "from harness.ranks import gpu_slots; print(gpu_slots.installed().directory)"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.strip() == str(spy_slots.directory)

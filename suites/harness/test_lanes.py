@@ -54,3 +54,19 @@ def test_one_lane_and_two_lanes_give_bitwise_the_same_records() -> None:
     for full_id in one:
         assert one[full_id].errors, f"{full_id}: nothing compared, so nothing to check"
         assert _quantities(one[full_id]) == _quantities(two[full_id]), full_id
+
+
+def test_no_more_pools_start_than_there_are_cases() -> None:
+    cases = select_cases(Selection(matrix="smoke", engines=["builtin"], references=["ddp"], models=["nested"], steps=1),
+                         [2])[:1]
+    writer, opened = _Records(), []
+    runner = CaseRunner(writer, Progress(len(cases), enabled=False), None, case_timeout_s=240.0)
+
+    def open_pool(lane: Lane) -> Any:
+        opened.append(lane)
+        return runner._rank_pool(lane)
+
+    runner.open_pool = open_pool
+    not_run, failed = runner.run_all({2: [Lane(2, "gloo", None)] * 3}, cases)
+    assert not not_run and not failed and runner.recorded == 1, (not_run, runner.lane_errors)
+    assert len(opened) == 1, f"{len(opened)} pools started for one case"
