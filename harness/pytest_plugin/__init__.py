@@ -92,9 +92,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         group.addoption(spec.flag, help=spec.help_for("pytest"), **kw)
         for alias in spec.aliases_for("pytest"):
             group.addoption(alias, help=argparse.SUPPRESS, **kw)
+    group.addoption("--gpu-slots", type=_slots_count, default=None, metavar="N",
+                    help="under pytest-xdist: NCCL ranks of all workers computing on one GPU at once (default: "
+                         "harness.ranks.gpu_slots.MAX_NCCL_RANKS_PER_GPU; 0: no limit)")
     group.addoption("--results", default=None, metavar="FILE",
                     help="append every generated case's record to this JSON Lines file (default: none); "
                          "xdist workers write FILE's per-worker siblings, merged into FILE at the end")
+
+
+def _slots_count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of NCCL ranks per GPU (0: no limit)")
+    return int(text)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -119,7 +128,10 @@ def pytest_configure(config: pytest.Config) -> None:
         # ([Note: NCCL under time-slicing]).
         from harness.ranks import gpu_slots
 
-        gpu_slots.install(gpu_slots.GpuSlots(gpu_slots.run_slots_dir(results.run_id)))
+        per_gpu = config.getoption("gpu_slots")
+        per_gpu = gpu_slots.MAX_NCCL_RANKS_PER_GPU if per_gpu is None else per_gpu
+        if per_gpu:
+            gpu_slots.install(gpu_slots.GpuSlots(gpu_slots.run_slots_dir(results.run_id), per_gpu))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

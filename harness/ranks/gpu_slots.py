@@ -130,13 +130,17 @@ def install(slots: GpuSlots | None) -> None:
     if slots is None:
         os.environ.pop(SLOTS_ENV, None)
     else:
-        os.environ[SLOTS_ENV] = str(slots.directory)
+        os.environ[SLOTS_ENV] = f"{slots.per_gpu}:{slots.directory}"
 
 
 def installed() -> GpuSlots | None:
     """The slots ``RankPool.run`` holds in this process: those installed here, else those of the run that
-    started this process (``SLOTS_ENV``); None outside a pytest-xdist run."""
+    started this process (``SLOTS_ENV``: ``PER_GPU:DIRECTORY``); None outside a pytest-xdist run."""
     global _installed
-    if _installed is None and os.environ.get(SLOTS_ENV):
-        _installed = GpuSlots(Path(os.environ[SLOTS_ENV]))
+    given = os.environ.get(SLOTS_ENV)
+    if _installed is None and given:
+        per_gpu, _, directory = given.partition(":")
+        if not per_gpu.isdigit() or not directory:
+            raise ValueError(f"{SLOTS_ENV}={given!r}: expected PER_GPU:DIRECTORY, as harness.ranks.gpu_slots.install sets it")
+        _installed = GpuSlots(Path(directory), int(per_gpu))
     return _installed

@@ -139,7 +139,7 @@ def test_every_job_of_a_pool_goes_through_the_installed_slots(fault_pool: RankPo
 def test_a_process_a_test_starts_takes_its_slots_from_the_same_run(spy_slots: _SpySlots) -> None:
     """A ``harness run`` a test starts puts its pools on the same GPUs: its jobs must take the run's slots."""
     seen = subprocess.run(
-        [sys.executable, "-c", "from harness.ranks import gpu_slots; print(gpu_slots.installed().directory)"],
+        [sys.executable, "-c", "from harness.ranks import gpu_slots; s = gpu_slots.installed(); print(s.per_gpu, s.directory)"],
         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert seen.returncode == 0, seen.stderr
-    assert seen.stdout.strip() == str(spy_slots.directory)
+    assert seen.stdout.strip() == f"{spy_slots.per_gpu} {spy_slots.directory}"

@@ -144,6 +144,8 @@ def test_bad_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
     done = collect(pytester, "--engine=fsdp3")
     assert done.ret == pytest.ExitCode.USAGE_ERROR
     assert "--engine: engine 'fsdp3' is not registered" in done.stderr.str()
+    done = collect(pytester, "--gpu-slots", "many")
+    assert done.ret == pytest.ExitCode.USAGE_ERROR and "whole number of NCCL ranks per GPU" in done.stderr.str()
 
 
 def test_an_engine_spec_runs_the_ported_checks_and_the_cases_under_its_name(pytester: pytest.Pytester) -> None:
@@ -163,10 +165,12 @@ def test_verdicts_map_to_pytest_and_xdist_workers_record_every_case_once(tmp_pat
 
 
         def test_workers_share_one_run_s_gpu_slots():
-            assert gpu_slots.installed() is not None, "an xdist worker's pools would crowd the GPUs"
+            slots = gpu_slots.installed()
+            assert slots is not None, "an xdist worker's pools would crowd the GPUs"
+            assert slots.per_gpu == 3, "--gpu-slots"
     '''))
     done = pytest_in(
-        tmp_path, "-n", "2", "-v", "--engine", "torch-fsdp", "--reference", "ddp", "--case-timeout", "180",
+        tmp_path, "-n", "2", "-v", "--engine", "torch-fsdp", "--reference", "ddp", "--case-timeout", "180", "--gpu-slots", "3",
         "--results", str(results),
     )
     seen = outcomes(done.stdout)
