@@ -22,6 +22,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
                   + (f", {len([c for c in part.cases if c.full_id in rerun])} not passing to rerun" if args.rerun_failed else ""),
                   file=sys.stderr)
         of = f" ({part.describe()})" if part.cut else ""
-        print(f"harness run: {len(todo)} cases{of} on {lane_text(lanes)}", file=sys.stderr)
+        print(f"harness run: {len(todo)} cases{of} on {lane_text(lanes, todo)}", file=sys.stderr)
         try:
             session.run(todo)
         except ResultWriteError as exc:
@@ -195,13 +196,17 @@ def _part(args: argparse.Namespace, selection: Selection, world_sizes: list[int]
     return select_part(selection, world_sizes, part=args.part, part_costs=args.part_costs, stored=stored)
 
 
-def lane_text(lanes: dict[int, list[Any]]) -> str:
-    """``4 pool(s) of 2 ranks (nccl on GPUs [0, 1] (one per rank))``, per world size."""
+def lane_text(lanes: dict[int, list[Any]], cases: Sequence[CaseConfig]) -> str:
+    """``4 pool(s) of 2 ranks (nccl on GPUs [0, 1] (one per rank))``, per world size: the pools that will
+    start, no more than the world size's ``cases`` (``CaseRunner.run``)."""
     parts = []
     for ws, group in lanes.items():
-        where = group[0].describe({d for lane in group for d in (lane.devices or ())})
-        parts.append(f"{len(group)} pool(s) of {ws} ranks ({where})")
-    return "; ".join(parts)
+        started = group[:sum(1 for c in cases if c.world_size == ws)]
+        if not started:
+            continue
+        where = started[0].describe({d for lane in started for d in (lane.devices or ())})
+        parts.append(f"{len(started)} pool(s) of {ws} ranks ({where})")
+    return "; ".join(parts) or "no pool (nothing to run)"
 
 
 # ---------------------------------------------------------------------------------------------------

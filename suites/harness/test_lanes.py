@@ -70,3 +70,13 @@ def test_no_more_pools_start_than_there_are_cases() -> None:
     not_run, failed = runner.run_all({2: [Lane(2, "gloo", None)] * 3}, cases)
     assert not not_run and not failed and runner.recorded == 1, (not_run, runner.lane_errors)
     assert len(opened) == 1, f"{len(opened)} pools started for one case"
+
+
+def test_the_run_header_names_the_pools_that_start() -> None:
+    from harness.cli.run import lane_text
+
+    cases = select_cases(Selection(matrix="smoke", engines=["builtin"], references=["ddp"], models=["nested"], steps=1),
+                         [2])[:2]
+    lanes = {2: [Lane(2, "nccl", (2 * i % 4, 2 * i % 4 + 1)) for i in range(16)], 4: [Lane(4, "nccl", (0, 1, 2, 3))]}
+    assert lane_text(lanes, cases) == "2 pool(s) of 2 ranks (nccl on GPUs [0, 1, 2, 3] (one per rank))"
+    assert lane_text(lanes, []) == "no pool (nothing to run)"
