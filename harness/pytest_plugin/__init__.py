@@ -117,6 +117,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "parity_matrix(suite): parametrize the test's parity_case with a harness.pytest_plugin.cases.SuiteMatrix"
     )
     config.addinivalue_line(
+        "markers", "timeout(seconds): pytest-timeout's limit for the test where it is installed (the rank-check "
+        "tests carry their module's whole batch: harness.pytest_plugin.rank_checks.batch_timeout)"
+    )
+    config.addinivalue_line(
         "markers", "engine_cases: the test's CaseConfig parameters run on the engines and references they name: "
         "--engine and --reference deselect those naming others (as the generated suites leave them out)"
     )

@@ -34,7 +34,8 @@ from harness.ranks.placement import DeviceChoice
 from harness.ranks.pool import PoolOutcome
 from harness.ranks.rank import RankContext
 
-__all__ = ["CheckOutcome", "RankChecks", "api_rank_check_tests", "rank_check_tests", "rank_checks_fixture", "run_checks"]
+__all__ = ["CheckOutcome", "RankChecks", "api_rank_check_tests", "batch_timeout", "rank_check_tests", "rank_checks_fixture",
+           "run_checks"]
 
 Check = Callable[..., None]
 
@@ -144,6 +145,17 @@ class RankChecks:
         act_on(self.outcomes[check if isinstance(check, str) else check.__name__].as_test_outcome())
 
 
+def batch_timeout(n_checks: int, timeout_s: float) -> pytest.MarkDecorator:
+    """pytest-timeout's limit for a module's rank-check tests: the first one's set-up runs every check of
+    the module (the fixture), each bounded by the pool's watchdog (``timeout_s``) and the ranks' start by
+    ``PoolConfig.start_timeout_s``; a per-test ``--timeout`` below that (300 s is common) would end a
+    worker whose checks are all within their own limits (a module of use_orig_params checks took 307 s
+    on CUDA ranks of a 4-GPU host under ``-n 16``). Without pytest-timeout the mark does nothing."""
+    from harness.ranks.pool import PoolConfig
+
+    return pytest.mark.timeout(n_checks * timeout_s + PoolConfig.start_timeout_s)
+
+
 def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:
     """Keep a module's checks on one pytest-xdist worker (``--dist loadgroup``): the rank-checks fixture
     runs every check of the module, so each worker that got one of them would run them all again."""
@@ -190,6 +202,7 @@ def rank_check_tests(
     fixture = rank_checks_fixture(checks, world_size, device, timeout_s)
 
     @_one_xdist_worker(checks)
+    @batch_timeout(len(checks), timeout_s)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
     def test_check(rank_checks: RankChecks, check: Check) -> None:
         rank_checks.assert_passed(check)
@@ -260,6 +273,7 @@ def api_rank_check_tests(
              for c in [*checks, *slow_checks]]
 
     @_one_xdist_worker(checks)
+    @batch_timeout(len(every), timeout_s)
     @pytest.mark.parametrize("check", every)
     def test_check(request: pytest.FixtureRequest, rank_checks: RankChecks, check: Check) -> None:
         if check.__name__ not in rank_checks.outcomes:

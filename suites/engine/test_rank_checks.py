@@ -93,3 +93,14 @@ def test_device_option_narrows_rank_checks_and_expected_failures_are_strict(tmp_
     assert "XFAIL test_known.py::test_check[builtin-check_fails]" in out and "the engine gets this wrong" in out, out[-3000:]
     assert "FAILED test_known.py::test_check[builtin-check_passes]" in out and "XPASS(strict)" in out, out[-3000:]
     assert done.returncode == 1, out[-3000:]
+
+
+def test_each_check_test_may_take_its_module_s_whole_batch_under_pytest_timeout() -> None:
+    """The first test's set-up runs every check of the module; pytest-timeout's per-test limit must not end
+    it while each check is within the pool's own watchdog."""
+    from harness.pytest_plugin.rank_checks import rank_check_tests
+    from harness.ranks.pool import PoolConfig
+
+    _, test_check = rank_check_tests([check_all_reduce, check_fails_on_rank1], timeout_s=50.0)
+    limits = [m.args[0] for m in test_check.pytestmark if m.name == "timeout"]
+    assert limits == [2 * 50.0 + PoolConfig.start_timeout_s], test_check.pytestmark
