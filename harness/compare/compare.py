@@ -91,7 +91,9 @@ def compare_tensors(name: str, actual: torch.Tensor, expected: torch.Tensor, ato
     e = expected.detach().double().reshape(-1).cpu()
     if a.shape != e.shape:
         return QuantityError(name, math.inf, math.inf, atol, rtol, False, math.inf)
-    if a.numel() == 0:
+    if a.numel() == 0 or torch.equal(a, e):
+        # Equal elements (NaN never is) give zero everywhere below; most quantities of an honest engine are
+        # bitwise its reference's (fp32 and the casts' emulation at 2 ranks), so this is the common case.
         return QuantityError(name, 0.0, 0.0, atol, rtol, True, 0.0)
     finite = torch.isfinite(a) & torch.isfinite(e)
     same = a == e  # infinities of one sign agree; NaN never does

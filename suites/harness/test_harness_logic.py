@@ -34,6 +34,14 @@ def test_equal_tensors_have_zero_error() -> None:
     assert (e.max_abs, e.max_rel, e.ratio, e.passed) == (0.0, 0.0, 0.0, True)
 
 
+def test_bitwise_equal_tensors_short_cut_to_what_the_element_wise_path_gives() -> None:
+    """Equal tensors skip the element-wise path; signed zeros and infinities are equal there too, a NaN never."""
+    same = compare_tensors("x", torch.tensor([0.0, -0.0, float("inf"), 3.0]), torch.tensor([-0.0, 0.0, float("inf"), 3.0]), 0.0, 0.0)
+    assert (same.max_abs, same.max_rel, same.ratio, same.passed) == (0.0, 0.0, 0.0, True)
+    nan = compare_tensors("x", torch.tensor([float("nan"), 3.0]), torch.tensor([float("nan"), 3.0]), 1e-5, 1e-5)
+    assert (nan.max_abs, nan.ratio, nan.passed) == (math.inf, math.inf, False)
+
+
 def test_error_fields() -> None:
     e = compare_tensors("x", torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0]), atol=0.1, rtol=0.1)
     assert e.max_abs == pytest.approx(0.5)
