@@ -60,6 +60,7 @@ from harness.compare.knobs import (
 )
 from harness.compare.offload_probe import probe_offload_placement
 from harness.compare.phases import PhaseClock, handoff_s, slowest
+from harness.compare.prefetch_baseline import baseline_events
 from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
 from harness.compare.resume import run_resumed
 from harness.compare.stress import Stress
@@ -196,9 +197,9 @@ def knob_checks(
     window = range(probe_steps)
     if case.backward_prefetch != "none":
         if adapter.supports_prefetch_baseline(case):
-            baseline = _run_engine(adapter, case.replace(backward_prefetch="none"), ctx, probe_steps)
+            baseline = baseline_events(_run_engine, adapter, case.replace(backward_prefetch="none"), ctx, probe_steps)
             checks.append(check_order_changed(
-                "backward_prefetch", case.backward_prefetch, "none", events, baseline.events, phase="backward", steps=window
+                "backward_prefetch", case.backward_prefetch, "none", events, baseline, phase="backward", steps=window
             ))
         else:
             checks.append(check_backward_prefetch_structure(events, window))
@@ -206,9 +207,9 @@ def knob_checks(
         if probe_steps < 2:
             checks.append(KnobCheck("forward_prefetch", "n/a", "one step: the forward order is only known from the second"))
         else:
-            baseline = _run_engine(adapter, case.replace(forward_prefetch=False), ctx, probe_steps)
+            baseline = baseline_events(_run_engine, adapter, case.replace(forward_prefetch=False), ctx, probe_steps)
             checks.append(check_order_changed(
-                "forward_prefetch", True, False, events, baseline.events, phase="forward", steps=window
+                "forward_prefetch", True, False, events, baseline, phase="forward", steps=window
             ))
     return checks
 
@@ -348,7 +349,7 @@ def _null_gradient_policy(policy: TolerancePolicy, case: CaseConfig, model: ZooM
 
 
 #: this rank process's references (``harness.compare.reference_cache``).
-REFERENCES = ReferenceCache()
+REFERENCES: ReferenceCache[CachedReference] = ReferenceCache()
 
 
 def _reference_with_budgets(case: CaseConfig, spec: PrecisionSpec, source: BudgetSource, ctx: RankContext) -> CachedReference:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ ENGINE_ONLY_FIELDS = (
     "engine", "sharding_strategy", "backward_prefetch", "forward_prefetch", "cpu_offload", "use_orig_params",
     "init_mode", "resume_engine", "check_determinism", "compile",
 )
+T = TypeVar("T")
+
 #: references kept per rank process: every trained configuration of a nightly's world size fits.
 MAX_ENTRIES = 512
 
@@ -77,21 +79,22 @@ def consensus(hit: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-class ReferenceCache:
-    """A least-recently-used map from ``reference_key`` to ``CachedReference``, one per rank process."""
+class ReferenceCache(Generic[T]):
+    """A least-recently-used map from a key (``reference_key``) to what a rank computed (``CachedReference``;
+    ``harness.compare.prefetch_baseline`` keeps traces in one), one per rank process."""
 
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
-        self._entries: collections.OrderedDict[tuple[Any, ...], CachedReference] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[tuple[Any, ...], T] = collections.OrderedDict()
         self.max_entries = max_entries
         self.hits = 0
 
-    def get(self, key: tuple[Any, ...]) -> CachedReference | None:
+    def get(self, key: tuple[Any, ...]) -> T | None:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
         return entry
 
-    def put(self, key: tuple[Any, ...], entry: CachedReference) -> None:
+    def put(self, key: tuple[Any, ...], entry: T) -> None:
         self._entries[key] = entry
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:

@@ -82,3 +82,24 @@ def reserve_and_drop(ctx: RankContext, nbytes: int) -> int:
 
 def reserved_bytes(ctx: RankContext, payload: Any) -> int:
     return torch.cuda.memory_reserved(ctx.device)
+
+
+def prefetch_baselines(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
+    """``case``'s prefetch baseline through the cache, then its other reference's (read back) and a faulted
+    twin's (run again): the runs each needed, and whether the traces agree."""
+    from harness.compare.parity import _run_engine
+    from harness.compare.prefetch_baseline import baseline_events
+    from harness.engines.registry import resolve
+
+    runs: list[str] = []
+
+    def counted(adapter: Any, c: CaseConfig, rank_ctx: RankContext, steps: int) -> Any:
+        runs.append(c.reference)
+        return _run_engine(adapter, c, rank_ctx, steps)
+
+    adapter = resolve(case.engine)
+    first = baseline_events(counted, adapter, case, ctx, 2)
+    other = baseline_events(counted, adapter, case.replace(reference="local" if case.reference == "ddp" else "ddp"), ctx, 2)
+    fresh = _run_engine(adapter, case, ctx, 2).events
+    faulted = baseline_events(counted, adapter, case.replace(extras=(("fault", "ignore_option:none"),)), ctx, 2)
+    return {"runs": runs, "same": first == other == fresh, "faulted_ran": len(faulted) > 0}

@@ -78,3 +78,16 @@ def test_a_cached_reference_gives_bitwise_the_record_of_a_computed_one(parity_po
     assert [h - b for h, b in zip(parity_pool.run(reference_hits, None).values, before)] == [1, 1], "every rank hit"
     parity_pool.run(clear_references, None)
     assert _quantities(parity_pool, second) == cached
+
+
+def test_a_prefetch_baseline_runs_once_per_configuration_and_matches_a_fresh_run(parity_pool: RankPool) -> None:
+    """The prefetch knob checks' baseline (``harness.compare.prefetch_baseline``): the other reference's case
+    reads the kept trace, which is the trace a fresh run gives; a faulted case runs its own."""
+    import harness_jobs
+
+    case = BASE.replace(engine="builtin", reference="ddp", backward_prefetch="none", world_size=2)
+    outcome = parity_pool.run(harness_jobs.prefetch_baselines, case)
+    assert outcome.status == "ok", outcome.reason
+    for value in outcome.values:
+        assert value["runs"] == ["ddp", "ddp"], value  # the local twin read it; the faulted one ran
+        assert value["same"] and value["faulted_ran"], value
