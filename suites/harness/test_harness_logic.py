@@ -42,6 +42,38 @@ def test_bitwise_equal_tensors_short_cut_to_what_the_element_wise_path_gives() -
     assert (nan.max_abs, nan.ratio, nan.passed) == (math.inf, math.inf, False)
 
 
+def _by_definition(a: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, float]:
+    """max_abs, max_rel and ratio element by element, as written out (what ``compare_tensors`` computes)."""
+    diffs, rels, ratios = [], [], []
+    for x, y in zip(a.tolist(), e.tolist()):
+        if x == y:
+            d = 0.0
+        elif math.isfinite(x) and math.isfinite(y):
+            d = abs(x - y)
+        else:
+            d = math.inf
+        scale = abs(y) if math.isfinite(y) else 0.0
+        rels.append(d / max(scale, 1e-300) if scale > 0 else (math.inf if d > 0 else 0.0))
+        allowed = atol + rtol * scale
+        ratios.append((d / allowed if allowed > 0 else math.inf) if d > 0 else 0.0)
+        diffs.append(d)
+    return max(diffs), max(rels), max(ratios)
+
+
+SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-310, 1.0, -2.5]
+
+
+@given(st.lists(st.tuples(st.floats(-1e6, 1e6) | st.sampled_from(SPECIAL), st.floats(-1e6, 1e6) | st.sampled_from(SPECIAL)),
+                min_size=1, max_size=12),
+       st.sampled_from([(1e-5, 1.3e-6), (0.0, 0.0), (0.0, 1e-3), (1e-3, 0.0)]))
+def test_the_tensor_path_computes_the_definition(pairs: list[tuple[float, float]], tolerances: tuple[float, float]) -> None:
+    a = torch.tensor([x for x, _ in pairs], dtype=torch.float64)
+    e = torch.tensor([y for _, y in pairs], dtype=torch.float64)
+    error = compare_tensors("x", a, e, *tolerances)
+    assert (error.max_abs, error.max_rel, error.ratio) == _by_definition(a, e, *tolerances)
+    assert error.passed is (error.ratio <= 1.0)
+
+
 def test_error_fields() -> None:
     e = compare_tensors("x", torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0]), atol=0.1, rtol=0.1)
     assert e.max_abs == pytest.approx(0.5)
