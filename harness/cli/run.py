@@ -33,7 +33,8 @@ from harness.cli.options import (
 from harness.cli.part_options import add_part_options
 from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
 from harness.run.options import SelectionOptions
-from harness.run.runner import Selection, SelectionError, exit_status, file_counts, summary, under_torchrun
+from harness.run.runner import (Selection, SelectionError, exit_status, file_counts, lanes_to_start, summary,
+                                 under_torchrun)
 from harness.run.session import Part, RunSession, plan_local_lanes, select_part
 from harness.run.parts import PartError
 from harness.run.stored_selection import (
@@ -198,10 +199,10 @@ def _part(args: argparse.Namespace, selection: Selection, world_sizes: list[int]
 
 def lane_text(lanes: dict[int, list[Any]], cases: Sequence[CaseConfig]) -> str:
     """``4 pool(s) of 2 ranks (nccl on GPUs [0, 1] (one per rank))``, per world size: the pools that will
-    start, no more than the world size's ``cases`` (``CaseRunner.run``)."""
+    start for the world size's ``cases`` (``harness.run.runner.lanes_to_start``)."""
     parts = []
     for ws, group in lanes.items():
-        started = group[:sum(1 for c in cases if c.world_size == ws)]
+        started = lanes_to_start(group, [c for c in cases if c.world_size == ws])
         if not started:
             continue
         where = started[0].describe({d for lane in started for d in (lane.devices or ())})

@@ -47,7 +47,6 @@ def baseline_events(run_engine: RunEngine, adapter: EngineAdapter, case: CaseCon
     key = baseline_key(case, steps, ctx) if cacheable(case) else None
     kept = BASELINES.get(key) if key is not None else None
     if key is not None and consensus(kept is not None, ctx.device):
-        BASELINES.hits += 1
         return kept
     events = run_engine(adapter, case, ctx, steps).events
     if key is not None:

@@ -31,7 +31,7 @@ from harness.pytest_plugin import act_on, expect_failure
 from harness.pytest_plugin.cases import TestOutcome
 from harness.pytest_plugin.pools import gpus_missing, placed_pool
 from harness.ranks.placement import DeviceChoice
-from harness.ranks.pool import PoolOutcome
+from harness.ranks.pool import PoolConfig, PoolOutcome
 from harness.ranks.rank import RankContext
 
 __all__ = ["CheckOutcome", "RankChecks", "api_rank_check_tests", "batch_timeout", "rank_check_tests", "rank_checks_fixture",
@@ -151,8 +151,6 @@ def batch_timeout(n_checks: int, timeout_s: float) -> pytest.MarkDecorator:
     ``PoolConfig.start_timeout_s``; a per-test ``--timeout`` below that (300 s is common) would end a
     worker whose checks are all within their own limits (a module of use_orig_params checks took 307 s
     on CUDA ranks of a 4-GPU host under ``-n 16``). Without pytest-timeout the mark does nothing."""
-    from harness.ranks.pool import PoolConfig
-
     return pytest.mark.timeout(n_checks * timeout_s + PoolConfig.start_timeout_s)
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "expected_total",
     "file_counts",
     "generate_cases",
+    "lanes_to_start",
     "run_case",
     "run_repeated",
     "select_cases",
@@ -382,6 +383,13 @@ def file_counts(latest: Mapping[str, CaseRecord]) -> collections.Counter[str]:
     return collections.Counter(record.verdict for record in latest.values())
 
 
+def lanes_to_start(lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[Lane]:
+    """The lanes of one world size that start a pool for its ``cases``: no more than there are cases (2 cases
+    on 16 planned pools started all 16, 32 CUDA processes, for nothing), the first ones, which the plan lists
+    group by group so they spread over the GPUs."""
+    return list(lanes)[:len(cases)]
+
+
 class CaseRunner:
     """Runs cases on several pools at once (one thread per pool) and records each as it ends.
 
@@ -443,10 +451,8 @@ class CaseRunner:
         return not_run, pools_failed
 
     def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
-        """Run ``cases`` on ``lanes``; returns the cases that were not launched. No more pools start than
-        there are cases: the first lanes, which the plan lists group by group so they spread over the GPUs
-        (2 cases on 16 planned pools started all 16, 32 CUDA processes, for nothing)."""
-        lanes = list(lanes)[:len(cases)]
+        """Run ``cases`` on ``lanes`` (``lanes_to_start`` of them); returns the cases that were not launched."""
+        lanes = lanes_to_start(lanes, cases)
         if not lanes:
             return list(cases)
         # Handed out so that each pool's reference cache is hit: grouped by what the references train, or
