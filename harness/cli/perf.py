@@ -126,12 +126,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _print_trace_summaries(directory: Path) -> None:
     """Each trace's GPU time, streams, overlap and top kernels (``harness.perf.profile_summary``)."""
     from harness.perf.benchmark import PROFILE_STEPS
-    from harness.perf.profile_summary import gpu_events, load_trace, summarize, summary_lines
+    from harness.perf.profile_summary import (
+        gpu_events, host_syncs, load_trace, step_breakdown, step_marks, summarize, summary_lines,
+    )
 
     for path in sorted(directory.glob("*.json")):
-        events = gpu_events(load_trace(path))
+        trace = load_trace(path)
+        events = gpu_events(trace)
         if events:
-            print("\n".join(summary_lines(path.stem, summarize(events, PROFILE_STEPS))))
+            steps = step_breakdown(events, step_marks(trace), host_syncs(trace))
+            print("\n".join(summary_lines(path.stem, summarize(events, PROFILE_STEPS), steps)))
 
 
 def json_data(config: PerfConfig, device: str, wall_s: float, rows: list[PerfRow],

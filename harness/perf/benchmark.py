@@ -12,8 +12,9 @@ Two jobs, both run through ``harness.ranks.pool.RankPool`` (module-level functio
   regime: tiny kernels, many units, where the engine's Python per step is the cost.
 
 With a profile directory both also run a few extra steps after the timed ones under
-``torch.profiler`` (CPU and, on GPUs, CUDA activities; shapes not recorded) and write one Chrome trace
-per engine, strategy and rank; the timed steps are never profiled. ``zoo_job`` can also write a
+``torch.profiler`` (CPU and, on GPUs, CUDA activities; shapes not recorded), each synchronized and marked
+as the timed ones are, and write one Chrome trace per engine, strategy and rank; the timed steps are never
+profiled. ``zoo_job`` can also write a
 ``cProfile`` dump of its timed steps, for the engine's Python hot spots.
 
 Each rank answers a record, never a dict: ``RankTiming`` (its measurements) or ``Unsupported`` (why
@@ -36,6 +37,7 @@ import torch.nn as nn
 
 from harness.cases.models import CPU_GPT, BenchmarkGPT, GPTConfig, ZooModel, to_device, wrap_bottom_up
 from harness.engines.optim import adamw, sgd
+from harness.perf.profile_summary import STEP_MARK
 from harness.ranks.rank import RankContext
 
 PerfPrecision = Literal["bf16", "fp32"]
@@ -252,6 +254,19 @@ def _chrome_trace(ctx: RankContext, path: Path) -> Any:
     prof.export_chrome_trace(str(path))
 
 
+def _profiled_steps(ctx: RankContext, path: Path, steps: int, step: Callable[[int], object]) -> None:
+    """Run ``steps`` steps under the profiler exactly as the timed ones run (synchronized before and after),
+    each inside a ``STEP_MARK`` range, so the trace can split a step's time as the timer saw it."""
+    from torch.profiler import record_function
+
+    with _chrome_trace(ctx, path):
+        for i in range(steps):
+            _sync(ctx)
+            with record_function(STEP_MARK):
+                step(i)
+            _sync(ctx)
+
+
 def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     """Train one engine on this rank: per-step seconds, per-step losses, peak allocated and reserved bytes."""
     reason = unsupported_reason(job.engine, job.strategy, ctx.world_size)
@@ -293,10 +308,7 @@ def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     trace = None
     if job.profile_dir is not None:
         path = Path(job.profile_dir) / trace_name(job.engine, job.strategy, ctx.rank)
-        with _chrome_trace(ctx, path):
-            for i in range(job.profile_steps):
-                step(batches[i % len(batches)])
-            _sync(ctx)
+        _profiled_steps(ctx, path, job.profile_steps, lambda i: step(batches[i % len(batches)]))
         trace = str(path)
     result = RankTiming(step_s=step_s[job.warmup:], losses=[float(x) for x in losses], device=_device_name(ctx),
                         peak_bytes=peak, reserved_bytes=reserved, trace=trace)
@@ -388,10 +400,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
             directory.mkdir(parents=True, exist_ok=True)
             profiler.dump_stats(directory / trace_name(job.engine, job.strategy, ctx.rank, job.model, "prof"))
         path = directory / trace_name(job.engine, job.strategy, ctx.rank, job.model)
-        with _chrome_trace(ctx, path):
-            for i in range(job.profile_steps):
-                step(batches[i % len(batches)])
-            _sync(ctx)
+        _profiled_steps(ctx, path, job.profile_steps, lambda i: step(batches[i % len(batches)]))
         trace = str(path)
     # Wrapping and the first step (lazy init) are paid once per parity case: part of the host-bound cost.
     return RankTiming(step_s=step_s[job.warmup:], losses=losses, device=_device_name(ctx), cpu_s=cpu_s[job.warmup:],

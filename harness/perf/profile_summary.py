@@ -6,6 +6,12 @@ was busy per step, which streams ran what, whether communication overlapped comp
 it, and which kernels took the time. Plain functions over the trace's events (no torch import):
 :func:`summarize` turns a trace into a :class:`TraceSummary`, :func:`summary_lines` into text.
 
+Steps: the profiled steps run as the timed ones do (the device synchronized before and after each) inside
+a profiler range named :data:`STEP_MARK`; :func:`step_breakdown` splits each step's wall time into the
+host's lead-in before the GPU's first event, the GPU window, and the host's work after the GPU's last
+event, and counts the host's blocking CUDA calls inside the step. A step time that two engines' GPU
+windows do not explain is in those numbers.
+
 Streams: the one with the most kernel time is the compute stream; every other stream is a side
 stream (all-gathers, reductions, copies). Communication kernels are NCCL's (``nccl`` in the name)
 and copies on side streams. Overlap is measured on the union of intervals: the time a side stream
@@ -22,12 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GpuEvent", "StreamSummary", "TraceSummary", "gpu_events", "load_trace", "summarize", "summary_lines"]
+__all__ = [
+    "GpuEvent", "StepBreakdown", "StreamSummary", "TraceSummary", "gpu_events", "host_syncs", "load_trace",
+    "step_breakdown", "step_marks", "summarize", "summary_lines",
+]
 
 #: Chrome-trace categories of work the GPU does.
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 Interval = tuple[float, float]
+
+#: the profiler range around each profiled step (``harness.perf.benchmark`` opens it).
+STEP_MARK = "harness.perf.step"
+#: CUDA runtime calls that block the host until the device (or a stream or event of it) catches up.
+BLOCKING_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,24 @@ class TraceSummary:
     top_kernels: list[tuple[str, float, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Where the wall time of the marked steps went, per step in milliseconds.
+
+    ``step_ms`` = ``lead_in_ms`` + ``window_ms`` + ``host_after_ms``: the host's time from the step's start to
+    the GPU's first event of it, the GPU's first to last event, and the host's time after the GPU's last
+    event (the step's Python still running while the GPU has nothing left)."""
+
+    steps: int
+    step_ms: float
+    lead_in_ms: float
+    window_ms: float
+    host_after_ms: float
+    #: blocking CUDA calls of the host inside a step (:data:`BLOCKING_CALLS`), and the time they blocked.
+    syncs_per_step: float
+    sync_ms: float
+
+
 def load_trace(path: Path) -> dict[str, Any]:
     """A Chrome trace as written by ``torch.profiler`` (``.json`` or ``.json.gz``)."""
     opener = gzip.open if path.suffix == ".gz" else open
@@ -96,6 +128,47 @@ def gpu_events(trace: dict[str, Any]) -> list[GpuEvent]:
             stream = -1
         events.append(GpuEvent(str(e.get("name", "")), e["cat"], stream, float(e["ts"]), float(e.get("dur", 0.0))))
     return sorted(events, key=lambda ev: ev.start_us)
+
+
+def _host_ranges(trace: dict[str, Any], categories: tuple[str, ...], names: tuple[str, ...]) -> list[Interval]:
+    ranges = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in categories and e.get("name") in names:
+            ranges.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+    return sorted(ranges)
+
+
+def step_marks(trace: dict[str, Any]) -> list[Interval]:
+    """The host's intervals of the :data:`STEP_MARK` ranges, in order (empty for a trace without them);
+    the GPU's copies of the ranges (``gpu_user_annotation``) are not the host's."""
+    return _host_ranges(trace, ("user_annotation",), (STEP_MARK,))
+
+
+def host_syncs(trace: dict[str, Any]) -> list[Interval]:
+    """The host's blocking CUDA calls (:data:`BLOCKING_CALLS`), in order."""
+    return _host_ranges(trace, ("cuda_runtime", "cuda_driver"), BLOCKING_CALLS)
+
+
+def step_breakdown(events: Sequence[GpuEvent], marks: Sequence[Interval],
+                   syncs: Sequence[Interval] = ()) -> StepBreakdown | None:
+    """Lead-in, GPU window and host time after it for the steps ``marks`` delimit (None without marks).
+
+    A GPU event belongs to the step whose mark contains its start; a step ends when both the host's
+    range and the GPU's last event of it have ended (the synchronization after it waits for both)."""
+    if not marks:
+        return None
+    totals = [0.0] * 6
+    for start, end in marks:
+        mine = [e for e in events if start <= e.start_us < end]
+        first = min((e.start_us for e in mine), default=end)
+        last = max((e.end_us for e in mine), default=end)
+        blocked = [(a, b) for a, b in syncs if start <= a < end]
+        parts = (max(end, last) - start, first - start, max(last - first, 0.0), max(end - last, 0.0),
+                 float(len(blocked)), _length(blocked))
+        totals = [t + p for t, p in zip(totals, parts)]
+    n = len(marks)
+    step, lead, window, after, count, blocked_us = (t / n for t in totals)
+    return StepBreakdown(n, step * 1e-3, lead * 1e-3, window * 1e-3, after * 1e-3, count, blocked_us * 1e-3)
 
 
 def _union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -172,10 +245,14 @@ def _short(name: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def summary_lines(label: str, summary: TraceSummary) -> list[str]:
+def summary_lines(label: str, summary: TraceSummary, steps: StepBreakdown | None = None) -> list[str]:
     """A few lines per trace for the perf report."""
     s = summary
     lines = [f"{label}: GPU window {s.window_ms_per_step:.2f} ms/step, idle {s.idle_ms_per_step:.2f} ms/step"]
+    if steps is not None:
+        lines.append(f"  step {steps.step_ms:.2f} ms = host lead-in {steps.lead_in_ms:.2f} + GPU window "
+                     f"{steps.window_ms:.2f} + host after {steps.host_after_ms:.2f}; {steps.syncs_per_step:g} "
+                     f"blocking CUDA calls a step ({steps.sync_ms:.2f} ms)")
     if s.comm_ms_per_step:
         lines.append(f"  NCCL {s.comm_ms_per_step:.2f} ms/step, {s.comm_overlapped_ms_per_step:.2f} ms of it under compute")
     for st in s.streams:

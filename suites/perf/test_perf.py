@@ -20,6 +20,7 @@ from harness.cases.models import MODELS, BenchmarkGPT, GPTBlock, build_model, zo
 from harness.perf.benchmark import (
     CPU_MODEL,
     SIZES,
+    PROFILE_STEPS,
     GPTConfig,
     PerfJob,
     RankTiming,
@@ -31,6 +32,7 @@ from harness.perf.benchmark import (
     ZooJob,
     zoo_job,
 )
+from harness.perf.profile_summary import load_trace, step_marks
 from harness.perf.perf_rows import PerfRow, add_ratios, spread, tflops_per_gpu
 from harness.perf.perf_run import PerfConfig, plan_runs, row_from_values
 from harness.pytest_plugin import needs_gpus
@@ -190,8 +192,8 @@ def test_perf_on_cpu_prints_the_ratio_against_torch_fsdp1(tmp_path: Path) -> Non
     # One Chrome trace per engine, strategy and rank, of steps after the timed ones.
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert traces == [trace_name(e, "full_shard", r) for e in ("builtin", "torch-fsdp") for r in (0, 1)]
-    events = json.loads((tmp_path / "traces" / traces[0]).read_text())["traceEvents"]
-    assert any("ProfilerStep" in str(e.get("name")) or e.get("ph") == "X" for e in events)
+    # The profiled steps are marked one by one, as the timer sees them.
+    assert len(step_marks(load_trace(tmp_path / "traces" / traces[0]))) == PROFILE_STEPS
     assert len(rows["builtin"]["steps_ms"]) == 3 and rows["builtin"]["ratio"] == pytest.approx(float(match[1]), abs=1e-3)
     assert rows["builtin"]["loss_matches"] is True
     assert data["params"] == count_params(CPU_MODEL)
@@ -257,6 +259,8 @@ def test_perf_on_two_gpus_reports_memory_and_traces(tmp_path: Path) -> None:
     assert {r["strategy"] for r in rows} == {"full_shard", "no_shard"}
     assert all(r["reserved_gib"] >= r["peak_gib"] > 0 for r in rows)
     assert len(list((tmp_path / "traces").iterdir())) == 2 * 2 * 2
+    # Each trace's steps split as the timer saw them (host lead-in, GPU window, host after).
+    assert len(re.findall(r"step \d+\.\d+ ms = host lead-in \d+\.\d+ \+ GPU window", done.stdout)) == 2 * 2 * 2, done.stdout
 
 
 def test_a_log_of_perf_runs_starts_with_a_header_before_any_run_line(

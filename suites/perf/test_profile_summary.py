@@ -7,7 +7,17 @@ import json
 
 import pytest
 
-from harness.perf.profile_summary import GpuEvent, gpu_events, load_trace, summarize, summary_lines
+from harness.perf.profile_summary import (
+    STEP_MARK,
+    GpuEvent,
+    gpu_events,
+    host_syncs,
+    load_trace,
+    step_breakdown,
+    step_marks,
+    summarize,
+    summary_lines,
+)
 
 
 def _ev(name: str, stream: int, start: float, dur: float, cat: str = "kernel") -> GpuEvent:
@@ -62,3 +72,43 @@ def test_reads_torch_profiler_chrome_traces(tmp_path) -> None:
 def test_steps_must_be_positive() -> None:
     with pytest.raises(ValueError, match="steps=0"):
         summarize([], steps=0)
+
+
+def test_a_step_splits_into_host_lead_in_gpu_window_and_host_after() -> None:
+    # Step 1 (host range [0, 100)): the GPU starts at 30 and ends at 140, after the host's range (the
+    # synchronization after it waits): 30 lead-in, 110 window, 0 after. Step 2 ([200, 300)): the GPU runs
+    # [210, 250) and the host works on to 300: 10 lead-in, 40 window, 50 after. One blocking call of 5 us
+    # in step 2; the one at 150 lies between the steps and is not the steps'.
+    events = [_ev("gemm", 7, 30, 60), _ev("nccl", 20, 80, 60), _ev("adam", 7, 210, 40)]
+    b = step_breakdown(events, [(0, 100), (200, 300)], [(150, 160), (260, 265)])
+    assert b is not None and b.steps == 2
+    assert b.step_ms == pytest.approx((140 + 100) / 2 * 1e-3)
+    assert b.lead_in_ms == pytest.approx((30 + 10) / 2 * 1e-3)
+    assert b.window_ms == pytest.approx((110 + 40) / 2 * 1e-3)
+    assert b.host_after_ms == pytest.approx((0 + 50) / 2 * 1e-3)
+    assert b.step_ms == pytest.approx(b.lead_in_ms + b.window_ms + b.host_after_ms)
+    assert (b.syncs_per_step, b.sync_ms) == (0.5, pytest.approx(2.5e-3))
+    assert step_breakdown(events, []) is None
+
+
+def test_a_step_without_gpu_work_is_all_host_time() -> None:
+    b = step_breakdown([], [(0, 50)])
+    assert b is not None and (b.step_ms, b.lead_in_ms, b.window_ms, b.host_after_ms) == (
+        pytest.approx(0.05), pytest.approx(0.05), 0, 0)
+
+
+def test_reads_step_marks_and_blocking_calls_from_a_trace() -> None:
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": STEP_MARK, "ts": 100, "dur": 60},
+        {"ph": "X", "cat": "user_annotation", "name": STEP_MARK, "ts": 0, "dur": 40},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": STEP_MARK, "ts": 5, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 120, "dur": 3},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 121, "dur": 1},
+        {"ph": "X", "cat": "kernel", "name": "cudaMemcpy", "ts": 7, "dur": 1},
+    ]}
+    # The GPU's own copy of a range is not the host's step; a kernel is no host call.
+    assert step_marks(trace) == [(0.0, 40.0), (100.0, 160.0)]
+    assert host_syncs(trace) == [(120.0, 123.0)]
+    steps = step_breakdown([], step_marks(trace), host_syncs(trace))
+    line = summary_lines("builtin-shard_grad_op-rank0", summarize([_ev("k", 7, 1, 1)], 2), steps)[1]
+    assert line.startswith("  step 0.05 ms = host lead-in 0.05 + GPU window 0.00 + host after 0.00; 0.5 blocking")
