@@ -102,9 +102,14 @@ class StepBreakdown:
     lead_in_ms: float
     window_ms: float
     host_after_ms: float
+    #: time inside the GPU window that no stream ran anything.
+    idle_ms: float
     #: blocking CUDA calls of the host inside a step (:data:`BLOCKING_CALLS`), and the time they blocked.
     syncs_per_step: float
     sync_ms: float
+    #: the longest idle gaps inside the windows, over all steps: ``(ms, ms from the step's start, the event
+    #: after the gap)``, longest first.
+    gaps: list[tuple[float, float, str]] = field(default_factory=list)
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -149,26 +154,35 @@ def host_syncs(trace: dict[str, Any]) -> list[Interval]:
     return _host_ranges(trace, ("cuda_runtime", "cuda_driver"), BLOCKING_CALLS)
 
 
-def step_breakdown(events: Sequence[GpuEvent], marks: Sequence[Interval],
-                   syncs: Sequence[Interval] = ()) -> StepBreakdown | None:
+def step_breakdown(events: Sequence[GpuEvent], marks: Sequence[Interval], syncs: Sequence[Interval] = (),
+                   top_gaps: int = 5) -> StepBreakdown | None:
     """Lead-in, GPU window and host time after it for the steps ``marks`` delimit (None without marks).
 
-    A GPU event belongs to the step whose mark contains its start; a step ends when both the host's
-    range and the GPU's last event of it have ended (the synchronization after it waits for both)."""
+    A step's GPU events are those that start after its mark starts and before the next mark starts (the
+    host runs ahead of the GPU, so most of them start after the mark ends); a step ends when both its
+    host range and its last GPU event have ended (the synchronization after it waits for both)."""
     if not marks:
         return None
-    totals = [0.0] * 6
-    for start, end in marks:
-        mine = [e for e in events if start <= e.start_us < end]
+    totals = [0.0] * 7
+    gaps: list[tuple[float, float, str]] = []
+    bounds = [m[0] for m in marks[1:]] + [float("inf")]
+    for (start, end), stop in zip(marks, bounds):
+        mine = [e for e in events if start <= e.start_us < stop]
         first = min((e.start_us for e in mine), default=end)
         last = max((e.end_us for e in mine), default=end)
+        busy = _union((e.start_us, e.end_us) for e in mine)
+        for (_, gap_start), (gap_end, _) in zip(busy, busy[1:]):
+            after = next(e.name for e in mine if e.start_us >= gap_end)
+            gaps.append(((gap_end - gap_start) * 1e-3, (gap_start - start) * 1e-3, after))
         blocked = [(a, b) for a, b in syncs if start <= a < end]
-        parts = (max(end, last) - start, first - start, max(last - first, 0.0), max(end - last, 0.0),
+        window = max(last - first, 0.0)
+        parts = (max(end, last) - start, first - start, window, max(end - last, 0.0), window - _length(busy),
                  float(len(blocked)), _length(blocked))
         totals = [t + p for t, p in zip(totals, parts)]
     n = len(marks)
-    step, lead, window, after, count, blocked_us = (t / n for t in totals)
-    return StepBreakdown(n, step * 1e-3, lead * 1e-3, window * 1e-3, after * 1e-3, count, blocked_us * 1e-3)
+    step, lead, window, after, idle, count, blocked_us = (t / n for t in totals)
+    return StepBreakdown(n, step * 1e-3, lead * 1e-3, window * 1e-3, after * 1e-3, idle * 1e-3, count,
+                         blocked_us * 1e-3, sorted(gaps, reverse=True)[:top_gaps])
 
 
 def _union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -253,6 +267,8 @@ def summary_lines(label: str, summary: TraceSummary, steps: StepBreakdown | None
         lines.append(f"  step {steps.step_ms:.2f} ms = host lead-in {steps.lead_in_ms:.2f} + GPU window "
                      f"{steps.window_ms:.2f} + host after {steps.host_after_ms:.2f}; {steps.syncs_per_step:g} "
                      f"blocking CUDA calls a step ({steps.sync_ms:.2f} ms)")
+        lines.append(f"  GPU idle inside the window {steps.idle_ms:.2f} ms/step; longest gaps: "
+                     + ", ".join(f"{ms:.2f} ms at +{at:.1f} ms before {_short(name, 40)}" for ms, at, name in steps.gaps))
     if s.comm_ms_per_step:
         lines.append(f"  NCCL {s.comm_ms_per_step:.2f} ms/step, {s.comm_overlapped_ms_per_step:.2f} ms of it under compute")
     for st in s.streams:

@@ -75,18 +75,20 @@ def test_steps_must_be_positive() -> None:
 
 
 def test_a_step_splits_into_host_lead_in_gpu_window_and_host_after() -> None:
-    # Step 1 (host range [0, 100)): the GPU starts at 30 and ends at 140, after the host's range (the
-    # synchronization after it waits): 30 lead-in, 110 window, 0 after. Step 2 ([200, 300)): the GPU runs
-    # [210, 250) and the host works on to 300: 10 lead-in, 40 window, 50 after. One blocking call of 5 us
-    # in step 2; the one at 150 lies between the steps and is not the steps'.
-    events = [_ev("gemm", 7, 30, 60), _ev("nccl", 20, 80, 60), _ev("adam", 7, 210, 40)]
+    # Step 1 (host range [0, 100)): the GPU starts at 30 and runs until 170, past the host's range (the host ran
+    # ahead; the synchronization after the step waits): 30 lead-in, 140 window with 10 idle (140, 150), 0 after.
+    # Step 2 ([200, 300)): the GPU runs [210, 250) and the host works on to 300: 10 lead-in, 40 window, 50
+    # after. One blocking call of 5 us in step 2's range; the one at 150 lies outside the host's ranges.
+    events = [_ev("gemm", 7, 30, 60), _ev("nccl", 20, 80, 60), _ev("k2", 7, 150, 20), _ev("adam", 7, 210, 40)]
     b = step_breakdown(events, [(0, 100), (200, 300)], [(150, 160), (260, 265)])
     assert b is not None and b.steps == 2
-    assert b.step_ms == pytest.approx((140 + 100) / 2 * 1e-3)
+    assert b.step_ms == pytest.approx((170 + 100) / 2 * 1e-3)
     assert b.lead_in_ms == pytest.approx((30 + 10) / 2 * 1e-3)
-    assert b.window_ms == pytest.approx((110 + 40) / 2 * 1e-3)
+    assert b.window_ms == pytest.approx((140 + 40) / 2 * 1e-3)
     assert b.host_after_ms == pytest.approx((0 + 50) / 2 * 1e-3)
     assert b.step_ms == pytest.approx(b.lead_in_ms + b.window_ms + b.host_after_ms)
+    assert b.idle_ms == pytest.approx(10 / 2 * 1e-3)
+    assert b.gaps == [(pytest.approx(0.01), pytest.approx(0.14), "k2")]
     assert (b.syncs_per_step, b.sync_ms) == (0.5, pytest.approx(2.5e-3))
     assert step_breakdown(events, []) is None
 
