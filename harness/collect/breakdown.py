@@ -6,7 +6,9 @@ seconds it spent writing records (``harness.run.runner.CaseRunner.records_s``). 
 row each (pure: plain data in, plain data out, what ``nightly.json`` keeps under ``cases.breakdown``) and
 ``breakdown_table`` renders it:
 
-- a row per phase, then ``handoff`` (job sent, answers back, waiting for the slowest rank), ``records`` (writing
+- a row per phase, then ``handoff`` (job sent, answers back, waiting for the slowest rank), ``slot_wait`` (waiting
+  for GPU slots before the job was sent, ``detail["slot_wait_s"]``: only under a pytest-xdist run's
+  ``harness.ranks.gpu_slots``, and outside the record's wall time), ``records`` (writing
   and syncing each record) and ``unmeasured`` (the part of a case's wall time outside its phases and hand-off: all
   of a case that timed out, crashed or raised on a rank, or whose record predates the phases);
 - per row the total seconds, the mean per case and the share of the case time, which is the rows' sum (the
@@ -24,7 +26,7 @@ from harness.compare.phases import PHASES
 __all__ = ["ROWS", "breakdown", "breakdown_table"]
 
 #: the rows of a breakdown, in the order a case meets them.
-ROWS: tuple[str, ...] = (*PHASES, "handoff", "records", "unmeasured")
+ROWS: tuple[str, ...] = (*PHASES, "handoff", "slot_wait", "records", "unmeasured")
 
 
 def breakdown(records: Sequence[CaseRecord], records_s: float, cases_wall_s: float) -> dict[str, Any]:
@@ -42,6 +44,7 @@ def breakdown(records: Sequence[CaseRecord], records_s: float, cases_wall_s: flo
         for phase in PHASES:
             totals[phase] += float(phases.get(phase, 0.0))
         totals["handoff"] += handoff
+        totals["slot_wait"] += float(record.detail.get("slot_wait_s", 0.0))
         # Clamped: the phases are each the slowest rank's, so together they may exceed the busiest rank's job,
         # which the hand-off was measured against; that overlap is no time outside the phases.
         totals["unmeasured"] += max(record.wall_s - sum(phases.values()) - handoff, 0.0)

@@ -517,8 +517,9 @@ def non_finite_line(values: list[RankResult]) -> str:
 def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
     """One all-rank ``CaseRecord`` from what the pool got back for ``run_case_on_rank``."""
     base: dict[str, Any] = {"case": case.to_dict(), "case_id": case.case_id, "wall_s": outcome.wall_s}
+    waited = {"slot_wait_s": outcome.slot_wait_s} if outcome.slot_wait_s else {}
     if outcome.status != "ok":
-        detail: dict[str, Any] = {}
+        detail: dict[str, Any] = dict(waited)
         if outcome.errors:
             detail["tracebacks"] = {str(r): portable_paths(e.traceback) for r, e in outcome.errors.items()}
         if outcome.stacks:
@@ -531,7 +532,7 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
 
     values: list[RankResult] = list(outcome.values)
     phases = [v.phases_s for v in values]
-    timing = {"phases_s": slowest(phases), "handoff_s": handoff_s(outcome.wall_s, phases)}
+    timing = {"phases_s": slowest(phases), "handoff_s": handoff_s(outcome.wall_s, phases), **waited}
     unsupported = [v for v in values if v.status == "unsupported"]
     if unsupported:
         return CaseRecord(verdict="unsupported", reason=unsupported[0].reason, detail=timing, **base)

@@ -22,7 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-__all__ = ["PHASES", "PhaseClock", "add_phases", "handoff_s", "slowest"]
+__all__ = ["PHASES", "TIMING_DETAIL", "PhaseClock", "add_phases", "handoff_s", "slowest"]
+
+#: the keys of a record's ``detail`` that are measured times, not results: two runs of one case may differ in them
+#: (and in ``runs``, each run's wall time) and in nothing else.
+TIMING_DETAIL: tuple[str, ...] = ("engine_s", "reference_s", "phases_s", "handoff_s", "slot_wait_s", "runs")
 
 #: the phases of one case on one rank, in the order they run.
 PHASES: tuple[str, ...] = ("setup", "reference", "build", "steps", "compare", "determinism")

@@ -156,6 +156,8 @@ class PoolOutcome:
     wall_s: float = 0.0
     #: True when the pool was killed after this job and will be respawned.
     pool_reset: bool = False
+    #: seconds the job waited for its GPU slots before it was sent (``harness.ranks.gpu_slots``; not in ``wall_s``).
+    slot_wait_s: float = 0.0
 
 
 class PoolStartError(RuntimeError):
@@ -389,8 +391,10 @@ class RankPool:
         slots = gpu_slots.installed()
         if slots is None:
             return self._run(fn, payload, timeout_s)
-        with slots.hold(self.config.backend, self.config.devices):
-            return self._run(fn, payload, timeout_s)
+        with slots.hold(self.config.backend, self.config.devices) as waited:
+            outcome = self._run(fn, payload, timeout_s)
+        outcome.slot_wait_s = waited
+        return outcome
 
     def _run(self, fn: Callable[[RankContext, Any], Any], payload: Any, timeout_s: float | None) -> PoolOutcome:
         cfg = self.config

@@ -55,6 +55,19 @@ def test_a_repeated_case_adds_up_its_runs_phases_and_a_timed_out_run_stays_unmea
     assert rows["unmeasured"]["total_s"] == pytest.approx(5.0 - 1.25 - 0.375)
 
 
+def test_a_wait_for_gpu_slots_is_its_own_row_outside_the_wall_time() -> None:
+    """Under a pytest-xdist run's GPU slots a job waits before it is sent: time the case held its lane, which
+    its wall time (the pool's round trip) leaves out; repeated runs add their waits up."""
+    waited = _record(1.0, _phases(steps=0.5), 0.25)
+    waited.detail["slot_wait_s"] = 2.0
+    merged = merge_runs([waited, _record(1.0, _phases(steps=0.5), 0.25)])
+    assert merged.detail["slot_wait_s"] == 2.0
+    rows = breakdown([merged, _record(1.0, _phases(steps=1.0), 0.0)], 0.0, 5.0)["rows"]
+    assert rows["slot_wait"]["total_s"] == pytest.approx(2.0)
+    assert rows["unmeasured"]["total_s"] == pytest.approx(2.0 - 1.0 - 0.5)  # the wait is no part of it
+    assert "slot_wait_s" not in merge_runs([_record(1.0, _phases(steps=0.5), 0.25)]).detail
+
+
 def test_breakdown_over_hand_made_records() -> None:
     records = [
         _record(2.0, _phases(setup=0.1, reference=0.9, build=0.1, steps=0.5, compare=0.2), handoff=0.2),

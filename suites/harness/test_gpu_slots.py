@@ -5,6 +5,7 @@ several GPUs taken in opposite rank order."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,9 @@ import pytest
 
 from harness.ranks import gpu_slots
 from harness.ranks.gpu_slots import GpuSlots, slot_needs
-from harness.ranks.pool import RankPool
+from harness.cases.case import CaseConfig
+from harness.compare.parity import record_from_outcome
+from harness.ranks.pool import PoolOutcome, RankPool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,6 +137,27 @@ def test_every_job_of_a_pool_goes_through_the_installed_slots(fault_pool: RankPo
     outcome = fault_pool.run(harness_jobs.identity, "x")
     assert outcome.status == "ok"
     assert spy_slots.held == [(fault_pool.config.backend, fault_pool.config.devices)]
+
+
+class _WaitedSlots(GpuSlots):
+    """Slots that report a known wait, whatever the pool's backend."""
+
+    @contextlib.contextmanager
+    def hold(self, backend, devices):  # type: ignore[no-untyped-def, override]
+        yield 1.5
+
+
+def test_a_jobs_wait_for_its_slots_is_on_its_outcome_and_record(fault_pool: RankPool, tmp_path: Path) -> None:
+    before = gpu_slots.installed()
+    gpu_slots.install(_WaitedSlots(tmp_path))
+    try:
+        outcome = fault_pool.run(harness_jobs.identity, "x")
+    finally:
+        gpu_slots.install(before)
+    assert outcome.status == "ok" and outcome.slot_wait_s == 1.5 and outcome.wall_s < 1.5
+    timed_out = PoolOutcome("timeout", [None], "rank 0 did not answer", slot_wait_s=0.5)
+    assert record_from_outcome(CaseConfig(), timed_out).detail == {"slot_wait_s": 0.5}
+    assert "slot_wait_s" not in record_from_outcome(CaseConfig(), PoolOutcome("timeout", [None], "t")).detail
 
 
 def test_a_process_a_test_starts_takes_its_slots_from_the_same_run(spy_slots: _SpySlots) -> None:

@@ -7,11 +7,10 @@ from typing import Any
 
 from harness.cases.case import CaseConfig
 from harness.cases.records import CaseRecord
+from harness.compare.phases import TIMING_DETAIL
 from harness.ranks.placement import Lane
 from harness.run.runner import CaseRunner, Progress, Selection, select_cases
 
-#: what may differ between two runs of the same case: timings and where it ran.
-TIMING_DETAIL = ("engine_s", "reference_s", "phases_s", "handoff_s", "runs")
 
 
 class _Records:

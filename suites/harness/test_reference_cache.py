@@ -11,6 +11,7 @@ import torch
 from harness.cases.case import CaseConfig
 from harness.compare import parity
 from harness.compare.parity import record_from_outcome, run_case_on_rank
+from harness.compare.phases import TIMING_DETAIL
 from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, reference_key
 from harness.ranks.pool import RankPool
 from harness.ranks.rank import RankContext
@@ -64,7 +65,7 @@ def _quantities(pool: RankPool, case: CaseConfig) -> dict[str, Any]:
     record = record_from_outcome(case, pool.run(run_case_on_rank, case))
     assert record.errors, f"{case.full_id}: {record.verdict} {record.reason}: nothing compared"
     return {"verdict": record.verdict, "errors": [(e.name, e.max_abs, e.max_rel, e.atol, e.ratio) for e in record.errors],
-            "detail": {k: v for k, v in record.detail.items() if k not in ("engine_s", "reference_s", "phases_s", "handoff_s", "runs")}}
+            "detail": {k: v for k, v in record.detail.items() if k not in TIMING_DETAIL}}
 
 
 @pytest.mark.parametrize("first", [BASE.replace(reference="ddp"), BASE.replace(precision="bf16")], ids=lambda c: c.case_id)
