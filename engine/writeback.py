@@ -72,6 +72,10 @@ class Writeback(ParamViews):
         wrote_params = wrote_grads = False
         orig = list(self._orig_params)
         grad_none = []
+        # Segments of flat.grad whose original gradient is None: zeroed only when some other gradient is
+        # not None, since when all are None (``zero_grad(set_to_none=True)``, every step) flat.grad is
+        # dropped instead, and a zero kernel per parameter would delay the step's first all-gathers.
+        unset: list[tuple[int, int]] = []
         for i, ((offset, numel, shape), info) in enumerate(zip(self._orig_param_segments(), self._param_infos)):
             fqn = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
             current = info.module._parameters.get(info.param_name) if check_params else orig[i]
@@ -101,7 +105,7 @@ class Writeback(ParamViews):
             if grad is None:
                 grad_none.append(True)
                 if flat_grad is not None and numel > 0:
-                    flat_grad[offset : offset + numel].zero_()
+                    unset.append((offset, numel))
                 continue
             grad_none.append(False)
             same = flat_grad is not None and grad.numel() > 0 and same_storage(grad, flat_grad)
@@ -121,6 +125,9 @@ class Writeback(ParamViews):
         if check_grads and flat.grad is not None and grad_none and all(grad_none):
             # Every original gradient was set to None (``zero_grad()``): so is the flat one.
             flat.grad = None
-        elif check_grads and (wrote_params or wrote_grads):
-            self.use_sharded_grad_views()
+        else:
+            for offset, numel in unset:
+                flat.grad[offset : offset + numel].zero_()
+            if check_grads and (wrote_params or wrote_grads):
+                self.use_sharded_grad_views()
         return WritebackResult(wrote_params, wrote_grads)
