@@ -222,9 +222,12 @@ def outside_options(item: pytest.Item, options: ParityOptions) -> bool:
     return False
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the cases the options leave out: hand-written cases (``engine_cases``) on other engines or
-    references, and under ``--loop-axes`` the generated cases of suites that vary no training-loop axis."""
+    references, and under ``--loop-axes`` the generated cases of suites that vary no training-loop axis; give
+    each batch of rank checks its own pytest-xdist group (``rank_checks.batch_groups``). First, before
+    pytest-xdist names the groups and pytest-split splits the items."""
     options = config.stash[OPTIONS_KEY]
     kept, dropped = [], []
     for item in items:
@@ -235,6 +238,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    from harness.pytest_plugin.rank_checks import batch_groups  # it imports this package's marks
+
+    batch_groups(items)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -104,3 +104,15 @@ def test_each_check_test_may_take_its_module_s_whole_batch_under_pytest_timeout(
     _, test_check = rank_check_tests([check_all_reduce, check_fails_on_rank1], timeout_s=50.0)
     limits = [m.args[0] for m in test_check.pytestmark if m.name == "timeout"]
     assert limits == [2 * 50.0 + PoolConfig.start_timeout_s], test_check.pytestmark
+
+
+def test_each_engine_and_device_batch_is_its_own_xdist_group(tmp_path: Path) -> None:
+    """A module's batches (one per engine and device, each spawning its own ranks) may run on different
+    pytest-xdist workers side by side; the checks of one batch stay together."""
+    done = _scratch_run(tmp_path, "-n", "2", "--dist", "loadgroup", "-v", "--engine", "builtin,torch-fsdp")
+    groups = {line.split("@", 1)[1].split()[0] for line in done.stdout.splitlines()
+              if ("PASSED" in line or "XFAIL" in line or "SKIPPED" in line or "FAILED" in line) and "@" in line}
+    assert groups == {
+        "rank-checks:test_known[fsdp_api=builtin]", "rank-checks:test_known[fsdp_api=torch-fsdp]",
+        "rank-checks:test_devices[rank_checks=cpu]", "rank-checks:test_devices[rank_checks=cuda]",
+    }, done.stdout[-3000:]
