@@ -56,6 +56,7 @@ from harness.cases.records import CaseRecord
 from harness.collect.expectations import ExpectedFailure
 from harness.pytest_plugin.cases import Agreement, ParityOptions, SuiteMatrix, TestOutcome, outcome_of, plan_pool, verdict_table
 from harness.pytest_plugin.pools import PoolRegistry, RankPools, gpus_missing, plan_here, skip_here
+from harness.pytest_plugin.xdist_groups import batch_groups
 from harness.run.options import SelectionOptions, as_typed, option_specs
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ def outside_options(item: pytest.Item, options: ParityOptions) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the cases the options leave out: hand-written cases (``engine_cases``) on other engines or
     references, and under ``--loop-axes`` the generated cases of suites that vary no training-loop axis; give
-    each batch of rank checks its own pytest-xdist group (``rank_checks.batch_groups``). First, before
+    each batch of rank checks its own pytest-xdist group (``xdist_groups.batch_groups``). First, before
     pytest-xdist names the groups and pytest-split splits the items."""
     options = config.stash[OPTIONS_KEY]
     kept, dropped = [], []
@@ -238,8 +239,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
-    from harness.pytest_plugin.rank_checks import batch_groups  # it imports this package's marks
-
     batch_groups(items)
 
 

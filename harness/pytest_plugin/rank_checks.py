@@ -30,12 +30,13 @@ from harness.collect.expectations import ExpectedFailure, expected_failure
 from harness.pytest_plugin import act_on, expect_failure
 from harness.pytest_plugin.cases import TestOutcome
 from harness.pytest_plugin.pools import gpus_missing, placed_pool
+from harness.pytest_plugin.xdist_groups import GROUP_PREFIX
 from harness.ranks.placement import DeviceChoice
 from harness.ranks.pool import PoolConfig, PoolOutcome
 from harness.ranks.rank import RankContext
 
-__all__ = ["CheckOutcome", "RankChecks", "api_rank_check_tests", "batch_groups", "batch_timeout", "rank_check_tests",
-           "rank_checks_fixture", "run_checks"]
+__all__ = ["CheckOutcome", "RankChecks", "api_rank_check_tests", "batch_timeout", "rank_check_tests", "rank_checks_fixture",
+           "run_checks"]
 
 Check = Callable[..., None]
 
@@ -154,33 +155,14 @@ def batch_timeout(n_checks: int, timeout_s: float) -> pytest.MarkDecorator:
     return pytest.mark.timeout(n_checks * timeout_s + PoolConfig.start_timeout_s)
 
 
-#: the start of the pytest-xdist group name of a module's rank checks.
-GROUP_PREFIX = "rank-checks:"
-
-
 def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:
     """Keep a module's checks on one pytest-xdist worker (``--dist loadgroup``): the rank-checks fixture
     runs every check of the module, so each worker that got one of them would run them all again.
-    ``batch_groups`` narrows the group to one batch (engine and device) at collection."""
+    ``harness.pytest_plugin.xdist_groups.batch_groups`` narrows the group to one batch (engine and device)
+    at collection."""
     return pytest.mark.xdist_group(name=f"{GROUP_PREFIX}{checks[0].__module__}")
 
 
-def batch_groups(items: Sequence[pytest.Item]) -> None:
-    """Give each batch of a module's rank checks its own pytest-xdist group: the module-scoped fixture is
-    parametrized by engine (``fsdp_api``) and device, and each of its instances spawns its own ranks and runs
-    every check of the module, so the batches of one module can run on different workers side by side (the
-    use_orig_params module's four batches, run one after another on one worker, were a GPU run's longest
-    test). Items without a rank-check group, or without parameters besides the check, keep their group."""
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        params = {k: v for k, v in callspec.params.items() if k != "check"} if callspec is not None else {}
-        if not params:
-            continue
-        for i, mark in enumerate(item.own_markers):
-            name = str(mark.kwargs.get("name", mark.args[0] if mark.args else ""))
-            if mark.name == "xdist_group" and name.startswith(GROUP_PREFIX):
-                batch = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
-                item.own_markers[i] = pytest.mark.xdist_group(name=f"{name}[{batch}]").mark
 
 
 def rank_checks_fixture(
