@@ -130,3 +130,6 @@ class RootContext(Generic[U]):
     forward_count: int = 0
     #: the floating-point buffers of the tree with their original and compute dtypes.
     buffers: BufferPrecision | None = None
+    #: units whose original parameters this forward has not yet written back: each is written back just
+    #: before its first all-gather of the forward, so the root's all-gather need not wait for every unit's.
+    writeback_pending: set[U] = field(default_factory=set)

@@ -6,10 +6,11 @@ tree and its ``training`` flag); nothing here imports the wrapper. Per iteration
 instance:
 
 1. root pre-forward (:meth:`ModuleState.root_pre_forward`): lazily create the shared context,
-   put back any unit still unsharded from a forward that had no backward, adopt user changes to
-   original parameters (writeback), move and cast the inputs;
-2. pre-forward (:meth:`ModuleState.pre_forward`): all-gather into the unsharded leaf, register
-   compute views, prefetch the next unit's all-gather (``forward_prefetch``);
+   put back any unit still unsharded from a forward that had no backward, mark every unit's user
+   changes to original parameters as still to adopt (writeback), move and cast the inputs;
+2. pre-forward (:meth:`ModuleState.pre_forward`): adopt the unit's user changes, all-gather into the
+   unsharded leaf, register compute views, prefetch the next unit's all-gather (``forward_prefetch``,
+   after adopting that unit's changes);
 3. post-forward (:meth:`ModuleState.post_forward`): free the unsharded parameters
    (FULL_SHARD/HYBRID_SHARD, except the root, whose parameters backward needs first), register the
    pre-backward hook on every output tensor that requires grad;
@@ -192,8 +193,10 @@ class ModuleState:
                     # Unsharded by a forward that had no backward (eval, or SHARD_GRAD_OP): the
                     # optimizer or the user may have changed the shard since.
                     unit.reshard(ctx)
-            for unit in ctx.units:
-                unit.writeback()
+            # Adopting user changes to the original parameters waits for each unit's first all-gather of
+            # this forward (``_write_back_pending``): here, before the root's, it held back the step's
+            # first collective by every unit's check (torch FSDP1 checks them all here).
+            ctx.writeback_pending = set(ctx.units)
             self._select_precision()
         # The optimizer step and the writebacks above wrote shards on the compute stream.
         ctx.streams.gather_after_compute()
@@ -219,6 +222,7 @@ class ModuleState:
         ctx = self.ctx
         self.lifecycle.to_forward()
         ctx.exec_order.record_pre_forward(unit)
+        self._write_back_pending(unit)
         unit.unshard(ctx)
         unit.wait_unshard()
         unit.use_compute_views()
@@ -265,7 +269,17 @@ class ModuleState:
     def _prefetch(self, unit: FsdpUnit | None) -> None:
         if unit is None or unit.sharded_state != ShardedState.SHARDED:
             return
+        self._write_back_pending(unit)
         unit.unshard(self.ctx)
+
+    def _write_back_pending(self, unit: FsdpUnit) -> None:
+        """Adopt user changes to ``unit``'s original parameters (``use_orig_params``) if this forward has not
+        yet: before its first all-gather, and on the compute stream, which the all-gathers then wait for."""
+        ctx = self.ctx
+        if unit in ctx.writeback_pending:
+            ctx.writeback_pending.discard(unit)
+            if unit.writeback():
+                ctx.streams.gather_after_compute()
 
     def _prefetch_backward(self, unit: FsdpUnit) -> None:
         target = self.ctx.exec_order.next_backward(unit)
@@ -288,6 +302,7 @@ class ModuleState:
         unit.ran_pre_backward = True
         self.lifecycle.to_pre_backward()
         unit.check_no_change_since_forward()
+        ctx.writeback_pending.discard(unit)  # written back here
         if unit.writeback():
             ctx.streams.gather_after_compute()
         unit.unshard(ctx)

@@ -124,17 +124,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _print_trace_summaries(directory: Path) -> None:
-    """Each trace's GPU time, streams, overlap and top kernels (``harness.perf.profile_summary``)."""
+    """Each trace's GPU time, streams, overlap and top kernels, and its steps as the timer saw them
+    (``harness.perf.profile_summary``); a trace of CPU ranks: the host's step and its first collective."""
     from harness.perf.benchmark import PROFILE_STEPS
     from harness.perf.profile_summary import (
-        gpu_events, host_syncs, load_trace, step_breakdown, step_marks, summarize, summary_lines,
+        gpu_events, host_collectives, host_syncs, load_trace, step_breakdown, step_marks, summarize, summary_lines,
     )
 
     for path in sorted(directory.glob("*.json")):
         trace = load_trace(path)
-        events = gpu_events(trace)
-        if events:
-            steps = step_breakdown(events, step_marks(trace), host_syncs(trace))
+        events, marks = gpu_events(trace), step_marks(trace)
+        if events or marks:
+            steps = step_breakdown(events, marks, host_syncs(trace), collectives=host_collectives(trace))
             print("\n".join(summary_lines(path.stem, summarize(events, PROFILE_STEPS), steps)))
 
 

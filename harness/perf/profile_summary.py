@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "GpuEvent", "StepBreakdown", "StreamSummary", "TraceSummary", "gpu_events", "host_syncs", "load_trace",
+    "GpuEvent", "StepBreakdown", "StreamSummary", "TraceSummary", "gpu_events", "host_collectives", "host_syncs",
+    "load_trace",
     "step_breakdown", "step_marks", "summarize", "summary_lines",
 ]
 
@@ -110,6 +111,9 @@ class StepBreakdown:
     #: the longest idle gaps inside the windows, over all steps: ``(ms, ms from the step's start, the event
     #: after the gap)``, longest first.
     gaps: list[tuple[float, float, str]] = field(default_factory=list)
+    #: the host's time from the step's start to its first collective call (``c10d::``; None: none in the step):
+    #: what holds back the first all-gather, on CPU ranks as on GPUs.
+    first_collective_ms: float | None = None
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -149,13 +153,22 @@ def step_marks(trace: dict[str, Any]) -> list[Interval]:
     return _host_ranges(trace, ("user_annotation",), (STEP_MARK,))
 
 
+def host_collectives(trace: dict[str, Any]) -> list[Interval]:
+    """The host's collective calls (``c10d::`` operators: all-gathers, reduce-scatters, all-reduces), in order."""
+    ranges = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("c10d::"):
+            ranges.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+    return sorted(ranges)
+
+
 def host_syncs(trace: dict[str, Any]) -> list[Interval]:
     """The host's blocking CUDA calls (:data:`BLOCKING_CALLS`), in order."""
     return _host_ranges(trace, ("cuda_runtime", "cuda_driver"), BLOCKING_CALLS)
 
 
 def step_breakdown(events: Sequence[GpuEvent], marks: Sequence[Interval], syncs: Sequence[Interval] = (),
-                   top_gaps: int = 5) -> StepBreakdown | None:
+                   top_gaps: int = 5, collectives: Sequence[Interval] = ()) -> StepBreakdown | None:
     """Lead-in, GPU window and host time after it for the steps ``marks`` delimit (None without marks).
 
     A step's GPU events are those that start after its mark starts and before the next mark starts (the
@@ -165,6 +178,7 @@ def step_breakdown(events: Sequence[GpuEvent], marks: Sequence[Interval], syncs:
         return None
     totals = [0.0] * 7
     gaps: list[tuple[float, float, str]] = []
+    firsts: list[float] = []
     bounds = [m[0] for m in marks[1:]] + [float("inf")]
     for (start, end), stop in zip(marks, bounds):
         mine = [e for e in events if start <= e.start_us < stop]
@@ -175,6 +189,9 @@ def step_breakdown(events: Sequence[GpuEvent], marks: Sequence[Interval], syncs:
             after = next(e.name for e in mine if e.start_us >= gap_end)
             gaps.append(((gap_end - gap_start) * 1e-3, (gap_start - start) * 1e-3, after))
         blocked = [(a, b) for a, b in syncs if start <= a < end]
+        first_call = next((a for a, _ in collectives if start <= a < end), None)
+        if first_call is not None:
+            firsts.append(first_call - start)
         window = max(last - first, 0.0)
         parts = (max(end, last) - start, first - start, window, max(end - last, 0.0), window - _length(busy),
                  float(len(blocked)), _length(blocked))
@@ -182,7 +199,8 @@ def step_breakdown(events: Sequence[GpuEvent], marks: Sequence[Interval], syncs:
     n = len(marks)
     step, lead, window, after, idle, count, blocked_us = (t / n for t in totals)
     return StepBreakdown(n, step * 1e-3, lead * 1e-3, window * 1e-3, after * 1e-3, idle * 1e-3, count,
-                         blocked_us * 1e-3, sorted(gaps, reverse=True)[:top_gaps])
+                         blocked_us * 1e-3, sorted(gaps, reverse=True)[:top_gaps],
+                         sum(firsts) / len(firsts) * 1e-3 if firsts else None)
 
 
 def _union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -260,9 +278,16 @@ def _short(name: str, width: int = 60) -> str:
 
 
 def summary_lines(label: str, summary: TraceSummary, steps: StepBreakdown | None = None) -> list[str]:
-    """A few lines per trace for the perf report."""
+    """A few lines per trace for the perf report (a trace of CPU ranks: the host's step and first collective)."""
     s = summary
+    first = (f"  first collective issued {steps.first_collective_ms:.3f} ms after the step's start"
+             if steps is not None and steps.first_collective_ms is not None else None)
+    if s.compute_stream is None:
+        head = f"{label}: no GPU work" + ("" if steps is None else f"; host step {steps.step_ms:.2f} ms")
+        return [head] + ([first] if first else [])
     lines = [f"{label}: GPU window {s.window_ms_per_step:.2f} ms/step, idle {s.idle_ms_per_step:.2f} ms/step"]
+    if first:
+        lines.append(first)
     if steps is not None:
         lines.append(f"  step {steps.step_ms:.2f} ms = host lead-in {steps.lead_in_ms:.2f} + GPU window "
                      f"{steps.window_ms:.2f} + host after {steps.host_after_ms:.2f}; {steps.syncs_per_step:g} "

@@ -106,6 +106,49 @@ def check_summon_writeback(rank: int, world_size: int) -> None:
         assert_close(model(*x), ref(*x))
 
 
+def check_writeback_waits_for_each_units_first_all_gather(rank: int, world_size: int) -> None:
+    """With use_orig_params each unit adopts user changes just before its own first all-gather of a forward,
+    not all of them before the root's (which held back the step's first collective); a change made after
+    the last step still reaches the forward (gradient writeback: the ported ``check_grad_writeback``)."""
+    from engine.unit import FsdpUnit
+
+    log: list[tuple[str, int]] = []
+    writeback, unshard = FsdpUnit.writeback, FsdpUnit.unshard
+
+    def logged_writeback(self: FsdpUnit) -> bool:
+        log.append(("writeback", id(self)))
+        return writeback(self)
+
+    def logged_unshard(self: FsdpUnit, ctx) -> None:  # type: ignore[no-untyped-def]
+        log.append(("unshard", id(self)))
+        unshard(self, ctx)
+
+    FsdpUnit.writeback, FsdpUnit.unshard = logged_writeback, logged_unshard  # type: ignore[method-assign]
+    try:
+        for strategy in STRATEGIES:
+            model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, use_orig_params=True,
+                                   forward_prefetch=True)
+            x = NestedWrapped.get_input(step=0, rank=0)
+            NestedWrapped.get_loss(x, model(*x)).backward()
+            model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                model.module.out.weight.data = torch.full_like(model.module.out.weight, 0.25)
+            log.clear()
+            out = model(*x)
+            ref = NestedWrapped()
+            with torch.no_grad():
+                ref.out.weight.fill_(0.25)
+            assert_close(out, ref(*x), msg=lambda m: f"{strategy}: the change before forward was lost: {m}")
+            units = list(dict.fromkeys(name for op, name in log if op == "unshard"))
+            assert units and log[0] == ("writeback", units[0]) and log[1] == ("unshard", units[0]), (strategy, log)
+            for unit in units:  # each unit's own writeback comes before its all-gather, once per forward
+                assert log.index(("writeback", unit)) < log.index(("unshard", unit)), (strategy, log)
+            assert [n for op, n in log if op == "writeback"] == units, (strategy, log)
+            NestedWrapped.get_loss(x, out).backward()
+    finally:
+        FsdpUnit.writeback, FsdpUnit.unshard = writeback, unshard  # type: ignore[method-assign]
+
+
 def check_summon_options(rank: int, world_size: int) -> None:
     model = wrap_bottom_up(NestedWrapped(), FSDP, use_orig_params=True)
     ref = NestedWrapped()
@@ -366,6 +409,7 @@ CHECKS = [
     check_clip_grad_norm,
     check_clip_grad_norm_no_clip_when_small,
     check_summon_writeback,
+    check_writeback_waits_for_each_units_first_all_gather,
     check_summon_options,
     check_summon_offload_to_cpu_with_no_shard_refused_as_torch,
     check_summon_between_forward_and_backward,

@@ -11,6 +11,7 @@ from harness.perf.profile_summary import (
     STEP_MARK,
     GpuEvent,
     gpu_events,
+    host_collectives,
     host_syncs,
     load_trace,
     step_breakdown,
@@ -114,3 +115,24 @@ def test_reads_step_marks_and_blocking_calls_from_a_trace() -> None:
     steps = step_breakdown([], step_marks(trace), host_syncs(trace))
     line = summary_lines("builtin-shard_grad_op-rank0", summarize([_ev("k", 7, 1, 1)], 2), steps)[1]
     assert line.startswith("  step 0.05 ms = host lead-in 0.05 + GPU window 0.00 + host after 0.00; 0.5 blocking")
+
+
+def test_the_first_collective_of_each_step_and_a_cpu_trace_summary() -> None:
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": STEP_MARK, "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": STEP_MARK, "ts": 200, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 5, "dur": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::_allgather_base_", "ts": 40, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::_reduce_scatter_base_", "ts": 70, "dur": 10},
+        {"ph": "X", "cat": "user_annotation", "name": "gloo:all_gather", "ts": 41, "dur": 5},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::_allgather_base_", "ts": 220, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 150, "dur": 10},  # between the steps
+    ]}
+    assert host_collectives(trace) == [(40.0, 50.0), (70.0, 80.0), (150.0, 160.0), (220.0, 230.0)]
+    steps = step_breakdown(gpu_events(trace), step_marks(trace), host_syncs(trace), collectives=host_collectives(trace))
+    assert steps is not None and steps.first_collective_ms == pytest.approx((40 + 20) / 2 * 1e-3)
+    # No GPU events (CPU ranks): the host's step and first collective only, no GPU numbers.
+    lines = summary_lines("gpt-builtin-shard_grad_op-rank0", summarize(gpu_events(trace), 2), steps)
+    assert lines == ["gpt-builtin-shard_grad_op-rank0: no GPU work; host step 0.10 ms",
+                     "  first collective issued 0.030 ms after the step's start"]
+    assert step_breakdown([], [(0, 10)]).first_collective_ms is None  # type: ignore[union-attr]
