@@ -53,7 +53,11 @@ class AllGatherLimiter:
     [Note: rate-limited all-gathers] Without a limit the CPU thread can run far ahead of the GPU
     and issue every unit's all-gather before the first is freed, so peak memory becomes the whole
     model. Each free records an event on the compute stream; before issuing an all-gather, if
-    ``max_in_flight`` frees are pending, the CPU waits for the oldest one.
+    ``max_in_flight`` frees are pending, the CPU waits for the oldest one, one per all-gather (torch
+    FSDP1's rule). Waiting until fewer than ``max_in_flight`` were pending would, after a
+    SHARD_GRAD_OP backward (a free per unit, none in forward), make the next forward's first
+    all-gather wait for nearly every free of that backward: the CPU could not run ahead of the GPU
+    into the next step.
     """
 
     def __init__(self, enabled: bool, max_in_flight: int = 2) -> None:
@@ -69,7 +73,7 @@ class AllGatherLimiter:
         self._free_events.append(event)
 
     def wait_if_needed(self) -> None:
-        while self.enabled and len(self._free_events) >= self.max_in_flight:
+        if self.enabled and len(self._free_events) >= self.max_in_flight:
             self._free_events.popleft().synchronize()
 
     def __len__(self) -> int:

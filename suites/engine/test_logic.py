@@ -51,16 +51,23 @@ class _FakeEvent:
         self.log.append(self.i)
 
 
-def test_limiter_waits_for_the_oldest_free() -> None:
+def test_limiter_waits_for_the_oldest_free_one_per_all_gather() -> None:
+    """torch FSDP1's rule: with ``max_in_flight`` frees pending an all-gather waits for the oldest only, so the
+    17 frees of a SHARD_GRAD_OP backward are not all waited for by the next forward's first all-gather."""
     log: list[int] = []
     limiter = AllGatherLimiter(enabled=True, max_in_flight=2)
-    limiter._free_events.extend(_FakeEvent(log, i) for i in range(3))
+    limiter._free_events.extend(_FakeEvent(log, i) for i in range(17))
     limiter.wait_if_needed()
-    assert log == [0, 1] and len(limiter) == 1
+    assert log == [0] and len(limiter) == 16
+    for _ in range(15):
+        limiter.wait_if_needed()
+    assert log == list(range(16)) and len(limiter) == 1
+    limiter.wait_if_needed()  # fewer than max_in_flight pending: no wait
+    assert log == list(range(16)) and len(limiter) == 1
     disabled = AllGatherLimiter(enabled=False)
     disabled._free_events.extend(_FakeEvent(log, i) for i in range(5))
     disabled.wait_if_needed()
-    assert log == [0, 1]
+    assert log == list(range(16))
     disabled.record_free(torch.device("cpu"))  # a no-op off CUDA
 
 
