@@ -163,8 +163,6 @@ def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:
     return pytest.mark.xdist_group(name=f"{GROUP_PREFIX}{checks[0].__module__}")
 
 
-
-
 def rank_checks_fixture(
     checks: Sequence[Check],
     world_size: int = 2,
