@@ -198,7 +198,7 @@ class ModuleState:
             # first collective by every unit's check (torch FSDP1 checks them all here).
             ctx.writeback_pending = set(ctx.units)
             self._select_precision()
-        # The optimizer step and the writebacks above wrote shards on the compute stream.
+        # The optimizer step wrote shards on the compute stream (a unit's writeback, if it writes, waits again).
         ctx.streams.gather_after_compute()
         args, kwargs = _move_inputs(args, kwargs, ctx.device)
         mp = self.config.mixed_precision

@@ -23,7 +23,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,10 +139,11 @@ def gpu_events(trace: dict[str, Any]) -> list[GpuEvent]:
     return sorted(events, key=lambda ev: ev.start_us)
 
 
-def _host_ranges(trace: dict[str, Any], categories: tuple[str, ...], names: tuple[str, ...]) -> list[Interval]:
+def _host_ranges(trace: dict[str, Any], categories: tuple[str, ...], keep: Callable[[str], bool]) -> list[Interval]:
+    """The intervals of the host's complete events of ``categories`` whose name ``keep`` accepts, in order."""
     ranges = []
     for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") in categories and e.get("name") in names:
+        if e.get("ph") == "X" and e.get("cat") in categories and keep(str(e.get("name", ""))):
             ranges.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
     return sorted(ranges)
 
@@ -150,25 +151,21 @@ def _host_ranges(trace: dict[str, Any], categories: tuple[str, ...], names: tupl
 def step_marks(trace: dict[str, Any]) -> list[Interval]:
     """The host's intervals of the :data:`STEP_MARK` ranges, in order (empty for a trace without them);
     the GPU's copies of the ranges (``gpu_user_annotation``) are not the host's."""
-    return _host_ranges(trace, ("user_annotation",), (STEP_MARK,))
+    return _host_ranges(trace, ("user_annotation",), lambda name: name == STEP_MARK)
 
 
 def host_collectives(trace: dict[str, Any]) -> list[Interval]:
     """The host's collective calls (``c10d::`` operators: all-gathers, reduce-scatters, all-reduces), in order."""
-    ranges = []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("c10d::"):
-            ranges.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
-    return sorted(ranges)
+    return _host_ranges(trace, ("cpu_op",), lambda name: name.startswith("c10d::"))
 
 
 def host_syncs(trace: dict[str, Any]) -> list[Interval]:
     """The host's blocking CUDA calls (:data:`BLOCKING_CALLS`), in order."""
-    return _host_ranges(trace, ("cuda_runtime", "cuda_driver"), BLOCKING_CALLS)
+    return _host_ranges(trace, ("cuda_runtime", "cuda_driver"), lambda name: name in BLOCKING_CALLS)
 
 
 def step_breakdown(events: Sequence[GpuEvent], marks: Sequence[Interval], syncs: Sequence[Interval] = (),
-                   top_gaps: int = 5, collectives: Sequence[Interval] = ()) -> StepBreakdown | None:
+                   collectives: Sequence[Interval] = (), top_gaps: int = 5) -> StepBreakdown | None:
     """Lead-in, GPU window and host time after it for the steps ``marks`` delimit (None without marks).
 
     A step's GPU events are those that start after its mark starts and before the next mark starts (the
