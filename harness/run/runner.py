@@ -453,7 +453,9 @@ class CaseRunner:
     def run(self, lanes: Sequence[Lane], cases: Sequence[CaseConfig]) -> list[CaseConfig]:
         """Run ``cases`` on ``lanes`` (``lanes_to_start`` of them); returns the cases that were not launched."""
         lanes = lanes_to_start(lanes, cases)
-        if not lanes:
+        # No pool starts once the budget is spent: a world size's pools (NCCL set-up on a loaded node takes
+        # seconds each) would start only to find the deadline passed and close again, past the budget.
+        if not lanes or self.over_budget():
             return list(cases)
         # Handed out so that each pool's reference cache is hit: grouped by what the references train, or
         # under a time budget in the (sampled) order with a lookahead (``harness.run.case_queue``).

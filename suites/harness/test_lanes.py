@@ -3,6 +3,7 @@ lane and on two lanes gives records whose every compared quantity is bitwise the
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from harness.cases.case import CaseConfig
@@ -79,3 +80,35 @@ def test_the_run_header_names_the_pools_that_start() -> None:
     lanes = {2: [Lane(2, "nccl", (2 * i % 4, 2 * i % 4 + 1)) for i in range(16)], 4: [Lane(4, "nccl", (0, 1, 2, 3))]}
     assert lane_text(lanes, cases) == "2 pool(s) of 2 ranks (nccl on GPUs [0, 1, 2, 3] (one per rank))"
     assert lane_text(lanes, []) == "no pool (nothing to run)"
+
+
+class _UnusedPool:
+    """A pool that is entered and left but never given a case (the lanes find the budget spent)."""
+
+    def __enter__(self) -> "_UnusedPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_no_pool_starts_after_the_deadline() -> None:
+    """The world sizes run one after the other: once the budget is spent while one world size's pools
+    start, the next world size's pools never start (on a loaded GPU node each start took seconds)."""
+    cases = select_cases(Selection(matrix="smoke", engines=["builtin"], references=["ddp"], models=["nested"], steps=1),
+                         [2, 4])
+    assert {c.world_size for c in cases} == {2, 4}
+    runner = CaseRunner(_Records(), Progress(len(cases), enabled=False), time.monotonic() + 3600, case_timeout_s=240.0)
+    opened: list[int] = []
+
+    def open_pool(lane: Lane) -> Any:
+        opened.append(lane.world_size)
+        runner.deadline = time.monotonic()  # the budget runs out while this pool starts
+        return _UnusedPool()
+
+    runner.open_pool = open_pool
+    not_run, failed = runner.run_all({2: [Lane(2, "gloo", None)], 4: [Lane(4, "gloo", None)]}, cases, budget_s=1.0)
+    assert opened == [2], f"pools started for world sizes {opened} after the budget was spent"
+    assert not failed and runner.recorded == 0
+    assert sorted(c.full_id for c, _ in not_run) == sorted(c.full_id for c in cases)
+    assert {why for _, why in not_run} == {"time budget of 1 s spent"}
