@@ -296,6 +296,7 @@ class Nightly:
             recorded=session.recorded, not_run=len(not_run),
             not_run_reasons=dict(collections.Counter(why for _, why in not_run)),
             lane_errors=session.runner.lane_errors, wall_s=round(cases_wall, 3),
+            pools_close_s=round(session.runner.close_s, 3),
             cases_per_s=round(session.recorded / cases_wall, 3) if cases_wall > 0 else None,
             breakdown=breakdown(session.records, session.records_s, cases_wall),
         )

@@ -19,11 +19,12 @@ pool runs a case and when, never what it computes; ``suites/harness`` checks it 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -420,6 +421,10 @@ class CaseRunner:
         self.recorded = 0
         #: seconds spent writing records (each durable before the next: ``ResultWriter.append``'s fsync).
         self.records_s = 0.0
+        #: seconds the pools took to close after their lanes' last cases: per ``run`` the slowest lane's
+        #: (the lanes close side by side), summed over the world sizes (they run one after the other).
+        self.close_s = 0.0
+        self._run_close_s = 0.0
         #: one line per pool that could not (re)start or whose thread failed.
         self.lane_errors: list[str] = []
         #: the results file could not be written: every lane stops and ``run`` raises this.
@@ -463,6 +468,7 @@ class CaseRunner:
         # Each lane sets its own event when it is over: a Thread.join that Ctrl-C interrupts can mark a
         # running thread stopped (CPython 3.11), and ``interrupt`` must still wait for the pools to close.
         self._done = [threading.Event() for _ in lanes]
+        self._run_close_s = 0.0
         threads = [threading.Thread(target=self._lane, args=(i, lane, queue, done), daemon=True, name=f"harness-lane{i}")
                    for i, (lane, done) in enumerate(zip(lanes, self._done))]
         for thread in threads:
@@ -470,6 +476,7 @@ class CaseRunner:
         for done in self._done:
             while not done.wait(0.2):  # a timed wait lets Ctrl-C reach the main thread
                 pass
+        self.close_s += self._run_close_s
         if self.write_error is not None:
             raise self.write_error
         return queue.remaining()
@@ -503,7 +510,7 @@ class CaseRunner:
 
         case: CaseConfig | None = None
         try:
-            with self.open_pool(lane) as pool:
+            with self._timing_close(self.open_pool(lane)) as pool:
                 with self._lock:
                     if self.stop.is_set():
                         return
@@ -535,6 +542,22 @@ class CaseRunner:
             self._lane_failed(index, lane, case, queue, f"pool did not start: {str(exc).splitlines()[0]}")
         except Exception as exc:  # noqa: BLE001 - a lane's failure must leave its case visible as not run
             self._lane_failed(index, lane, case, queue, f"{type(exc).__name__}: {exc}")
+
+    @contextlib.contextmanager
+    def _timing_close(self, pool: "Pool") -> Iterator[Any]:
+        """``pool`` entered and left, the time its leaving takes (its ranks' exit: on a loaded GPU node,
+        seconds of CUDA and NCCL teardown) kept in ``close_s``, which a time budget's end includes."""
+        closing_since: float | None = None
+        try:
+            with pool as entered:
+                try:
+                    yield entered
+                finally:
+                    closing_since = time.monotonic()
+        finally:
+            if closing_since is not None:
+                with self._lock:
+                    self._run_close_s = max(self._run_close_s, time.monotonic() - closing_since)
 
     def _lane_failed(self, index: int, lane: Lane, case: CaseConfig | None, queue: CaseQueue, why: str) -> None:
         with self._lock:

@@ -152,7 +152,11 @@ def test_the_time_budget_holds_the_whole_nightly_report_included(tmp_path: Path)
     # outran it. What the budget promises is that no case starts after its deadline, so the report's own
     # overrun beyond the reserve is allowed for, and the cases' part is held to the second.
     overrun = max(state["report"]["wall_s"] - report_reserve(budget), 0.0)
-    assert state["wall_s"] <= budget + slowest + overrun + 2.0, (state["wall_s"], slowest, overrun)
+    # The pools close after their last cases, past the deadline: a second on CPU ranks, seconds of CUDA and
+    # NCCL teardown on a loaded GPU node; the nightly counts that time (``pools_close_s``) and so does the bound.
+    closing = state["cases"]["pools_close_s"]
+    assert state["wall_s"] <= budget + slowest + closing + overrun + 2.0, \
+        (state["wall_s"], slowest, closing, overrun, state["cases"]["wall_s"], state["report"]["wall_s"])
     assert (out / "matrix.html").is_file() and "nightly ok" not in done.stdout
 
 
