@@ -83,6 +83,22 @@ def neutral_config(stage: int) -> dict[str, Any]:
     }
 
 
+#: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements), which ZeRO allocates in full with
+#: contiguous gradients (its default): stage 3 at ``deepspeed.initialize``, stages 1 and 2 at their first
+#: reduce. 2 GB of fp32 a rank, for the harness's models of kilobytes: 16 pytest-xdist workers' ranks
+#: filled 141 GiB H200s with it.
+DEFAULT_REDUCE_BUCKET = 500_000_000
+
+
+def bucket_sized_to_model(config: dict[str, Any], user: dict[str, Any], numel: int) -> dict[str, Any]:
+    """``config`` with its reduce bucket no larger than the model's ``numel`` elements, unless the user's
+    config sets one. A bucket that holds every gradient groups them as DeepSpeed's default does for any
+    model under ``DEFAULT_REDUCE_BUCKET`` elements (one bucket), so the reductions are the same."""
+    if "reduce_bucket_size" in user.get("zero_optimization", {}):
+        return config
+    return merged_config(config, {"zero_optimization": {"reduce_bucket_size": max(1, min(DEFAULT_REDUCE_BUCKET, numel))}})
+
+
 def merged_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """``override``'s keys over ``base``'s; dictionaries merge key by key (a config naming one
     ``zero_optimization`` key keeps the others)."""
@@ -212,8 +228,11 @@ class DeepSpeedAdapter(EngineAdapter):
         # ``device_rank``: the rank's own device (a pool's GPU need not be its LOCAL_RANK's).
         args = SimpleNamespace(local_rank=ctx.local_rank,
                                device_rank=ctx.device.index if ctx.device.type == "cuda" else ctx.local_rank)
+        # Under zero.Init a parameter is already partitioned: ``ds_numel`` is its full size.
+        numel = sum(getattr(p, "ds_numel", p.numel()) for _, p in named)
         engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                               config=copy.deepcopy(self.config), dist_init_required=False)
+                                               config=bucket_sized_to_model(self.config, self._user, numel),
+                                               dist_init_required=False)
         _trace_deepspeed_collectives()
         notes: list[str] = []
 

@@ -12,7 +12,7 @@ import pytest
 from harness.cases.case import FSDP_STRATEGIES, ZERO_STRATEGIES
 from harness.collect.coverage import coverage_lines, family_coverage, verdict
 from harness.engines.checkpoint import unsupported_checkpoint
-from harness.engines.deepspeed_adapter import merged_config, neutral_config
+from harness.engines.deepspeed_adapter import DEFAULT_REDUCE_BUCKET, bucket_sized_to_model, merged_config, neutral_config
 from harness.engines.registry import EngineSpecError, check_engines, resolve
 from harness.ranks.placement import hybrid_shard_size
 from harness.ranks.pool import PoolConfig, RankPool
@@ -46,6 +46,17 @@ def test_a_config_file_overrides_the_neutral_defaults_key_by_key(tmp_path: Path)
     (spec,) = check_engines([f"mine=deepspeed:{config}"])
     adapter = resolve(spec)
     assert adapter.name == "mine" and adapter.strategies == ("zero1",) and adapter.config["gradient_clipping"] == 0.0
+
+
+def test_the_reduce_bucket_is_no_larger_than_the_model_unless_the_config_says() -> None:
+    config = neutral_config(3)
+    # DeepSpeed allocates its whole reduce bucket: a model of 1,000 elements gets a bucket of 1,000, which
+    # holds every gradient as the default's does.
+    assert bucket_sized_to_model(config, {}, 1_000)["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1_000}
+    assert bucket_sized_to_model(config, {}, 10**10)["zero_optimization"]["reduce_bucket_size"] == DEFAULT_REDUCE_BUCKET
+    assert config["zero_optimization"] == {"stage": 3}, "the engine's own config is left as it was"
+    mine = {"zero_optimization": {"reduce_bucket_size": 123}}
+    assert bucket_sized_to_model(merged_config(config, mine), mine, 1_000)["zero_optimization"]["reduce_bucket_size"] == 123
 
 
 def test_the_deepspeed_kind_wins_over_module_object_and_refuses_bad_files(tmp_path: Path) -> None:
