@@ -22,7 +22,11 @@ strategy in this run; one that failed or ran out of memory is not a candidate). 
 interleaved repetitions on the same pool, each every engine and strategy once with the engine order
 rotated: the step time is then the median of the repetitions' (min..max in place of p10..p90), peak
 memory the largest, and each ratio the median of the per-repetition (paired) ratios, printed with their
-range (``harness.perf.perf_rows``). ``--json`` keeps the summary rows and every repetition's.
+range (``harness.perf.perf_rows``). Under the table, each row's step split into phases (forward to the
+loss, backward, optimizer step with ``zero_grad``; ``harness.perf.phases``): the median over the timed steps
+of each step's slowest rank's, GPU time between CUDA events on GPUs and host time on CPU, their sum beside
+the step time, and each phase over the faster torch engine's. ``--json`` keeps the summary rows and every
+repetition's, each with its phases (``phase_ms``, and per step ``steps_phase_ms``).
 ``--profile DIR`` writes a Chrome trace of a few extra steps per engine, strategy and rank.
 
 Exit status: 0; 1 when a run failed or a final loss differs from torch FSDP1's by more than
@@ -42,7 +46,8 @@ import torch
 
 from harness.cli.options import add_placement, positive_float, positive_int
 from harness.perf.benchmark import CPU_MODEL, ENGINES, SIZES, STRATEGIES, GPTConfig, count_params
-from harness.perf.perf_rows import BASELINE, PerfRow, ratio_lines, summarize, table
+from harness.perf.perf_rows import BASELINE, PerfRow, phase_table, ratio_lines, summarize, table
+from harness.perf.phases import PHASES
 from harness.perf.perf_run import ZOO_MODELS, PerfConfig, run_repetitions
 
 
@@ -139,12 +144,20 @@ def _print_trace_summaries(directory: Path) -> None:
             print("\n".join(summary_lines(path.stem, summarize(events, PROFILE_STEPS), steps)))
 
 
+def phase_clock(device: str) -> str:
+    """What a phase's time is on ``device`` (the ranks' answer: a GPU's name, or ``CPU``)."""
+    if device == "CPU":
+        return "host time (perf_counter) between the phase boundaries"
+    return "GPU time between CUDA events on each rank's current stream"
+
+
 def json_data(config: PerfConfig, device: str, wall_s: float, rows: list[PerfRow],
               repetitions: list[list[PerfRow]]) -> dict[str, object]:
     """What ``--json`` writes: the configuration, the summary ``rows`` (one per engine and strategy) and,
     under ``repetitions``, every repetition's rows in the order they ran."""
     return {"config": asdict(config), "params": None if config.zoo_models else count_params(config.model),
             "torch": torch.__version__, "device": device, "wall_s": wall_s, "repeats": config.repeats,
+            "phases": list(PHASES), "phase_clock": phase_clock(device),
             "rows": [asdict(r) for r in rows],
             "repetitions": [{"repetition": i + 1, "order": [r.label for r in rep], "rows": [asdict(r) for r in rep]}
                             for i, rep in enumerate(repetitions)]}
@@ -169,6 +182,9 @@ def main(args: argparse.Namespace) -> int:
     print(table(rows))
     for line in ratio_lines(rows):
         print(line)
+    phases = phase_table(rows, phase_clock(device))
+    if phases:
+        print(phases)
     wall = time.monotonic() - start
     failed = [r.label for r in rows if r.status not in ("ok", "unsupported")]
     differs = [r.label for r in rows if r.loss_matches is False]

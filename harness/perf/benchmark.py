@@ -11,6 +11,10 @@ Two jobs, both run through ``harness.ranks.pool.RankPool`` (module-level functio
   the parity matrix does (``harness.engines.adapters``), and reports per-step wall seconds. The host-bound
   regime: tiny kernels, many units, where the engine's Python per step is the cost.
 
+Both also split every timed step into forward, backward and optimizer (``harness.perf.phases``): CUDA
+events on the current stream at the boundaries on GPUs, ``perf_counter`` on CPU ranks, read after the
+step's closing synchronize, so the split adds no wait to the step it measures.
+
 With a profile directory both also run a few extra steps after the timed ones under
 ``torch.profiler`` (CPU and, on GPUs, CUDA activities; shapes not recorded), each synchronized and marked
 as the timed ones are, and write one Chrome trace per engine, strategy and rank; the timed steps are never
@@ -37,6 +41,7 @@ import torch.nn as nn
 
 from harness.cases.models import CPU_GPT, BenchmarkGPT, GPTConfig, ZooModel, to_device, wrap_bottom_up
 from harness.engines.optim import adamw, sgd
+from harness.perf.phases import PhaseClock, no_mark
 from harness.perf.profile_summary import STEP_MARK
 from harness.ranks.rank import RankContext
 
@@ -130,6 +135,9 @@ class RankTiming:
     units: int | None = None
     #: where this rank's Chrome trace went (None: not profiled).
     trace: str | None = None
+    #: seconds of each timed step's phases (``harness.perf.phases.PHASES`` order): GPU time between CUDA
+    #: events on GPUs, host time on CPU; None from a rank that did not split its steps.
+    phase_s: list[list[float]] | None = None
 
     @property
     def setup_s(self) -> float | None:
@@ -282,25 +290,32 @@ def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     module, forward_context = _wrap(model, job, ctx)
     optimizer = adamw(module.parameters(), lr=job.lr)
 
-    def step(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def step(inputs: tuple[torch.Tensor, ...], mark: Callable[[], None] = no_mark) -> torch.Tensor:
         with forward_context():
             loss = model.get_loss(inputs, module(*inputs))
+        mark()
         model.run_backward(loss)
+        mark()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        mark()
         return loss.detach()
 
     _sync(ctx)
     if ctx.device_type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     step_s: list[float] = []
+    phase_s: list[list[float]] = []
     losses: list[torch.Tensor] = []
+    clock = PhaseClock(ctx.device)
     for inputs in batches:
         _sync(ctx)
         t0 = time.perf_counter()
-        loss = step(inputs)
+        clock.start()
+        loss = step(inputs, clock.mark)
         _sync(ctx)
         step_s.append(time.perf_counter() - t0)
+        phase_s.append(clock.read())
         losses.append(loss)
     cuda = ctx.device_type == "cuda"
     peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else None
@@ -311,7 +326,7 @@ def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
         _profiled_steps(ctx, path, job.profile_steps, lambda i: step(batches[i % len(batches)]))
         trace = str(path)
     result = RankTiming(step_s=step_s[job.warmup:], losses=[float(x) for x in losses], device=_device_name(ctx),
-                        peak_bytes=peak, reserved_bytes=reserved, trace=trace)
+                        peak_bytes=peak, reserved_bytes=reserved, trace=trace, phase_s=phase_s[job.warmup:])
     del module, model, optimizer, batches, losses, loss
     _release(ctx)
     return result
@@ -367,18 +382,23 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
     batches = [to_device(zoo.get_input(seed=case.seed, step=s, rank=ctx.rank), ctx.device, full)
                for s in range(job.warmup + job.steps)]
 
-    def step(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def step(inputs: tuple[torch.Tensor, ...], mark: Callable[[], None] = no_mark) -> torch.Tensor:
         loss = zoo.get_loss(inputs, trainee.module(*inputs))
+        mark()
         zoo.run_backward(loss)
+        mark()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        mark()
         return loss.detach()
 
     step_s: list[float] = []
     # CPU seconds of this rank's process per step (its threads together): the host cost itself, less
     # blurred than wall time by ranks waiting on each other when the host's cores are shared.
     cpu_s: list[float] = []
+    phase_s: list[list[float]] = []
     losses: list[float] = []
+    clock = PhaseClock(ctx.device)
     profiler = cProfile.Profile() if job.cprofile else None
     for i, inputs in enumerate(batches):
         timed = i >= job.warmup
@@ -386,12 +406,14 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
         if profiler is not None and timed:
             profiler.enable()
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = step(inputs)
+        clock.start()
+        loss = step(inputs, clock.mark)
         _sync(ctx)
         step_s.append(time.perf_counter() - t0)
         cpu_s.append(time.process_time() - c0)
         if profiler is not None and timed:
             profiler.disable()
+        phase_s.append(clock.read())
         losses.append(float(loss))
     trace = None
     if job.profile_dir is not None:
@@ -405,4 +427,4 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
     # Wrapping and the first step (lazy init) are paid once per parity case: part of the host-bound cost.
     return RankTiming(step_s=step_s[job.warmup:], losses=losses, device=_device_name(ctx), cpu_s=cpu_s[job.warmup:],
                       build_s=build_s, first_step_s=step_s[0] if step_s else None,
-                      units=len(zoo.wrap_units()) + 1, trace=trace)
+                      units=len(zoo.wrap_units()) + 1, trace=trace, phase_s=phase_s[job.warmup:])

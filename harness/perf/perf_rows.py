@@ -8,8 +8,8 @@ their min..max, peak memory the largest of any repetition. Ratios are paired: ta
 (both runs of the same repetition) and reported as the median of those ratios with their range, against
 torch FSDP1 (``BASELINE``) and against the faster torch engine (``TORCH_ENGINES``: the one of torch FSDP1
 and FSDP2 with the smaller median step time at the same strategy in this run; one that failed, ran out
-of memory or was not run is never the faster). ``table`` and ``ratio_lines`` are what
-``python -m harness perf`` prints.
+of memory or was not run is never the faster). ``table``, ``ratio_lines`` and ``phase_table`` (each step's
+forward, backward and optimizer, ``harness.perf.phases``) are what ``python -m harness perf`` prints.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from harness.perf.phases import PHASES, phase_ratios
 
 #: the engine the first ratio is taken against (the anchors' FSDP1 configuration).
 BASELINE = "torch-fsdp"
@@ -85,6 +87,16 @@ class PerfRow:
     repeats: int = 1
     #: every timed step (slowest rank), for the JSON; of a summary, every repetition's in turn.
     steps_ms: list[float] = field(default_factory=list)
+    #: ``{phase: ms}`` (``PHASES``): each phase's median over the timed steps, the phases of each step being
+    #: its slowest rank's (the rank ``step_ms`` is of); of a summary the median over the repetitions. GPU
+    #: time between CUDA events on GPUs, host time on CPU. None: the ranks did not split their steps.
+    phase_ms: dict[str, float] | None = None
+    #: median over the timed steps of each step's phases added up (of a summary, the median over the
+    #: repetitions): at most ``step_ms``, the rest being host time outside the phases (the step's lead-in, the
+    #: closing synchronize); the phases' medians need not add up to it.
+    phase_sum_ms: float | None = None
+    #: ``{phase: [ms of each timed step]}``, aligned with ``steps_ms``, for the JSON.
+    steps_phase_ms: dict[str, list[float]] | None = None
 
     @property
     def key(self) -> RowKey:
@@ -116,7 +128,10 @@ def summarize_row(runs: Sequence[PerfRow]) -> PerfRow:
         raise ValueError("summarize_row: no repetitions")
     first, n = runs[0], len(runs)
     if n == 1:
-        return dataclasses.replace(first, steps_ms=list(first.steps_ms))
+        # The summary never shares a list or dict with the repetition's row it was made from.
+        steps_phase = None if first.steps_phase_ms is None else {p: list(v) for p, v in first.steps_phase_ms.items()}
+        return dataclasses.replace(first, steps_ms=list(first.steps_ms), steps_phase_ms=steps_phase,
+                                   phase_ms=None if first.phase_ms is None else dict(first.phase_ms))
     if all(r.status == "unsupported" for r in runs):
         return PerfRow(first.engine, first.strategy, "unsupported", first.reason, model=first.model, repeats=n)
     for i, r in enumerate(runs):
@@ -136,6 +151,12 @@ def summarize_row(runs: Sequence[PerfRow]) -> PerfRow:
         present = [v for v in values if v is not None]
         return statistics.median(present) if present else None
 
+    # A phase is summarized only when every repetition has it: a median of some repetitions would not
+    # compare with the step time, which is all of them.
+    split = all(r.phase_ms is not None and r.phase_sum_ms is not None for r in runs)
+    phase_ms = {p: statistics.median(r.phase_ms[p] for r in runs) for p in PHASES} if split else None  # type: ignore[index]
+    steps_phase_ms = ({p: [v for r in runs for v in (r.steps_phase_ms or {}).get(p, [])] for p in PHASES}
+                      if split else None)
     return dataclasses.replace(
         first, step_ms=step, min_ms=lo, p10_ms=p10, p90_ms=p90, max_ms=hi, repeats=n,
         cpu_ms=middle([r.cpu_ms for r in runs]), setup_ms=middle([r.setup_ms for r in runs]),
@@ -145,7 +166,8 @@ def summarize_row(runs: Sequence[PerfRow]) -> PerfRow:
         final_loss=middle([r.final_loss for r in runs]),
         ratio=None, ratio_min=None, ratio_max=None, loss_matches=None,
         faster_torch=None, faster_ratio=None, faster_ratio_min=None, faster_ratio_max=None,
-        steps_ms=[s for r in runs for s in r.steps_ms],
+        steps_ms=[s for r in runs for s in r.steps_ms], phase_ms=phase_ms, steps_phase_ms=steps_phase_ms,
+        phase_sum_ms=statistics.median(r.phase_sum_ms for r in runs) if split else None,  # type: ignore[type-var]
     )
 
 
@@ -308,3 +330,32 @@ def ratio_lines(rows: Sequence[PerfRow]) -> list[str]:
             lines.append(f"ratio {r.engine} / faster torch ({where}): not measured (neither "
                          f"{' nor '.join(TORCH_ENGINES)} {r.strategy} ran ok: {'; '.join(_torch_notes(rows, r.model, r.strategy))})")
     return lines
+
+
+def phase_table(rows: Sequence[PerfRow], clock: str) -> str:
+    """The ok rows' median phase times (``PerfRow.phase_ms``) as a Markdown table under a caption naming
+    ``clock`` (what a phase's time is: GPU or host), the median of the steps' phase sums next to the step
+    time (the rest is host time outside the phases: the step's lead-in and the closing synchronize) and each
+    phase over the faster torch engine's (same model and strategy, ratio of the medians); empty when no row
+    has phases."""
+    from tabulate import tabulate
+
+    split = [r for r in rows if r.status == "ok" and r.phase_ms]
+    if not split:
+        return ""
+    body = []
+    for r in split:
+        phases = r.phase_ms or {}
+        faster = next((b for b in rows if b.engine == r.faster_torch and b.strategy == r.strategy and b.model == r.model
+                       and b.status == "ok" and b.phase_ms), None)
+        # Against itself (it is the faster torch engine) a ratio says nothing.
+        if faster is not None and faster.engine == r.engine:
+            faster = None
+        ratios = phase_ratios(phases, faster.phase_ms) if faster is not None else {}  # type: ignore[arg-type]
+        versus = "-" if not ratios or faster is None else (
+            " / ".join(_fmt(ratios.get(p), ".3f") for p in PHASES) + f" ({faster.engine})")
+        body.append((r.label, *[_fmt(phases.get(p), ".2f") for p in PHASES], _fmt(r.phase_sum_ms, ".2f"),
+                     _fmt(r.step_ms, ".2f"), versus))
+    headers = ("engine", *[f"{p} ms" for p in PHASES], "phases ms", "step ms", f"x faster torch: {' / '.join(PHASES)}")
+    caption = f"phase ms (median over the timed steps, each step's slowest rank; {clock}):"
+    return caption + "\n" + tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)

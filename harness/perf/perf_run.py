@@ -5,8 +5,8 @@ persistent rank pool (``harness.perf.benchmark`` holds the rank side), the engin
 repetition so drift hits all engines alike, and turns the ranks' answers into ``PerfRow``s; ``run`` folds
 the repetitions into one row per engine and strategy (``harness.perf.perf_rows``: medians, spreads, paired
 ratios). Everything else here is plain functions over plain data: the plan, a row from the ranks' values
-(the slowest rank per step, the median and spread over steps, tokens/s, TFLOP/s by the 6N rule, peak
-allocated and reserved memory), the configuration.
+(the slowest rank per step, the median and spread over steps, that rank's phases of each step and their
+medians, tokens/s, TFLOP/s by the 6N rule, peak allocated and reserved memory), the configuration.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from harness.perf.benchmark import (
     zoo_job,
 )
 from harness.perf.perf_rows import BASELINE, GIB, PerfRow, add_ratios, spread, summarize, tflops_per_gpu
+from harness.perf.phases import median_phase_sum, median_phases, phases_by_name, slowest_rank_phases
 
 #: the zoo models of the host-bound mode: many units each (every layer, or every submodule, a unit).
 ZOO_MODELS: tuple[str, ...] = ("transformer", "always_wrap", "gpt")
@@ -72,6 +73,10 @@ def row_from_values(engine: str, strategy: str | None, values: Sequence[RankAnsw
     cpu_steps = [v.cpu_s for v in timings if v.cpu_s is not None]
     cpu = [max(steps) for steps in zip(*cpu_steps)] if len(cpu_steps) == len(timings) else []
     setup = [v.setup_s for v in timings if v.setup_s is not None]
+    phases: dict[str, list[float]] | None = None
+    if all(v.phase_s is not None for v in timings):
+        per_step = slowest_rank_phases([v.step_s for v in timings], [v.phase_s for v in timings])  # type: ignore[misc]
+        phases = phases_by_name(per_step, scale=1000)
     return PerfRow(
         engine, strategy, "ok", model=model, step_ms=1000 * step_s, cpu_ms=1000 * statistics.median(cpu) if cpu else None,
         setup_ms=1000 * max(setup) if setup else None, min_ms=lo, p10_ms=p10, p90_ms=p90, max_ms=hi,
@@ -79,6 +84,8 @@ def row_from_values(engine: str, strategy: str | None, values: Sequence[RankAnsw
         tokens_per_s=len(values) * tokens_per_rank / step_s if throughput else None,  # type: ignore[operator]
         tflops=tflops_per_gpu(params, tokens_per_rank, step_s) if throughput else None,  # type: ignore[arg-type]
         final_loss=statistics.fmean(v.losses[-1] for v in timings), steps_ms=steps_ms,
+        phase_ms=median_phases(phases) if phases else None, steps_phase_ms=phases,
+        phase_sum_ms=median_phase_sum(phases) if phases else None,
     )
 
 

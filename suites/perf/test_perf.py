@@ -32,6 +32,7 @@ from harness.perf.benchmark import (
     ZooJob,
     zoo_job,
 )
+from harness.perf.phases import PHASES
 from harness.perf.profile_summary import load_trace, step_marks
 from harness.perf.perf_rows import PerfRow, add_ratios, spread, tflops_per_gpu
 from harness.perf.perf_run import PerfConfig, plan_runs, row_from_values
@@ -198,6 +199,17 @@ def test_perf_on_cpu_prints_the_ratio_against_torch_fsdp1(tmp_path: Path) -> Non
     assert len(rows["builtin"]["steps_ms"]) == 3 and rows["builtin"]["ratio"] == pytest.approx(float(match[1]), abs=1e-3)
     assert rows["builtin"]["loss_matches"] is True
     assert data["params"] == count_params(CPU_MODEL)
+    # Every timed step split into phases, on CPU ranks in host time: a table under the step times, and the JSON
+    # per row and per step; a step's phases lie inside it, so they add up to no more than it.
+    assert "phase ms (median over the timed steps, each step's slowest rank; host time" in done.stdout, done.stdout
+    assert re.search(r"\| builtin full_shard +\| (\d+\.\d+ +\| ){5}", done.stdout), done.stdout
+    assert data["phases"] == list(PHASES) and data["phase_clock"].startswith("host time")
+    for row in rows.values():
+        assert set(row["phase_ms"]) == set(PHASES) and all(v > 0 for v in row["phase_ms"].values()), row
+        assert 0 < row["phase_sum_ms"] <= row["step_ms"] + 1e-3
+        for i, step in enumerate(row["steps_ms"]):
+            assert 0 < sum(row["steps_phase_ms"][p][i] for p in PHASES) <= step + 1e-3, row
+    assert all(r["phase_ms"] is None for r in hybrid)
 
 
 def test_small_mode_times_zoo_models_against_torch_fsdp1(tmp_path: Path) -> None:
@@ -210,6 +222,9 @@ def test_small_mode_times_zoo_models_against_torch_fsdp1(tmp_path: Path) -> None
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["engine"], r["status"]) for r in rows] == [("always_wrap", "builtin", "ok"), ("always_wrap", "torch-fsdp", "ok")]
     assert rows[0]["loss_matches"] is True and rows[0]["tokens_per_s"] is None and rows[0]["cpu_ms"] > 0 and rows[0]["setup_ms"] > 0
+    # The zoo's steps are split by the same clock as the GPT's.
+    assert all(set(r["phase_ms"]) == set(PHASES) and 0 < r["phase_sum_ms"] <= r["step_ms"] + 1e-3 for r in rows), rows
+    assert "phase ms (median over the timed steps" in done.stdout
 
 
 def test_perf_with_two_repetitions_prints_paired_ratios_and_keeps_every_repetition(tmp_path: Path) -> None:
@@ -237,6 +252,8 @@ def test_perf_with_two_repetitions_prints_paired_ratios_and_keeps_every_repetiti
     assert (ours["ratio_min"], ours["ratio_max"]) == (pytest.approx(paired[0]), pytest.approx(paired[1]))
     assert ours["faster_torch"] == faster[1] and ours["faster_ratio"] == pytest.approx(float(faster[2]), abs=1e-3)
     assert ours["loss_matches"] is True and ours["tflops"] > 0 and len(ours["steps_ms"]) == 4
+    # The phases fold over the repetitions as the step time does: medians, and every step kept.
+    assert len(ours["steps_phase_ms"]["forward"]) == 4 and 0 < ours["phase_sum_ms"] <= ours["step_ms"] + 1e-3
 
 
 @pytest.mark.gpu
@@ -259,6 +276,8 @@ def test_perf_on_two_gpus_reports_memory_and_traces(tmp_path: Path) -> None:
     rows = [r for r in json.loads(out.read_text())["rows"] if r["status"] == "ok"]
     assert {r["strategy"] for r in rows} == {"full_shard", "no_shard"}
     assert all(r["reserved_gib"] >= r["peak_gib"] > 0 for r in rows)
+    # On GPUs the phases are GPU time between CUDA events, read after each step's closing synchronize.
+    assert "GPU time between CUDA events" in done.stdout and all(min(r["phase_ms"].values()) > 0 for r in rows)
     assert len(list((tmp_path / "traces").iterdir())) == 2 * 2 * 2
     # Each trace's steps split as the timer saw them (host lead-in, GPU window, host after).
     assert len(re.findall(r"step \d+\.\d+ ms = host lead-in \d+\.\d+ \+ GPU window", done.stdout)) == 2 * 2 * 2, done.stdout
