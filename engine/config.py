@@ -14,7 +14,8 @@ without an accelerator torch FSDP1 refuses a module with no ``device_id``; ours 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -29,11 +30,17 @@ __all__ = [
     "current_accelerator_device",
     "hybrid_node_size",
     "materialization_device",
+    "skip_writeback_check",
 ]
 
 #: strategies that free the unsharded parameters after forward (and gather them again for backward);
 #: the others keep them from forward to backward.
 RESHARD_AFTER_FORWARD_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+def skip_writeback_check() -> bool:
+    """``FSDP_SKIP_WRITEBACK_CHECK=1`` turns off detection of user changes to original parameters."""
+    return os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "0") == "1"
 
 
 class RankAndSize(Protocol):
@@ -69,6 +76,9 @@ class UnitConfig:
     limit_all_gathers: bool = True
     #: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` at construction: in eval mode, ignore mixed precision.
     use_full_prec_in_eval: bool = False
+    #: ``FSDP_SKIP_WRITEBACK_CHECK=1`` when the config was made: read once, as torch FSDP1's handle reads it at
+    #: construction, not at every check (an environment lookup per unit and hook, on the step's host path).
+    skip_writeback_check: bool = field(default_factory=skip_writeback_check)
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, ShardingStrategy):

@@ -11,7 +11,6 @@ its instance's :class:`~engine.config.UnitConfig` (the handle's). Hooks and orde
 
 from __future__ import annotations
 
-import os
 from enum import Enum, auto
 from typing import Callable
 
@@ -19,7 +18,7 @@ import torch
 from torch import Tensor
 
 from engine import collectives, comm_hooks
-from engine.config import UnitConfig
+from engine.config import UnitConfig, skip_writeback_check
 from engine.context import RootContext
 from engine.flat_param import FlatParamHandle
 from engine.lifecycle import TrainingLifecycle, TrainingState
@@ -43,11 +42,6 @@ class ViewState(Enum):
     SHARDED = auto()
     #: plain ``Tensor`` views of the unsharded leaf, set for compute.
     COMPUTE = auto()
-
-
-def skip_writeback_check() -> bool:
-    """``FSDP_SKIP_WRITEBACK_CHECK=1`` turns off detection of user changes to original parameters."""
-    return os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "0") == "1"
 
 
 def offloaded_placement_error(
@@ -122,7 +116,7 @@ class FsdpUnit:
         target = torch.device("cpu") if self.config.offload_params else self.device
         pin = self.config.offload_params and self.device.type == "cuda"
         if flat.device != target or (pin and not flat.is_pinned()):
-            if self.config.use_orig_params and not skip_writeback_check():
+            if self.config.use_orig_params and not self.config.skip_writeback_check:
                 # Adopt user edits made since construction before the shard's storage moves.
                 handle.writeback_orig_params()
             # Module moved (or not) after wrapping (e.g. wrapped on CPU, then ``.cuda()`` not
@@ -246,7 +240,7 @@ class FsdpUnit:
         """Between forward and backward of a unit that was not resharded, the original
         parameters must be the compute views forward used (their saved tensors are what
         backward differentiates)."""
-        if self.view_state != ViewState.COMPUTE or not self.config.use_orig_params or skip_writeback_check():
+        if self.view_state != ViewState.COMPUTE or not self.config.use_orig_params or self.config.skip_writeback_check:
             return
         changed = self.handle.compute_views_changed()
         if changed:
@@ -266,7 +260,7 @@ class FsdpUnit:
         # With compute views registered (between forward and backward) only gradients can be
         # checked; parameter changes there are an error (check_no_change_since_forward).
         check_params = self.view_state == ViewState.SHARDED
-        if skip_writeback_check():
+        if self.config.skip_writeback_check:
             return not pending_unsharded_grad and self.handle.reset_flat_grad_if_all_none()
         if pending_unsharded_grad and not check_params:
             return False
