@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from engine.param_views import ParamViews, _flat_view, same_storage
+from engine.param_views import ParamInfo, ParamViews, _flat_view
 
 __all__ = ["Writeback", "WritebackResult"]
 
@@ -28,21 +28,38 @@ class WritebackResult(NamedTuple):
     grads: bool
 
 
+def _fqn(info: ParamInfo) -> str:
+    """An original parameter's name under its unit's module, for error messages."""
+    return f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
+
+
 class Writeback(ParamViews):
     """The writeback half of :class:`~engine.flat_param.FlatParamHandle` (a mixin)."""
 
-    def _orig_param_segments(self) -> list[tuple[int, int, torch.Size]]:
+    def _orig_param_segments(self) -> tuple[tuple[int, int, torch.Size], ...]:
         """Per original parameter: ``(offset, numel, expected shape)`` of its part of
-        ``flat_param`` (the local shard, or the whole buffer for NO_SHARD)."""
+        ``flat_param`` (the local shard, or the whole buffer for NO_SHARD).
+
+        Made once per shard metadata and kept: writeback reads it for every unit before each of
+        its all-gathers. Keyed by the metadata object, which ``shard()`` sets (and a test may
+        replace to probe another rank's shard).
+        """
+        infos = self.flat_param._shard_param_infos
+        cached = getattr(self, "_segments_cache", None)
+        if cached is not None and cached[0] is infos:
+            return cached[1]
         if not self.uses_sharded_strategy:
-            return [
+            segments = tuple(
                 (start, e.numel, torch.Size(e.shape))
                 for e, start in zip(self.layout.params, self.layout.param_offsets())
-            ]
-        return [
-            (i.offset_in_shard, i.numel_in_shard, torch.Size([i.numel_in_shard])) if i.in_shard else (0, 0, torch.Size([0]))
-            for i in self.flat_param._shard_param_infos
-        ]
+            )
+        else:
+            segments = tuple(
+                (i.offset_in_shard, i.numel_in_shard, torch.Size([i.numel_in_shard])) if i.in_shard else (0, 0, torch.Size([0]))
+                for i in infos
+            )
+        self._segments_cache = (infos, segments)
+        return segments
 
     def reset_flat_grad_if_all_none(self) -> bool:
         """``flat_param.grad = None`` when every original parameter's ``.grad`` is None (the
@@ -71,58 +88,70 @@ class Writeback(ParamViews):
         flat = self.flat_param
         wrote_params = wrote_grads = False
         orig = list(self._orig_params)
-        grad_none = []
+        infos = self._param_infos
+        sharded = self.uses_sharded_strategy
+        # Looked up once: the loop below runs for every original parameter before each all-gather.
+        # Only this loop assigns flat.grad (and then updates both names).
+        flat_storage = flat.untyped_storage()
+        flat_grad = flat.grad if check_grads else None
+        flat_grad_storage = flat_grad.untyped_storage() if flat_grad is not None else None
+        all_grads_none = True
         # Segments of flat.grad whose original gradient is None: zeroed only when some other gradient is
         # not None, since when all are None (``zero_grad(set_to_none=True)``, every step) flat.grad is
         # dropped instead, and a zero kernel per parameter would delay the step's first all-gathers.
         unset: list[tuple[int, int]] = []
-        for i, ((offset, numel, shape), info) in enumerate(zip(self._orig_param_segments(), self._param_infos)):
-            fqn = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
-            current = info.module._parameters.get(info.param_name) if check_params else orig[i]
+        for i, (offset, numel, shape) in enumerate(self._orig_param_segments()):
+            if check_params:
+                info = infos[i]
+                current = info.module._parameters.get(info.param_name)
+            else:
+                current = orig[i]
             if not isinstance(current, nn.Parameter):
                 raise RuntimeError(
-                    f"Original parameter {fqn} is no longer an nn.Parameter registered on its module "
+                    f"Original parameter {_fqn(infos[i])} is no longer an nn.Parameter registered on its module "
                     f"(found {type(current).__name__}): assign an nn.Parameter to change it"
                 )
-            moved = numel > 0 and (current.numel() == 0 or not same_storage(current, flat))
-            if check_params and (current is not orig[i] or moved or current.shape != shape):
+            if check_params and (
+                current is not orig[i]
+                or (numel > 0 and (current.numel() == 0 or current.untyped_storage() is not flat_storage))
+                or current.shape != shape
+            ):
                 if current.shape != shape:
                     raise RuntimeError(
                         f"Cannot writeback when the parameter shape changes\nExpects {shape} but got "
-                        f"{current.shape} for {fqn}: keep the (sharded) shape the parameter has between "
+                        f"{current.shape} for {_fqn(infos[i])}: keep the (sharded) shape the parameter has between "
                         "iterations, or change it inside summon_full_params()"
                     )
                 segment = flat.data[offset : offset + numel]
                 if numel > 0:
-                    segment.copy_(current.detach().reshape(-1) if self.uses_sharded_strategy else _flat_view(current))
-                    current.data = self.unflat_views(flat.data)[i] if not self.uses_sharded_strategy else segment
+                    segment.copy_(current.detach().reshape(-1) if sharded else _flat_view(current))
+                    current.data = self.unflat_views(flat.data)[i] if not sharded else segment
                 orig[i] = current
                 wrote_params = True
             if not check_grads:
                 continue
             grad = current.grad
-            flat_grad = flat.grad
             if grad is None:
-                grad_none.append(True)
                 if flat_grad is not None and numel > 0:
                     unset.append((offset, numel))
                 continue
-            grad_none.append(False)
-            same = flat_grad is not None and grad.numel() > 0 and same_storage(grad, flat_grad)
+            all_grads_none = False
+            same = flat_grad_storage is not None and grad.numel() > 0 and grad.untyped_storage() is flat_grad_storage
             if same or numel == 0:
                 continue
             if grad.shape != shape:
                 raise RuntimeError(
                     f"Cannot writeback when the gradient shape changes\nExpects {shape} but got "
-                    f"{grad.shape} for the gradient of {fqn}: assign a gradient shaped like the parameter"
+                    f"{grad.shape} for the gradient of {_fqn(infos[i])}: assign a gradient shaped like the parameter"
                 )
             if flat_grad is None:
                 flat_grad = torch.zeros_like(flat)
                 flat.grad = flat_grad
+                flat_grad_storage = flat_grad.untyped_storage()
             flat_grad[offset : offset + numel].copy_(grad.detach().reshape(-1))
             wrote_grads = True
         self._orig_params = tuple(orig)
-        if check_grads and flat.grad is not None and grad_none and all(grad_none):
+        if check_grads and flat.grad is not None and orig and all_grads_none:
             # Every original gradient was set to None (``zero_grad()``): so is the flat one.
             flat.grad = None
         else:
