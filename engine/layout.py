@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Sequence
 
 #: alignment the compiler (TorchInductor) assumes for every original parameter's start address.
@@ -81,10 +82,16 @@ class FlatLayout:
     #: 0 in unaligned mode.
     aligned_numel: int
 
-    @property
+    # Cached (the layout is frozen): the runtime reads these for every unit at every unshard.
+    @cached_property
     def total_numel(self) -> int:
         """Numel of the unsharded flat parameter (alignment and world-size padding included)."""
         return sum(self.numels_with_padding)
+
+    @cached_property
+    def param_segment_indices(self) -> tuple[int, ...]:
+        """Index in :attr:`numels_with_padding` of every original parameter's segment, in order."""
+        return tuple(i for i, pad in enumerate(self.is_padding_mask) if not pad)
 
     @property
     def shard_numel(self) -> int:

@@ -96,20 +96,21 @@ class ParamViews:
     def unflat_views(self, flat: Tensor) -> list[Tensor]:
         """Views into ``flat`` (an unsharded flat tensor, padded or not) shaped like each original
         parameter. Differentiable when ``flat`` requires grad."""
-        if flat.numel() < self.layout.total_numel:
+        layout = self.layout
+        total, numel = layout.total_numel, flat.numel()
+        if numel < total:
             raise ValueError(
-                f"unflat_views needs an unsharded tensor of at least {self.layout.total_numel} elements, "
-                f"got {flat.numel()}"
+                f"unflat_views needs an unsharded tensor of at least {total} elements, got {numel}"
             )
         # One split, not a narrow per parameter: autograd then gives the leaf its gradient with
         # one concatenation, where per-parameter narrows would each materialize (zero-fill and add)
-        # a gradient the size of the whole flat buffer.
-        segments = flat.split([*self.layout.numels_with_padding, flat.numel() - self.layout.total_numel])
-        views = []
-        real = (seg for seg, pad in zip(segments, self.layout.is_padding_mask) if not pad)
-        for entry, segment in zip(self.layout.params, real):
-            views.append(segment.view(entry.shape) if entry.contiguous else segment.as_strided(entry.shape, entry.stride))
-        return views
+        # a gradient the size of the whole flat buffer. (``split_with_sizes`` is what ``split``
+        # calls for a list of sizes, without its Python wrapper.)
+        segments = flat.split_with_sizes([*layout.numels_with_padding, numel - total])
+        return [
+            segments[j].view(entry.shape) if entry.contiguous else segments[j].as_strided(entry.shape, entry.stride)
+            for j, entry in zip(layout.param_segment_indices, layout.params)
+        ]
 
     def use_unsharded_views(self, as_params: bool, source: Tensor | None = None) -> None:
         """Point every original parameter's module attribute at a view of the unsharded buffer.
@@ -160,12 +161,35 @@ class ParamViews:
                 _set_param_attr(info.module, info.param_name, self._orig_params[i])
             self._register_shared_orig_params()
             return
-        flat = self.flat_param.data
-        empty = flat.new_empty(0)
-        for param, info, sinfo in zip(self._orig_params, self._param_infos, self.flat_param._shard_param_infos):
-            param.data = flat[sinfo.offset_in_shard : sinfo.offset_in_shard + sinfo.numel_in_shard] if sinfo.in_shard else empty
+        for param, info, view in zip(self._orig_params, self._param_infos, self._sharded_data_views()):
+            param.data = view
             _set_param_attr(info.module, info.param_name, param)
         self._register_shared_orig_params()
+
+    def _sharded_data_views(self) -> tuple[Tensor, ...]:
+        """Each original parameter's 1-D slice of the local shard (size 0 where it has none there).
+
+        Made once per shard storage and metadata and kept: every reshard points the parameters back at
+        these slices (twice a step per unit under FULL_SHARD), and slicing anew each time was most of
+        that cost. ``param.data = view`` copies the view's geometry into the parameter, so a parameter
+        never aliases the kept slice itself. Keyed by the shard's storage object (a move or a
+        ``flat_param.data`` swap makes a new one), its offset, size and dtype, and the shard metadata
+        object (``shard()`` sets it; a test may replace it).
+        """
+        flat = self.flat_param
+        infos = flat._shard_param_infos
+        storage = flat.untyped_storage()
+        where = (flat.storage_offset(), flat.numel(), flat.dtype)
+        cached = getattr(self, "_sharded_views_cache", None)
+        if cached is not None and cached[0] is storage and cached[1] is infos and cached[2] == where:
+            return cached[3]
+        data = flat.data
+        empty = data.new_empty(0)
+        views = tuple(
+            data[i.offset_in_shard : i.offset_in_shard + i.numel_in_shard] if i.in_shard else empty for i in infos
+        )
+        self._sharded_views_cache = (storage, infos, where, views)
+        return views
 
     def _register_shared_orig_params(self) -> None:
         for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
@@ -199,7 +223,9 @@ class ParamViews:
                     param.grad = torch.empty_like(param)
                 param.grad.data = view.view(param.shape)
             else:
-                param.grad = view.view(param.shape)
+                # A view already shaped like its parameter is installed as it is: a fresh view of the
+                # gradient either way, one view op less per parameter and step.
+                param.grad = view if view.shape == param.shape else view.view(param.shape)
         for shared, info in zip(self._shared_orig_params, self._shared_param_infos):
             prim = getattr(info.prim_module, info.prim_param_name)
             if shared is not prim:
@@ -230,9 +256,13 @@ class ParamViews:
             raise RuntimeError(f"{self!r}: no unsharded flat parameter to take views of")
         with torch.enable_grad():
             views = self.unflat_views(leaf)
+        orig_params = self._use_orig_params
+        # ``param_needs_grad`` for every parameter at once (this runs for every unit at every unshard).
+        needs_grad = [p.requires_grad for p in self._orig_params] if orig_params else None
+        flat_needs_grad = self.flat_param.requires_grad
         registered: list[Tensor] = []
         for i, (view, info) in enumerate(zip(views, self._param_infos)):
-            if not self.param_needs_grad(i):
+            if not (needs_grad[i] if needs_grad is not None else flat_needs_grad):
                 view = view.detach()
             self._set_compute_attr(info.module, info.param_name, view)
             registered.append(view)
