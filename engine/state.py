@@ -307,9 +307,12 @@ class ModuleState:
             ctx.streams.gather_after_compute()
         unit.unshard(ctx)
         unit.wait_unshard()
-        if unit.config.use_orig_params:
+        if unit.config.use_orig_params and unit.view_state != ViewState.COMPUTE:
             # Backward computes with the unsharded parameters: the original parameters show them
-            # (on the compute device) until the post-backward reshard, as FSDP1's.
+            # (on the compute device) until the post-backward reshard, as FSDP1's. A unit that kept
+            # forward's views (SHARD_GRAD_OP: unchanged, as checked above unless the check is
+            # skipped) keeps them, as torch FSDP1 skips this switch when it skipped the post-forward
+            # one (``_skipped_use_sharded_views``); making them again cost a view op per parameter.
             unit.use_compute_views()
         if unit.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_backward(unit)

@@ -149,6 +149,42 @@ def check_writeback_waits_for_each_units_first_all_gather(rank: int, world_size:
         FsdpUnit.writeback, FsdpUnit.unshard = writeback, unshard  # type: ignore[method-assign]
 
 
+def check_backward_keeps_the_forward_views_of_units_not_resharded(rank: int, world_size: int) -> None:
+    """With use_orig_params a unit that keeps its parameters unsharded from forward to backward (SHARD_GRAD_OP)
+    keeps forward's compute views through backward, as torch FSDP1 skips its pre-backward switch after skipping
+    the post-forward one (``_skipped_use_sharded_views``): one view switch per unit and iteration, where making
+    the views again cost a view op per parameter. FULL_SHARD shows the shard between forward and backward, so
+    its pre-backward switches again; the root, resharded only in views, too."""
+    from engine.flat_param import FlatParamHandle
+
+    calls: list[int] = []
+    switch = FlatParamHandle._use_unsharded_views
+
+    def counted(self: FlatParamHandle, as_params: bool) -> None:
+        calls.append(id(self))
+        switch(self, as_params)
+
+    FlatParamHandle._use_unsharded_views = counted  # type: ignore[method-assign]
+    try:
+        for strategy, per_unit in ((ShardingStrategy.SHARD_GRAD_OP, 1), (ShardingStrategy.FULL_SHARD, 2)):
+            model = wrap_bottom_up(NestedWrapped(), FSDP, sharding_strategy=strategy, use_orig_params=True)
+            units = [m for m in FSDP.fsdp_modules(model) if m._unit is not None]
+            x = NestedWrapped.get_input(step=0, rank=rank)
+            for _ in range(2):
+                calls.clear()
+                out = model(*x)
+                forward_view = model.module.out.module.weight
+                in_backward: list[torch.Tensor] = []
+                # Runs after the units' pre-backward hooks on the same output (registered before it).
+                out.register_hook(lambda grad: in_backward.append(model.module.out.module.weight))
+                NestedWrapped.get_loss(x, out).backward()
+                assert len(calls) == per_unit * len(units), (strategy, len(calls), len(units))
+                assert (in_backward[0] is forward_view) == (per_unit == 1), strategy
+                model.zero_grad(set_to_none=True)
+    finally:
+        FlatParamHandle._use_unsharded_views = switch  # type: ignore[method-assign]
+
+
 def check_summon_options(rank: int, world_size: int) -> None:
     model = wrap_bottom_up(NestedWrapped(), FSDP, use_orig_params=True)
     ref = NestedWrapped()
@@ -410,6 +446,7 @@ CHECKS = [
     check_clip_grad_norm_no_clip_when_small,
     check_summon_writeback,
     check_writeback_waits_for_each_units_first_all_gather,
+    check_backward_keeps_the_forward_views_of_units_not_resharded,
     check_summon_options,
     check_summon_offload_to_cpu_with_no_shard_refused_as_torch,
     check_summon_between_forward_and_backward,
