@@ -149,6 +149,12 @@ def predivide_factor(world_size: int) -> float:
     return float(factor)
 
 
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    """``dist.get_world_size(group)`` for a group this rank is in: the group's own ``size()``, without the
+    public function's checks and lookups (asked for every unit at every all-gather and reduction)."""
+    return group.size() if group is not None else dist.get_world_size()
+
+
 def _prepare_shard(shard: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
     """The shard on the compute device in the compute dtype (a copy only when it must move or cast)."""
     if shard.device == device and shard.dtype == dtype:
@@ -173,7 +179,7 @@ def all_gather_flat(
     with _on_stream(stream):
         local = _prepare_shard(shard.detach(), device, dtype)
         output = alloc_output()
-        world_size = dist.get_world_size(group)
+        world_size = _group_size(group)
         if output.numel() != local.numel() * world_size:
             raise RuntimeError(
                 f"all-gather output has {output.numel()} elements but {world_size} shards of "
@@ -242,8 +248,8 @@ def reduce_scatter_grad(
     With ``replicate_group`` (hybrid sharding) the reduce-scattered chunk is then all-reduced
     across replicas; the average is over shard x replicate ranks.
     """
-    world_size = dist.get_world_size(group)
-    dp_size = world_size * (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
+    world_size = _group_size(group)
+    dp_size = world_size * (_group_size(replicate_group) if replicate_group is not None else 1)
     pre, post = average_factors(dp_size)
     with stream_context(stream):
         grad = reduction_input(unsharded_grad, reduce_dtype, stream)
@@ -265,7 +271,7 @@ def all_reduce_grad(
 ) -> ReduceResult:
     """Average ``grad`` over ``group`` (NO_SHARD), in the reduce dtype (in place when ``grad``
     already has it: the caller hands it over)."""
-    pre, post = average_factors(dist.get_world_size(group))
+    pre, post = average_factors(_group_size(group))
     with stream_context(stream):
         out = reduction_input(grad, reduce_dtype, stream)
         _div_(out, pre)

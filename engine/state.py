@@ -164,13 +164,21 @@ class ModuleState:
         See [Note: full precision in eval] in :mod:`engine.precision`.
         """
         ctx = self.ctx
+        any_full = False
         for state in self.tree:
-            if state.unit is not None:
-                state.unit.set_full_precision(state.config.use_full_prec_in_eval and not state.module.training)
+            unit = state.unit
+            if unit is None:
+                continue
+            full = state.config.use_full_prec_in_eval and not state.module.training
+            # Only a change is passed on (the root's lead-in before the first all-gather runs this for every
+            # unit): asking for the precision a unit already has is a no-op, which it would find out slower.
+            if full != unit.full_precision:
+                unit.set_full_precision(full)
+            any_full = any_full or unit.full_precision
         buffers = ctx.buffers
         if buffers is None:
             return
-        if any(u.full_precision for u in ctx.units):
+        if any_full:
             if buffers.state != BufferState.ORIGINAL:
                 buffers.to_original()
         elif buffers.state != BufferState.COMPUTE:

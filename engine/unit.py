@@ -141,6 +141,8 @@ class FsdpUnit:
         :func:`offloaded_placement_error`). ``original_params`` (at lazy init) checks the original
         parameters too: with ``use_orig_params`` they are what ``module.to()`` moves, as FSDP1 sees
         them at its first forward; later they legitimately show compute views between the hooks."""
+        if not self.config.offload_params:
+            return  # nothing to check (every root pre-forward asks every unit)
         found = self.handle.flat_param.device
         if original_params and self.config.use_orig_params and found.type == "cpu":
             moved = next((p.device for p in self.handle.orig_params if p.device.type != "cpu"), None)
@@ -317,7 +319,8 @@ class FsdpUnit:
         flat = self.handle.flat_param
         grad_dtype = self.handle.param_dtype if self.config.keep_low_precision_grads else flat.dtype
         reduced = reduced.to(grad_dtype)
-        if self.handle.uses_sharded_strategy:
+        # Sliced only when the reduced chunk is longer than the shard (a reduce-scatter's is the shard's size).
+        if self.handle.uses_sharded_strategy and reduced.numel() != flat.numel():
             reduced = reduced[: flat.numel()]
         if self.config.offload_params and reduced.device.type != "cpu":
             host = torch.empty(reduced.shape, dtype=reduced.dtype, device="cpu", pin_memory=True)
