@@ -13,6 +13,11 @@ ranks on CPU with a tiny model); ``harness.perf.benchmark`` is the rank side, ``
   (once, no strategy). HYBRID_SHARD needs 4+ ranks and is reported as not applicable below that.
 - ``--small``: the host-bound regime, small zoo models with many units (``--zoo-models``), built and
   wrapped exactly as the parity matrix builds them, per-step wall time of each engine.
+- ``--host-cost``: the engines' host time per step, with no rank pool and no GPU: this process is rank 0
+  of torch's fake process group (collectives are no-ops, everything else runs; ``harness.perf.host_cost``),
+  the GPT with tiny tensors and many units (default 32 layers, width 8, 4 tokens: 33 units), each step
+  timed in process time with one intra-op thread and the garbage collector off; ``model-alone`` (the model
+  and AdamW, no wrapper) is the baseline row. Losses are not compared (no-op collectives).
 
 Columns: the median over the timed steps of the slowest rank's step time and its p10..p90 spread,
 peak allocated and reserved memory (the largest rank's), tokens/s of all ranks, TFLOP/s per GPU by the
@@ -45,8 +50,9 @@ from pathlib import Path
 import torch
 
 from harness.cli.options import add_placement, positive_float, positive_int
-from harness.perf.benchmark import CPU_MODEL, ENGINES, SIZES, STRATEGIES, GPTConfig, count_params
-from harness.perf.perf_rows import BASELINE, PerfRow, phase_table, ratio_lines, summarize, table
+from harness.perf.benchmark import CPU_MODEL, ENGINES, MODEL_ALONE, SIZES, STRATEGIES, GPTConfig, count_params
+from harness.perf.host_cost import HOST_COST_MODEL
+from harness.perf.perf_rows import BASELINE, TORCH_ENGINES, PerfRow, phase_table, ratio_lines, summarize, table
 from harness.perf.phases import PHASES
 from harness.perf.perf_run import ZOO_MODELS, PerfConfig, run_repetitions
 
@@ -55,27 +61,46 @@ def config_from_args(args: argparse.Namespace) -> PerfConfig:
     """The run the options ask for; ``ValueError`` names a bad option."""
     from harness.ranks.placement import n_gpus, place
 
-    lane = place(args.world_size, n_gpus(), args.backend, args.device)  # PlacementError is a ValueError
-    if args.size is not None:
-        base = SIZES[args.size]
+    if args.host_cost:
+        # No ranks to place: one process on the CPU, whatever GPUs the host has.
+        for flag, value, why in (("--backend", args.backend != "auto", "no ranks to connect"),
+                                 ("--device", args.device == "cuda", "it times the host"),
+                                 ("--size", args.size is not None, "GPU-sized models; set --layers, --d-model, ... instead"),
+                                 ("--cprofile", args.cprofile, "its dumps go with --small and --profile")):
+            if value:
+                raise ValueError(f"--host-cost runs one process on the CPU over a fake process group: drop {flag} ({why})")
+        backend, devices, base = "gloo", None, HOST_COST_MODEL
     else:
-        base = SIZES["1b"] if lane.device == "cuda" else CPU_MODEL
+        lane = place(args.world_size, n_gpus(), args.backend, args.device)  # PlacementError is a ValueError
+        backend, devices = lane.backend, lane.devices
+        if args.size is not None:
+            base = SIZES[args.size]
+        else:
+            base = SIZES["1b"] if lane.device == "cuda" else CPU_MODEL
     sizes = {name: getattr(args, name) for name in ("vocab", "d_model", "layers", "heads", "seq", "batch")}
     model = GPTConfig(**{**asdict(base), **{k: v for k, v in sizes.items() if v is not None}})
-    engines = args.engines if args.engines is not None else ["builtin", BASELINE]
+    default_engines = [*TORCH_ENGINES, MODEL_ALONE] if args.host_cost else [BASELINE]
+    engines = args.engines if args.engines is not None else ["builtin", *default_engines]
     precision = args.precision or ("fp32" if args.small else "bf16")
     return PerfConfig(
         model=model, engines=engines, strategies=args.strategies, precision=precision,
         warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr, world_size=args.world_size,
-        backend=lane.backend, devices=lane.devices, timeout_s=args.timeout, loss_rtol=args.loss_rtol,
+        backend=backend, devices=devices, timeout_s=args.timeout,  # type: ignore[arg-type]
+        loss_rtol=None if args.host_cost else args.loss_rtol,
         profile_dir=str(args.profile) if args.profile is not None else None,
         zoo_models=list(args.zoo_models) if args.small else [], cprofile=args.cprofile, repeats=args.repeats,
+        host_cost=args.host_cost,
     )
 
 
 def _header(config: PerfConfig, device: str) -> str:
     m = config.model
     where = f"{config.world_size} ranks, {config.backend}, {device}, torch {torch.__version__}"
+    if config.host_cost:
+        where = (f"one process, rank 0 of a fake process group of {config.world_size} ranks, {device}, "
+                 f"torch {torch.__version__}\nhost cost: step ms is a step's process time over no-op collectives (one "
+                 "intra-op thread, gc off in the timed steps): the engines' host work, not a training speed; losses "
+                 f"not compared; {MODEL_ALONE}: the model and AdamW alone, no wrapper, fp32 (the baseline)")
     shared = config.devices is not None and len(set(config.devices)) < len(config.devices)
     if shared:
         where += ("\nranks share GPUs through gloo: step times include the host staging of every collective "
@@ -88,21 +113,28 @@ def _header(config: PerfConfig, device: str) -> str:
         return (f"{where}\nhost-bound regime: zoo models {', '.join(config.zoo_models)} built and wrapped as the "
                 f"parity matrix does; {config.precision}; SGD; per-step wall time; {timing}")
     prec = "bf16 compute, fp32 reduce" if config.precision == "bf16" else "fp32"
+    params = f"{count_params(m) / 1e6:.1f}M" if count_params(m) >= 10**5 else f"{count_params(m):,}"
     return (f"{where}\n"
-            f"GPT vocab {m.vocab}, d {m.d_model}, {m.layers} layers, {m.heads} heads: {count_params(m) / 1e6:.1f}M params; "
+            f"GPT vocab {m.vocab}, d {m.d_model}, {m.layers} layers, {m.heads} heads: {params} params; "
             f"batch {m.batch} x {m.seq} tokens per rank; {prec}; AdamW; one block per unit; {timing}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     csv = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     p.add_argument("--engines", type=csv, default=None,
-                   help=f"comma list of {','.join(ENGINES)} (default builtin,{BASELINE})")
+                   help=f"comma list of {','.join(ENGINES)} (default builtin,{BASELINE}; with --host-cost "
+                        f"builtin,{','.join(TORCH_ENGINES)},{MODEL_ALONE}; {MODEL_ALONE} only there)")
     p.add_argument("--strategies", type=csv, default=["full_shard"],
                    help=f"comma list of {','.join(STRATEGIES)} for the FSDP engines (default full_shard)")
     p.add_argument("--size", choices=sorted(SIZES), default=None,
                    help="GPT size: 1b (the anchors' 936.5M model, default on GPUs) or 3b (2.91B); default on CPU: tiny")
     p.add_argument("--small", action="store_true",
                    help="host-bound regime: time small zoo models with many units instead of the GPT")
+    p.add_argument("--host-cost", action="store_true",
+                   help="the engines' host time per step: one process over torch's fake process group (no-op "
+                        "collectives), no ranks and no GPU, each step in process time with gc off; the GPT with "
+                        f"tiny tensors and many units ({HOST_COST_MODEL.layers} layers, width {HOST_COST_MODEL.d_model}, "
+                        f"{HOST_COST_MODEL.seq} tokens by default) and the model alone as the baseline row")
     p.add_argument("--zoo-models", type=csv, default=list(ZOO_MODELS),
                    help=f"zoo models of --small (default {','.join(ZOO_MODELS)})")
     p.add_argument("--steps", type=int, default=10, help="timed steps per engine")
@@ -144,8 +176,10 @@ def _print_trace_summaries(directory: Path) -> None:
             print("\n".join(summary_lines(path.stem, summarize(events, PROFILE_STEPS), steps)))
 
 
-def phase_clock(device: str) -> str:
+def phase_clock(device: str, host_cost: bool = False) -> str:
     """What a phase's time is on ``device`` (the ranks' answer: a GPU's name, or ``CPU``)."""
+    if host_cost:
+        return "process time (process_time) between the phase boundaries"
     if device == "CPU":
         return "host time (perf_counter) between the phase boundaries"
     return "GPU time between CUDA events on each rank's current stream"
@@ -157,7 +191,7 @@ def json_data(config: PerfConfig, device: str, wall_s: float, rows: list[PerfRow
     under ``repetitions``, every repetition's rows in the order they ran."""
     return {"config": asdict(config), "params": None if config.zoo_models else count_params(config.model),
             "torch": torch.__version__, "device": device, "wall_s": wall_s, "repeats": config.repeats,
-            "phases": list(PHASES), "phase_clock": phase_clock(device),
+            "phases": list(PHASES), "phase_clock": phase_clock(device, config.host_cost),
             "rows": [asdict(r) for r in rows],
             "repetitions": [{"repetition": i + 1, "order": [r.label for r in rep], "rows": [asdict(r) for r in rep]}
                             for i, rep in enumerate(repetitions)]}
@@ -182,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
     print(table(rows))
     for line in ratio_lines(rows):
         print(line)
-    phases = phase_table(rows, phase_clock(device))
+    phases = phase_table(rows, phase_clock(device, config.host_cost))
     if phases:
         print(phases)
     wall = time.monotonic() - start

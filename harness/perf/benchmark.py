@@ -11,6 +11,10 @@ Two jobs, both run through ``harness.ranks.pool.RankPool`` (module-level functio
   the parity matrix does (``harness.engines.adapters``), and reports per-step wall seconds. The host-bound
   regime: tiny kernels, many units, where the engine's Python per step is the cost.
 
+With ``PerfJob.host_cost`` (``python -m harness perf --host-cost``, run in one process over a fake
+process group by ``harness.perf.host_cost``) ``perf_job`` times each step in process time with the
+garbage collector off: the engines' host work per step, collectives being no-ops.
+
 Both also split every timed step into forward, backward and optimizer (``harness.perf.phases``): CUDA
 events on the current stream at the boundaries on GPUs, ``perf_counter`` on CPU ranks, read after the
 step's closing synchronize, so the split adds no wait to the step it measures.
@@ -46,7 +50,12 @@ from harness.perf.profile_summary import STEP_MARK
 from harness.ranks.rank import RankContext
 
 PerfPrecision = Literal["bf16", "fp32"]
-ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2", "ddp")
+#: the host-cost mode's baseline: the model and AdamW with no wrapper at all (fp32, no autocast), the floor
+#: every engine's host time per step adds to.
+MODEL_ALONE = "model-alone"
+ENGINES: tuple[str, ...] = ("builtin", "torch-fsdp", "torch-fsdp2", "ddp", MODEL_ALONE)
+#: the runs without a sharding strategy: each runs once per repetition, not once per strategy.
+UNSHARDED: tuple[str, ...] = ("ddp", MODEL_ALONE)
 STRATEGIES: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 #: the fewest ranks a hybrid strategy is measured on: two shard groups of at least two ranks each,
 #: else it degenerates into FULL_SHARD (one group) or DDP (groups of one).
@@ -81,7 +90,7 @@ def count_params(cfg: GPTConfig) -> int:
 
 def unsupported_reason(engine: str, strategy: str | None, world_size: int) -> str | None:
     """Why ``(engine, strategy)`` is not measured on ``world_size`` ranks; None when it is."""
-    if engine != "ddp":
+    if engine not in UNSHARDED:
         from harness.engines.fsdp2_adapter import FSDP2Adapter
         from harness.engines.registry import resolve
 
@@ -172,6 +181,9 @@ class PerfJob:
     profile_dir: str | None = None
     #: steps traced after the timed ones.
     profile_steps: int = PROFILE_STEPS
+    #: time each step in process time (``time.process_time``), the garbage collector off across the steps:
+    #: the host-cost mode, one process whose collectives are no-ops, where the step is host work alone.
+    host_cost: bool = False
 
 
 def _hybrid_shard_size(ctx: RankContext) -> int:
@@ -210,6 +222,8 @@ def _fsdp2_wrap(api: Any, model: BenchmarkGPT, job: PerfJob, ctx: RankContext) -
 
 def _wrap(model: BenchmarkGPT, job: PerfJob, ctx: RankContext) -> tuple[nn.Module, Callable[[], contextlib.AbstractContextManager[Any]]]:
     """The trained module and the context its forward runs in (autocast for DDP in bf16)."""
+    if job.engine == MODEL_ALONE:
+        return model, contextlib.nullcontext
     if job.engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -275,6 +289,24 @@ def _profiled_steps(ctx: RankContext, path: Path, steps: int, step: Callable[[in
             _sync(ctx)
 
 
+@contextlib.contextmanager
+def _collector_off(off: bool) -> Any:
+    """With ``off``, collect garbage now and keep the collector off inside: a collection's pause, which the
+    engines' garbage triggers, would otherwise land in whichever engine's step it fell in (the host-cost
+    mode's steps are a few ms, a full collection about as long)."""
+    if not off:
+        yield
+        return
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     """Train one engine on this rank: per-step seconds, per-step losses, peak allocated and reserved bytes."""
     reason = unsupported_reason(job.engine, job.strategy, ctx.world_size)
@@ -307,16 +339,20 @@ def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     step_s: list[float] = []
     phase_s: list[list[float]] = []
     losses: list[torch.Tensor] = []
-    clock = PhaseClock(ctx.device)
-    for inputs in batches:
-        _sync(ctx)
-        t0 = time.perf_counter()
-        clock.start()
-        loss = step(inputs, clock.mark)
-        _sync(ctx)
-        step_s.append(time.perf_counter() - t0)
-        phase_s.append(clock.read())
-        losses.append(loss)
+    # Process time counts this process's CPU seconds alone, not other work on a shared host's cores. In the
+    # host-cost mode nothing waits (no GPU, no-op collectives), so that is the host's work per step.
+    timer = time.process_time if job.host_cost else time.perf_counter
+    clock = PhaseClock(ctx.device, host_clock=timer)
+    with _collector_off(job.host_cost):
+        for inputs in batches:
+            _sync(ctx)
+            t0 = timer()
+            clock.start()
+            loss = step(inputs, clock.mark)
+            _sync(ctx)
+            step_s.append(timer() - t0)
+            phase_s.append(clock.read())
+            losses.append(loss)
     cuda = ctx.device_type == "cuda"
     peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(ctx.device) if cuda else None

@@ -171,7 +171,7 @@ def summarize_row(runs: Sequence[PerfRow]) -> PerfRow:
     )
 
 
-def summarize(repetitions: Sequence[Sequence[PerfRow]], loss_rtol: float) -> list[PerfRow]:
+def summarize(repetitions: Sequence[Sequence[PerfRow]], loss_rtol: float | None) -> list[PerfRow]:
     """One row per engine and strategy (in the first repetition's order) from every repetition's rows,
     with the paired ratios (``add_paired_ratios``). Every repetition must hold the same runs."""
     if not repetitions:
@@ -219,11 +219,12 @@ def _range(ratios: Sequence[float]) -> tuple[float | None, float | None, float |
     return (statistics.median(ratios), min(ratios), max(ratios)) if ratios else (None, None, None)
 
 
-def add_paired_ratios(rows: Sequence[PerfRow], repetitions: Sequence[Sequence[PerfRow]], loss_rtol: float) -> None:
+def add_paired_ratios(rows: Sequence[PerfRow], repetitions: Sequence[Sequence[PerfRow]], loss_rtol: float | None) -> None:
     """Fill every ok row's ratios from ``repetitions`` (the runs ``rows`` summarize): against torch FSDP1
     and against the faster torch engine (chosen on ``rows``) with the same model and strategy (DDP
     against FULL_SHARD, the anchors' configuration), each the median of the per-repetition ratios with
-    their range; and the loss check against torch FSDP1 (it must hold in every repetition)."""
+    their range; and the loss check against torch FSDP1 (it must hold in every repetition), unless
+    ``loss_rtol`` is None (the host-cost mode: over no-op collectives the engines' losses need not agree)."""
     indexed = [{r.key: r for r in rep} for rep in repetitions]
     for row in rows:
         if row.status != "ok" or row.step_ms is None:
@@ -231,7 +232,7 @@ def add_paired_ratios(rows: Sequence[PerfRow], repetitions: Sequence[Sequence[Pe
         strategy = row.strategy if row.strategy is not None else "full_shard"
         base = (row.model, BASELINE, strategy)
         row.ratio, row.ratio_min, row.ratio_max = _range(paired_ratios(indexed, row.key, base))
-        if row.ratio is not None:
+        if row.ratio is not None and loss_rtol is not None:
             pairs = [(rep[row.key], rep[base]) for rep in indexed if row.key in rep and base in rep]
             row.loss_matches = all(
                 a.final_loss is not None and b.final_loss is not None
@@ -244,7 +245,7 @@ def add_paired_ratios(rows: Sequence[PerfRow], repetitions: Sequence[Sequence[Pe
                 row.faster_ratio, row.faster_ratio_min, row.faster_ratio_max = _range(ratios)
 
 
-def add_ratios(rows: Sequence[PerfRow], loss_rtol: float) -> None:
+def add_ratios(rows: Sequence[PerfRow], loss_rtol: float | None) -> None:
     """One run's ratios (``add_paired_ratios`` with a single repetition)."""
     add_paired_ratios(rows, [rows], loss_rtol)
 

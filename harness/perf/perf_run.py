@@ -1,7 +1,8 @@
 """The training-step benchmark's parent side: what runs, in which order, and the rows it yields.
 
 ``run_repetitions`` trains every planned ``(engine, strategy)`` once per repetition (``--repeats``) on one
-persistent rank pool (``harness.perf.benchmark`` holds the rank side), the engine order rotated each
+persistent rank pool (``harness.perf.benchmark`` holds the rank side), or with ``host_cost`` in this process
+over a fake process group (``harness.perf.host_cost.FakeWorld``, the same jobs), the engine order rotated each
 repetition so drift hits all engines alike, and turns the ranks' answers into ``PerfRow``s; ``run`` folds
 the repetitions into one row per engine and strategy (``harness.perf.perf_rows``: medians, spreads, paired
 ratios). Everything else here is plain functions over plain data: the plan, a row from the ranks' values
@@ -19,7 +20,9 @@ from typing import Any, Literal
 
 from harness.perf.benchmark import (
     ENGINES,
+    MODEL_ALONE,
     STRATEGIES,
+    UNSHARDED,
     GPTConfig,
     PerfJob,
     PerfPrecision,
@@ -41,14 +44,13 @@ ZOO_MODELS: tuple[str, ...] = ("transformer", "always_wrap", "gpt")
 def plan_runs(engines: Sequence[str], strategies: Sequence[str], repetition: int = 0) -> list[tuple[str, str | None]]:
     """``(engine, strategy)`` pairs in the order they run in ``repetition`` (0-based): per strategy, the
     engines rotated left by ``repetition`` (so over as many repetitions as engines each engine runs in
-    every position); DDP once, last."""
-    fsdp = [e for e in engines if e != "ddp"]
+    every position); the runs without a strategy (``UNSHARDED``: DDP, the model alone) once each, last."""
+    fsdp = [e for e in engines if e not in UNSHARDED]
     if fsdp:
         k = repetition % len(fsdp)
         fsdp = fsdp[k:] + fsdp[:k]
     runs: list[tuple[str, str | None]] = [(e, s) for s in strategies for e in fsdp]
-    if "ddp" in engines:
-        runs.append(("ddp", None))
+    runs += [(e, None) for e in UNSHARDED if e in engines]
     return runs
 
 
@@ -112,8 +114,9 @@ class PerfConfig:
     devices: tuple[int, ...] | None = None
     #: seconds one engine's run may take before it is a timeout.
     timeout_s: float = 300.0
-    #: a final loss further than this (relative) from torch FSDP1's fails the benchmark.
-    loss_rtol: float = 1e-3
+    #: a final loss further than this (relative) from torch FSDP1's fails the benchmark; None: losses not
+    #: compared (the host-cost mode, whose no-op collectives leave each engine's training its own).
+    loss_rtol: float | None = 1e-3
     #: where the Chrome traces go (None: none).
     profile_dir: str | None = None
     #: the host-bound mode: these zoo models instead of the GPT (empty: the GPT).
@@ -122,6 +125,9 @@ class PerfConfig:
     cprofile: bool = False
     #: interleaved repetitions: each runs every engine and strategy once, the engine order rotated.
     repeats: int = 1
+    #: the host-cost mode: the GPT's jobs in this process over a fake process group of ``world_size``
+    #: (collectives are no-ops), each step timed in process time (``harness.perf.host_cost``).
+    host_cost: bool = False
 
     def __post_init__(self) -> None:
         bad = [v for v in self.strategies if v not in STRATEGIES]
@@ -131,8 +137,8 @@ class PerfConfig:
             raise ValueError(f"PerfConfig.engines is empty: choose one or more of {list(ENGINES)} or engine specs")
         from harness.engines.registry import check_engines
 
-        # DDP is the reference run, not an engine of the registry.
-        fsdp = [e for e in self.engines if e != "ddp"]
+        # DDP and the model alone are references, not engines of the registry.
+        fsdp = [e for e in self.engines if e not in UNSHARDED]
         if fsdp:
             check_engines(fsdp, "--engines")
         if self.repeats < 1:
@@ -146,6 +152,24 @@ class PerfConfig:
         bad_models = [m for m in self.zoo_models if m not in zoo_names()]
         if bad_models:
             raise ValueError(f"PerfConfig.zoo_models={bad_models}: choose from {sorted(zoo_names())}")
+        self._check_host_cost()
+
+    def _check_host_cost(self) -> None:
+        """What the host-cost mode cannot measure, named by the command's options (the one place they are
+        refused, so the library and the command line agree)."""
+        if not self.host_cost:
+            if MODEL_ALONE in self.engines:
+                raise ValueError(f"--engines {MODEL_ALONE}: the model alone is the baseline of --host-cost only "
+                                 "(fp32 without autocast, it is no match for the engines' bf16 on ranks)")
+            return
+        if self.zoo_models:
+            raise ValueError("--host-cost times the benchmark GPT (--layers, --d-model, ...); drop --small")
+        if "ddp" in self.engines:
+            raise ValueError("--host-cost: ddp cannot run over the fake process group (its reducer needs a real "
+                             "all-reduce result); drop it from --engines")
+        if self.profile_dir is not None:
+            raise ValueError("--host-cost: --profile's trace summaries are of collectives and GPU streams, of "
+                             "which the fake process group has none; drop --profile")
 
 
 def _jobs(config: PerfConfig, repetition: int = 0) -> list[tuple[str, str | None, str, Any, Any]]:
@@ -155,7 +179,8 @@ def _jobs(config: PerfConfig, repetition: int = 0) -> list[tuple[str, str | None
     profile_dir = config.profile_dir if repetition == 0 else None
     if not config.zoo_models:
         return [(e, s, "", perf_job, PerfJob(e, s, config.model, config.precision, config.warmup, config.steps,
-                                                 config.seed, config.lr, profile_dir)) for e, s in plan]
+                                             config.seed, config.lr, profile_dir, host_cost=config.host_cost))
+                for e, s in plan]
     return [(e, s, m, zoo_job, ZooJob(e, m, str(s), config.precision, config.warmup, config.steps, config.seed,
                                       profile_dir, cprofile=config.cprofile and profile_dir is not None))
             for m in config.zoo_models for e, s in plan]
@@ -163,24 +188,35 @@ def _jobs(config: PerfConfig, repetition: int = 0) -> list[tuple[str, str | None
 
 def run_repetitions(config: PerfConfig) -> tuple[list[list[PerfRow]], str]:
     """Every repetition's rows (each in the order it ran, with that repetition's own ratios), all on one
-    pool, and the device the ranks ran on (asked of the ranks, so this process never touches the GPUs);
-    raises ``PoolStartError`` when the ranks cannot start. One line per run goes to stderr as it ends,
-    after a header line saying what they are (so in a log file no line of a run comes before a header)."""
+    pool (with ``host_cost``, one fake process group in this process), and the device the ranks ran on
+    (asked of the ranks, so this process never touches the GPUs); raises ``PoolStartError`` when the ranks
+    cannot start. One line per run goes to stderr as it ends, after a header line saying what they are (so
+    in a log file no line of a run comes before a header)."""
     from harness.ranks.pool import PoolConfig, RankPool
 
-    pool_config = PoolConfig(world_size=config.world_size, backend=config.backend, devices=config.devices,
-                             case_timeout_s=config.timeout_s)
-    gpt = not config.zoo_models
+    world: Any
+    if config.host_cost:
+        from harness.perf.host_cost import FakeWorld
+
+        world = FakeWorld(config.world_size)
+        where = f"in this process over a fake process group of {config.world_size} ranks (no-op collectives)"
+    else:
+        world = RankPool(PoolConfig(world_size=config.world_size, backend=config.backend, devices=config.devices,
+                                    case_timeout_s=config.timeout_s))
+        where = f"on {config.world_size} ranks ({config.backend})"
+    # No throughput from the zoo models (their tokens are not comparable) nor from process time over
+    # no-op collectives (no training step's rate).
+    gpt = not config.zoo_models and not config.host_cost
     params = count_params(config.model) if gpt else None
     tokens = config.model.tokens_per_rank if gpt else None
     repetitions: list[list[PerfRow]] = []
     device = "?"
     n_jobs = len(_jobs(config))
-    runs = f"{n_jobs} run(s) of {config.steps} timed steps on {config.world_size} ranks ({config.backend})"
+    runs = f"{n_jobs} run(s) of {config.steps} timed steps {where}"
     if config.repeats > 1:
         runs = f"{config.repeats} repetitions of {runs}, the engine order rotated each repetition"
     print(f"perf: {runs}, one line per engine and strategy as it ends:", file=sys.stderr, flush=True)
-    with RankPool(pool_config) as pool:
+    with world as pool:
         for repetition in range(config.repeats):
             rows: list[PerfRow] = []
             prefix = f"rep {repetition + 1}/{config.repeats} " if config.repeats > 1 else ""

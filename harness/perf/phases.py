@@ -6,16 +6,16 @@ each phase boundary as it is reached and is read only after the step's closing s
 timed loop does anyway. On a GPU rank a mark is a CUDA event recorded on the current stream, so a phase
 is the GPU's time from one boundary to the next (work of other streams counts where the current stream
 waits on it, as the engines make it do before the loss, the optimizer and the next step); on a CPU rank a
-mark is ``perf_counter`` (host time). The rank side (``PhaseClock``) and the plain functions that fold
-the ranks' phases into a row's (``slowest_rank_phases``, ``median_phases``) live here together so the GPT
-and the zoo jobs share one of each.
+mark is ``perf_counter`` (host time; process time in the host-cost mode). The rank side (``PhaseClock``)
+and the plain functions that fold the ranks' phases into a row's (``slowest_rank_phases``,
+``median_phases``) live here together so the GPT and the zoo jobs share one of each.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,12 +27,15 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 class PhaseClock:
     """The phase boundaries of one step at a time: ``start`` at the step's start, ``mark`` at the end of
-    each phase, ``read`` after the step's closing synchronize."""
+    each phase, ``read`` after the step's closing synchronize. ``host_clock`` reads the host's time on a CPU
+    rank: ``perf_counter`` (wall), or ``process_time`` where the step is timed in process time (the
+    host-cost mode), so the phases are on the step's own clock and add up to no more than it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host_clock: Callable[[], float] = time.perf_counter) -> None:
         import torch
 
         self._device = device
+        self._host_clock = host_clock
         self._cuda = device.type == "cuda"
         n = len(PHASES) + 1
         # Made once and reused by every step: an event's first record creates it on the device, a cost
@@ -54,7 +57,7 @@ class PhaseClock:
 
             self._events[self._marked].record(torch.cuda.current_stream(self._device))
         else:
-            self._host[self._marked] = time.perf_counter()
+            self._host[self._marked] = self._host_clock()
         self._marked += 1
 
     def read(self) -> list[float]:
