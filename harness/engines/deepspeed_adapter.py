@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,7 +50,8 @@ from harness.engines.owned_step import FINDING, NEUTRAL_FULL_FILE, OwnedStep, ne
 from harness.engines.spec_files import read_json_object
 from harness.ranks.rank import RankContext
 
-__all__ = ["DEEPSPEED_STAGES", "DeepSpeedAdapter", "deepspeed_missing", "merged_config", "neutral_config"]
+__all__ = ["DEEPSPEED_STAGES", "DeepSpeedAdapter", "deepspeed_missing", "destroy_finished_engine", "merged_config",
+           "neutral_config"]
 
 #: ZeRO stage -> the strategy (``harness.cases.case.ShardingName``) that shards what it shards.
 DEEPSPEED_STAGES: dict[int, str] = {1: "zero1", 2: "zero2", 3: "full_shard"}
@@ -109,6 +111,25 @@ def merged_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, A
 
 
 _rule = functools.partial(prefixed_rule, "deepspeed")
+
+#: the engine this rank process built last. DeepSpeed expects one engine per process, but a rank of a pool
+#: runs case after case: ZeRO-3 keeps every engine's top module in a module-level list
+#: (``deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK``), so no engine is ever freed, and each kept
+#: its reduce bucket (2 GB a rank by default) until the GPUs were full. A rank runs one case at a time, and a
+#: resumed case drops its saving engine before it builds the loading one, so the engine built before is
+#: finished when the next is built: ``engine.destroy()`` (DeepSpeed's own teardown) releases its buffers.
+_last_engine: "weakref.ref[Any] | None" = None
+
+
+def destroy_finished_engine() -> bool:
+    """``destroy()`` the engine this process built last, if it is still alive; True when one was."""
+    global _last_engine
+    engine = _last_engine() if _last_engine is not None else None
+    _last_engine = None
+    if engine is None:
+        return False
+    engine.destroy()
+    return True
 
 
 #: What the DeepSpeed adapters do not express, whatever the stage, each with DeepSpeed's reason.
@@ -219,6 +240,8 @@ class DeepSpeedAdapter(EngineAdapter):
     def build(self, case: CaseConfig, model: ZooModel, ctx: RankContext) -> EngineTrainee:
         import deepspeed
 
+        global _last_engine
+        destroy_finished_engine()
         if case.init_mode == "before":
             model.to(ctx.device)
         apply_activation_checkpointing(model, checkpointed_units(model), case.activation_checkpointing)
@@ -233,6 +256,7 @@ class DeepSpeedAdapter(EngineAdapter):
         engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                                config=bucket_sized_to_model(self.config, self._user, numel),
                                                dist_init_required=False)
+        _last_engine = weakref.ref(engine)
         _trace_deepspeed_collectives()
         notes: list[str] = []
 

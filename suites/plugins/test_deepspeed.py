@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -29,6 +30,11 @@ from harness.cases.case import CaseConfig  # noqa: E402 - after the skip: the mo
 from harness.pytest_plugin import ParityRunner, PoolRegistry  # noqa: E402
 from harness.pytest_plugin.cases import ExpectedFailure, ParityOptions, SuiteMatrix  # noqa: E402
 from harness.run.runner import run_case  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+
+    from harness.ranks.rank import RankContext
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3")
@@ -104,6 +110,40 @@ def test_a_config_that_clips_fails_with_a_reason_naming_the_clipping(parity_pool
     record = run_case(parity_pools.pool_for(case.world_size), case)
     assert record.verdict == "fail", record.reason
     assert record.reason.startswith("finding: clips clipped the gradients to gradient_clipping=1"), record.reason
+
+
+def _first_engine_after_a_second_build(ctx: "RankContext", case: CaseConfig) -> tuple[tuple[int, int], tuple[int, int], bool]:
+    """Rank job: build the case's engine twice in this rank process. The first engine's module hooks and
+    reduce buckets (ZeRO-3's ``ipg_buckets``) before and after the second build, and whether anything was
+    left to destroy after it."""
+    from harness.cases.models import build_model
+    from harness.engines.deepspeed_adapter import destroy_finished_engine
+    from harness.engines.registry import resolve
+
+    adapter = resolve(case.engine)
+
+    def held(engine: "torch.nn.Module") -> tuple[int, int]:
+        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.modules())
+        return hooks, len(engine.optimizer.ipg_buckets)
+
+    first = adapter.build(case, build_model(case.model, seed=0, rank=ctx.rank, world_size=ctx.world_size), ctx)
+    before = held(first.module)
+    adapter.build(case, build_model(case.model, seed=1, rank=ctx.rank, world_size=ctx.world_size), ctx)
+    return before, held(first.module), destroy_finished_engine()
+
+
+def test_a_rank_destroys_its_finished_engine_when_it_builds_the_next(parity_pools: PoolRegistry) -> None:
+    """A pool's rank runs case after case, where DeepSpeed expects one engine per process: ZeRO-3 keeps
+    every engine it built reachable (its module-level FWD_MODULE_STACK), each with its buffers. The adapter
+    destroys the engine before (``engine.destroy()``, which removes the engine's module hooks) when it builds
+    the next (its hooks and reduce buckets go); the last one goes with the next case's build."""
+    case = CaseConfig(engine="deepspeed-zero3", use_orig_params=True)
+    outcome = parity_pools.pool_for(case.world_size).run(_first_engine_after_a_second_build, case)
+    assert outcome.status == "ok", outcome.reason
+    for (hooks, buckets), (hooks_after, buckets_after), second_alive in outcome.values:
+        # DeepSpeed's destroy leaves the top module's start- and end-of-forward hooks; the rest go.
+        assert hooks > 2 and hooks_after <= 2 and buckets > 0 and buckets_after == 0, (hooks, hooks_after, buckets, buckets_after)
+        assert second_alive, "the second engine was alive until destroy_finished_engine"
 
 
 def test_certify_quick_shows_coverage_per_family(tmp_path: Path) -> None:
