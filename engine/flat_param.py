@@ -232,6 +232,10 @@ class FlatParamHandle(Writeback):
         self._compute_leaves: dict[torch.dtype, Tensor] = {}
         #: True while this unit ignores its mixed precision (``FSDP_USE_FULL_PREC_IN_EVAL``).
         self._force_full_precision = False
+        #: derived from the shard and kept (read for every unit at every reshard and writeback check):
+        #: ``ParamViews._sharded_data_views``' and ``Writeback._orig_param_segments``' last answer, with its key.
+        self._sharded_views_cache: tuple[Any, ...] | None = None
+        self._segments_cache: tuple[Any, ...] | None = None
         self.use_unsharded_views(as_params=False, source=self.flat_param)
 
     # ------------------------------------------------------------------ what the rest of the engine reads

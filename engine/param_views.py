@@ -17,7 +17,7 @@ the view.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -92,6 +92,7 @@ class ParamViews:
     _shared_orig_params: tuple[nn.Parameter, ...]
     _param_requires_grad: tuple[bool, ...]
     uses_sharded_strategy: bool
+    _sharded_views_cache: tuple[Any, ...] | None
 
     def unflat_views(self, flat: Tensor) -> list[Tensor]:
         """Views into ``flat`` (an unsharded flat tensor, padded or not) shaped like each original
@@ -180,7 +181,7 @@ class ParamViews:
         infos = flat._shard_param_infos
         storage = flat.untyped_storage()
         where = (flat.storage_offset(), flat.numel(), flat.dtype)
-        cached = getattr(self, "_sharded_views_cache", None)
+        cached = self._sharded_views_cache
         if cached is not None and cached[0] is storage and cached[1] is infos and cached[2] == where:
             return cached[3]
         data = flat.data

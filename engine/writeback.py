@@ -11,7 +11,7 @@ seen as a parameter or gradient that no longer shows the storage the handle gave
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,9 @@ def _fqn(info: ParamInfo) -> str:
 class Writeback(ParamViews):
     """The writeback half of :class:`~engine.flat_param.FlatParamHandle` (a mixin)."""
 
+    # Set by FlatParamHandle.__init__.
+    _segments_cache: tuple[Any, ...] | None
+
     def _orig_param_segments(self) -> tuple[tuple[int, int, torch.Size], ...]:
         """Per original parameter: ``(offset, numel, expected shape)`` of its part of
         ``flat_param`` (the local shard, or the whole buffer for NO_SHARD).
@@ -45,7 +48,7 @@ class Writeback(ParamViews):
         replace to probe another rank's shard).
         """
         infos = self.flat_param._shard_param_infos
-        cached = getattr(self, "_segments_cache", None)
+        cached = self._segments_cache
         if cached is not None and cached[0] is infos:
             return cached[1]
         if not self.uses_sharded_strategy:

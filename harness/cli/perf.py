@@ -53,7 +53,7 @@ from harness.cli.options import add_placement, positive_float, positive_int
 from harness.perf.benchmark import CPU_MODEL, ENGINES, MODEL_ALONE, SIZES, STRATEGIES, GPTConfig, count_params
 from harness.perf.host_cost import HOST_COST_MODEL
 from harness.perf.perf_rows import BASELINE, TORCH_ENGINES, PerfRow, phase_table, ratio_lines, summarize, table
-from harness.perf.phases import PHASES
+from harness.perf.phases import STEP_PHASES
 from harness.perf.perf_run import ZOO_MODELS, PerfConfig, run_repetitions
 
 
@@ -65,8 +65,7 @@ def config_from_args(args: argparse.Namespace) -> PerfConfig:
         # No ranks to place: one process on the CPU, whatever GPUs the host has.
         for flag, value, why in (("--backend", args.backend != "auto", "no ranks to connect"),
                                  ("--device", args.device == "cuda", "it times the host"),
-                                 ("--size", args.size is not None, "GPU-sized models; set --layers, --d-model, ... instead"),
-                                 ("--cprofile", args.cprofile, "its dumps go with --small and --profile")):
+                                 ("--size", args.size is not None, "GPU-sized models; set --layers, --d-model, ... instead")):
             if value:
                 raise ValueError(f"--host-cost runs one process on the CPU over a fake process group: drop {flag} ({why})")
         backend, devices, base = "gloo", None, HOST_COST_MODEL
@@ -191,7 +190,7 @@ def json_data(config: PerfConfig, device: str, wall_s: float, rows: list[PerfRow
     under ``repetitions``, every repetition's rows in the order they ran."""
     return {"config": asdict(config), "params": None if config.zoo_models else count_params(config.model),
             "torch": torch.__version__, "device": device, "wall_s": wall_s, "repeats": config.repeats,
-            "phases": list(PHASES), "phase_clock": phase_clock(device, config.host_cost),
+            "phases": list(STEP_PHASES), "phase_clock": phase_clock(device, config.host_cost),
             "rows": [asdict(r) for r in rows],
             "repetitions": [{"repetition": i + 1, "order": [r.label for r in rep], "rows": [asdict(r) for r in rep]}
                             for i, rep in enumerate(repetitions)]}

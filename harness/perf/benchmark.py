@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from harness.cases.models import CPU_GPT, BenchmarkGPT, GPTConfig, ZooModel, to_device, wrap_bottom_up
 from harness.engines.optim import adamw, sgd
-from harness.perf.phases import PhaseClock, no_mark
+from harness.perf.phases import StepClock, marked_step, no_mark
 from harness.perf.profile_summary import STEP_MARK
 from harness.ranks.rank import RankContext
 
@@ -144,7 +144,7 @@ class RankTiming:
     units: int | None = None
     #: where this rank's Chrome trace went (None: not profiled).
     trace: str | None = None
-    #: seconds of each timed step's phases (``harness.perf.phases.PHASES`` order): GPU time between CUDA
+    #: seconds of each timed step's phases (``harness.perf.phases.STEP_PHASES`` order): GPU time between CUDA
     #: events on GPUs, host time on CPU; None from a rank that did not split its steps.
     phase_s: list[list[float]] | None = None
 
@@ -323,15 +323,11 @@ def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     optimizer = adamw(module.parameters(), lr=job.lr)
 
     def step(inputs: tuple[torch.Tensor, ...], mark: Callable[[], None] = no_mark) -> torch.Tensor:
-        with forward_context():
-            loss = model.get_loss(inputs, module(*inputs))
-        mark()
-        model.run_backward(loss)
-        mark()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mark()
-        return loss.detach()
+        def loss_of() -> torch.Tensor:
+            with forward_context():
+                return model.get_loss(inputs, module(*inputs))
+
+        return marked_step(loss_of, model.run_backward, optimizer, mark)
 
     _sync(ctx)
     if ctx.device_type == "cuda":
@@ -342,7 +338,7 @@ def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     # Process time counts this process's CPU seconds alone, not other work on a shared host's cores. In the
     # host-cost mode nothing waits (no GPU, no-op collectives), so that is the host's work per step.
     timer = time.process_time if job.host_cost else time.perf_counter
-    clock = PhaseClock(ctx.device, host_clock=timer)
+    clock = StepClock(ctx.device, host_clock=timer)
     with _collector_off(job.host_cost):
         for inputs in batches:
             _sync(ctx)
@@ -419,14 +415,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
                for s in range(job.warmup + job.steps)]
 
     def step(inputs: tuple[torch.Tensor, ...], mark: Callable[[], None] = no_mark) -> torch.Tensor:
-        loss = zoo.get_loss(inputs, trainee.module(*inputs))
-        mark()
-        zoo.run_backward(loss)
-        mark()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mark()
-        return loss.detach()
+        return marked_step(lambda: zoo.get_loss(inputs, trainee.module(*inputs)), zoo.run_backward, optimizer, mark)
 
     step_s: list[float] = []
     # CPU seconds of this rank's process per step (its threads together): the host cost itself, less
@@ -434,7 +423,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
     cpu_s: list[float] = []
     phase_s: list[list[float]] = []
     losses: list[float] = []
-    clock = PhaseClock(ctx.device)
+    clock = StepClock(ctx.device)
     profiler = cProfile.Profile() if job.cprofile else None
     for i, inputs in enumerate(batches):
         timed = i >= job.warmup

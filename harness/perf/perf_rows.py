@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from harness.perf.phases import PHASES, phase_ratios
+from harness.perf.phases import STEP_PHASES, phase_ratios
 
 #: the engine the first ratio is taken against (the anchors' FSDP1 configuration).
 BASELINE = "torch-fsdp"
@@ -87,7 +87,7 @@ class PerfRow:
     repeats: int = 1
     #: every timed step (slowest rank), for the JSON; of a summary, every repetition's in turn.
     steps_ms: list[float] = field(default_factory=list)
-    #: ``{phase: ms}`` (``PHASES``): each phase's median over the timed steps, the phases of each step being
+    #: ``{phase: ms}`` (``STEP_PHASES``): each phase's median over the timed steps, the phases of each step being
     #: its slowest rank's (the rank ``step_ms`` is of); of a summary the median over the repetitions. GPU
     #: time between CUDA events on GPUs, host time on CPU. None: the ranks did not split their steps.
     phase_ms: dict[str, float] | None = None
@@ -154,8 +154,8 @@ def summarize_row(runs: Sequence[PerfRow]) -> PerfRow:
     # A phase is summarized only when every repetition has it: a median of some repetitions would not
     # compare with the step time, which is all of them.
     split = all(r.phase_ms is not None and r.phase_sum_ms is not None for r in runs)
-    phase_ms = {p: statistics.median(r.phase_ms[p] for r in runs) for p in PHASES} if split else None  # type: ignore[index]
-    steps_phase_ms = ({p: [v for r in runs for v in (r.steps_phase_ms or {}).get(p, [])] for p in PHASES}
+    phase_ms = {p: statistics.median(r.phase_ms[p] for r in runs) for p in STEP_PHASES} if split else None  # type: ignore[index]
+    steps_phase_ms = ({p: [v for r in runs for v in (r.steps_phase_ms or {}).get(p, [])] for p in STEP_PHASES}
                       if split else None)
     return dataclasses.replace(
         first, step_ms=step, min_ms=lo, p10_ms=p10, p90_ms=p90, max_ms=hi, repeats=n,
@@ -354,9 +354,9 @@ def phase_table(rows: Sequence[PerfRow], clock: str) -> str:
             faster = None
         ratios = phase_ratios(phases, faster.phase_ms) if faster is not None else {}  # type: ignore[arg-type]
         versus = "-" if not ratios or faster is None else (
-            " / ".join(_fmt(ratios.get(p), ".3f") for p in PHASES) + f" ({faster.engine})")
-        body.append((r.label, *[_fmt(phases.get(p), ".2f") for p in PHASES], _fmt(r.phase_sum_ms, ".2f"),
+            " / ".join(_fmt(ratios.get(p), ".3f") for p in STEP_PHASES) + f" ({faster.engine})")
+        body.append((r.label, *[_fmt(phases.get(p), ".2f") for p in STEP_PHASES], _fmt(r.phase_sum_ms, ".2f"),
                      _fmt(r.step_ms, ".2f"), versus))
-    headers = ("engine", *[f"{p} ms" for p in PHASES], "phases ms", "step ms", f"x faster torch: {' / '.join(PHASES)}")
+    headers = ("engine", *[f"{p} ms" for p in STEP_PHASES], "phases ms", "step ms", f"x faster torch: {' / '.join(STEP_PHASES)}")
     caption = f"phase ms (median over the timed steps, each step's slowest rank; {clock}):"
     return caption + "\n" + tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)

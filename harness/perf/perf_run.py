@@ -155,8 +155,9 @@ class PerfConfig:
         self._check_host_cost()
 
     def _check_host_cost(self) -> None:
-        """What the host-cost mode cannot measure, named by the command's options (the one place they are
-        refused, so the library and the command line agree)."""
+        """What the host-cost mode cannot measure of what the config holds, named by the command's options
+        (the command refuses the placement options, which the config does not hold: ``--backend``,
+        ``--device``, ``--size``)."""
         if not self.host_cost:
             if MODEL_ALONE in self.engines:
                 raise ValueError(f"--engines {MODEL_ALONE}: the model alone is the baseline of --host-cost only "
@@ -167,6 +168,9 @@ class PerfConfig:
         if "ddp" in self.engines:
             raise ValueError("--host-cost: ddp cannot run over the fake process group (its reducer needs a real "
                              "all-reduce result); drop it from --engines")
+        if self.cprofile:
+            raise ValueError("--host-cost runs one process on the CPU over a fake process group: drop --cprofile "
+                             "(its dumps go with --small and --profile)")
         if self.profile_dir is not None:
             raise ValueError("--host-cost: --profile's trace summaries are of collectives and GPU streams, of "
                              "which the fake process group has none; drop --profile")

@@ -1,14 +1,17 @@
 """A timed step split into phases: forward (to the loss), backward, optimizer step with ``zero_grad``.
 
 The profiler distorts what it measures (an engine slower by 1% untraced can be faster traced), so the
-split is taken inside the timed steps themselves, with nothing added that waits: ``PhaseClock`` marks
+split is taken inside the timed steps themselves, with nothing added that waits: ``StepClock`` marks
 each phase boundary as it is reached and is read only after the step's closing synchronize, which the
 timed loop does anyway. On a GPU rank a mark is a CUDA event recorded on the current stream, so a phase
 is the GPU's time from one boundary to the next (work of other streams counts where the current stream
 waits on it, as the engines make it do before the loss, the optimizer and the next step); on a CPU rank a
-mark is ``perf_counter`` (host time; process time in the host-cost mode). The rank side (``PhaseClock``)
+mark is ``perf_counter`` (host time; process time in the host-cost mode). The rank side (``StepClock``)
 and the plain functions that fold the ranks' phases into a row's (``slowest_rank_phases``,
-``median_phases``) live here together so the GPT and the zoo jobs share one of each.
+``median_phases``) live here together so the GPT and the zoo jobs share one of each, and so does the
+step that places the marks (``marked_step``). Not to be confused with ``harness.compare.phases``, the phases
+of a parity case on its rank (setup, reference, build, steps, ...): those are host laps of a whole case,
+these the GPU's (or host's) split of one training step.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ if TYPE_CHECKING:
     import torch
 
 #: the phases of a step, in the order they run.
-PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+STEP_PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 
-class PhaseClock:
+class StepClock:
     """The phase boundaries of one step at a time: ``start`` at the step's start, ``mark`` at the end of
     each phase, ``read`` after the step's closing synchronize. ``host_clock`` reads the host's time on a CPU
     rank: ``perf_counter`` (wall), or ``process_time`` where the step is timed in process time (the
@@ -37,7 +40,7 @@ class PhaseClock:
         self._device = device
         self._host_clock = host_clock
         self._cuda = device.type == "cuda"
-        n = len(PHASES) + 1
+        n = len(STEP_PHASES) + 1
         # Made once and reused by every step: an event's first record creates it on the device, a cost
         # that then falls in the warm-up, never inside a timed step.
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(n)] if self._cuda else []
@@ -50,8 +53,8 @@ class PhaseClock:
 
     def mark(self) -> None:
         """The end of the current phase (the start of the next)."""
-        if self._marked > len(PHASES):
-            raise RuntimeError(f"PhaseClock: more than {len(PHASES)} marks after start ({', '.join(PHASES)})")
+        if self._marked > len(STEP_PHASES):
+            raise RuntimeError(f"StepClock: more than {len(STEP_PHASES)} marks after start ({', '.join(STEP_PHASES)})")
         if self._cuda:
             import torch
 
@@ -61,11 +64,11 @@ class PhaseClock:
         self._marked += 1
 
     def read(self) -> list[float]:
-        """Seconds of each phase of the last step, in ``PHASES`` order. On a GPU call it after the step's
+        """Seconds of each phase of the last step, in ``STEP_PHASES`` order. On a GPU call it after the step's
         closing synchronize: ``elapsed_time`` of events not yet reached would wait or fail."""
-        if self._marked != len(PHASES) + 1:
-            raise RuntimeError(f"PhaseClock: {self._marked} marks since start, {len(PHASES) + 1} needed "
-                               f"(start, then one after each of {', '.join(PHASES)})")
+        if self._marked != len(STEP_PHASES) + 1:
+            raise RuntimeError(f"StepClock: {self._marked} marks since start, {len(STEP_PHASES) + 1} needed "
+                               f"(start, then one after each of {', '.join(STEP_PHASES)})")
         if self._cuda:
             return [a.elapsed_time(b) / 1000 for a, b in zip(self._events, self._events[1:])]
         return [b - a for a, b in zip(self._host, self._host[1:])]
@@ -73,6 +76,21 @@ class PhaseClock:
 
 def no_mark() -> None:
     """The mark of steps whose phases are not read (the profiled ones): nothing at all."""
+
+
+def marked_step(loss_of: Callable[[], torch.Tensor], run_backward: Callable[[torch.Tensor], None],
+                optimizer: torch.optim.Optimizer, mark: Callable[[], None] = no_mark) -> torch.Tensor:
+    """One training step with ``mark`` after each of ``STEP_PHASES``: the loss (``loss_of``, the forward),
+    ``run_backward``, the optimizer step with ``zero_grad``. Every timed job steps through this, so a
+    phase means the same in each."""
+    loss = loss_of()
+    mark()
+    run_backward(loss)
+    mark()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mark()
+    return loss.detach()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,9 +116,9 @@ def slowest_rank_phases(step_s: Sequence[Sequence[float]], phase_s: Sequence[Seq
 
 def phases_by_name(per_step: Sequence[Sequence[float]], scale: float = 1.0) -> dict[str, list[float]]:
     """``{phase: [its time in step 0, step 1, ...]}`` from per-step phase lists (times ``scale``: 1000 for ms)."""
-    if any(len(p) != len(PHASES) for p in per_step):
-        raise ValueError(f"phases_by_name: every step needs {len(PHASES)} phases ({', '.join(PHASES)})")
-    return {name: [scale * p[k] for p in per_step] for k, name in enumerate(PHASES)}
+    if any(len(p) != len(STEP_PHASES) for p in per_step):
+        raise ValueError(f"phases_by_name: every step needs {len(STEP_PHASES)} phases ({', '.join(STEP_PHASES)})")
+    return {name: [scale * p[k] for p in per_step] for k, name in enumerate(STEP_PHASES)}
 
 
 def median_phases(by_name: dict[str, list[float]]) -> dict[str, float]:
@@ -117,4 +135,4 @@ def median_phase_sum(by_name: dict[str, list[float]]) -> float:
 
 def phase_ratios(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, float]:
     """Each phase's time over the other run's, where the other's is positive."""
-    return {name: ours[name] / theirs[name] for name in PHASES if name in ours and theirs.get(name)}
+    return {name: ours[name] / theirs[name] for name in STEP_PHASES if name in ours and theirs.get(name)}

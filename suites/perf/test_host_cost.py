@@ -18,7 +18,7 @@ from harness.perf.benchmark import MODEL_ALONE, GPTConfig, PerfJob, RankTiming, 
 from harness.perf.host_cost import FakeWorld
 from harness.perf.perf_rows import PerfRow, add_ratios
 from harness.perf.perf_run import PerfConfig, plan_runs
-from harness.perf.phases import PhaseClock
+from harness.perf.phases import StepClock
 from harness.ranks.pool import PoolStartError
 
 TINY = GPTConfig(vocab=32, d_model=8, layers=2, heads=2, seq=4, batch=1)
@@ -53,7 +53,7 @@ def test_without_a_loss_tolerance_losses_are_not_compared() -> None:
 
 def test_a_cpu_phase_clock_reads_the_clock_it_is_given() -> None:
     ticks = iter([1.0, 3.0, 6.0, 10.0])
-    clock = PhaseClock(torch.device("cpu"), host_clock=lambda: next(ticks))
+    clock = StepClock(torch.device("cpu"), host_clock=lambda: next(ticks))
     clock.start()
     for _ in range(3):
         clock.mark()

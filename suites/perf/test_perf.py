@@ -32,7 +32,7 @@ from harness.perf.benchmark import (
     ZooJob,
     zoo_job,
 )
-from harness.perf.phases import PHASES
+from harness.perf.phases import STEP_PHASES
 from harness.perf.profile_summary import load_trace, step_marks
 from harness.perf.perf_rows import PerfRow, add_ratios, spread, tflops_per_gpu
 from harness.perf.perf_run import PerfConfig, plan_runs, row_from_values
@@ -203,12 +203,12 @@ def test_perf_on_cpu_prints_the_ratio_against_torch_fsdp1(tmp_path: Path) -> Non
     # per row and per step; a step's phases lie inside it, so they add up to no more than it.
     assert "phase ms (median over the timed steps, each step's slowest rank; host time" in done.stdout, done.stdout
     assert re.search(r"\| builtin full_shard +\| (\d+\.\d+ +\| ){5}", done.stdout), done.stdout
-    assert data["phases"] == list(PHASES) and data["phase_clock"].startswith("host time")
+    assert data["phases"] == list(STEP_PHASES) and data["phase_clock"].startswith("host time")
     for row in rows.values():
-        assert set(row["phase_ms"]) == set(PHASES) and all(v > 0 for v in row["phase_ms"].values()), row
+        assert set(row["phase_ms"]) == set(STEP_PHASES) and all(v > 0 for v in row["phase_ms"].values()), row
         assert 0 < row["phase_sum_ms"] <= row["step_ms"] + 1e-3
         for i, step in enumerate(row["steps_ms"]):
-            assert 0 < sum(row["steps_phase_ms"][p][i] for p in PHASES) <= step + 1e-3, row
+            assert 0 < sum(row["steps_phase_ms"][p][i] for p in STEP_PHASES) <= step + 1e-3, row
     assert all(r["phase_ms"] is None for r in hybrid)
 
 
@@ -223,7 +223,7 @@ def test_small_mode_times_zoo_models_against_torch_fsdp1(tmp_path: Path) -> None
     assert [(r["model"], r["engine"], r["status"]) for r in rows] == [("always_wrap", "builtin", "ok"), ("always_wrap", "torch-fsdp", "ok")]
     assert rows[0]["loss_matches"] is True and rows[0]["tokens_per_s"] is None and rows[0]["cpu_ms"] > 0 and rows[0]["setup_ms"] > 0
     # The zoo's steps are split by the same clock as the GPT's.
-    assert all(set(r["phase_ms"]) == set(PHASES) and 0 < r["phase_sum_ms"] <= r["step_ms"] + 1e-3 for r in rows), rows
+    assert all(set(r["phase_ms"]) == set(STEP_PHASES) and 0 < r["phase_sum_ms"] <= r["step_ms"] + 1e-3 for r in rows), rows
     assert "phase ms (median over the timed steps" in done.stdout
 
 

@@ -13,8 +13,8 @@ from harness.perf.benchmark import RankTiming
 from harness.perf.perf_rows import PerfRow, add_ratios, phase_table, summarize, summarize_row
 from harness.perf.perf_run import row_from_values
 from harness.perf.phases import (
-    PHASES,
-    PhaseClock,
+    STEP_PHASES,
+    StepClock,
     median_phase_sum,
     median_phases,
     phase_ratios,
@@ -24,17 +24,17 @@ from harness.perf.phases import (
 
 
 def test_the_phases_are_forward_backward_optimizer_in_order() -> None:
-    assert PHASES == ("forward", "backward", "optimizer")
+    assert STEP_PHASES == ("forward", "backward", "optimizer")
 
 
 def test_a_cpu_clock_gives_one_host_time_per_phase_and_refuses_a_wrong_count_of_marks() -> None:
-    clock = PhaseClock(torch.device("cpu"))
+    clock = StepClock(torch.device("cpu"))
     for _ in range(2):  # reused step after step
         clock.start()
-        for _ in PHASES:
+        for _ in STEP_PHASES:
             clock.mark()
         phases = clock.read()
-        assert len(phases) == len(PHASES) and all(p >= 0 for p in phases)
+        assert len(phases) == len(STEP_PHASES) and all(p >= 0 for p in phases)
     clock.start()
     clock.mark()
     with pytest.raises(RuntimeError, match="2 marks since start, 4 needed"):
@@ -88,8 +88,8 @@ def test_a_row_reports_the_slowest_ranks_phases_in_ms_and_none_without_them() ->
 
 def _split(engine: str, step_ms: float, phases: tuple[float, float, float], strategy: str = "shard_grad_op") -> PerfRow:
     return PerfRow(engine, strategy, "ok", step_ms=step_ms, final_loss=5.0, steps_ms=[step_ms],
-                   phase_ms=dict(zip(PHASES, phases)), phase_sum_ms=sum(phases),
-                   steps_phase_ms={p: [v] for p, v in zip(PHASES, phases)})
+                   phase_ms=dict(zip(STEP_PHASES, phases)), phase_sum_ms=sum(phases),
+                   steps_phase_ms={p: [v] for p, v in zip(STEP_PHASES, phases)})
 
 
 def test_repetitions_fold_into_each_phases_median_and_every_step_kept() -> None:
