@@ -43,6 +43,7 @@ __all__ = [
     "reduce_scatter_grad",
     "all_reduce_grad",
     "average_factors",
+    "averages_in_the_collective",
     "chunk_output",
     "record_event",
     "reduction_input",
@@ -215,6 +216,15 @@ def average_factors(dp_size: int) -> tuple[float, float]:
     return pre, dp_size / pre
 
 
+def averages_in_the_collective(group: dist.ProcessGroup, tensor: Tensor) -> bool:
+    """Whether NCCL averages ``tensor`` over ``group`` itself (``ReduceOp.AVG``), as torch FSDP2 does for fp32
+    and bf16: no division kernels beside the collective, whose memory traffic on the reduction stream
+    competes with the backward's. Gloo has no AVG, and fp16 keeps FSDP1's division before and after (its
+    sums would overflow). At one rank there is nothing to average (NCCL's AVG is unreliable there)."""
+    return (tensor.is_cuda and tensor.dtype in (torch.float32, torch.bfloat16) and dist.get_world_size(group) > 1
+            and "nccl" in str(dist.get_backend(group)))
+
+
 def reduction_input(grad: Tensor, reduce_dtype: torch.dtype, stream: torch.cuda.Stream | None) -> Tensor:
     """The gradient to reduce, in the reduce dtype, safe to use on ``stream``. The caller hands the
     unsharded gradient over: without a cast it is reduced (divided) in place, saving a copy."""
@@ -254,11 +264,18 @@ def reduce_scatter_grad(
     with stream_context(stream):
         grad = reduction_input(unsharded_grad, reduce_dtype, stream)
         output = chunk_output(grad, world_size, "reduce-scatter")
-        _div_(grad, pre)
-        dist.reduce_scatter_tensor(output, grad, group=group)
-        if replicate_group is not None:
-            dist.all_reduce(output, group=replicate_group)
-        _div_(output, post)
+        if averages_in_the_collective(group, grad) and (replicate_group is None
+                                                        or averages_in_the_collective(replicate_group, grad)):
+            # The average of the shard group's averages is the average over all dp_size ranks.
+            dist.reduce_scatter_tensor(output, grad, op=dist.ReduceOp.AVG, group=group)
+            if replicate_group is not None:
+                dist.all_reduce(output, op=dist.ReduceOp.AVG, group=replicate_group)
+        else:
+            _div_(grad, pre)
+            dist.reduce_scatter_tensor(output, grad, group=group)
+            if replicate_group is not None:
+                dist.all_reduce(output, group=replicate_group)
+            _div_(output, post)
         event = record_event(stream)
     return ReduceResult(output, event)
 
@@ -274,8 +291,11 @@ def all_reduce_grad(
     pre, post = average_factors(_group_size(group))
     with stream_context(stream):
         out = reduction_input(grad, reduce_dtype, stream)
-        _div_(out, pre)
-        dist.all_reduce(out, group=group)
-        _div_(out, post)
+        if averages_in_the_collective(group, out):
+            dist.all_reduce(out, op=dist.ReduceOp.AVG, group=group)
+        else:
+            _div_(out, pre)
+            dist.all_reduce(out, group=group)
+            _div_(out, post)
         event = record_event(stream)
     return ReduceResult(out, event)
