@@ -65,6 +65,9 @@ class Observation:
     facts: EngineFacts | None = None
     #: how often each stress delay fired (``harness.compare.stress``; engines of a stressed case only).
     stress_points: dict[str, int] = field(default_factory=dict)
+    #: host seconds spent reading what this side holds (``harness.compare.training.observing``): timing only,
+    #: never compared.
+    observe_s: float = 0.0
 
     @classmethod
     def from_reference(cls, run: ReferenceRun) -> "Observation":

@@ -434,6 +434,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     clock.lap("reference")
     engine = _run_engine(adapter, case, ctx, case.steps, clock)
     clock.lap("steps")
+    clock.move(engine.observe_s, "steps", "observe")
     peak = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device_type == "cuda" else 0
 
     policy = _null_gradient_policy(TolerancePolicy.for_precision(spec, budgets, source), case, model, reference, ctx,
@@ -456,7 +457,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
         knobs=checks,
         deterministic=deterministic,
         nondeterminism=nondeterminism,
-        engine_s=clock.seconds["build"] + clock.seconds["steps"],
+        engine_s=clock.seconds["build"] + clock.seconds["steps"] + clock.seconds["observe"],
         reference_s=clock.seconds["reference"],
         peak_mem_bytes=peak,
         bytes_all_gathered=total_bytes(training, "all_gather"),

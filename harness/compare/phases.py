@@ -9,6 +9,10 @@ first step to its last with nothing counted twice:
 - ``build``: the engine's construction, ``torch.compile``'s wrapping included;
 - ``steps``: training under the communication trace (a checkpointed case that resumes half-way counts its
   builds here: ``harness.compare.resume`` builds, saves, rebuilds and loads between its steps);
+- ``observe``: what the harness reads from the engine between its steps for the comparison, carved out of
+  ``steps`` (``PhaseClock.move``): each step's gradient pieces copied to the host with their norm gathered
+  over the ranks, and the final parameters (``harness.compare.training.observing``; on CUDA it starts once the
+  device has drained the step's kernels, so the steps keep their GPU time);
 - ``compare``: the tolerance policy, ``compare_observations`` and the knob checks (which rerun a short
   prefetch baseline or an offload probe for the cases that set those knobs);
 - ``determinism``: the second run of a ``check_determinism`` case.
@@ -29,7 +33,7 @@ __all__ = ["PHASES", "TIMING_DETAIL", "PhaseClock", "add_phases", "handoff_s", "
 TIMING_DETAIL: tuple[str, ...] = ("engine_s", "reference_s", "phases_s", "handoff_s", "slot_wait_s", "runs")
 
 #: the phases of one case on one rank, in the order they run.
-PHASES: tuple[str, ...] = ("setup", "reference", "build", "steps", "compare", "determinism")
+PHASES: tuple[str, ...] = ("setup", "reference", "build", "steps", "observe", "compare", "determinism")
 
 
 class PhaseClock:
@@ -46,6 +50,18 @@ class PhaseClock:
         now = time.perf_counter()
         self.seconds[phase] += now - self._last
         self._last = now
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Count ``seconds`` of ``source``'s laps as ``target``'s: time measured inside a phase that belongs to
+        another (the observation reads between the engine's steps)."""
+        for phase in (source, target):
+            if phase not in self.seconds:
+                raise ValueError(f"PhaseClock.move: phase={phase!r} is not one of {list(PHASES)}")
+        if not 0 <= seconds <= self.seconds[source] + 1e-9:
+            raise ValueError(f"PhaseClock.move: seconds={seconds} must be within {source}'s {self.seconds[source]}")
+        moved = min(seconds, self.seconds[source])
+        self.seconds[source] -= moved
+        self.seconds[target] += moved
 
 
 def slowest(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:

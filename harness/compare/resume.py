@@ -28,7 +28,7 @@ from harness.cases.case import CaseConfig
 from harness.cases.models import ZooModel
 from harness.compare.compare import Observation
 from harness.compare.trace import CommTrace
-from harness.compare.training import ParamInfo, fresh_model, mark_phase, paused, train_steps
+from harness.compare.training import ParamInfo, fresh_model, mark_phase, observing, paused, train_steps
 from harness.engines.adapters import EngineAdapter, EngineFacts, EngineTrainee, ParamSlice
 from harness.engines.checkpoint import load_checkpoint, load_plain, save_checkpoint, shared_tempdir
 from harness.engines.optim import build_optimizer
@@ -133,7 +133,7 @@ def run_resumed(
         optimizers = _optimizers(case, trainee)
         _load(loader, trainee, optimizers, case.checkpoint, path, ctx, _fault(case))
     train_steps(trainee, optimizers, case, ctx, range(k, steps), table, obs, trace=trace, perturb=perturb)
-    with paused(trace):
+    with observing(obs, trace, ctx.device):
         obs.params = trainee.final_params()
     obs.notes.extend(trainee.notes)
     return obs, trainee
@@ -174,7 +174,7 @@ def _run_resharded(
                     load_checkpoint(adapter, trainee.module, optimizer, "sharded", path, resume_ctx, _fault(case))
                     last = trainee
             train_steps(trainee, optimizer, case, resume_ctx, range(k, steps), table, obs, trace=trace, perturb=perturb)
-            with paused(trace):
+            with observing(obs, trace, resume_ctx.device):
                 obs.params = trainee.final_params()
             obs.notes.extend(trainee.notes)
     if last is None:  # rank 0 resuming as the plain model, and it saved too: its engine was the saver

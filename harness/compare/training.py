@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from harness.ranks.rank import RankContext
 #: the trace phases of a micro-batch that skips synchronization start with this.
 ACCUMULATE = "accumulate_"
 
-__all__ = ["ACCUMULATE", "ParamInfo", "fresh_model", "mark_phase", "paused", "train", "train_steps"]
+__all__ = ["ACCUMULATE", "ParamInfo", "fresh_model", "mark_phase", "observing", "paused", "train", "train_steps"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,19 @@ def paused(trace: CommTrace | None) -> contextlib.AbstractContextManager[None]:
     return trace.paused() if trace is not None else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def observing(obs: Observation, trace: CommTrace | None, device: torch.device) -> Iterator[None]:
+    """The body reads what the side holds for the comparison: outside the trace, its host time added to
+    ``obs.observe_s`` (a case's ``observe`` phase). On CUDA the device drains its queue first, which the
+    body's first copy to the host would wait for anyway, so the step's kernels stay the step's time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with paused(trace):
+        yield
+    obs.observe_s += time.perf_counter() - start
+
+
 def train(
     trainee: EngineTrainee,
     case: CaseConfig,
@@ -131,7 +145,7 @@ def train(
             stress.watch_optimizer(optimizer)
     obs = Observation()
     train_steps(trainee, optimizers, case, ctx, range(steps), table, obs, trace=trace, perturb=perturb)
-    with paused(trace), (stress.around("around_summon") if stress is not None else contextlib.nullcontext()):
+    with observing(obs, trace, ctx.device), (stress.around("around_summon") if stress is not None else contextlib.nullcontext()):
         obs.params = trainee.final_params()
     obs.notes.extend(trainee.notes)
     return obs
@@ -177,7 +191,7 @@ def train_steps(
         if case.clip_grad == "norm":
             mark_phase(trace, "clip", step)
             obs.clip_norms.append(trainee.clip_grad_norm(CLIP_MAX_NORM))
-        with paused(trace):
+        with observing(obs, trace, ctx.device):
             slices = trainee.grad_slices()
             norm, gaps = _gather_grad_norm(slices, table, ctx)
         obs.losses.append(loss_seen)

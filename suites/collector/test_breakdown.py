@@ -37,6 +37,17 @@ def test_the_clock_tiles_a_job_into_every_phase() -> None:
         clock.lap("warmup")
 
 
+def test_a_phase_carved_out_of_another_keeps_the_job_tiled() -> None:
+    clock = PhaseClock()
+    clock.seconds["steps"] = 2.0
+    clock.move(0.5, "steps", "observe")
+    assert (clock.seconds["steps"], clock.seconds["observe"]) == (1.5, 0.5)
+    with pytest.raises(ValueError, match="within steps's 1.5"):
+        clock.move(1.6, "steps", "observe")
+    with pytest.raises(ValueError, match="phase='warmup'"):
+        clock.move(0.1, "warmup", "observe")
+
+
 def test_the_slowest_rank_per_phase_and_a_hand_off_never_below_zero() -> None:
     ranks = [_phases(reference=2.0, steps=1.0), _phases(reference=1.0, steps=2.5)]
     assert slowest(ranks) == _phases(reference=2.0, steps=2.5)
