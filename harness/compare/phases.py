@@ -11,8 +11,9 @@ first step to its last with nothing counted twice:
   builds here: ``harness.compare.resume`` builds, saves, rebuilds and loads between its steps);
 - ``observe``: what the harness reads from the engine between its steps for the comparison, carved out of
   ``steps`` (``PhaseClock.move``): each step's gradient pieces copied to the host with their norm gathered
-  over the ranks, and the final parameters (``harness.compare.training.observing``; on CUDA it starts once the
-  device has drained the step's kernels, so the steps keep their GPU time);
+  over the ranks, and the final parameters (``harness.compare.training.observing``; on CUDA a read that waits
+  for kernels the step queued counts that wait here: a synchronization to separate them would hide engines'
+  stream races);
 - ``compare``: the tolerance policy, ``compare_observations`` and the knob checks (which rerun a short
   prefetch baseline or an offload probe for the cases that set those knobs);
 - ``determinism``: the second run of a ``check_determinism`` case.

@@ -133,7 +133,7 @@ def run_resumed(
         optimizers = _optimizers(case, trainee)
         _load(loader, trainee, optimizers, case.checkpoint, path, ctx, _fault(case))
     train_steps(trainee, optimizers, case, ctx, range(k, steps), table, obs, trace=trace, perturb=perturb)
-    with observing(obs, trace, ctx.device):
+    with observing(obs, trace):
         obs.params = trainee.final_params()
     obs.notes.extend(trainee.notes)
     return obs, trainee
@@ -174,7 +174,7 @@ def _run_resharded(
                     load_checkpoint(adapter, trainee.module, optimizer, "sharded", path, resume_ctx, _fault(case))
                     last = trainee
             train_steps(trainee, optimizer, case, resume_ctx, range(k, steps), table, obs, trace=trace, perturb=perturb)
-            with observing(obs, trace, resume_ctx.device):
+            with observing(obs, trace):
                 obs.params = trainee.final_params()
             obs.notes.extend(trainee.notes)
     if last is None:  # rank 0 resuming as the plain model, and it saved too: its engine was the saver
