@@ -60,28 +60,48 @@ def _param_table(model: ZooModel) -> dict[str, ParamInfo]:
     return {name: ParamInfo(p.numel(), p.requires_grad, name in local, p.dim()) for name, p in model.named_parameters()}
 
 
-def _gather_grad_norm(slices: Sequence[ParamSlice], table: dict[str, ParamInfo], ctx: RankContext) -> tuple[float, dict[str, int]]:
-    """This rank's gradient norm from every rank's pieces, and the elements no piece covered.
+@dataclass(frozen=True)
+class _StepPieces:
+    """One step's gradient pieces as the norm needs them: ``(name, start, numel, squared sum)`` of the shared
+    pieces (gathered over the ranks) and of this rank's rank-local ones."""
+
+    shared: list[tuple[str, int, int, float]]
+    local: list[tuple[str, int, int, float]]
+
+
+def _step_pieces(slices: Sequence[ParamSlice], table: dict[str, ParamInfo]) -> _StepPieces:
+    local_names = {name for name, info in table.items() if info.rank_local}
+    pieces = [(s.name, s.start, s.numel, float(s.value.double().pow(2).sum())) for s in slices]
+    return _StepPieces([p for p in pieces if p[0] not in local_names], [p for p in pieces if p[0] in local_names])
+
+
+def _gather_grad_norms(steps: Sequence[_StepPieces], table: dict[str, ParamInfo],
+                       ctx: RankContext) -> list[tuple[float, dict[str, int]]]:
+    """Per step, this rank's gradient norm from every rank's pieces, and the elements no piece covered.
 
     Shared pieces are counted once however many ranks hold them (replicas, NO_SHARD); rank-local
-    ones are this rank's own.
+    ones are this rank's own. One gather for all the steps of a run: nothing reads a norm before the run
+    ends, and each gather is a collective (two over NCCL, with host copies) every rank waits on.
     """
-    local_names = {name for name, info in table.items() if info.rank_local}
-    mine = [(s.name, s.start, s.numel, float(s.value.double().pow(2).sum())) for s in slices if s.name not in local_names]
     everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine, group=ctx.world_group())
+    dist.all_gather_object(everyone, [step.shared for step in steps], group=ctx.world_group())
+    return [_norm_and_gaps([part[i] for part in everyone], step.local, table) for i, step in enumerate(steps)]
+
+
+def _norm_and_gaps(shared: Sequence[Sequence[tuple[str, int, int, float]]], local: Sequence[tuple[str, int, int, float]],
+                   table: dict[str, ParamInfo]) -> tuple[float, dict[str, int]]:
+    """One step's norm and coverage gaps from every rank's shared pieces (rank order) and this rank's local ones."""
     unique: dict[tuple[str, int, int], float] = {}
-    for part in everyone:
+    for part in shared:
         for name, start, numel, sq in part:
             unique.setdefault((name, start, numel), sq)
     total = sum(unique.values())
-    local_slices = [s for s in slices if s.name in local_names]
-    total += sum(float(s.value.double().pow(2).sum()) for s in local_slices)
+    total += sum(sq for _, _, _, sq in local)
     ranges: dict[str, list[tuple[int, int]]] = {}
     for name, start, numel in unique:
         ranges.setdefault(name, []).append((start, start + numel))
-    for s in local_slices:
-        ranges.setdefault(s.name, []).append((s.start, s.start + s.numel))
+    for name, start, numel, _ in local:
+        ranges.setdefault(name, []).append((start, start + numel))
     gaps: dict[str, int] = {}
     for name, info in table.items():
         if not info.trainable:
@@ -167,6 +187,7 @@ def train_steps(
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     zoo = trainee.zoo
     full = dtype_of(case.precision_spec.full)
+    pieces: list[_StepPieces] = []
     for step in steps:
         batches = case.micro_batches(step)
         loss_seen = 0.0
@@ -193,12 +214,9 @@ def train_steps(
             obs.clip_norms.append(trainee.clip_grad_norm(CLIP_MAX_NORM))
         with observing(obs, trace):
             slices = trainee.grad_slices()
-            norm, gaps = _gather_grad_norm(slices, table, ctx)
+            pieces.append(_step_pieces(slices, table))
         obs.losses.append(loss_seen)
-        obs.grad_norms.append(norm)
         obs.grads.append(slices)
-        for name, missing in gaps.items():
-            obs.coverage_gaps[name] = max(missing, obs.coverage_gaps.get(name, 0))
         mark_phase(trace, "step", step)
         gpu_sleep(zoo.sleeps.before_step_ms, ctx.device)
         if trainee.owned is not None:
@@ -206,6 +224,12 @@ def train_steps(
         for opt in optimizers:
             opt.step()
         zero_grads(case, optimizers)
+    if pieces:  # every rank trains the same steps, so every rank gathers or none does
+        with observing(obs, trace):
+            for norm, gaps in _gather_grad_norms(pieces, table, ctx):
+                obs.grad_norms.append(norm)
+                for name, missing in gaps.items():
+                    obs.coverage_gaps[name] = max(missing, obs.coverage_gaps.get(name, 0))
 
 
 @torch.no_grad()

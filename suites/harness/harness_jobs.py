@@ -103,3 +103,24 @@ def prefetch_baselines(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
     fresh = _run_engine(adapter, case, ctx, 2).events
     faulted = baseline_events(counted, adapter, case.replace(extras=(("fault", "ignore_option:none"),)), ctx, 2)
     return {"runs": runs, "same": first == other == fresh, "faulted_ran": len(faulted) > 0}
+
+
+def object_gathers_of_a_run(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
+    """``case``'s engine run with ``dist.all_gather_object`` counted, and the gradient norms it observed."""
+    import torch.distributed as dist
+
+    from harness.compare.parity import _run_engine
+    from harness.engines.registry import resolve
+
+    gather, calls = dist.all_gather_object, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return gather(*args, **kwargs)
+
+    dist.all_gather_object = counted
+    try:
+        obs = _run_engine(resolve(case.engine), case, ctx, case.steps)
+    finally:
+        dist.all_gather_object = gather
+    return {"gathers": len(calls), "norms": obs.grad_norms}

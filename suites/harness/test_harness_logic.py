@@ -494,3 +494,21 @@ def test_the_torch_common_fsdp_check_skips_for_the_reason_that_holds(monkeypatch
     monkeypatch.setitem(sys.modules, "torch.testing._internal.common_fsdp", None)
     with pytest.raises(pytest.skip.Exception, match=r"torch's testing extras do not import \(.*common_fsdp.*None in sys.modules"):
         importlib.import_module(name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The gradient norm from every rank's pieces (harness.compare.training)
+
+
+def test_the_norm_counts_a_replicated_piece_once_and_names_what_no_rank_holds() -> None:
+    from harness.compare.training import ParamInfo, _norm_and_gaps
+
+    table = {"w": ParamInfo(4, True, False), "local": ParamInfo(2, True, True), "frozen": ParamInfo(3, False, False),
+             "b": ParamInfo(2, True, False)}
+    # Two ranks hold w's first half (replicas), one its second half; nobody holds b.
+    shared = [[("w", 0, 2, 1.0), ("w", 2, 2, 4.0)], [("w", 0, 2, 1.0)]]
+    norm, gaps = _norm_and_gaps(shared, [("local", 0, 2, 4.0)], table)
+    assert norm == math.sqrt(1.0 + 4.0 + 4.0) and gaps == {"b": 2}
+    # Overlapping pieces cover their union; a piece of a rank-local parameter counts as this rank's alone.
+    norm, gaps = _norm_and_gaps([[("w", 0, 3, 1.0)], [("w", 1, 3, 2.0)], [("b", 0, 1, 0.0)]], [], table)
+    assert norm == math.sqrt(3.0) and gaps == {"local": 2, "b": 1}

@@ -173,3 +173,17 @@ def test_gpu_only_behaviours(parity_pool: RankPool, case: CaseConfig) -> None:
     assert knobs["cpu_offload"] == "ok"
     if case.cpu_offload:
         assert knobs["offload_placement"] == "ok", record.detail["knobs"]
+
+
+def test_a_run_gathers_its_gradient_norms_once(parity_pool: RankPool) -> None:
+    """Each gather of the norms' pieces is a collective every rank waits on (two over NCCL, with host copies), so
+    a run makes one for all its steps, and still observes a norm per step (a resumed run makes one per stretch of
+    steps around its checkpoint, whose helpers gather objects of their own)."""
+    import harness_jobs
+
+    case = CaseConfig(engine="builtin", reference="local", model="nested", steps=4)
+    outcome = parity_pool.run(harness_jobs.object_gathers_of_a_run, case)
+    assert outcome.status == "ok", outcome.reason
+    for value in outcome.values:
+        assert value["gathers"] == 1 and len(value["norms"]) == 4 and all(n > 0 for n in value["norms"]), value
+    assert outcome.values[0]["norms"] == outcome.values[1]["norms"]
