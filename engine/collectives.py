@@ -216,12 +216,12 @@ def average_factors(dp_size: int) -> tuple[float, float]:
     return pre, dp_size / pre
 
 
-def averages_in_the_collective(group: dist.ProcessGroup, tensor: Tensor) -> bool:
+def averages_in_the_collective(group: dist.ProcessGroup | None, tensor: Tensor) -> bool:
     """Whether NCCL averages ``tensor`` over ``group`` itself (``ReduceOp.AVG``), as torch FSDP2 does for fp32
     and bf16: no division kernels beside the collective, whose memory traffic on the reduction stream
     competes with the backward's. Gloo has no AVG, and fp16 keeps FSDP1's division before and after (its
     sums would overflow). At one rank there is nothing to average (NCCL's AVG is unreliable there)."""
-    return (tensor.is_cuda and tensor.dtype in (torch.float32, torch.bfloat16) and dist.get_world_size(group) > 1
+    return (tensor.is_cuda and tensor.dtype in (torch.float32, torch.bfloat16) and _group_size(group) > 1
             and "nccl" in str(dist.get_backend(group)))
 
 

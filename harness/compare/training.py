@@ -69,8 +69,7 @@ class _StepPieces:
     local: list[tuple[str, int, int, float]]
 
 
-def _step_pieces(slices: Sequence[ParamSlice], table: dict[str, ParamInfo]) -> _StepPieces:
-    local_names = {name for name, info in table.items() if info.rank_local}
+def _step_pieces(slices: Sequence[ParamSlice], local_names: set[str]) -> _StepPieces:
     pieces = [(s.name, s.start, s.numel, float(s.value.double().pow(2).sum())) for s in slices]
     return _StepPieces([p for p in pieces if p[0] not in local_names], [p for p in pieces if p[0] in local_names])
 
@@ -188,6 +187,7 @@ def train_steps(
     zoo = trainee.zoo
     full = dtype_of(case.precision_spec.full)
     pieces: list[_StepPieces] = []
+    local_names = {name for name, info in table.items() if info.rank_local}
     for step in steps:
         batches = case.micro_batches(step)
         loss_seen = 0.0
@@ -214,7 +214,7 @@ def train_steps(
             obs.clip_norms.append(trainee.clip_grad_norm(CLIP_MAX_NORM))
         with observing(obs, trace):
             slices = trainee.grad_slices()
-            pieces.append(_step_pieces(slices, table))
+            pieces.append(_step_pieces(slices, local_names))
         obs.losses.append(loss_seen)
         obs.grads.append(slices)
         mark_phase(trace, "step", step)

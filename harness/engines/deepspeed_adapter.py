@@ -96,9 +96,10 @@ def bucket_sized_to_model(config: dict[str, Any], user: dict[str, Any], numel: i
     """``config`` with its reduce bucket no larger than the model's ``numel`` elements, unless the user's
     config sets one. A bucket that holds every gradient groups them as DeepSpeed's default does for any
     model under ``DEFAULT_REDUCE_BUCKET`` elements (one bucket), so the reductions are the same."""
-    if "reduce_bucket_size" in user.get("zero_optimization", {}):
-        return config
-    return merged_config(config, {"zero_optimization": {"reduce_bucket_size": max(1, min(DEFAULT_REDUCE_BUCKET, numel))}})
+    sized = {} if "reduce_bucket_size" in user.get("zero_optimization", {}) else {
+        "zero_optimization": {"reduce_bucket_size": max(1, min(DEFAULT_REDUCE_BUCKET, numel))}}
+    # A copy either way (``merged_config``'s): DeepSpeed may write into the config it is given.
+    return merged_config(config, sized)
 
 
 def merged_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
