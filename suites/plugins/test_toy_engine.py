@@ -133,7 +133,7 @@ def broken_by_the_bug(world_size: int) -> list[str]:
     ``ORDER_FREE_WORLD_SIZE`` ranks), where a dropped reduce cast must fail on values alone; past it the
     order of a low-precision sum moves the values as much as the cast, and the knob check alone sees it
     (a certificate of a 4-GPU node runs 4 ranks). Against DDP (full precision) the mixed-precision cases are
-    unsupported, so the failure is not counted twice."""
+    unsupported where the values fail, so the failure is not counted twice."""
     values = ["parity-local"] if budget_source(PRECISIONS["reduce_only"], world_size) == "ablation" else []
     return [*values, "knobs"]
 
@@ -160,7 +160,11 @@ def test_certify_fails_exactly_the_families_the_bug_breaks(certificates: dict[st
         assert by_name[name]["failures"] and all("reduce_only" in f["case"] for f in by_name[name]["failures"]), name
         # Every failing case links to its page in the certification's report.
         assert {f["case"] for f in by_name[name]["failures"]} <= set(cert["pages"]), name
-    assert by_name["parity-ddp"]["status"] == "pass" and by_name["parity-ddp"]["unsupported"] > 0
+    # Against DDP the mixed-precision cases are unsupported where the local reference ablates the casts
+    # (``unsupported_here``), and judged by the emulation's budgets past that: the bug fails neither way.
+    ablates = "parity-local" in broken
+    assert by_name["parity-ddp"]["status"] == "pass"
+    assert (by_name["parity-ddp"]["unsupported"] > 0) == ablates, by_name["parity-ddp"]
 
 
 def test_installing_the_example_leaves_nothing_beside_it(tmp_path: Path) -> None:
