@@ -53,6 +53,8 @@ def check_ok(rank, world_size):
 rank_checks, test_check = rank_check_tests([check_ok], device=("cpu", "cuda"))
 '''
 _SCRATCH_KNOWN = '''
+from pathlib import Path
+
 from harness.collect.expectations import ExpectedFailure
 from harness.pytest_plugin.rank_checks import api_rank_check_tests
 
@@ -65,11 +67,19 @@ def check_passes(api, rank, world_size):
     pass
 
 
+def check_counts_its_batch(api, rank, world_size):
+    # One line per spawn of a batch's ranks: a batch split over workers runs its fixture once on each.
+    if rank == 0:
+        with open(Path(__file__).with_name("batches.txt"), "a") as f:
+            f.write(f"{api}\\n")
+
+
 KNOWN = (
     ExpectedFailure("planted: the engine gets this wrong", engine="builtin", device="cpu", checks=("check_fails",)),
     ExpectedFailure("planted: said to fail, but passes", engine="builtin", device="cpu", checks=("check_passes",)),
 )
-rank_checks, test_check = api_rank_check_tests([check_fails, check_passes], lambda spec: spec, expected_failures=KNOWN)
+rank_checks, test_check = api_rank_check_tests([check_fails, check_passes, check_counts_its_batch], lambda spec: spec,
+                                               expected_failures=KNOWN)
 '''
 
 
@@ -113,6 +123,8 @@ def test_each_engine_and_device_batch_is_its_own_xdist_group(tmp_path: Path) -> 
     groups = {line.split("@", 1)[1].split()[0] for line in done.stdout.splitlines()
               if ("PASSED" in line or "XFAIL" in line or "SKIPPED" in line or "FAILED" in line) and "@" in line}
     assert groups == {
-        "rank-checks:test_known[fsdp_api=builtin]", "rank-checks:test_known[fsdp_api=torch-fsdp]",
-        "rank-checks:test_devices[rank_checks=cpu]", "rank-checks:test_devices[rank_checks=cuda]",
+        "rank-checks:test_known/fsdp_api=builtin", "rank-checks:test_known/fsdp_api=torch-fsdp",
+        "rank-checks:test_devices/rank_checks=cpu", "rank-checks:test_devices/rank_checks=cuda",
     }, done.stdout[-3000:]
+    # Each batch's ranks ran once: its tests all went to the worker that ran its fixture.
+    assert sorted((tmp_path / "batches.txt").read_text().split()) == ["builtin", "torch-fsdp"], done.stdout[-3000:]
