@@ -31,8 +31,8 @@ every worker's two-rank pool runs on both GPUs); the report header says which. A
 GPU slots shared by the workers (``harness.ranks.gpu_slots``), so no GPU carries more than
 ``MAX_NCCL_RANKS_PER_GPU`` computing NCCL ranks at once. Every worker appends its records to its own file (``worker_results_path``) and the controller
 merges them into ``--results`` at the end of the pytest run (no ``--results``: nothing is written).
-Tests that share an expensive module-scoped set-up carry ``xdist_group`` marks; the project's
-``addopts`` pick ``--dist loadgroup``, so such a module runs on one worker.
+Tests that share an expensive module-scoped set-up (a fixture marked ``xdist_groups.one_worker``) get an
+``xdist_group`` per instance of it; the project's ``addopts`` pick ``--dist loadgroup``, so they run on one worker.
 
 The terminal summary counts the generated cases by verdict, and says where the engines agree: every ported
 check (``fsdp_api``) and every generated case that ran on two engines, with each disagreement listed.
@@ -227,7 +227,7 @@ def outside_options(item: pytest.Item, options: ParityOptions) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the cases the options leave out: hand-written cases (``engine_cases``) on other engines or
     references, and under ``--loop-axes`` the generated cases of suites that vary no training-loop axis; give
-    each batch of rank checks its own pytest-xdist group (``xdist_groups.batch_groups``). First, before
+    the tests of each instance of a ``one_worker`` fixture their pytest-xdist group (``xdist_groups.batch_groups``). First, before
     pytest-xdist names the groups and pytest-split splits the items."""
     options = config.stash[OPTIONS_KEY]
     kept, dropped = [], []

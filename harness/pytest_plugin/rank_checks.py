@@ -30,7 +30,7 @@ from harness.collect.expectations import ExpectedFailure, expected_failure
 from harness.pytest_plugin import act_on, expect_failure
 from harness.pytest_plugin.cases import TestOutcome
 from harness.pytest_plugin.pools import gpus_missing, placed_pool
-from harness.pytest_plugin.xdist_groups import GROUP_PREFIX
+from harness.pytest_plugin.xdist_groups import one_worker
 from harness.ranks.placement import DeviceChoice
 from harness.ranks.pool import PoolConfig, PoolOutcome
 from harness.ranks.rank import RankContext
@@ -155,14 +155,6 @@ def batch_timeout(n_checks: int, timeout_s: float) -> pytest.MarkDecorator:
     return pytest.mark.timeout(n_checks * timeout_s + PoolConfig.start_timeout_s)
 
 
-def _one_xdist_worker(checks: Sequence[Check]) -> pytest.MarkDecorator:
-    """Keep a module's checks on one pytest-xdist worker (``--dist loadgroup``): the rank-checks fixture
-    runs every check of the module, so each worker that got one of them would run them all again.
-    ``harness.pytest_plugin.xdist_groups.batch_groups`` narrows the group to one batch (engine and device)
-    at collection."""
-    return pytest.mark.xdist_group(name=f"{GROUP_PREFIX}{checks[0].__module__}")
-
-
 def rank_checks_fixture(
     checks: Sequence[Check],
     world_size: int = 2,
@@ -176,11 +168,14 @@ def rank_checks_fixture(
         checks_4 = rank_checks_fixture(CHECKS_4, world_size=4)
 
     ``device=("cpu", "cuda")`` runs every check on CPU ranks and again on ranks on the GPUs (sharing one
-    where there are fewer GPUs than ranks); the CUDA run skips, with the reason, on a host without.
+    where there are fewer GPUs than ranks); the CUDA run skips, with the reason, on a host without. Its
+    tests run on one pytest-xdist worker per device (``xdist_groups.one_worker``): a worker that got one of
+    them would run every check again.
     """
     devices, params = _device_params(device)
 
     @pytest.fixture(scope="module", **params)
+    @one_worker
     def rank_checks(request: pytest.FixtureRequest) -> RankChecks:
         where = _checks_device(request, devices)
         return RankChecks(run_checks(checks, world_size=world_size, device=where, timeout_s=timeout_s, args=args),
@@ -202,7 +197,6 @@ def rank_check_tests(
     """
     fixture = rank_checks_fixture(checks, world_size, device, timeout_s)
 
-    @_one_xdist_worker(checks)
     @batch_timeout(len(checks), timeout_s)
     @pytest.mark.parametrize("check", list(checks), ids=lambda c: c.__name__)
     def test_check(rank_checks: RankChecks, check: Check) -> None:
@@ -262,6 +256,7 @@ def api_rank_check_tests(
     slow_names = {c.__name__ for c in slow_checks}
 
     @pytest.fixture(scope="module", **params)
+    @one_worker
     def rank_checks(request: pytest.FixtureRequest, fsdp_api: str) -> RankChecks:
         where = _checks_device(request, devices)
         api = load_api(fsdp_api)
@@ -273,7 +268,6 @@ def api_rank_check_tests(
     every = [pytest.param(c, id=c.__name__, marks=[pytest.mark.slow] if c.__name__ in slow_names else [])
              for c in [*checks, *slow_checks]]
 
-    @_one_xdist_worker(checks)
     @batch_timeout(len(every), timeout_s)
     @pytest.mark.parametrize("check", every)
     def test_check(request: pytest.FixtureRequest, rank_checks: RankChecks, check: Check) -> None:

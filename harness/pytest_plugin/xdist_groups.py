@@ -1,39 +1,64 @@
-"""The pytest-xdist groups of rank checks (``--dist loadgroup``): one per batch that shares a set of ranks.
+"""The pytest-xdist groups (``--dist loadgroup``) of the tests that share a costly module-scoped fixture.
 
-``harness.pytest_plugin.rank_checks`` marks a module's check tests with one group, ``GROUP_PREFIX`` and the
-module; at collection :func:`batch_groups` narrows it to one batch of the module-scoped fixture (its engine and
-device), so the batches of one module run on different workers side by side while each batch's checks, which
-its fixture runs all at once, stay on one.
+A module-scoped fixture is set up once per worker that runs one of its tests: under ``-n 16`` a batch of rank
+checks (ranks spawned, every check of a module run), a ``harness certify`` or ``harness run`` in a subprocess,
+would run on every worker that got one of its tests, each copy competing for the same GPUs. A fixture marked
+:func:`one_worker` keeps its tests on one worker: at collection :func:`batch_groups` gives every test that uses
+one a group named by its module, the marked fixtures it uses and the fixture's instance (the parameters the
+test does not take itself: engine, device), so the instances of one fixture (the engine and device batches of
+a module's rank checks) still run on different workers side by side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["GROUP_PREFIX", "batch_groups"]
+__all__ = ["GROUP_PREFIX", "batch_groups", "one_worker"]
 
-#: the start of the pytest-xdist group name of a module's rank checks.
-GROUP_PREFIX = "rank-checks:"
+#: the start of the pytest-xdist group names :func:`batch_groups` gives.
+GROUP_PREFIX = "shared:"
+_ONE_WORKER = "_harness_one_worker"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_worker(function: F) -> F:
+    """Mark a module-scoped fixture's function (under ``@pytest.fixture``) whose tests run on one worker."""
+    setattr(function, _ONE_WORKER, True)
+    return function
 
 
 def batch_groups(items: Sequence[pytest.Item]) -> None:
-    """Give each batch of a module's rank checks its own pytest-xdist group: the module-scoped fixture is
-    parametrized by engine (``fsdp_api``) and device, and each of its instances spawns its own ranks and runs
-    every check of the module, so the batches of one module can run on different workers side by side (the
-    use_orig_params module's four batches, run one after another on one worker, were a GPU run's longest
-    test). Items without a rank-check group, or without parameters besides the check, keep their group."""
+    """Put each test that uses a :func:`one_worker` fixture first in the group of that fixture's instance
+    (ahead of any group it had, which pytest-xdist would otherwise read first)."""
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        params = {k: v for k, v in callspec.params.items() if k != "check"} if callspec is not None else {}
-        if not params:
+        info = getattr(item, "_fixtureinfo", None)
+        module = getattr(item, "module", None)
+        if info is None or module is None:
             continue
-        for i, mark in enumerate(item.own_markers):
-            name = str(mark.kwargs.get("name", mark.args[0] if mark.args else ""))
-            if mark.name == "xdist_group" and name.startswith(GROUP_PREFIX):
-                batch = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
-                item.own_markers[i] = pytest.mark.xdist_group(name=f"{name}/{_scope_safe(batch)}").mark
+        shared = sorted(name for name in item.fixturenames
+                        if any(getattr(d.func, _ONE_WORKER, False) for d in info.name2fixturedefs.get(name, ())))
+        if not shared:
+            continue
+        own = _own_parameters(item)
+        callspec = getattr(item, "callspec", None)
+        params = {k: v for k, v in callspec.params.items() if k not in own} if callspec is not None else {}
+        name = f"{GROUP_PREFIX}{module.__name__}:{','.join(shared)}"
+        if params:
+            name += "/" + ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+        item.add_marker(pytest.mark.xdist_group(name=_scope_safe(name)), append=False)
+
+
+def _own_parameters(item: pytest.Item) -> set[str]:
+    """The argument names the test parametrizes itself (each a test of the batch, not a batch of its own)."""
+    names: set[str] = set()
+    for mark in item.iter_markers("parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        names.update(n.strip() for n in (argnames.split(",") if isinstance(argnames, str) else argnames))
+    return names
 
 
 def _scope_safe(text: str) -> str:

@@ -15,6 +15,7 @@ from torch.testing import assert_close
 from engine import FSDP, ShardingStrategy, StateDictType
 from engine.checkpoint_io import dcp_load, dcp_save
 from harness.pytest_plugin.rank_checks import RankChecks, run_checks
+from harness.pytest_plugin.xdist_groups import one_worker
 from suites.checkpoint.training import CkptNet, Setup, full_state, train
 
 
@@ -60,6 +61,7 @@ def check_resume_on_4(path: str, rank: int, world_size: int) -> None:
 
 
 @pytest.fixture(scope="module")
+@one_worker
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("dcp-reshard"))
     outcome = run_checks([check_save_on_2], world_size=2, args=(path,))

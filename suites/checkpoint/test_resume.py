@@ -19,6 +19,7 @@ import pytest
 from engine import ShardingStrategy as S
 from harness.pytest_plugin.rank_checks import RankChecks, run_checks, rank_checks_fixture
 from harness.pytest_plugin import needs_gpus
+from harness.pytest_plugin.xdist_groups import one_worker
 from suites.checkpoint import training
 from suites.checkpoint.training import SD_TYPES, Setup
 
@@ -89,6 +90,7 @@ def test_resume_4_ranks(checks_4: RankChecks, check: Callable[[int, int], None])
 
 
 @pytest.fixture(scope="module")
+@one_worker
 def full_product(request: pytest.FixtureRequest) -> dict[int, RankChecks]:
     if request.config.getoption("--matrix") != "full":
         pytest.skip(reason="the whole strategy x use_orig_params x type x optimizer product runs with --matrix full")

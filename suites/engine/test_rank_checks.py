@@ -83,10 +83,32 @@ rank_checks, test_check = api_rank_check_tests([check_fails, check_passes, check
 '''
 
 
+_SCRATCH_SHARED = '''
+from pathlib import Path
+
+import pytest
+
+from harness.pytest_plugin.xdist_groups import one_worker
+
+
+@pytest.fixture(scope="module")
+@one_worker
+def costly():
+    with open(Path(__file__).with_name("batches.txt"), "a") as f:
+        f.write("costly\\n")
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_uses_it(costly, i):
+    pass
+'''
+
+
 def _scratch_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["harness.pytest_plugin"]\n')
     (tmp_path / "test_devices.py").write_text(_SCRATCH_DEVICES)
     (tmp_path / "test_known.py").write_text(_SCRATCH_KNOWN)
+    (tmp_path / "test_shared.py").write_text(_SCRATCH_SHARED)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
         env.pop(name, None)
@@ -118,13 +140,15 @@ def test_each_check_test_may_take_its_module_s_whole_batch_under_pytest_timeout(
 
 def test_each_engine_and_device_batch_is_its_own_xdist_group(tmp_path: Path) -> None:
     """A module's batches (one per engine and device, each spawning its own ranks) may run on different
-    pytest-xdist workers side by side; the checks of one batch stay together."""
+    pytest-xdist workers side by side; the checks of one batch stay together, as do the tests of any other
+    fixture marked ``one_worker``."""
     done = _scratch_run(tmp_path, "-n", "2", "--dist", "loadgroup", "-v", "--engine", "builtin,torch-fsdp")
     groups = {line.split("@", 1)[1].split()[0] for line in done.stdout.splitlines()
               if ("PASSED" in line or "XFAIL" in line or "SKIPPED" in line or "FAILED" in line) and "@" in line}
     assert groups == {
-        "rank-checks:test_known/fsdp_api=builtin", "rank-checks:test_known/fsdp_api=torch-fsdp",
-        "rank-checks:test_devices/rank_checks=cpu", "rank-checks:test_devices/rank_checks=cuda",
+        "shared:test_known:rank_checks/fsdp_api=builtin", "shared:test_known:rank_checks/fsdp_api=torch-fsdp",
+        "shared:test_devices:rank_checks/rank_checks=cpu", "shared:test_devices:rank_checks/rank_checks=cuda",
+        "shared:test_shared:costly",
     }, done.stdout[-3000:]
-    # Each batch's ranks ran once: its tests all went to the worker that ran its fixture.
-    assert sorted((tmp_path / "batches.txt").read_text().split()) == ["builtin", "torch-fsdp"], done.stdout[-3000:]
+    # Each fixture instance was set up once: its tests all went to the worker that set it up.
+    assert sorted((tmp_path / "batches.txt").read_text().split()) == ["builtin", "costly", "torch-fsdp"], done.stdout[-3000:]

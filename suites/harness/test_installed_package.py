@@ -19,6 +19,7 @@ import pytest
 
 from harness.cli.certify import REPO, PORTED_MODULES
 from harness.cli.fuzz import parse_fuzz_totals
+from harness.pytest_plugin.xdist_groups import one_worker
 
 #: the suites that collect the ``seeds`` family's tests from the package by import.
 PORTED_SUITES = ("suites/seeds", "suites/mixed_precision", "suites/wrap")
@@ -27,6 +28,7 @@ BUILT_FROM = ("pyproject.toml", "README.md", "engine", "harness", "reports")
 
 
 @pytest.fixture(scope="module")
+@one_worker
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding the package installed from its wheel (a copy of the checkout is built, so
     the real one gets no ``build/``)."""
@@ -65,6 +67,7 @@ Certified = dict[str, tuple[subprocess.CompletedProcess[str], Path]]
 
 
 @pytest.fixture(scope="module")
+@one_worker
 def certified(site: Path, tmp_path_factory: pytest.TempPathFactory) -> Certified:
     """Family -> (its ``certify --engine builtin --families ...`` run from the installed package, its out
     directory). The runs are independent processes (each its own directory and ranks), so they run side by side."""

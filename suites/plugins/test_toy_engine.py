@@ -26,6 +26,7 @@ import pytest
 
 from harness.cases.case import PRECISIONS
 from harness.compare.tolerance import budget_source
+from harness.pytest_plugin.xdist_groups import one_worker
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "toy_engine"
@@ -89,6 +90,7 @@ def test_pytest_drives_a_package_outside_the_repo(toy_env: dict[str, str]) -> No
 
 
 @pytest.fixture(scope="module")
+@one_worker
 def certificates(toy_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, dict]]:
     """``certify --quick`` of the clean engine (by spec) and of the buggy one (by entry point), side by side:
     two independent processes with their own out directories (and pools), so the wait is the longer one."""

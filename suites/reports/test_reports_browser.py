@@ -21,6 +21,7 @@ from test_reports_case_pages import CASE, diverging, hung
 
 import reports
 from harness.cases.case import CaseConfig
+from harness.pytest_plugin.xdist_groups import one_worker
 from reports.case_page import case_href
 from reports.history import history
 
@@ -214,6 +215,7 @@ def test_the_probe_sees_a_broken_page(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
+@one_worker
 def quick_start(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """README's main job as a newcomer runs it (``harness run --matrix smoke``), and its report."""
     import sys
