@@ -227,8 +227,8 @@ def outside_options(item: pytest.Item, options: ParityOptions) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the cases the options leave out: hand-written cases (``engine_cases``) on other engines or
     references, and under ``--loop-axes`` the generated cases of suites that vary no training-loop axis; give
-    the tests of each instance of a ``one_worker`` fixture their pytest-xdist group (``xdist_groups.batch_groups``). First, before
-    pytest-xdist names the groups and pytest-split splits the items."""
+    the tests of each instance of a ``one_worker`` fixture their pytest-xdist group
+    (``xdist_groups.batch_groups``). First, before pytest-xdist names the groups and pytest-split splits the items."""
     options = config.stash[OPTIONS_KEY]
     kept, dropped = [], []
     for item in items:
