@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-__all__ = ["GROUP_PREFIX", "batch_groups", "one_worker"]
+__all__ = ["batch_groups", "one_worker"]
 
 #: the start of the pytest-xdist group names :func:`batch_groups` gives.
-GROUP_PREFIX = "shared:"
+_GROUP_PREFIX = "shared:"
 _ONE_WORKER = "_harness_one_worker"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -46,7 +46,7 @@ def batch_groups(items: Sequence[pytest.Item]) -> None:
         own = _own_parameters(item)
         callspec = getattr(item, "callspec", None)
         params = {k: v for k, v in callspec.params.items() if k not in own} if callspec is not None else {}
-        name = f"{GROUP_PREFIX}{module.__name__}:{','.join(shared)}"
+        name = f"{_GROUP_PREFIX}{module.__name__}:{','.join(shared)}"
         if params:
             name += "/" + ",".join(f"{k}={v}" for k, v in sorted(params.items()))
         item.add_marker(pytest.mark.xdist_group(name=_scope_safe(name)), append=False)
