@@ -1,5 +1,6 @@
-"""What gloo on CUDA tensors cannot do where ranks share a GPU, each checked to still hold: a limit that
-goes away (a torch upgrade) fails here, and the rule that works around it can go.
+"""What gloo on CUDA tensors cannot do, each checked to still hold: a limit that goes away (a torch upgrade)
+fails here, and the rule that works around it can go. Ranks sharing a GPU run gloo as their default group;
+ranks with a GPU each (NCCL pools) check the same limits over a gloo group made for the check.
 
 - torch FSDP1 with CPU offload: after ``summon_full_params(offload_to_cpu=True)`` its next all-gather
   into the unsharded flat parameter raises in gloo's worker thread (``torch-fsdp``'s adapter leaves that
@@ -19,34 +20,35 @@ from harness.ranks.rank import rank_device
 pytestmark = pytest.mark.gpu
 
 
-def _on_shared_gloo_gpu() -> None:
-    if rank_device().type != "cuda" or dist.get_backend() != "gloo":
-        pytest.skip(reason="a limit of gloo with CUDA tensors; these ranks run NCCL with a GPU each")
-
-
 def check_torch_fsdp1_offloaded_summon_breaks_the_next_all_gather(rank: int, world_size: int) -> None:
-    _on_shared_gloo_gpu()
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
+
+    on_gloo_with_cuda = dist.get_backend() == "gloo" and rank_device().type == "cuda"
+    group = None if on_gloo_with_cuda else dist.new_group(backend="gloo")
 
     def model() -> nn.Module:
         torch.manual_seed(0)
         return FullyShardedDataParallel(nn.Linear(8, 8), cpu_offload=CPUOffload(offload_params=True),
-                                        device_id=rank_device())
+                                        device_id=rank_device(), process_group=group)
 
     def step(m: nn.Module) -> None:
         m(torch.randn(4, 8, device=rank_device())).sum().backward()
 
-    plain = model()
-    step(plain)  # offload alone trains on gloo with CUDA tensors
-    with FullyShardedDataParallel.summon_full_params(plain, writeback=True):
-        pass
-    step(plain)  # and so after a summon that keeps the parameters on the GPU
-    summoned = model()
-    step(summoned)
-    with FullyShardedDataParallel.summon_full_params(summoned, writeback=False, offload_to_cpu=True):
-        pass
-    with pytest.raises(RuntimeError, match="SplitBackward0 is a view and is being modified inplace"):
+    try:
+        plain = model()
+        step(plain)  # offload alone trains on gloo with CUDA tensors
+        with FullyShardedDataParallel.summon_full_params(plain, writeback=True):
+            pass
+        step(plain)  # and so after a summon that keeps the parameters on the GPU
+        summoned = model()
         step(summoned)
+        with FullyShardedDataParallel.summon_full_params(summoned, writeback=False, offload_to_cpu=True):
+            pass
+        with pytest.raises(RuntimeError, match="SplitBackward0 is a view and is being modified inplace"):
+            step(summoned)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 CHECKS = [check_torch_fsdp1_offloaded_summon_breaks_the_next_all_gather]
