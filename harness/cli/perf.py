@@ -32,7 +32,8 @@ loss, backward, optimizer step with ``zero_grad``; ``harness.perf.phases``): the
 of each step's slowest rank's, GPU time between CUDA events on GPUs and host time on CPU, their sum beside
 the step time, and each phase over the faster torch engine's. ``--json`` keeps the summary rows and every
 repetition's, each with its phases (``phase_ms``, and per step ``steps_phase_ms``).
-``--profile DIR`` writes a Chrome trace of a few extra steps per engine, strategy and rank.
+``--profile DIR`` writes a Chrome trace of a few extra steps per engine, strategy and rank, and on CPU ranks the
+peak of live tensors of one more step, with its largest allocations (``harness.perf.memory_peak``).
 
 Exit status: 0; 1 when a run failed or a final loss differs from torch FSDP1's by more than
 ``--loss-rtol``; 2 when the ranks could not start.
@@ -154,20 +155,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per engine run before it is a timeout")
     p.add_argument("--loss-rtol", type=float, default=1e-3, help="allowed relative difference of final losses")
     p.add_argument("--profile", type=Path, default=None,
-                   help="write torch profiler Chrome traces (a few steps after the timed ones) per engine, strategy and rank here")
+                   help="write torch profiler Chrome traces (a few steps after the timed ones) per engine, strategy and rank here; on CPU ranks also the peak of live tensors of one more step")
     p.add_argument("--cprofile", action="store_true", help="with --small and --profile: also a cProfile dump of the timed steps")
     p.add_argument("--json", type=Path, default=None, help="also write the configuration and rows here")
 
 
 def _print_trace_summaries(directory: Path) -> None:
     """Each trace's GPU time, streams, overlap and top kernels, and its steps as the timer saw them
-    (``harness.perf.profile_summary``); a trace of CPU ranks: the host's step and its first collective."""
-    from harness.perf.benchmark import PROFILE_STEPS
+    (``harness.perf.profile_summary``); a trace of CPU ranks: the host's step and its first collective, and the
+    rank's peak of live tensors (``harness.perf.memory_peak``)."""
+    from harness.perf.benchmark import MEMORY_SUFFIX, PROFILE_STEPS
+    from harness.perf.memory_peak import memory_lines
     from harness.perf.profile_summary import (
         gpu_events, host_collectives, host_syncs, load_trace, step_breakdown, step_marks, summarize, summary_lines,
     )
 
     for path in sorted(directory.glob("*.json")):
+        if path.name.endswith(MEMORY_SUFFIX):
+            name = path.name.removesuffix(MEMORY_SUFFIX)
+            print("\n".join(memory_lines(name, json.loads(path.read_text(encoding="utf-8")))))
+            continue
         trace = load_trace(path)
         events, marks = gpu_events(trace), step_marks(trace)
         if events or marks:

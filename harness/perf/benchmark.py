@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import gc
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ import torch.nn as nn
 
 from harness.cases.models import CPU_GPT, BenchmarkGPT, GPTConfig, ZooModel, to_device, wrap_bottom_up
 from harness.engines.optim import adamw, sgd
-from harness.perf.phases import StepClock, marked_step, no_mark
+from harness.perf.phases import STEP_PHASES, StepClock, marked_step, no_mark
 from harness.perf.profile_summary import STEP_MARK
 from harness.ranks.rank import RankContext
 
@@ -64,6 +65,9 @@ HYBRID_MIN_RANKS = 4
 
 #: steps run under the profiler after the timed ones (a trace covers this many steps).
 PROFILE_STEPS = 3
+#: the suffix of a CPU rank's peak memory beside its trace, and how many of its largest allocations it lists.
+MEMORY_SUFFIX = ".memory.json"
+MEMORY_LARGEST = 12
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -276,17 +280,38 @@ def _chrome_trace(ctx: RankContext, path: Path) -> Any:
     prof.export_chrome_trace(str(path))
 
 
-def _profiled_steps(ctx: RankContext, path: Path, steps: int, step: Callable[[int], object]) -> None:
+def _profiled_steps(ctx: RankContext, path: Path, steps: int, step: Callable[[int, Callable[[], None]], object]) -> None:
     """Run ``steps`` steps under the profiler exactly as the timed ones run (synchronized before and after),
-    each inside a ``STEP_MARK`` range, so the trace can split a step's time as the timer saw it."""
+    each inside a ``STEP_MARK`` range, so the trace can split a step's time as the timer saw it. On CPU ranks,
+    whose table has no peak memory, one more step's peak of live tensors goes beside the trace
+    (``harness.perf.memory_peak``)."""
     from torch.profiler import record_function
 
     with _chrome_trace(ctx, path):
         for i in range(steps):
             _sync(ctx)
             with record_function(STEP_MARK):
-                step(i)
+                step(i, no_mark)
             _sync(ctx)
+    if ctx.device_type == "cpu":
+        _memory_step(path.with_suffix(MEMORY_SUFFIX), lambda mark: step(steps, mark))
+
+
+def _memory_step(path: Path, step: Callable[[Callable[[], None]], object]) -> None:
+    """One step under ``LiveStorages``, its phases named as ``marked_step`` marks them; the peak to ``path``."""
+    from harness.perf.memory_peak import LiveStorages, largest
+
+    phases = iter(STEP_PHASES[1:] + ("",))
+    with LiveStorages() as live:
+        live.phase = STEP_PHASES[0]
+
+        def mark() -> None:
+            live.phase = next(phases)
+
+        step(mark)
+    report = {"peak_bytes": live.peak_bytes, "peak_phase": live.peak_phase, "before_bytes": live.before_bytes,
+              "largest": largest(live.at_peak, MEMORY_LARGEST)}
+    path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager
@@ -355,7 +380,7 @@ def perf_job(ctx: RankContext, job: PerfJob) -> RankAnswer:
     trace = None
     if job.profile_dir is not None:
         path = Path(job.profile_dir) / trace_name(job.engine, job.strategy, ctx.rank)
-        _profiled_steps(ctx, path, job.profile_steps, lambda i: step(batches[i % len(batches)]))
+        _profiled_steps(ctx, path, job.profile_steps, lambda i, mark: step(batches[i % len(batches)], mark))
         trace = str(path)
     result = RankTiming(step_s=step_s[job.warmup:], losses=[float(x) for x in losses], device=_device_name(ctx),
                         peak_bytes=peak, reserved_bytes=reserved, trace=trace, phase_s=phase_s[job.warmup:])
@@ -447,7 +472,7 @@ def zoo_job(ctx: RankContext, job: ZooJob) -> RankAnswer:
             directory.mkdir(parents=True, exist_ok=True)
             profiler.dump_stats(directory / trace_name(job.engine, job.strategy, ctx.rank, job.model, "prof"))
         path = directory / trace_name(job.engine, job.strategy, ctx.rank, job.model)
-        _profiled_steps(ctx, path, job.profile_steps, lambda i: step(batches[i % len(batches)]))
+        _profiled_steps(ctx, path, job.profile_steps, lambda i, mark: step(batches[i % len(batches)], mark))
         trace = str(path)
     # Wrapping and the first step (lazy init) are paid once per parity case: part of the host-bound cost.
     return RankTiming(step_s=step_s[job.warmup:], losses=losses, device=_device_name(ctx), cpu_s=cpu_s[job.warmup:],

@@ -19,6 +19,7 @@ import torch
 from harness.cases.models import MODELS, BenchmarkGPT, GPTBlock, build_model, zoo_names
 from harness.perf.benchmark import (
     CPU_MODEL,
+    MEMORY_SUFFIX,
     SIZES,
     PROFILE_STEPS,
     GPTConfig,
@@ -190,9 +191,17 @@ def test_perf_on_cpu_prints_the_ratio_against_torch_fsdp1(tmp_path: Path) -> Non
     assert set(rows) == {"builtin", "torch-fsdp"} and all(r["status"] == "ok" for r in rows.values())
     assert rows["builtin"]["p10_ms"] <= rows["builtin"]["step_ms"] <= rows["builtin"]["p90_ms"]
     assert rows["builtin"]["tokens_per_s"] > 0
-    # One Chrome trace per engine, strategy and rank, of steps after the timed ones.
-    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    # One Chrome trace per engine, strategy and rank, of steps after the timed ones; beside each, on CPU ranks,
+    # the peak of live tensors of one more step.
+    names = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    traces = [n for n in names if not n.endswith(MEMORY_SUFFIX)]
     assert traces == [trace_name(e, "full_shard", r) for e in ("builtin", "torch-fsdp") for r in (0, 1)]
+    assert [n for n in names if n.endswith(MEMORY_SUFFIX)] == [t.removesuffix(".json") + MEMORY_SUFFIX for t in traces]
+    peak = json.loads((tmp_path / "traces" / (traces[0].removesuffix(".json") + MEMORY_SUFFIX)).read_text())
+    assert peak["peak_bytes"] >= sum(nbytes for _, nbytes, _ in peak["largest"]) > 0
+    assert peak["peak_phase"] in STEP_PHASES and peak["before_bytes"] > 0, peak
+    assert len(re.findall(r"full_shard-rank\d: peak of live tensors \d+\.\d+ MiB in (forward|backward|optimizer)",
+                          done.stdout)) == 4, done.stdout
     # The profiled steps are marked one by one, as the timer sees them; on CPU ranks the summary is the host's.
     assert len(step_marks(load_trace(tmp_path / "traces" / traces[0]))) == PROFILE_STEPS
     assert len(re.findall(r"first collective issued \d+\.\d+ ms after the step's start", done.stdout)) == 4, done.stdout
