@@ -81,7 +81,9 @@ class LiveStorages(TorchDispatchMode):
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a subclass without storage of its own
             return
-        if id(storage) not in self._live:
+        known = self._live.get(id(storage))
+        # A storage freed during the operator leaves its id to a new one: the stale entry gives way.
+        if known is None or known[0]() is not storage:
             self._live[id(storage)] = (weakref.ref(storage), label)
 
     def _update(self) -> None:
