@@ -19,6 +19,10 @@ from harness.conformance import ASSERT_REWRITE
 # collect them by import: registered before that import, their asserts report the values they compared.
 pytest.register_assert_rewrite(*ASSERT_REWRITE)
 
-# pytester: the plugins' own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py).
+# pytester: the plugins' own tests run pytest on scratch suites (suites/parity/test_parity_plugin.py). An
+# in-process run drops from sys.modules what was first imported inside it, and a module that registers torch
+# operators (torch.distributed.fsdp pulls in symmetric memory's) cannot be imported twice: imported here, first.
+import torch.distributed.fsdp  # noqa: E402,F401
+
 # split_groups: a pytest-split group that drew no test passes (harness/pytest_plugin/split_groups.py).
 pytest_plugins = ["harness.pytest_plugin", "harness.pytest_plugin.split_groups", "harness.conformance.profiles", "pytester"]
