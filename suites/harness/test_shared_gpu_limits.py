@@ -1,6 +1,6 @@
 """What gloo on CUDA tensors cannot do, each checked to still hold: a limit that goes away (a torch upgrade)
-fails here, and the rule that works around it can go. Ranks sharing a GPU run gloo as their default group;
-ranks with a GPU each (NCCL pools) check the same limits over a gloo group made for the check.
+fails here, and the rule that works around it can go. The checks run over a gloo group of their own, so ranks
+with a GPU each (NCCL pools) check the same limits as ranks sharing a GPU.
 
 - torch FSDP1 with CPU offload: after ``summon_full_params(offload_to_cpu=True)`` its next all-gather
   into the unsharded flat parameter raises in gloo's worker thread (``torch-fsdp``'s adapter leaves that
@@ -23,8 +23,7 @@ pytestmark = pytest.mark.gpu
 def check_torch_fsdp1_offloaded_summon_breaks_the_next_all_gather(rank: int, world_size: int) -> None:
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
 
-    on_gloo_with_cuda = dist.get_backend() == "gloo" and rank_device().type == "cuda"
-    group = None if on_gloo_with_cuda else dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")
 
     def model() -> nn.Module:
         torch.manual_seed(0)
@@ -47,8 +46,7 @@ def check_torch_fsdp1_offloaded_summon_breaks_the_next_all_gather(rank: int, wor
         with pytest.raises(RuntimeError, match="SplitBackward0 is a view and is being modified inplace"):
             step(summoned)
     finally:
-        if group is not None:
-            dist.destroy_process_group(group)
+        dist.destroy_process_group(group)
 
 
 CHECKS = [check_torch_fsdp1_offloaded_summon_breaks_the_next_all_gather]
