@@ -76,6 +76,7 @@ from harness.cli.options import (
 from harness.cli.part_options import add_alias, add_part_options, part_dir, resolve_part
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.collect.breakdown import breakdown, breakdown_table
+from harness.ranks.mps import MpsError
 from harness.ranks.placement import Lane, PlacementError, host_facts, n_gpus
 from harness.run.host_load import HostSampler, host_text
 from harness.run.runner import Selection, SelectionError, select_cases, under_torchrun
@@ -246,7 +247,7 @@ class Nightly:
         session = self.session = RunSession(
             writer, self.lanes, case_timeout_s=config.case_timeout_s, repeat=config.repeat,
             repeat_failures=config.repeat_failures, show_progress=config.progress, deadline=self.deadline,
-            budget_s=config.time_budget_s)
+            budget_s=config.time_budget_s, mps=config.mps)
         with session:
             if session.latest and part.stored is None:
                 print(legacy_warning(self.results, session.latest.values()), file=sys.stderr)
@@ -280,6 +281,9 @@ class Nightly:
                 self._stop_cases(interrupted=True)
                 print(f"\ninterrupted; rerun with: {config.resume_line()}", file=sys.stderr)
                 return interrupt_exit_status(exc)
+            except MpsError as exc:  # --mps on where MPS cannot run: no pool started
+                self._stop_cases(mps_error=str(exc))
+                return self._refuse(str(exc))
             except OSError as exc:  # the results file could not be written (the runner's write_error)
                 self._stop_cases(write_error=str(exc))
                 kept = getattr(exc, "records_kept", True)  # not a ResultsFileGone
@@ -288,6 +292,7 @@ class Nightly:
                 return 2
             finally:
                 self.state["cases"]["host"] = sampler.stop()
+                self.state["cases"]["mps"] = session.mps.to_dict()
         not_run = session.not_run
         _write_not_run(out / NOT_RUN_NAME, not_run)
         cases_wall = time.monotonic() - cases_start
@@ -489,6 +494,8 @@ def _summary_text(state: Mapping[str, Any]) -> str:
     )
     if cases.get("breakdown", {}).get("cases"):
         lines += [breakdown_table(cases["breakdown"]), host_text(cases["host"])]
+    if cases.get("mps"):  # nights from before it was recorded have none
+        lines.append(f"CUDA MPS: {cases['mps']['how']}")
     determinism = state.get("determinism") or {}
     if determinism.get("configurations"):
         checked = sum(v["checked"] for v in determinism["configurations"].values())

@@ -58,6 +58,8 @@ class NightlyConfig:
     repeat_failures: int = 0
     #: pools side by side per group of GPUs (None: ``harness.ranks.placement.pools_per_group``).
     pools_per_gpu: int | None = None
+    #: CUDA MPS for ranks that share a GPU (``harness.ranks.mps``): auto, on, off.
+    mps: str = "auto"
     #: measure the performance section (``harness.perf.perf_section``).
     perf: bool = True
     #: run only this part of the selection (``harness.run.parts``; ``--part``, ``auto`` resolved by ``main``),
@@ -94,7 +96,7 @@ class NightlyConfig:
             backend=options.backend, device=options.device, case_timeout_s=options.case_timeout_s,
             progress=not args.no_progress,
             determinism_sample=not args.no_determinism_sample, repeat=args.repeat,
-            repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu,
+            repeat_failures=args.repeat_failures, pools_per_gpu=args.pools_per_gpu, mps=args.mps,
             perf=not args.no_perf, given_options=frozenset(getattr(args, "given_options", ())),
             part=args.part, part_costs=args.part_costs,
         )

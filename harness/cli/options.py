@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from harness.ranks.mps import MPS_CHOICES, MPS_HELP
 from harness.run import options as model
 from harness.run.one_line_parser import non_empty, non_empty_path
 from harness.run.options import MAX_SECONDS, OptionSpec, OptionValueError, SelectionOptions, option_specs
@@ -114,6 +115,7 @@ def add_execution(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pools-per-gpu", "--lanes", dest="pools_per_gpu", type=positive_int, default=None,
                    help="rank pools side by side on each group of GPUs (on CPU: pools in all); default: "
                         "chosen from the GPU memory and the cores (harness.ranks.placement.pools_per_group)")
+    p.add_argument("--mps", choices=MPS_CHOICES, default="auto", help=MPS_HELP + " (default: auto)")
     p.add_argument("--repeat", type=positive_int, default=1,
                    help="run every case N times; runs that disagree make the case flaky (never a pass)")
     p.add_argument("--repeat-failures", type=non_negative_int, default=0,

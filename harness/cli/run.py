@@ -32,6 +32,7 @@ from harness.cli.options import (
 )
 from harness.cli.part_options import add_part_options
 from harness.cli.signals import interrupt_exit_status, resume_command, terminate_as_interrupt
+from harness.ranks.mps import MpsError
 from harness.run.options import SelectionOptions
 from harness.run.runner import (Selection, SelectionError, exit_status, file_counts, lanes_to_start, summary,
                                  under_torchrun)
@@ -132,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     if isinstance(writer, str):
         return _refuse(writer)
     session = RunSession(writer, lanes, case_timeout_s=options.case_timeout_s, repeat=args.repeat,
-                         repeat_failures=args.repeat_failures, show_progress=not args.no_progress)
+                         repeat_failures=args.repeat_failures, show_progress=not args.no_progress, mps=args.mps)
     with session, terminate_as_interrupt():
         for bad in writer.bad_lines:
             print(f"warning: unreadable line {bad}", file=sys.stderr)
@@ -150,11 +151,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"harness run: {len(todo)} cases{of} on {lane_text(lanes, todo)}", file=sys.stderr)
         try:
             session.run(todo)
-        except ResultWriteError as exc:
-            return _refuse(write_error_text(exc, out))
+        except (ResultWriteError, MpsError) as exc:
+            return _refuse(write_error_text(exc, out) if isinstance(exc, ResultWriteError) else str(exc))
         except KeyboardInterrupt as exc:
             print(f"\ninterrupted; the ranks are stopped. Continue with: {resume_command('--out', out, '--resume')}", file=sys.stderr)
             return interrupt_exit_status(exc)
+    if session.mps.wanted:
+        print(f"harness run: {session.mps.describe()}", file=sys.stderr)
     if session.pools_failed:
         return _refuse(f"{len(session.not_run)} case(s) not run: {session.not_run[0][1]}")
     assert session.progress is not None

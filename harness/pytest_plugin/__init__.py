@@ -57,13 +57,16 @@ from harness.collect.expectations import ExpectedFailure
 from harness.pytest_plugin.cases import Agreement, ParityOptions, SuiteMatrix, TestOutcome, outcome_of, plan_pool, verdict_table
 from harness.pytest_plugin.pools import PoolRegistry, RankPools, gpus_missing, plan_here, skip_here
 from harness.pytest_plugin.xdist_groups import batch_groups
+from harness.ranks.mps import MPS_CHOICES, MPS_HELP, MpsDaemon, MpsError
 from harness.run.options import SelectionOptions, as_typed, option_specs
 
 if TYPE_CHECKING:
     from harness.collect.collector import ResultWriter
+    from harness.ranks.placement import Lane
 
 OPTIONS_KEY = pytest.StashKey[ParityOptions]()
 RESULTS_KEY = pytest.StashKey["ParityResults"]()
+MPS_KEY = pytest.StashKey[MpsDaemon]()
 
 #: ``user_properties`` a generated case leaves on its report, read by the controller's summary.
 VERDICT_PROPERTY = "parity_verdict"
@@ -96,6 +99,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gpu-slots", type=_slots_count, default=None, metavar="N",
                     help="under pytest-xdist: NCCL ranks of all workers computing on one GPU at once (default: "
                          "harness.ranks.gpu_slots.MAX_NCCL_RANKS_PER_GPU; 0: no limit)")
+    group.addoption("--mps", choices=MPS_CHOICES, default="off",
+                    help=MPS_HELP + "; over the xdist workers' pools, for the whole pytest run (default: off: not "
+                         "yet measured on the tree; the nightly's front ends default to auto)")
     group.addoption("--results", default=None, metavar="FILE",
                     help="append every generated case's record to this JSON Lines file (default: none); "
                          "xdist workers write FILE's per-worker siblings, merged into FILE at the end")
@@ -128,6 +134,14 @@ def pytest_configure(config: pytest.Config) -> None:
     results = ParityResults(config, options)
     config.stash[RESULTS_KEY] = results
     config.pluginmanager.register(results, "parity-results")
+    if not results.is_worker:
+        # The controller's environment is the workers' (and their ranks'): the daemon is found there.
+        daemon = MpsDaemon(config.getoption("mps"), [_planned_lanes(config, options)])
+        try:
+            daemon.__enter__()
+        except MpsError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        config.stash[MPS_KEY] = daemon
     if results.is_worker:
         # Workers place their pools independently; the slots keep their NCCL ranks from crowding a GPU
         # ([Note: NCCL under time-slicing]).
@@ -149,6 +163,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         gpu_slots.install(None)
     else:
         gpu_slots.GpuSlots(gpu_slots.run_slots_dir(results.run_id)).remove()
+        daemon = config.stash.get(MPS_KEY, None)
+        if daemon is not None:
+            daemon.__exit__(None, None, None)
+
+
+def _n_xdist_workers(config: pytest.Config) -> int:
+    # pytest-xdist has turned ``-n auto`` into a number before pytest_configure; ``-n 0`` runs in-process.
+    return int(getattr(config.option, "numprocesses", None) or 1)
+
+
+def _planned_lanes(config: pytest.Config, options: ParityOptions) -> list[Lane]:
+    """The generated cases' pools of every xdist worker, as ``plan_pool`` places them: what runs at once."""
+    from harness.ranks.placement import n_gpus
+
+    gpus, n_workers = n_gpus(), _n_xdist_workers(config)
+    plans = [plan_pool(ws, options.backend, gpus, w, n_workers, options.device)
+             for w in range(n_workers) for ws in options.world_sizes]
+    return [plan.lane for plan in plans if plan.lane is not None]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -157,8 +189,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
     options = config.stash[OPTIONS_KEY]
     gpus = n_gpus()
-    n_workers = int(getattr(config.option, "numprocesses", None) or 1)
-    lines = []
+    n_workers = _n_xdist_workers(config)
+    daemon = config.stash.get(MPS_KEY, None)
+    lines = [f"parity: {daemon.state.describe()}"] if daemon is not None and daemon.state.wanted else []
     for ws in options.world_sizes:
         plan = plan_pool(ws, options.backend, gpus, 0, n_workers, options.device)
         if plan.lane is None:

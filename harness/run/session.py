@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.cases.case import CaseConfig
 from harness.cases.records import FAILING, CaseRecord
+from harness.ranks.mps import MpsDaemon, MpsState
 from harness.ranks.placement import Lane
 from harness.run.runner import CaseRunner, Progress, Selection, Tee, select_cases
 from harness.run.parts import PartError, PartSpec, case_costs, partition, read_costs, resolve_part
@@ -186,7 +187,8 @@ class RunSession:
     def __init__(self, writer: Any, lanes: Mapping[int, Sequence[Lane]], *, case_timeout_s: float,
                  repeat: int = 1, repeat_failures: int = 0, show_progress: bool = True,
                  deadline: float | None = None, budget_s: float | None = None,
-                 open_pool: Callable[[Lane], "Pool"] | None = None, interrupt_wait_s: float = 30.0) -> None:
+                 open_pool: Callable[[Lane], "Pool"] | None = None, interrupt_wait_s: float = 30.0,
+                 mps: str = "off") -> None:
         self.writer = writer
         self.lanes = {ws: list(group) for ws, group in lanes.items()}
         self.case_timeout_s = case_timeout_s
@@ -197,6 +199,9 @@ class RunSession:
         self.open_pool = open_pool
         #: how long a stop waits for the lanes to close their pools (0 under torchrun: its world is the pool).
         self.interrupt_wait_s = interrupt_wait_s
+        #: ``--mps`` (``harness.ranks.mps``): the choice, and after ``run`` what the ranks got.
+        self.mps_choice = mps
+        self.mps = MpsState(False, "off: not run")
         self.latest: dict[str, CaseRecord] = dict(getattr(writer, "resumed", {}))
         self.records: list[CaseRecord] = []
         self.progress: Progress | None = None
@@ -232,24 +237,28 @@ class RunSession:
         one written (deleted after its last record, a summary would name a file that is gone).
 
         Ctrl-C (or a ``Terminated``) stops every lane, recording nothing more, and is raised again; so is
-        the ``ResultWriteError`` of a file that cannot be written. A front end says what to do next."""
+        the ``ResultWriteError`` of a file that cannot be written. A front end says what to do next. The lanes'
+        pools run under CUDA MPS as ``mps`` asks (``harness.ranks.mps.MpsDaemon``; ``MpsError`` for ``--mps on``
+        where it cannot run, before any pool starts)."""
         self.progress = Progress(len(cases), enabled=self.show_progress, deadline=self.deadline)
         self.runner = CaseRunner(Tee(self.writer, self._keep), self.progress, self.deadline, self.case_timeout_s,
                                  repeat=self.repeat, repeat_failures=self.repeat_failures, open_pool=self.open_pool)
         start = time.monotonic()
-        try:
-            self.not_run, self.pools_failed = self.runner.run_all(self.lanes, cases, self.budget_s)
-            self.writer.check_present()
-        except KeyboardInterrupt:
-            self.interrupted = True
-            self.runner.interrupt(self.interrupt_wait_s)
-            raise
-        except OSError:  # the results file could not be written: the lanes have stopped, their pools go too
-            self.runner.interrupt(self.interrupt_wait_s)
-            raise
-        finally:
-            self.wall_s = time.monotonic() - start
-            self.progress.close()
+        # The pools stop (interrupted too) before the daemon they reach does.
+        with MpsDaemon(self.mps_choice, self.lanes.values()) as self.mps:
+            try:
+                self.not_run, self.pools_failed = self.runner.run_all(self.lanes, cases, self.budget_s)
+                self.writer.check_present()
+            except KeyboardInterrupt:
+                self.interrupted = True
+                self.runner.interrupt(self.interrupt_wait_s)
+                raise
+            except OSError:  # the results file could not be written: the lanes have stopped, their pools go too
+                self.runner.interrupt(self.interrupt_wait_s)
+                raise
+            finally:
+                self.wall_s = time.monotonic() - start
+                self.progress.close()
 
     @property
     def recorded(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from harness.collect.breakdown import ROWS
 from harness.collect.collector import ResultWriter, read_records
 from harness.compare.phases import PHASES
 from harness.pytest_plugin import needs_gpus
+from harness.ranks.mps import CONTROL
 from harness.ranks.placement import n_gpus
 from harness.run.runner import Selection, select_cases
 from harness.run.stored_selection import StoredSelection, selection_options
@@ -119,6 +121,9 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
         if record.verdict in ("pass", "fail"):  # trained: its reads of the engine are timed apart from its steps
             assert record.detail["phases_s"]["observe"] > 0 and record.detail["phases_s"]["steps"] > 0, record.detail
     assert state["cases"]["host"]["samples"] >= 1 and "handoff" in done.stdout and "host (" in done.stdout
+    # CPU ranks: no CUDA MPS wanted, and the summary says so (harness.ranks.mps).
+    assert state["cases"]["mps"] == {"active": False, "how": "off: no rank of this run is on a GPU", "wanted": False}
+    assert "CUDA MPS: off: no rank of this run is on a GPU" in done.stdout
     # The determinism sample: one case per engine and strategy checked, none nondeterministic.
     strategies = {c.sharding_strategy for c in _tiny_cases() if not c.cpu_offload}
     assert set(state["determinism"]["configurations"]) >= {f"torch-fsdp/{s}" for s in strategies}
@@ -246,6 +251,10 @@ def test_nightly_on_the_gpus(tmp_path: Path) -> None:
     assert state["cases"]["not_run"] == 0 and state["cases"]["device"] == "cuda"
     pairs = [lane for lane in state["cases"]["lanes"] if lane["world_size"] == 2]
     assert len(pairs) >= 1 and state["cases"]["cases_per_s"] > 0
+    # Several pools on each GPU (or ranks sharing one): CUDA MPS wanted, and on where its daemon is installed.
+    assert state["cases"]["mps"]["wanted"], state["cases"]["mps"]
+    if shutil.which(CONTROL):
+        assert state["cases"]["mps"]["active"], state["cases"]["mps"]
     if n < 2:
         # One GPU: both ranks of every pool on it, through gloo; the perf section is the CPU smoke check
         # (gloo's host staging is no measure of NCCL overlap).
