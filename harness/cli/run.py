@@ -159,7 +159,8 @@ def main(args: argparse.Namespace) -> int:
     if session.mps.wanted:
         print(f"harness run: {session.mps.describe()}", file=sys.stderr)
     if session.pools_failed:
-        return _refuse(f"{len(session.not_run)} case(s) not run: {session.not_run[0][1]}")
+        hint = "; the pools ran under CUDA MPS: --mps off runs them without it" if session.mps.active else ""
+        return _refuse(f"{len(session.not_run)} case(s) not run: {session.not_run[0][1]}{hint}")
     assert session.progress is not None
     print(summary(session.progress.counts, out, session.wall_s, session.progress.unsupported))
     counts = file_counts(session.latest)

@@ -281,8 +281,9 @@ RANK_RSS_CUDA_BYTES = 2 << 30
 #: cores kept for the parent (the runner threads, the writer), a fuzz campaign running alongside the
 #: cases (the nightly's) and the rest of the machine.
 RESERVED_CORES = 3
-#: most pools sharing one group of GPUs: the processes time-slice each GPU, and beyond this the
-#: context switches cost more than the idle time they fill (the zoo's kernels leave GPUs idle ~90%).
+#: most pools sharing one group of GPUs: without MPS the processes time-slice each GPU, and beyond this the
+#: context switches cost more than the idle time they fill (the zoo's kernels leave GPUs idle ~90%); under
+#: MPS (``harness.ranks.mps``) 16 pools a GPU of world size 4 filled 64 cores and ran slower than 8.
 MAX_POOLS_PER_GROUP = 8
 
 
