@@ -4,8 +4,8 @@ Without MPS a GPU runs one process's kernels at a time and switches between proc
 nightly puts several pools on every GPU (``harness.ranks.placement.plan_lanes``), and at world size 4 a
 collective needs all four GPUs to give its pool a turn at once: an NCCL kernel spins through its slice
 waiting for peers whose process is not scheduled on their GPU. Under MPS the processes' kernels run side
-by side. Measured on 4 H200s (``docs/measurements.md``, 2026-11-28): world size 4 went from 2.8 to 9.5
-cases/s, world size 2 from 8.4 to 12.0.
+by side. Measured on 4 H200s (``docs/measurements.md``, 2026-11-28, nightly samples on one machine): world
+size 4 went from 2.8 to 9.5 cases/s, world size 2 from 8.4 to 12.0.
 
 What runs: ``nvidia-cuda-mps-control -d`` with its pipes and logs in a directory of the harness's own (one
 per user, under the temporary directory), so it never touches a daemon that the machine runs; the ranks find
@@ -72,7 +72,7 @@ def mps_wanted(choice: str, lane_groups: Iterable[Iterable[Lane]]) -> tuple[bool
     most = max(counts)
     if choice == "auto" and most < 2:
         return False, "off: one rank process per GPU"
-    return True, f"{most} rank processes on a GPU"
+    return True, f"{most} rank processes on a GPU" if most > 1 else "one rank process per GPU"
 
 
 @dataclass(frozen=True)

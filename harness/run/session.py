@@ -240,12 +240,12 @@ class RunSession:
         the ``ResultWriteError`` of a file that cannot be written. A front end says what to do next. The lanes'
         pools run under CUDA MPS as ``mps`` asks (``harness.ranks.mps.MpsDaemon``; ``MpsError`` for ``--mps on``
         where it cannot run, before any pool starts)."""
-        self.progress = Progress(len(cases), enabled=self.show_progress, deadline=self.deadline)
-        self.runner = CaseRunner(Tee(self.writer, self._keep), self.progress, self.deadline, self.case_timeout_s,
-                                 repeat=self.repeat, repeat_failures=self.repeat_failures, open_pool=self.open_pool)
         start = time.monotonic()
         # The pools stop (interrupted too) before the daemon they reach does.
         with MpsDaemon(self.mps_choice, self.lanes.values()) as self.mps:
+            self.progress = Progress(len(cases), enabled=self.show_progress, deadline=self.deadline)
+            self.runner = CaseRunner(Tee(self.writer, self._keep), self.progress, self.deadline, self.case_timeout_s,
+                                     repeat=self.repeat, repeat_failures=self.repeat_failures, open_pool=self.open_pool)
             try:
                 self.not_run, self.pools_failed = self.runner.run_all(self.lanes, cases, self.budget_s)
                 self.writer.check_present()

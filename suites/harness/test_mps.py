@@ -64,7 +64,7 @@ def _no_machine_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     ("auto", [[SHARED]], True, "2 rank processes on a GPU"),
     # World sizes run one after the other: their pools never share a GPU at once.
     ("auto", [[NCCL_01], [Lane(4, "nccl", (0, 1, 2, 3))]], False, "one rank process per GPU"),
-    ("on", [[NCCL_01, NCCL_23]], True, "1 rank processes on a GPU"),
+    ("on", [[NCCL_01, NCCL_23]], True, "one rank process per GPU"),
     ("off", [[SHARED, SHARED]], False, "--mps off"),
 ])
 def test_when_a_run_wants_mps(choice: str, groups: list[list[Lane]], wanted: bool, why: str) -> None:
