@@ -98,9 +98,8 @@ class MpsDaemon:
     Entering decides (``mps_wanted``), finds or starts the daemon and puts its directories into
     ``environ`` (the process's environment, which the pools copy when they start); leaving restores
     ``environ`` and stops a daemon of the harness's that no other run holds. ``lane_groups`` as for
-    ``mps_wanted``. ``root`` is where the
-    harness's daemon directory goes (default: the temporary directory); ``control`` the daemon's
-    command (default: ``CONTROL`` on PATH).
+    ``mps_wanted``; ``root``: where the harness's daemon directory goes (default: the temporary directory);
+    ``control``: the daemon's command (default: ``CONTROL`` on PATH).
     """
 
     def __init__(self, choice: str, lane_groups: Iterable[Iterable[Lane]], *, environ: MutableMapping[str, str] | None = None,
@@ -111,7 +110,7 @@ class MpsDaemon:
         self.root = Path(tempfile.gettempdir()) if root is None else Path(root)
         self.control = control if control is not None else shutil.which(CONTROL)
         self.state = MpsState(False, "off: not entered")
-        self._lock: IO[str] | None = None
+        self._users: IO[str] | None = None
         self._env: dict[str, str] = {}
         self._home = self.root
         self._saved: dict[str, str | None] = {}
@@ -164,7 +163,7 @@ class MpsDaemon:
                     raise
         except OSError as exc:
             return self._without(f"cannot use its directory {home} ({exc})")
-        self._lock, self._env, self._home = users, env, home
+        self._users, self._env, self._home = users, env, home
         self._saved = {k: self.environ.get(k) for k in env}
         self.environ.update(env)
         return MpsState(True, f"on, the harness's daemon ({home}); {why}", True)
@@ -192,7 +191,7 @@ class MpsDaemon:
                 self.environ.pop(key, None)
             else:
                 self.environ[key] = value
-        users, self._lock, self._saved = self._lock, None, {}
+        users, self._users, self._saved = self._users, None, {}
         if users is None:
             return
         try:
