@@ -76,7 +76,7 @@ from harness.cli.options import (
 from harness.cli.part_options import add_alias, add_part_options, part_dir, resolve_part
 from harness.cli.signals import interrupt_exit_status, terminate_as_interrupt
 from harness.collect.breakdown import breakdown, breakdown_table
-from harness.ranks.mps import MpsError
+from harness.ranks.mps import MpsError, MpsState
 from harness.ranks.placement import Lane, PlacementError, host_facts, n_gpus
 from harness.run.host_load import HostSampler, host_text
 from harness.run.runner import Selection, SelectionError, select_cases, under_torchrun
@@ -495,7 +495,7 @@ def _summary_text(state: Mapping[str, Any]) -> str:
     if cases.get("breakdown", {}).get("cases"):
         lines += [breakdown_table(cases["breakdown"]), host_text(cases["host"])]
     if cases.get("mps"):  # nights from before it was recorded have none
-        lines.append(f"CUDA MPS: {cases['mps']['how']}")
+        lines.append(MpsState(**cases["mps"]).describe())
     determinism = state.get("determinism") or {}
     if determinism.get("configurations"):
         checked = sum(v["checked"] for v in determinism["configurations"].values())

@@ -151,8 +151,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"harness run: {len(todo)} cases{of} on {lane_text(lanes, todo)}", file=sys.stderr)
         try:
             session.run(todo)
-        except (ResultWriteError, MpsError) as exc:
-            return _refuse(write_error_text(exc, out) if isinstance(exc, ResultWriteError) else str(exc))
+        except ResultWriteError as exc:
+            return _refuse(write_error_text(exc, out))
+        except MpsError as exc:
+            return _refuse(str(exc))
         except KeyboardInterrupt as exc:
             print(f"\ninterrupted; the ranks are stopped. Continue with: {resume_command('--out', out, '--resume')}", file=sys.stderr)
             return interrupt_exit_status(exc)

@@ -66,12 +66,12 @@ def mps_wanted(choice: str, lane_groups: Iterable[Iterable[Lane]]) -> tuple[bool
         raise ValueError(f"--mps: {choice!r} is not one of {list(MPS_CHOICES)}")
     counts = [n for group in lane_groups for n in gpu_processes(group).values()]
     if choice == "off":
-        return False, "off (--mps off)"
+        return False, "--mps off"
     if not counts:
-        return False, "off: no rank of this run is on a GPU"
+        return False, "no rank of this run is on a GPU"
     most = max(counts)
     if choice == "auto" and most < 2:
-        return False, "off: one rank process per GPU"
+        return False, "one rank process per GPU"
     return True, f"{most} rank processes on a GPU" if most > 1 else "one rank process per GPU"
 
 
@@ -121,8 +121,8 @@ class MpsDaemon:
         wanted, why = mps_wanted(self.choice, self.lane_groups)
         if not wanted:
             if self.choice == "on":
-                raise MpsError(f"--mps on: {why.removeprefix('off: ')}; drop --mps on, or run on GPUs")
-            self.state = MpsState(False, why)
+                raise MpsError(f"--mps on: {why}; drop --mps on, or run on GPUs")
+            self.state = MpsState(False, f"off: {why}")
         elif PIPE_ENV in self.environ:
             self.state = MpsState(True, f"on, the daemon of {PIPE_ENV}={self.environ[PIPE_ENV]} (the user's); {why}", True)
         elif (SYSTEM_PIPE_DIR / "control").exists():
