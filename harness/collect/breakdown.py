@@ -6,9 +6,10 @@ seconds it spent writing records (``harness.run.runner.CaseRunner.records_s``). 
 row each (pure: plain data in, plain data out, what ``nightly.json`` keeps under ``cases.breakdown``) and
 ``breakdown_table`` renders it:
 
-- a row per phase, then ``handoff`` (job sent, answers back, waiting for the slowest rank), ``slot_wait`` (waiting
-  for GPU slots before the job was sent, ``detail["slot_wait_s"]``: only under a pytest-xdist run's
-  ``harness.ranks.gpu_slots``, and outside the record's wall time), ``records`` (writing
+- a row per phase, then ``handoff`` (job sent, answers back, waiting for the slowest rank), ``pool_start`` (a
+  pool's ranks started for the case's job, on a pool's first job or after a reset, ``detail["pool_start_s"]``),
+  ``slot_wait`` (waiting for GPU slots before the job was sent, ``detail["slot_wait_s"]``: only under a
+  pytest-xdist run's ``harness.ranks.gpu_slots``), both outside the record's wall time, ``records`` (writing
   and syncing each record) and ``unmeasured`` (the part of a case's wall time outside its phases and hand-off: all
   of a case that timed out, crashed or raised on a rank, or whose record predates the phases);
 - per row the total seconds, the mean per case and the share of the case time, which is the rows' sum (the
@@ -26,7 +27,7 @@ from harness.compare.phases import PHASES
 __all__ = ["ROWS", "breakdown", "breakdown_table"]
 
 #: the rows of a breakdown, in the order a case meets them.
-ROWS: tuple[str, ...] = (*PHASES, "handoff", "slot_wait", "records", "unmeasured")
+ROWS: tuple[str, ...] = (*PHASES, "handoff", "pool_start", "slot_wait", "records", "unmeasured")
 
 
 def breakdown(records: Sequence[CaseRecord], records_s: float, cases_wall_s: float) -> dict[str, Any]:
@@ -44,6 +45,7 @@ def breakdown(records: Sequence[CaseRecord], records_s: float, cases_wall_s: flo
         for phase in PHASES:
             totals[phase] += float(phases.get(phase, 0.0))
         totals["handoff"] += handoff
+        totals["pool_start"] += float(record.detail.get("pool_start_s", 0.0))
         totals["slot_wait"] += float(record.detail.get("slot_wait_s", 0.0))
         # Clamped: the phases are each the slowest rank's, so together they may exceed the busiest rank's job,
         # which the hand-off was measured against; that overlap is no time outside the phases.

@@ -518,7 +518,8 @@ def non_finite_line(values: list[RankResult]) -> str:
 def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
     """One all-rank ``CaseRecord`` from what the pool got back for ``run_case_on_rank``."""
     base: dict[str, Any] = {"case": case.to_dict(), "case_id": case.case_id, "wall_s": outcome.wall_s}
-    waited = {"slot_wait_s": outcome.slot_wait_s} if outcome.slot_wait_s else {}
+    waited = {key: value for key, value in (("pool_start_s", outcome.pool_start_s), ("slot_wait_s", outcome.slot_wait_s))
+              if value}
     if outcome.status != "ok":
         detail: dict[str, Any] = dict(waited)
         if outcome.errors:

@@ -27,11 +27,15 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-__all__ = ["PHASES", "TIMING_DETAIL", "PhaseClock", "add_phases", "handoff_s", "slowest"]
+__all__ = ["BEFORE_JOB", "PHASES", "TIMING_DETAIL", "PhaseClock", "add_phases", "before_job_s", "handoff_s", "slowest"]
 
 #: the keys of a record's ``detail`` that are measured times, not results: two runs of one case may differ in them
 #: (and in ``runs``, each run's wall time) and in nothing else.
-TIMING_DETAIL: tuple[str, ...] = ("engine_s", "reference_s", "phases_s", "handoff_s", "slot_wait_s", "runs")
+TIMING_DETAIL: tuple[str, ...] = ("engine_s", "reference_s", "phases_s", "handoff_s", "pool_start_s", "slot_wait_s", "runs")
+
+#: the keys of a record's ``detail`` that time what a case waited for before its job was sent, outside its
+#: ``wall_s``: its pool's start (a pool starts on its first job) and its GPU slots (``harness.ranks.gpu_slots``).
+BEFORE_JOB: tuple[str, ...] = ("pool_start_s", "slot_wait_s")
 
 #: the phases of one case on one rank, in the order they run.
 PHASES: tuple[str, ...] = ("setup", "reference", "build", "steps", "observe", "compare", "determinism")
@@ -85,3 +89,8 @@ def handoff_s(wall_s: float, per_rank: Sequence[Mapping[str, float]]) -> float:
 def add_phases(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """Per phase the seconds of several runs of one case together (a repeated case's record)."""
     return {phase: sum(float(r.get(phase, 0.0)) for r in runs) for phase in PHASES}
+
+
+def before_job_s(detail: Mapping[str, float]) -> float:
+    """Seconds a record's case waited before its job was sent (``BEFORE_JOB``), which its ``wall_s`` leaves out."""
+    return sum(float(detail.get(key, 0.0)) for key in BEFORE_JOB)

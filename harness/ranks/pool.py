@@ -158,6 +158,9 @@ class PoolOutcome:
     pool_reset: bool = False
     #: seconds the job waited for its GPU slots before it was sent (``harness.ranks.gpu_slots``; not in ``wall_s``).
     slot_wait_s: float = 0.0
+    #: seconds the pool took to start its ranks for this job (lazily, on a first job or after a reset; not in
+    #: ``wall_s``): on a loaded GPU node, seconds of CUDA and process-group set-up.
+    pool_start_s: float = 0.0
 
 
 class PoolStartError(RuntimeError):
@@ -386,14 +389,19 @@ class RankPool:
 
         Under the GPU slots of a pytest-xdist run (``harness.ranks.gpu_slots``) the job first waits for its
         NCCL ranks' slots; its timeout counts from when it has them."""
+        started = 0.0
         if not self.alive:
+            t0 = time.monotonic()
             self.start()
+            started = time.monotonic() - t0
         slots = gpu_slots.installed()
         if slots is None:
-            return self._run(fn, payload, timeout_s)
-        with slots.hold(self.config.backend, self.config.devices) as waited:
             outcome = self._run(fn, payload, timeout_s)
-        outcome.slot_wait_s = waited
+        else:
+            with slots.hold(self.config.backend, self.config.devices) as waited:
+                outcome = self._run(fn, payload, timeout_s)
+            outcome.slot_wait_s = waited
+        outcome.pool_start_s = started
         return outcome
 
     def _run(self, fn: Callable[[RankContext, Any], Any], payload: Any, timeout_s: float | None) -> PoolOutcome:

@@ -13,7 +13,7 @@ import collections
 from collections.abc import Sequence
 
 from harness.cases.records import FAILING, CaseRecord
-from harness.compare.phases import add_phases
+from harness.compare.phases import BEFORE_JOB, add_phases
 
 __all__ = ["decide", "merge_runs", "needs_rerun", "outcome_text"]
 
@@ -62,9 +62,10 @@ def merge_runs(runs: Sequence[CaseRecord]) -> CaseRecord:
         # outside them: ``harness.collect.breakdown`` counts it unmeasured).
         detail["phases_s"] = add_phases([d["phases_s"] for d in measured])
         detail["handoff_s"] = sum(float(d.get("handoff_s", 0.0)) for d in measured)
-        waited = sum(float(d.get("slot_wait_s", 0.0)) for d in measured)
-        if waited:
-            detail["slot_wait_s"] = waited
+        for key in BEFORE_JOB:
+            waited = sum(float(d.get(key, 0.0)) for d in measured)
+            if waited:
+                detail[key] = waited
     return CaseRecord(
         case=body.case, case_id=body.case_id, verdict=verdict, reason=reason, run=body.run, time=body.time,  # type: ignore[arg-type]
         errors=body.errors, deterministic=body.deterministic, wall_s=sum(r.wall_s for r in runs),

@@ -11,7 +11,7 @@ import pytest
 from harness.cases.case import CaseConfig
 from harness.cases.records import CaseRecord
 from harness.collect.breakdown import ROWS, breakdown, breakdown_table
-from harness.compare.phases import PHASES, PhaseClock, handoff_s, slowest
+from harness.compare.phases import PHASES, PhaseClock, before_job_s, handoff_s, slowest
 from harness.run.repeats import merge_runs
 
 CASE = CaseConfig()
@@ -66,17 +66,20 @@ def test_a_repeated_case_adds_up_its_runs_phases_and_a_timed_out_run_stays_unmea
     assert rows["unmeasured"]["total_s"] == pytest.approx(5.0 - 1.25 - 0.375)
 
 
-def test_a_wait_for_gpu_slots_is_its_own_row_outside_the_wall_time() -> None:
-    """Under a pytest-xdist run's GPU slots a job waits before it is sent: time the case held its lane, which
-    its wall time (the pool's round trip) leaves out; repeated runs add their waits up."""
+@pytest.mark.parametrize("row", ["pool_start", "slot_wait"])
+def test_a_wait_before_the_job_is_its_own_row_outside_the_wall_time(row: str) -> None:
+    """A job waits before it is sent for its pool's start (a pool starts on its first job) or, under a
+    pytest-xdist run's GPU slots, for its slots: time the case held its lane, which its wall time (the pool's
+    round trip) leaves out; repeated runs add their waits up."""
+    key = f"{row}_s"
     waited = _record(1.0, _phases(steps=0.5), 0.25)
-    waited.detail["slot_wait_s"] = 2.0
+    waited.detail[key] = 2.0
     merged = merge_runs([waited, _record(1.0, _phases(steps=0.5), 0.25)])
-    assert merged.detail["slot_wait_s"] == 2.0
+    assert merged.detail[key] == 2.0 and before_job_s(merged.detail) == 2.0
     rows = breakdown([merged, _record(1.0, _phases(steps=1.0), 0.0)], 0.0, 5.0)["rows"]
-    assert rows["slot_wait"]["total_s"] == pytest.approx(2.0)
+    assert rows[row]["total_s"] == pytest.approx(2.0)
     assert rows["unmeasured"]["total_s"] == pytest.approx(2.0 - 1.0 - 0.5)  # the wait is no part of it
-    assert "slot_wait_s" not in merge_runs([_record(1.0, _phases(steps=0.5), 0.25)]).detail
+    assert key not in merge_runs([_record(1.0, _phases(steps=0.5), 0.25)]).detail
 
 
 def test_breakdown_over_hand_made_records() -> None:

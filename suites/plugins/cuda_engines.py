@@ -12,9 +12,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from harness.cases.records import FAILING
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def needs_package(missing: Callable[[], str | None]) -> pytest.MarkDecorator:
+    """Skips a test that runs the engine for real where ``missing`` (the adapter's check) says its package is
+    not installed, with the adapter's install line: a GPU host need not carry every engine we did not write."""
+    reason = missing()
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
 def run_records(out: Path, *args: str, timeout: float = 600) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from harness.cases.models import build_model
 from harness.engines.registry import resolve
 from harness.pytest_plugin import needs_gpus
 from harness.ranks.rank import RankContext
-from suites.plugins.cuda_engines import run_records, undeclared_failures
+from suites.plugins.cuda_engines import needs_package, run_records, undeclared_failures
 
 #: FairScale 0.4.13's FSDP casts the root's floating inputs with ``.half()`` whenever mixed_precision is on
 #: (``cast_floats_to_right_precision``), whatever ``compute_dtype`` says: bfloat16 parameters meet float16 inputs.
@@ -123,6 +123,7 @@ def test_on_cpu_ranks_the_real_run_path_says_unsupported_in_one_line(tmp_path: P
 
 @pytest.mark.gpu
 @needs_gpus(2, "one GPU per rank: FairScale's FSDP runs over NCCL only")
+@needs_package(fairscale_missing)
 def test_the_pairwise_matrix_on_two_gpus_fails_only_the_declared_bf16_cases(tmp_path: Path) -> None:
     records = run_records(tmp_path / "fairscale.jsonl", "--engines", "fairscale", "--matrix", "pairwise", "--backend", "nccl",
                           # verdicts, not throughput: few pools leave the GPUs to the other xdist workers

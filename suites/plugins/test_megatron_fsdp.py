@@ -19,7 +19,7 @@ from harness.engines.megatron_fsdp_adapter import MegatronFSDPAdapter, megatron_
 from harness.engines.registry import EngineSpecError, check_engines, resolve
 from harness.pytest_plugin import ParityRunner, needs_gpus
 from harness.ranks.rank import RankContext
-from suites.plugins.cuda_engines import run_records, undeclared_failures
+from suites.plugins.cuda_engines import needs_package, run_records, undeclared_failures
 
 ENGINES = ("megatron-fsdp", "megatron-fsdp-zero2", "megatron-fsdp-zero1")
 #: the zoo models whose units Megatron-FSDP can pick by class (``units_by_class_reason``).
@@ -114,6 +114,7 @@ def test_on_cpu_ranks_the_real_run_path_says_unsupported_in_one_line(tmp_path: P
 
 @pytest.mark.gpu
 @needs_gpus(2, "one GPU per rank: Megatron-FSDP runs over NCCL only")
+@needs_package(megatron_fsdp_missing)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_pairwise_matrix_on_two_gpus_has_no_failure(engine: str, tmp_path: Path) -> None:
     records = run_records(tmp_path / f"{engine}.jsonl", "--engines", engine, "--matrix", "pairwise", "--backend", "nccl",
