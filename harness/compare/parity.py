@@ -59,7 +59,7 @@ from harness.compare.knobs import (
     check_use_orig_params,
 )
 from harness.compare.offload_probe import probe_offload_placement
-from harness.compare.phases import PhaseClock, handoff_s, slowest
+from harness.compare.phases import BEFORE_JOB, PhaseClock, handoff_s, slowest
 from harness.compare.prefetch_baseline import baseline_events
 from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
 from harness.compare.resume import run_resumed
@@ -518,8 +518,7 @@ def non_finite_line(values: list[RankResult]) -> str:
 def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
     """One all-rank ``CaseRecord`` from what the pool got back for ``run_case_on_rank``."""
     base: dict[str, Any] = {"case": case.to_dict(), "case_id": case.case_id, "wall_s": outcome.wall_s}
-    waited = {key: value for key, value in (("pool_start_s", outcome.pool_start_s), ("slot_wait_s", outcome.slot_wait_s))
-              if value}
+    waited = {key: getattr(outcome, key) for key in BEFORE_JOB if getattr(outcome, key)}  # PoolOutcome's own names
     if outcome.status != "ok":
         detail: dict[str, Any] = dict(waited)
         if outcome.errors:
