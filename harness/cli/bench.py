@@ -15,6 +15,7 @@ group is really used) in one invocation:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -76,9 +77,10 @@ def measure(config: PoolConfig, warm_cases: int, spawn_cases: int) -> BenchResul
             _expect_ok(pool.run(trivial_case, i), config)
             warm.append(time.perf_counter() - t0)
     spawn: list[float] = []
+    spawned = dataclasses.replace(config, start_method="spawn")  # as torch's harness starts its ranks
     for i in range(spawn_cases):
         t0 = time.perf_counter()
-        with RankPool(config) as pool:
+        with RankPool(spawned) as pool:
             _expect_ok(pool.run(trivial_case, i), config)
         spawn.append(time.perf_counter() - t0)
     return BenchResult(config.backend, config.world_size, warm, spawn)

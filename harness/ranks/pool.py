@@ -1,4 +1,4 @@
-"""A persistent pool of rank processes: spawned and joined into a process group once, reused per case.
+"""A persistent pool of rank processes: started and joined into a process group once, reused per case.
 
 PyTorch's own harness spawns the ranks again for every test method, and pays process start, imports
 and process-group set-up (seconds) each time. Here ``RankPool`` starts ``world_size`` processes once;
@@ -17,8 +17,12 @@ After a case in which a rank raised, the pool compares the collective sequence n
 process group across ranks: a rank that left a collective unmatched would pair the next case's
 collectives wrongly, so a mismatch respawns the pool too.
 
+A CPU pool's ranks are forked from a forkserver that imported the rank side once (``start_method``), so a
+start or respawn costs no Python, torch or parity-stack import; a CUDA pool's are spawned. Either way a rank
+runs with the environment its pool's start hands it (``rank_environment``), not a process-wide change.
 Ranks ignore SIGINT (Ctrl-C reaches the parent, whose ``close()`` kills them), die with the parent
-(``PR_SET_PDEATHSIG`` on Linux), and write stderr to a per-rank file whose tail a crash reports.
+(``PR_SET_PDEATHSIG`` on Linux; a forked rank with its forkserver, which exits with the owner), and write
+stderr to a per-rank file whose tail a crash reports.
 Rendezvous is a TCPStore the parent owns on a free port of 127.0.0.1, so concurrent pools (pytest-xdist
 workers) never collide. Where the ranks run is ``harness.ranks.placement.place``'s to decide
 (``PoolConfig.placed``): one GPU per rank for NCCL, ranks sharing GPUs for gloo, or the CPU. The rank
@@ -27,7 +31,6 @@ process's own side (its start and job loop) is ``harness.ranks.rank_process``.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -36,9 +39,8 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -50,7 +52,7 @@ from harness.ranks import gpu_slots
 from harness.ranks.placement import (Backend, BackendChoice, DeviceChoice, Lane, n_gpus, place, rank_visible_devices,
                                      xdist_worker)
 from harness.ranks.rank import RankContext
-from harness.ranks.rank_process import Boot, RankError, rank_main
+from harness.ranks.rank_process import Boot, RankError, pid_alive, rank_main
 from harness.ranks.stacks import describe_exit, last_line, timeout_reason
 
 __all__ = [
@@ -59,7 +61,9 @@ __all__ = [
     "PoolStartError",
     "RankError",
     "RankPool",
-    "gpus_for_ranks",
+    "FORKSERVER_PRELOAD",
+    "rank_environment",
+    "start_method",
     "remove_stale_pool_dirs",
 ]
 
@@ -70,6 +74,8 @@ STDERR_TAIL = 4000
 
 #: a pool's temporary directory is ``<tmp>/harness-pool-<owner pid>-<random>``.
 POOL_DIR_PREFIX = "harness-pool-"
+#: the name's start of the file that marks multiprocessing's directory of a process with pools, its pid after it.
+OWNER_MARK = "harness-owner-"
 
 #: longest sleep of the owner's waits on its ranks. The kernel may hand a process-wide SIGINT to any
 #: thread (the TCPStore's server thread, a lane); Python's handler then only flags it for the main
@@ -92,9 +98,11 @@ class PoolConfig:
     #: rank, ``devices`` required and distinct). ``harness.ranks.placement.place`` chooses it.
     backend: Backend = "gloo"
     #: CUDA device index of each rank (``len == world_size``; repeated where gloo ranks share a GPU); None
-    #: runs on CPU (gloo only), with the GPUs hidden from the ranks (``gpus_for_ranks``) so a CPU pool is
+    #: runs on CPU (gloo only), with the GPUs hidden from the ranks (``rank_environment``) so a CPU pool is
     #: the same on a GPU host as on CI.
     devices: tuple[int, ...] | None = None
+    #: how the ranks start (``multiprocessing``'s start method); None: ``start_method``'s choice for ``devices``.
+    start_method: str | None = None
     #: a case with no answer from every rank after this many seconds is a ``timeout``.
     case_timeout_s: float = 300.0
     #: starting the processes and joining the process group must finish within this.
@@ -171,48 +179,41 @@ class PoolStartError(RuntimeError):
 # Process helpers
 
 
-#: held while a process starts: the environment a child inherits is the parent's at that moment, and
-#: ``gpus_hidden`` changes it process-wide, so a GPU pool started from another thread meanwhile (pytest-xdist
-#: lanes, a nightly's pools) would otherwise start with no GPU.
-_START_LOCK = threading.Lock()
+#: what a forkserver imports once, so that the CPU ranks forked from it skip Python's and torch's start and
+#: the parity stack's imports (about 2 s a rank on 2 cores, every pool start and respawn).
+FORKSERVER_PRELOAD: tuple[str, ...] = ("harness.ranks.rank_process", "harness.compare.parity")
 
 
-@contextlib.contextmanager
-def gpus_for_ranks(devices: tuple[int, ...] | None) -> Iterator[None]:
-    """Processes started inside this block see the GPUs ``rank_visible_devices`` gives a pool of
-    ``devices`` (none for a CPU pool); the block holds the process-wide start lock, so processes started
-    from other threads meanwhile wait and see their own.
-
-    A CPU pool must compute on CPU on any host: torch FSDP1 given a CPU module and no ``device_id``
-    moves it to the current accelerator by itself, and every rank would take GPU 0 (and pay CUDA's
-    start-up). The variable must be in the environment the child starts with: once a process has
-    asked CUDA for its devices, changing it does nothing. Spawned children copy ``os.environ`` at
-    ``start()``, so setting it around the start suffices.
-    """
-    with _START_LOCK:
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        value = rank_visible_devices(devices, saved)
-        if value is None:
-            yield
-            return
-        os.environ["CUDA_VISIBLE_DEVICES"] = value
-        try:
-            yield
-        finally:
-            if saved is None:
-                del os.environ["CUDA_VISIBLE_DEVICES"]
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+def start_method(devices: tuple[int, ...] | None, available: Iterable[str] | None = None) -> str:
+    """How a pool of ``devices`` (None: CPU) starts its ranks: forked from a forkserver for a CPU pool where
+    the platform has one; spawned for a CUDA pool (measured on GPUs so; a forkserver holds no CUDA state
+    either, but its ranks are not yet measured there) and where there is no forkserver."""
+    methods = mp.get_all_start_methods() if available is None else list(available)
+    return "forkserver" if devices is None and "forkserver" in methods else "spawn"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, another user's
-    return True
+def mark_multiprocessing_dir() -> None:
+    """Mark multiprocessing's directory of this process (``pymp-*``, named at random, holding a forkserver's
+    socket) with this process's pid: multiprocessing removes it at exit, and the next run removes it where this
+    one was killed (``remove_stale_pool_dirs``)."""
+    from multiprocessing import util
+
+    (Path(util.get_temp_dir()) / f"{OWNER_MARK}{os.getpid()}").touch()
+
+
+def rank_environment(devices: tuple[int, ...] | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a pool's ranks start with: ``environ`` (the parent's now) with the GPUs
+    ``rank_visible_devices`` gives ``devices`` (none for a CPU pool).
+
+    A CPU pool must compute on CPU on any host: torch FSDP1 given a CPU module and no ``device_id`` moves it
+    to the current accelerator by itself, and every rank would take GPU 0 (and pay CUDA's start-up). A rank
+    takes this environment as its own before it asks CUDA anything (``rank_main``), so nothing process-wide
+    changes in the parent (pools start from several threads) and a forked rank does not keep its server's."""
+    env = dict(environ)
+    value = rank_visible_devices(devices, env.get("CUDA_VISIBLE_DEVICES"))
+    if value is not None:
+        env["CUDA_VISIBLE_DEVICES"] = value
+    return env
 
 
 def kill_group(proc: Any) -> None:
@@ -230,16 +231,18 @@ def kill_group(proc: Any) -> None:
 
 def remove_stale_pool_dirs(root: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove the pool directories under ``root`` (default: the temporary directory) whose owner
-    process is gone; returns them. A run killed by ``kill -9`` leaves its directory behind."""
+    process is gone, and multiprocessing's directories such an owner marked (``mark_multiprocessing_dir``);
+    returns them. A run killed by ``kill -9`` leaves its directories behind."""
     removed: list[Path] = []
     root = Path(root) if root is not None else Path(tempfile.gettempdir())
     try:
-        candidates = list(root.glob(f"{POOL_DIR_PREFIX}*-*"))
+        candidates = [(p, p.name[len(POOL_DIR_PREFIX):]) for p in root.glob(f"{POOL_DIR_PREFIX}*-*")]
+        candidates += [(m.parent, m.name[len(OWNER_MARK):]) for m in root.glob(f"pymp-*/{OWNER_MARK}*")]
     except OSError:
         return removed
-    for path in candidates:
-        owner = path.name[len(POOL_DIR_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and int(owner) != os.getpid() and not _pid_alive(int(owner)) and path.is_dir():
+    for path, named in candidates:
+        owner = named.split("-", 1)[0]
+        if owner.isdigit() and int(owner) != os.getpid() and not pid_alive(int(owner)) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -308,15 +311,19 @@ class RankPool:
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         prefix = f"pool{self._id}/gen{self.starts}"
         self.starts += 1
-        context = mp.get_context("spawn")
+        method = cfg.start_method or start_method(cfg.devices)
+        context = mp.get_context(method)
+        if method == "forkserver":
+            mark_multiprocessing_dir()
+            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        environ = rank_environment(cfg.devices, os.environ)
         for rank in range(cfg.world_size):
             stderr_path, stacks_path = self._paths(rank)
             boot = Boot(rank, cfg, "127.0.0.1", self._store.port, prefix, str(stderr_path), str(stacks_path),
-                        registering_modules())
+                        registering_modules(), environ, method)
             parent_conn, child_conn = context.Pipe()
             proc = context.Process(target=rank_main, args=(boot, child_conn), daemon=True, name=f"harness-rank{rank}")
-            with gpus_for_ranks(cfg.devices):
-                proc.start()
+            proc.start()
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)

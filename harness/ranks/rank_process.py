@@ -23,8 +23,8 @@ import torch.distributed as dist
 from harness.ranks.placement import rank_device_index, xdist_worker
 from harness.ranks.rank import RankContext
 
-__all__ = ["Boot", "KEEP_RESERVED_BYTES", "RankError", "die_with_parent", "launcher_environment", "rank_main", "release_cached_memory",
-           "serve"]
+__all__ = ["Boot", "KEEP_RESERVED_BYTES", "RankError", "die_with_parent", "launcher_environment", "pid_alive", "rank_main",
+           "release_cached_memory", "serve"]
 
 
 def launcher_environment(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -68,6 +68,21 @@ class Boot:
     #: modules the parent imported that register zoo models (``harness.cases.models.registering_modules``):
     #: a spawned rank imports them again, so a case can name those models.
     model_modules: tuple[str, ...] = ()
+    #: the environment the rank runs with (``harness.ranks.pool.rank_environment``), taken before anything else.
+    environ: dict[str, str] | None = None
+    #: how the rank was started (``harness.ranks.pool.start_method``): a forked rank's parent is the forkserver.
+    start_method: str = "spawn"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -88,10 +103,33 @@ def die_with_parent(parent: int | None = None) -> None:
         os._exit(1)
 
 
+def _leave_forkserver() -> None:
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]  # a later use starts a server of its own
+
+
 def rank_main(boot: Boot, conn: mp_connection.Connection) -> None:
     """Entry point of a rank process: join the group, then run jobs until told to stop."""
+    if boot.environ is not None:
+        os.environ.clear()
+        os.environ.update(boot.environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent(multiprocessing.parent_process().pid)  # type: ignore[union-attr]  # a spawned child has one
+    owner = multiprocessing.parent_process().pid  # type: ignore[union-attr]  # a started child has one
+    if boot.start_method == "forkserver":
+        # The forkserver, this process's parent, exits once no process holds its "alive" pipe: the owner, and
+        # each process forked from it, which inherits the pipe to use the server itself. A rank lets it go,
+        # so the server exits with the owner, and dies with the server.
+        _leave_forkserver()
+        die_with_parent()
+        if not pid_alive(owner):  # gone already: not a rank of anyone's
+            os._exit(1)
+    else:
+        die_with_parent(owner)
     # A session (and process group) of its own, whose id is this pid: whatever a job starts (an engine's
     # forward may start a child) stays in it, and the pool kills the whole group with the rank
     # (``harness.ranks.pool.kill_group``), so nothing outlives the rank holding the run's pipes.

@@ -29,6 +29,11 @@ def identity(ctx: RankContext, payload: Any) -> dict[str, Any]:
     return {"rank": ctx.rank, "world_size": ctx.world_size, "pid": os.getpid(), "sum": float(t), "payload": payload}
 
 
+def environment(ctx: RankContext, key: str) -> str | None:
+    """The rank's value of environment variable ``key``."""
+    return os.environ.get(key)
+
+
 def raise_everywhere(ctx: RankContext, payload: Any) -> None:
     raise ValueError(f"raised on purpose by rank {ctx.rank}")
 

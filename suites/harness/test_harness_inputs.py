@@ -402,8 +402,8 @@ def test_a_report_of_no_readable_record_exits_2(capsys: pytest.CaptureFixture[st
 # SIGTERM and kill -9
 
 
-def _start_run(tmp_path: Path, out: Path) -> tuple[subprocess.Popen[str], Path]:
-    """A real run in a child with its own temporary directory; returns it once its pool's directory exists."""
+def _start_run(tmp_path: Path, out: Path, *also: str) -> tuple[subprocess.Popen[str], Path]:
+    """A real run in a child with its own temporary directory, returned once its pool's directory and ``also`` exist."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp), "CUDA_VISIBLE_DEVICES": ""}
@@ -411,7 +411,7 @@ def _start_run(tmp_path: Path, out: Path) -> tuple[subprocess.Popen[str], Path]:
     proc = subprocess.Popen([sys.executable, "-m", "harness", "run", *TINY, "--limit", "1", "--out", str(out)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not list(tmp.glob(f"harness-pool-{proc.pid}-*")):
+    while not all(list(tmp.glob(p.format(pid=proc.pid))) for p in ("harness-pool-{pid}-*", *also)):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run made no pool directory within 120 s"
         time.sleep(0.05)
@@ -439,16 +439,16 @@ def test_sigterm_and_sighup_stop_like_ctrl_c_with_the_resume_hint_and_leave_noth
 
 
 def test_the_next_run_removes_what_a_killed_run_left(tmp_path: Path) -> None:
-    from harness.ranks.pool import remove_stale_pool_dirs
+    from harness.ranks.pool import remove_stale_pool_dirs, start_method
 
-    proc, tmp = _start_run(tmp_path, tmp_path / "r.jsonl")
+    marked_server_dir = ("pymp-*/harness-owner-{pid}",) if start_method(None) == "forkserver" else ()
+    proc, tmp = _start_run(tmp_path, tmp_path / "r.jsonl", *marked_server_dir)
     proc.kill()
     proc.communicate(timeout=60)
-    left = list(tmp.glob(f"harness-pool-{proc.pid}-*"))
+    left = sorted([*tmp.glob(f"harness-pool-{proc.pid}-*"), *(m.parent for m in tmp.glob(f"pymp-*/*-{proc.pid}"))])
     assert left, "kill -9 runs no clean-up"
-    mine = tmp / f"harness-pool-{os.getpid()}-live"
-    mine.mkdir()
-    assert remove_stale_pool_dirs(tmp) == left
+    (mine := tmp / f"harness-pool-{os.getpid()}-live").mkdir()
+    assert sorted(remove_stale_pool_dirs(tmp)) == left
     assert list(tmp.iterdir()) == [mine], "a live run's directory is kept"
 
 

@@ -1,70 +1,82 @@
-"""Pools started side by side from threads: each pool's ranks see the GPUs it was given, a CPU pool none.
+"""The environment a pool's ranks start with: the parent's at the pool's start, with the pool's GPUs (none for a
+CPU pool), whichever way the ranks start (spawned, or forked from a forkserver that started earlier).
 
-A CPU pool hides the GPUs by changing the environment its children inherit, which is process-wide:
-a GPU pool started from another thread at that moment (pytest-xdist lanes, a nightly's pools) once
-started with no GPU ("No CUDA GPUs are available" on a 4-GPU node under ``-n 16``). No GPU is needed
-to see it: the children report the variable they were started with.
+A CPU pool once hid the GPUs by changing the parent's environment around its start, process-wide: a GPU pool
+started from another thread at that moment (pytest-xdist lanes, a nightly's pools) started with no GPU ("No CUDA
+GPUs are available" on a 4-GPU node under ``-n 16``). The ranks now take the environment the pool hands them.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
 import threading
 
+import harness_jobs
 import pytest
 
 from harness.ranks.placement import rank_device_index, rank_visible_devices
-from harness.ranks.pool import gpus_for_ranks
-from suites.harness.visible_devices import report_visible_devices
+from harness.ranks.pool import PoolConfig, RankPool, rank_environment, start_method
 
 VISIBLE = "0,1,2,3"
 
 
-#: seconds a child gets to report; a child that never reports fails the test instead of hanging the worker.
-REPORT_S = 60
+def test_a_pools_environment_is_the_parents_with_the_pools_gpus() -> None:
+    parent = {"CUDA_VISIBLE_DEVICES": VISIBLE, "OTHER": "kept"}
+    assert rank_environment(None, parent) == {"CUDA_VISIBLE_DEVICES": "", "OTHER": "kept"}, "a CPU pool sees no GPU"
+    assert rank_environment((3, 1), parent)["CUDA_VISIBLE_DEVICES"] == "3,1"
+    assert rank_environment((1, 1), parent) == parent, "ranks sharing a GPU see the parent's GPUs"
+    assert parent == {"CUDA_VISIBLE_DEVICES": VISIBLE, "OTHER": "kept"}, "the parent's mapping is left as it was"
 
 
-def _start_and_read(devices: tuple[int, ...] | None, seen: list[str | None]) -> None:
-    context = mp.get_context("spawn")
-    parent, child = context.Pipe()
-    proc = context.Process(target=report_visible_devices, args=(child,), daemon=True)
-    with gpus_for_ranks(devices):
-        proc.start()
-    child.close()
-    try:
-        seen.append(parent.recv() if parent.poll(REPORT_S) else f"no report (exit code {proc.exitcode})")
-    except EOFError:
-        seen.append(f"no report (exit code {proc.exitcode})")
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+def test_cpu_pools_fork_from_a_server_where_there_is_one_and_cuda_pools_are_spawned() -> None:
+    assert start_method(None, ["fork", "spawn", "forkserver"]) == "forkserver"
+    assert start_method((0, 1), ["fork", "spawn", "forkserver"]) == "spawn"
+    assert start_method(None, ["spawn"]) == "spawn"
 
 
-def test_gpu_pools_started_beside_cpu_pools_see_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+def _report(pool: RankPool, key: str) -> list[str | None]:
+    outcome = pool.run(harness_jobs.environment, key, timeout_s=120)
+    assert outcome.status == "ok", outcome.reason
+    return list(outcome.values)
+
+
+def test_pools_started_from_threads_hide_the_gpus_and_never_change_the_parents_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", VISIBLE)
-    hidden: list[str | None] = []
-    shown: list[str | None] = []
-    rounds = 6
+    seen: dict[int, list[str | None]] = {}
+    parent_values: set[str | None] = set()
+    starting = threading.Event()
 
-    def starts(devices: tuple[int, ...] | None, seen: list[str | None]) -> None:
-        for _ in range(rounds):
-            _start_and_read(devices, seen)
+    def watch() -> None:
+        while not starting.is_set():
+            parent_values.add(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
-    # Daemon threads: one stuck in a start cannot keep the pytest worker from exiting.
-    own: list[str | None] = []
-    # A CPU pool, gloo ranks sharing GPU 1 (they see the parent's GPUs), NCCL ranks on GPUs 3 and 1.
-    threads = [threading.Thread(target=starts, args=(devices, seen), daemon=True) for devices, seen in
-               ((None, hidden), ((1, 1), shown), (None, hidden), ((3, 1), own))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=4 * rounds * REPORT_S)
-    assert not any(t.is_alive() for t in threads), "a process start did not return"
-    assert len(hidden) == 2 * rounds and len(shown) == len(own) == rounds
-    assert set(hidden) == {""}, hidden
-    assert set(shown) == {VISIBLE}, f"a child started beside a CPU pool saw CUDA_VISIBLE_DEVICES={shown}"
-    assert set(own) == {"3,1"}, own
+    def start(index: int) -> None:
+        with RankPool(PoolConfig(world_size=2, backend="gloo", devices=None)) as pool:
+            seen[index] = _report(pool, "CUDA_VISIBLE_DEVICES")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    threads = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        starting.set()
+        watcher.join(timeout=10)
+    assert not any(t.is_alive() for t in threads), "a pool start did not return"
+    assert seen == {0: ["", ""], 1: ["", ""]}, seen
+    assert parent_values == {VISIBLE}, f"the parent's CUDA_VISIBLE_DEVICES changed while pools started: {parent_values}"
+
+
+def test_ranks_start_with_the_environment_of_their_pools_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forkserver keeps the environment it started with; the ranks forked from it must not."""
+    for value in ("first", "second"):
+        monkeypatch.setenv("HARNESS_TEST_POOL_ENV", value)
+        with RankPool(PoolConfig(world_size=2, backend="gloo", devices=None)) as pool:
+            assert _report(pool, "HARNESS_TEST_POOL_ENV") == [value, value]
 
 
 def test_ranks_with_a_gpu_each_compute_on_the_one_their_local_rank_names() -> None:
