@@ -180,7 +180,8 @@ class PoolStartError(RuntimeError):
 
 
 #: what a forkserver imports once, so that the CPU ranks forked from it skip Python's and torch's start and
-#: the parity stack's imports (about 2 s a rank on 2 cores, every pool start and respawn).
+#: the parity stack's imports (about 2 s a rank on 2 cores, every pool start and respawn). Imports that ask CUDA
+#: nothing: a device count or a context made in the server would be every forked rank's.
 FORKSERVER_PRELOAD: tuple[str, ...] = ("harness.ranks.rank_process", "harness.compare.parity")
 
 

@@ -9,7 +9,10 @@ GPUs are available" on a 4-GPU node under ``-n 16``). The ranks now take the env
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import harness_jobs
 import pytest
@@ -90,3 +93,15 @@ def test_ranks_with_a_gpu_each_compute_on_the_one_their_local_rank_names() -> No
     assert rank_visible_devices((0, 0), VISIBLE) is None and rank_device_index((1, 1), 1) == 1, "shared: as the parent"
     with pytest.raises(ValueError, match="devices=.*CUDA_VISIBLE_DEVICES='0,1'"):
         rank_visible_devices((2, 3), "0,1")
+
+
+def test_the_forkserver_imports_ask_cuda_nothing() -> None:
+    """The forkserver's imports must leave CUDA alone: a device count or a context made there would be every
+    forked CPU rank's (torch._dynamo's device interface counts the CUDA devices at import)."""
+    code = ("import sys, torch; from harness.ranks.pool import FORKSERVER_PRELOAD\n"
+            "for name in FORKSERVER_PRELOAD: __import__(name)\n"
+            "print(torch.cuda.is_initialized(), 'torch._dynamo' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.stdout.split() == ["False", "False"], done.stdout + done.stderr[-2000:]
