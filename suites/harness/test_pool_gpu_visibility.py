@@ -48,10 +48,10 @@ def test_pools_started_from_threads_hide_the_gpus_and_never_change_the_parents_e
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", VISIBLE)
     seen: dict[int, list[str | None]] = {}
     parent_values: set[str | None] = set()
-    starting = threading.Event()
+    over = threading.Event()
 
     def watch() -> None:
-        while not starting.is_set():
+        while not over.wait(0.001):
             parent_values.add(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def start(index: int) -> None:
@@ -67,7 +67,7 @@ def test_pools_started_from_threads_hide_the_gpus_and_never_change_the_parents_e
         for t in threads:
             t.join(timeout=300)
     finally:
-        starting.set()
+        over.set()
         watcher.join(timeout=10)
     assert not any(t.is_alive() for t in threads), "a pool start did not return"
     assert seen == {0: ["", ""], 1: ["", ""]}, seen
