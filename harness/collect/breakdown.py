@@ -22,12 +22,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from harness.cases.records import CaseRecord
-from harness.compare.phases import PHASES
+from harness.compare.phases import BEFORE_JOB, PHASES
 
 __all__ = ["ROWS", "breakdown", "breakdown_table"]
 
+#: the row of each wait before the job (``BEFORE_JOB``'s key without its ``_s``): ``pool_start``, ``slot_wait``.
+WAIT_ROWS: dict[str, str] = {key: key.removesuffix("_s") for key in BEFORE_JOB}
 #: the rows of a breakdown, in the order a case meets them.
-ROWS: tuple[str, ...] = (*PHASES, "handoff", "pool_start", "slot_wait", "records", "unmeasured")
+ROWS: tuple[str, ...] = (*PHASES, "handoff", *WAIT_ROWS.values(), "records", "unmeasured")
 
 
 def breakdown(records: Sequence[CaseRecord], records_s: float, cases_wall_s: float) -> dict[str, Any]:
@@ -45,8 +47,8 @@ def breakdown(records: Sequence[CaseRecord], records_s: float, cases_wall_s: flo
         for phase in PHASES:
             totals[phase] += float(phases.get(phase, 0.0))
         totals["handoff"] += handoff
-        totals["pool_start"] += float(record.detail.get("pool_start_s", 0.0))
-        totals["slot_wait"] += float(record.detail.get("slot_wait_s", 0.0))
+        for key, row in WAIT_ROWS.items():
+            totals[row] += float(record.detail.get(key, 0.0))
         # Clamped: the phases are each the slowest rank's, so together they may exceed the busiest rank's job,
         # which the hand-off was measured against; that overlap is no time outside the phases.
         totals["unmeasured"] += max(record.wall_s - sum(phases.values()) - handoff, 0.0)

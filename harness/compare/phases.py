@@ -29,13 +29,13 @@ from collections.abc import Mapping, Sequence
 
 __all__ = ["BEFORE_JOB", "PHASES", "TIMING_DETAIL", "PhaseClock", "add_phases", "before_job_s", "handoff_s", "slowest"]
 
-#: the keys of a record's ``detail`` that are measured times, not results: two runs of one case may differ in them
-#: (and in ``runs``, each run's wall time) and in nothing else.
-TIMING_DETAIL: tuple[str, ...] = ("engine_s", "reference_s", "phases_s", "handoff_s", "pool_start_s", "slot_wait_s", "runs")
-
 #: the keys of a record's ``detail`` that time what a case waited for before its job was sent, outside its
 #: ``wall_s``: its pool's start (a pool starts on its first job) and its GPU slots (``harness.ranks.gpu_slots``).
 BEFORE_JOB: tuple[str, ...] = ("pool_start_s", "slot_wait_s")
+
+#: the keys of a record's ``detail`` that are measured times, not results: two runs of one case may differ in them
+#: (and in ``runs``, each run's wall time) and in nothing else.
+TIMING_DETAIL: tuple[str, ...] = ("engine_s", "reference_s", "phases_s", "handoff_s", *BEFORE_JOB, "runs")
 
 #: the phases of one case on one rank, in the order they run.
 PHASES: tuple[str, ...] = ("setup", "reference", "build", "steps", "observe", "compare", "determinism")

@@ -31,6 +31,7 @@ process's own side (its start and job loop) is ``harness.ranks.rank_process``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -202,6 +203,15 @@ def mark_multiprocessing_dir() -> None:
     (Path(util.get_temp_dir()) / f"{OWNER_MARK}{os.getpid()}").touch()
 
 
+@functools.cache
+def _forkserver() -> Any:
+    """The forkserver context of this process, set up once: its imports, and multiprocessing's directory marked."""
+    mark_multiprocessing_dir()
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return context
+
+
 def rank_environment(devices: tuple[int, ...] | None, environ: Mapping[str, str]) -> dict[str, str]:
     """The environment a pool's ranks start with: ``environ`` (the parent's now) with the GPUs
     ``rank_visible_devices`` gives ``devices`` (none for a CPU pool).
@@ -313,10 +323,7 @@ class RankPool:
         prefix = f"pool{self._id}/gen{self.starts}"
         self.starts += 1
         method = cfg.start_method or start_method(cfg.devices)
-        context = mp.get_context(method)
-        if method == "forkserver":
-            mark_multiprocessing_dir()
-            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        context = _forkserver() if method == "forkserver" else mp.get_context(method)
         environ = rank_environment(cfg.devices, os.environ)
         for rank in range(cfg.world_size):
             stderr_path, stacks_path = self._paths(rank)
