@@ -168,6 +168,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             daemon.__exit__(None, None, None)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` on a GPU host: no more workers than its GPUs' memory holds (``xdist_auto_workers``)."""
+    from harness.ranks.placement import host_facts, n_gpus, xdist_auto_workers
+
+    return xdist_auto_workers(host_facts()) if n_gpus() else None
+
+
 def _n_xdist_workers(config: pytest.Config) -> int:
     # pytest-xdist has turned ``-n auto`` into a number before pytest_configure; ``-n 0`` runs in-process.
     return int(getattr(config.option, "numprocesses", None) or 1)
@@ -185,7 +193,7 @@ def _planned_lanes(config: pytest.Config, options: ParityOptions) -> list[Lane]:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """Where the generated cases' ranks run, per world size (on the controller: before the workers start)."""
-    from harness.ranks.placement import gpus_shared, n_gpus
+    from harness.ranks.placement import gpus_shared, host_facts, n_gpus, xdist_overcommit
 
     options = config.stash[OPTIONS_KEY]
     gpus = n_gpus()
@@ -204,6 +212,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"parity: --matrix {options.matrix}, world size {ws}: {where}")
     if options.loop_axes:
         lines.append("parity: --loop-axes: only the generated suites that vary a training-loop axis")
+    if gpus and (overcommit := xdist_overcommit(host_facts(), n_workers)):
+        lines.append(f"parity: warning: {overcommit}")
     return lines
 
 

@@ -63,6 +63,17 @@ def _n_workers() -> int:
     return xdist_worker()[1]
 
 
+def _overcommit_hint(exc: BaseException) -> str:
+    """The option to change where ranks ran out of GPU memory at their start because this run has more
+    xdist workers than the GPUs hold; "" otherwise."""
+    from harness.ranks.placement import host_facts, xdist_overcommit
+
+    if "out of memory" not in str(exc).lower():
+        return ""
+    overcommit = xdist_overcommit(host_facts(), _n_workers())
+    return f" ({overcommit})" if overcommit else ""
+
+
 def plan_here(world_size: int, options: "ParityOptions") -> "PoolPlan":
     """Where this pytest process's pool of ``world_size`` ranks runs under ``options`` (``plan_pool`` on
     this host's GPUs and this xdist worker's share of them)."""
@@ -123,7 +134,7 @@ class RankPools:
                     pool.start()
                 except PoolStartError as exc:
                     pool.close()
-                    reason = f"the {config.world_size} ranks did not start: {exc}"
+                    reason = f"the {config.world_size} ranks did not start: {exc}" + _overcommit_hint(exc)
                     self._failed_starts[key] = self._failed_starts.get(key, 0) + 1
                     if self._failed_starts[key] >= START_ATTEMPTS:
                         # Every later user of this key would wait for the same start-up to fail again.

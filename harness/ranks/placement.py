@@ -32,6 +32,9 @@ __all__ = [
     "RANK_RSS_CUDA_BYTES",
     "cuda_rank_budget",
     "place",
+    "WORKER_GPU_MEMORY",
+    "xdist_auto_workers",
+    "xdist_overcommit",
     "Footprint",
     "HostFacts",
     "Lane",
@@ -328,6 +331,35 @@ def cuda_rank_budget(host: HostFacts, n_gpus: int, n_workers: int = 1) -> int | 
     if not limits:
         return None
     return max(1, min(limits) // max(n_workers, 1))
+
+
+#: GPU memory one pytest-xdist worker's CUDA ranks take on each GPU at their peak, all pools together (the
+#: generated cases' pools, a module's own, the ``harness run`` a test starts): on 2 H200s, ``pytest suites
+#: --matrix pairwise --world-size 2`` peaked at 57 GiB a GPU under ``-n 8`` (7 GiB a worker); 4 H200s at world
+#: sizes 2 and 4 under ``-n 16``, 111 GiB a GPU (7 GiB); 32 workers on 2 H200s filled them and ranks failed
+#: to start with "CUDA error: out of memory" (torch 2.11, 2026-11-28).
+WORKER_GPU_MEMORY = 8 << 30
+
+
+def xdist_auto_workers(host: HostFacts) -> int | None:
+    """How many pytest-xdist workers ``-n auto`` starts on ``host``: one per core, as pytest-xdist's own
+    default, but on a GPU host no more than the GPUs' memory holds at ``WORKER_GPU_MEMORY`` a worker (every
+    worker may hold ranks on every GPU: a pool of world size ``n_gpus``). None without GPUs: pytest-xdist's
+    default."""
+    if not host.gpu_memory_bytes:
+        return None
+    return max(1, min(host.cpu_cores, host.gpu_memory_bytes // WORKER_GPU_MEMORY))
+
+
+def xdist_overcommit(host: HostFacts, n_workers: int) -> str | None:
+    """What to change where ``n_workers`` pytest-xdist workers are more than ``host``'s GPUs hold
+    (``xdist_auto_workers``); None where they fit."""
+    fits = xdist_auto_workers(host)
+    if fits is None or n_workers <= fits:
+        return None
+    return (f"-n {n_workers}: each pytest-xdist worker's ranks take about {WORKER_GPU_MEMORY >> 30} GiB of every "
+            f"GPU, and these GPUs ({host.gpu_memory_bytes / (1 << 30):.0f} GiB) hold {fits} workers; more run out "
+            f"of GPU memory (ranks fail to start): pass -n {fits} or fewer, or -n auto")
 
 
 def plan_lanes(

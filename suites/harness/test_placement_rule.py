@@ -184,3 +184,44 @@ def test_cuda_rank_budget_shares_gpu_and_host_memory_among_workers() -> None:
     # Host memory the tighter limit: 16 GiB at 2 GiB a CUDA rank.
     assert cuda_rank_budget(HostFacts(16, 141 * gib, 16 * gib), n_gpus=2) == 8
     assert cuda_rank_budget(HostFacts(16, 80 * gib, 1 * gib), n_gpus=1, n_workers=8) == 1
+
+
+def test_xdist_auto_workers_fit_the_gpus_memory_and_the_cores() -> None:
+    from harness.ranks.placement import HostFacts, xdist_auto_workers, xdist_overcommit
+
+    gib = 1 << 30
+    h200_host = HostFacts(cpu_cores=32, gpu_memory_bytes=140 * gib)
+    assert xdist_auto_workers(HostFacts(cpu_cores=2)) is None  # no GPU: pytest-xdist's own default
+    assert xdist_auto_workers(h200_host) == 17  # 32 workers on 2 H200s ran out of GPU memory
+    assert xdist_auto_workers(HostFacts(cpu_cores=16, gpu_memory_bytes=80 * gib)) == 10
+    assert xdist_auto_workers(HostFacts(cpu_cores=6, gpu_memory_bytes=80 * gib)) == 6
+    assert xdist_auto_workers(HostFacts(cpu_cores=64, gpu_memory_bytes=4 * gib)) == 1
+    assert xdist_overcommit(h200_host, 17) is None and xdist_overcommit(HostFacts(cpu_cores=2), 64) is None
+    hint = xdist_overcommit(h200_host, 32)
+    assert hint is not None and hint.startswith("-n 32:") and "-n 17 or fewer" in hint and "140 GiB" in hint
+
+
+def test_dash_n_auto_asks_the_plugin_on_a_gpu_host(pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    import harness.ranks.placement as placement
+
+    gib = 1 << 30
+    hook = pytestconfig.pluginmanager.hook.pytest_xdist_auto_num_workers
+    monkeypatch.setattr(placement, "n_gpus", lambda: 2)
+    monkeypatch.setattr(placement, "host_facts", lambda: placement.HostFacts(cpu_cores=32, gpu_memory_bytes=140 * gib))
+    assert hook(config=pytestconfig) == 17
+    monkeypatch.setattr(placement, "n_gpus", lambda: 0)
+    xdist_plugin = pytest.importorskip("xdist.plugin", reason="package missing: pytest-xdist")
+    assert hook(config=pytestconfig) == xdist_plugin.pytest_xdist_auto_num_workers(pytestconfig)  # a worker per core
+
+
+def test_a_rank_start_out_of_gpu_memory_names_the_workers_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    import harness.pytest_plugin.pools as pools
+    import harness.ranks.placement as placement
+
+    monkeypatch.setattr(placement, "host_facts", lambda: placement.HostFacts(cpu_cores=32, gpu_memory_bytes=140 << 30))
+    monkeypatch.setattr(pools, "_n_workers", lambda: 32)
+    oom = RuntimeError("RankPool: rank 0 exited during start-up\ntorch.AcceleratorError: CUDA error: out of memory")
+    assert "pass -n 17 or fewer" in pools._overcommit_hint(oom)
+    assert pools._overcommit_hint(RuntimeError("RankPool: rank 1 exited during start-up with code 1")) == ""
+    monkeypatch.setattr(pools, "_n_workers", lambda: 8)
+    assert pools._overcommit_hint(oom) == ""  # out of memory for another reason: no option to blame
