@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.cli.options import given_options
+from harness.ranks.forkserver import start_early
 from harness.run.one_line_parser import OneLineParser
 from harness.run.options import as_typed
 from harness.run.runner import SelectionError
@@ -82,6 +83,9 @@ class CommandParser(OneLineParser):
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None,
                          ) -> tuple[argparse.Namespace, list[str]]:
+        if self._command is not None and args is not None and not {"-h", "--help"} & set(args):
+            # Before the command's imports: the forkserver imports the rank side meanwhile, on another core.
+            start_early(self._command.name, list(args))
         self.fill()
         return super().parse_known_args(args, namespace)
 

@@ -17,8 +17,8 @@ After a case in which a rank raised, the pool compares the collective sequence n
 process group across ranks: a rank that left a collective unmatched would pair the next case's
 collectives wrongly, so a mismatch respawns the pool too.
 
-A CPU pool's ranks are forked from a forkserver that imported the rank side once (``start_method``), so a
-start or respawn costs no Python, torch or parity-stack import; a CUDA pool's are spawned. Either way a rank
+A CPU pool's ranks are forked from a forkserver that imported the rank side once (``harness.ranks.forkserver``),
+so a start or respawn costs no Python, torch or parity-stack import; a CUDA pool's are spawned. Either way a rank
 runs with the environment its pool's start hands it (``rank_environment``), not a process-wide change.
 Ranks ignore SIGINT (Ctrl-C reaches the parent, whose ``close()`` kills them), die with the parent
 (``PR_SET_PDEATHSIG`` on Linux; a forked rank with its forkserver, which exits with the owner), and write
@@ -31,7 +31,6 @@ process's own side (its start and job loop) is ``harness.ranks.rank_process``.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -41,7 +40,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -49,7 +48,8 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from harness.cases.models import registering_modules
-from harness.ranks import gpu_slots
+from harness.ranks import forkserver, gpu_slots
+from harness.ranks.forkserver import OWNER_MARK, start_method
 from harness.ranks.placement import (Backend, BackendChoice, DeviceChoice, Lane, n_gpus, place, rank_visible_devices,
                                      xdist_worker)
 from harness.ranks.rank import RankContext
@@ -62,9 +62,7 @@ __all__ = [
     "PoolStartError",
     "RankError",
     "RankPool",
-    "FORKSERVER_PRELOAD",
     "rank_environment",
-    "start_method",
     "remove_stale_pool_dirs",
 ]
 
@@ -75,8 +73,6 @@ STDERR_TAIL = 4000
 
 #: a pool's temporary directory is ``<tmp>/harness-pool-<owner pid>-<random>``.
 POOL_DIR_PREFIX = "harness-pool-"
-#: the name's start of the file that marks multiprocessing's directory of a process with pools, its pid after it.
-OWNER_MARK = "harness-owner-"
 
 #: longest sleep of the owner's waits on its ranks. The kernel may hand a process-wide SIGINT to any
 #: thread (the TCPStore's server thread, a lane); Python's handler then only flags it for the main
@@ -180,38 +176,6 @@ class PoolStartError(RuntimeError):
 # Process helpers
 
 
-#: what a forkserver imports once, so that the CPU ranks forked from it skip Python's and torch's start and
-#: the parity stack's imports (about 2 s a rank on 2 cores, every pool start and respawn). Imports that ask CUDA
-#: nothing: a device count or a context made in the server would be every forked rank's.
-FORKSERVER_PRELOAD: tuple[str, ...] = ("harness.ranks.rank_process", "harness.compare.parity")
-
-
-def start_method(devices: tuple[int, ...] | None, available: Iterable[str] | None = None) -> str:
-    """How a pool of ``devices`` (None: CPU) starts its ranks: forked from a forkserver for a CPU pool where
-    the platform has one; spawned for a CUDA pool (measured on GPUs so; a forkserver holds no CUDA state
-    either, but its ranks are not yet measured there) and where there is no forkserver."""
-    methods = mp.get_all_start_methods() if available is None else list(available)
-    return "forkserver" if devices is None and "forkserver" in methods else "spawn"
-
-
-def mark_multiprocessing_dir() -> None:
-    """Mark multiprocessing's directory of this process (``pymp-*``, named at random, holding a forkserver's
-    socket) with this process's pid: multiprocessing removes it at exit, and the next run removes it where this
-    one was killed (``remove_stale_pool_dirs``)."""
-    from multiprocessing import util
-
-    (Path(util.get_temp_dir()) / f"{OWNER_MARK}{os.getpid()}").touch()
-
-
-@functools.cache
-def _forkserver() -> Any:
-    """The forkserver context of this process, set up once: its imports, and multiprocessing's directory marked."""
-    mark_multiprocessing_dir()
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    return context
-
-
 def rank_environment(devices: tuple[int, ...] | None, environ: Mapping[str, str]) -> dict[str, str]:
     """The environment a pool's ranks start with: ``environ`` (the parent's now) with the GPUs
     ``rank_visible_devices`` gives ``devices`` (none for a CPU pool).
@@ -242,8 +206,8 @@ def kill_group(proc: Any) -> None:
 
 def remove_stale_pool_dirs(root: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove the pool directories under ``root`` (default: the temporary directory) whose owner
-    process is gone, and multiprocessing's directories such an owner marked (``mark_multiprocessing_dir``);
-    returns them. A run killed by ``kill -9`` leaves its directories behind."""
+    process is gone, and multiprocessing's directories such an owner marked
+    (``forkserver.mark_multiprocessing_dir``); returns them. A run killed by ``kill -9`` leaves its directories behind."""
     removed: list[Path] = []
     root = Path(root) if root is not None else Path(tempfile.gettempdir())
     try:
@@ -323,7 +287,7 @@ class RankPool:
         prefix = f"pool{self._id}/gen{self.starts}"
         self.starts += 1
         method = cfg.start_method or start_method(cfg.devices)
-        context = _forkserver() if method == "forkserver" else mp.get_context(method)
+        context = forkserver.context() if method == "forkserver" else mp.get_context(method)
         environ = rank_environment(cfg.devices, os.environ)
         for rank in range(cfg.world_size):
             stderr_path, stacks_path = self._paths(rank)

@@ -439,16 +439,16 @@ def test_sigterm_and_sighup_stop_like_ctrl_c_with_the_resume_hint_and_leave_noth
 
 
 def test_the_next_run_removes_what_a_killed_run_left(tmp_path: Path) -> None:
-    from harness.ranks.pool import remove_stale_pool_dirs, start_method
+    from harness.ranks import forkserver, pool
 
-    marked_server_dir = ("pymp-*/harness-owner-{pid}",) if start_method(None) == "forkserver" else ()
+    marked_server_dir = ("pymp-*/harness-owner-{pid}",) if forkserver.start_method(None) == "forkserver" else ()
     proc, tmp = _start_run(tmp_path, tmp_path / "r.jsonl", *marked_server_dir)
     proc.kill()
     proc.communicate(timeout=60)
     left = sorted([*tmp.glob(f"harness-pool-{proc.pid}-*"), *(m.parent for m in tmp.glob(f"pymp-*/*-{proc.pid}"))])
     assert left, "kill -9 runs no clean-up"
     (mine := tmp / f"harness-pool-{os.getpid()}-live").mkdir()
-    assert sorted(remove_stale_pool_dirs(tmp)) == left
+    assert sorted(pool.remove_stale_pool_dirs(tmp)) == left
     assert list(tmp.iterdir()) == [mine], "a live run's directory is kept"
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import harness_jobs
 import pytest
 
+from harness.ranks.forkserver import start_early, start_method, starts_early
 from harness.ranks.placement import rank_device_index, rank_visible_devices
-from harness.ranks.pool import PoolConfig, RankPool, rank_environment, start_method
+from harness.ranks.pool import PoolConfig, RankPool, rank_environment
 
 VISIBLE = "0,1,2,3"
 
@@ -35,6 +36,24 @@ def test_cpu_pools_fork_from_a_server_where_there_is_one_and_cuda_pools_are_spaw
     assert start_method(None, ["fork", "spawn", "forkserver"]) == "forkserver"
     assert start_method((0, 1), ["fork", "spawn", "forkserver"]) == "spawn"
     assert start_method(None, ["spawn"]) == "spawn"
+
+
+def test_a_command_whose_pools_are_cpu_ones_starts_the_forkserver_before_its_imports(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_host, cpu_host = ["/dev/nvidia0"], []
+    assert starts_early("run", [], {}, cpu_host) and starts_early("nightly", ["--out", "n"], {}, cpu_host)
+    assert not starts_early("list", [], {}, cpu_host) and not starts_early("history", [], {}, cpu_host)
+    assert not starts_early("run", [], {}, gpu_host), "a GPU host's pools are CUDA ones, spawned"
+    assert starts_early("run", ["--device", "cpu"], {}, gpu_host)
+    assert starts_early("certify", ["--device=cpu"], {}, gpu_host)
+    assert starts_early("run", [], {"CUDA_VISIBLE_DEVICES": ""}, gpu_host)
+    assert not starts_early("run", [], {"LOCAL_RANK": "0"}, cpu_host), "under torchrun the ranks are torchrun's"
+    from multiprocessing import forkserver
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    start_early("run", ["--matrix", "smoke"])
+    server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    assert server is not None and os.waitpid(server, os.WNOHANG) == (0, 0), "the server runs"
 
 
 def _report(pool: RankPool, key: str) -> list[str | None]:
@@ -98,7 +117,7 @@ def test_ranks_with_a_gpu_each_compute_on_the_one_their_local_rank_names() -> No
 def test_the_forkserver_imports_ask_cuda_nothing() -> None:
     """The forkserver's imports must leave CUDA alone: a device count or a context made there would be every
     forked CPU rank's (torch._dynamo's device interface counts the CUDA devices at import)."""
-    code = ("import sys, torch; from harness.ranks.pool import FORKSERVER_PRELOAD\n"
+    code = ("import sys, torch; from harness.ranks.forkserver import FORKSERVER_PRELOAD\n"
             "for name in FORKSERVER_PRELOAD: __import__(name)\n"
             "print(torch.cuda.is_initialized(), 'torch._dynamo' in sys.modules)")
     root = Path(__file__).resolve().parents[2]
