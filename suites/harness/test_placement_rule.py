@@ -201,7 +201,8 @@ def test_xdist_auto_workers_fit_the_gpus_memory_and_the_cores() -> None:
     assert hint is not None and hint.startswith("-n 32:") and "-n 17 or fewer" in hint and "140 GiB" in hint
 
 
-def test_dash_n_auto_asks_the_plugin_on_a_gpu_host(pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dash_n_auto_asks_the_plugin_on_a_gpu_host(pytestconfig: pytest.Config,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import harness.ranks.placement as placement
 
     gib = 1 << 30
