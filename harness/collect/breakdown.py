@@ -1,7 +1,7 @@
 """Where a run's case time went, summed over its records: the first measurement of issue 39.
 
-Each record of a case that ran keeps its ranks' phases (``detail["phases_s"]``, per phase the slowest rank's
-seconds: ``harness.compare.phases``) and the pool's hand-off (``detail["handoff_s"]``); the runner adds up the
+Each record of a case that ran keeps its busiest rank's phases (``detail["phases_s"]``, seconds:
+``harness.compare.phases``) and the pool's hand-off (``detail["handoff_s"]``); the runner adds up the
 seconds it spent writing records (``harness.run.runner.CaseRunner.records_s``). ``breakdown`` folds them into one
 row each (pure: plain data in, plain data out, what ``nightly.json`` keeps under ``cases.breakdown``) and
 ``breakdown_table`` renders it:
@@ -49,8 +49,8 @@ def breakdown(records: Sequence[CaseRecord], records_s: float, cases_wall_s: flo
         totals["handoff"] += handoff
         for key, row in WAIT_ROWS.items():
             totals[row] += float(record.detail.get(key, 0.0))
-        # Clamped: the phases are each the slowest rank's, so together they may exceed the busiest rank's job,
-        # which the hand-off was measured against; that overlap is no time outside the phases.
+        # Clamped: records written before the phases were the busiest rank's kept each phase's slowest rank,
+        # whose sum could exceed the round trip; that overlap is no time outside the phases.
         totals["unmeasured"] += max(record.wall_s - sum(phases.values()) - handoff, 0.0)
     totals["records"] = records_s
     case_s = sum(totals.values())

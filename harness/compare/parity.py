@@ -59,7 +59,7 @@ from harness.compare.knobs import (
     check_use_orig_params,
 )
 from harness.compare.offload_probe import probe_offload_placement
-from harness.compare.phases import BEFORE_JOB, PhaseClock, handoff_s, slowest
+from harness.compare.phases import BEFORE_JOB, PhaseClock, busiest, handoff_s
 from harness.compare.prefetch_baseline import baseline_events
 from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
 from harness.compare.resume import run_resumed
@@ -533,7 +533,7 @@ def record_from_outcome(case: CaseConfig, outcome: PoolOutcome) -> CaseRecord:
 
     values: list[RankResult] = list(outcome.values)
     phases = [v.phases_s for v in values]
-    timing = {"phases_s": slowest(phases), "handoff_s": handoff_s(outcome.wall_s, phases), **waited}
+    timing = {"phases_s": busiest(phases), "handoff_s": handoff_s(outcome.wall_s, phases), **waited}
     unsupported = [v for v in values if v.status == "unsupported"]
     if unsupported:
         return CaseRecord(verdict="unsupported", reason=unsupported[0].reason, detail=timing, **base)

@@ -18,8 +18,9 @@ first step to its last with nothing counted twice:
   prefetch baseline or an offload probe for the cases that set those knobs);
 - ``determinism``: the second run of a ``check_determinism`` case.
 
-The record keeps per phase the slowest rank's seconds (``slowest``), and ``handoff_s``: what the pool's
-round trip took beyond the busiest rank's job. Plain data, no torch: the collect stage reads it.
+The record keeps the busiest rank's phases (``busiest``: the rank whose job took longest, which the round
+trip waited for; as ``harness perf`` keeps each step's slowest rank's), so they add up to no more than the
+case's round trip, and ``handoff_s``: what the round trip took beyond them. Plain data, no torch: the collect stage reads it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-__all__ = ["BEFORE_JOB", "PHASES", "TIMING_DETAIL", "PhaseClock", "add_phases", "before_job_s", "handoff_s", "slowest"]
+__all__ = ["BEFORE_JOB", "PHASES", "TIMING_DETAIL", "PhaseClock", "add_phases", "before_job_s", "busiest", "handoff_s"]
 
 #: the keys of a record's ``detail`` that time what a case waited for before its job was sent, outside its
 #: ``wall_s``: its pool's start (a pool starts on its first job) and its GPU slots (``harness.ranks.gpu_slots``).
@@ -69,10 +70,12 @@ class PhaseClock:
         self.seconds[target] += moved
 
 
-def slowest(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Per phase the most seconds any rank spent in it (ranks wait for each other in collectives, so the
-    slowest rank's phase is the case's)."""
-    return {phase: max((float(r.get(phase, 0.0)) for r in per_rank), default=0.0) for phase in PHASES}
+def busiest(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The phases of the rank whose job took longest (the first of a tie). Not each phase's slowest rank: ranks
+    wait for each other in collectives, so a skew between them would count in two phases, and the phases
+    would add up to more than the round trip that enclosed every rank's job."""
+    ranks = [{phase: float(r.get(phase, 0.0)) for phase in PHASES} for r in per_rank]
+    return max(ranks, key=lambda r: sum(r.values()), default=dict.fromkeys(PHASES, 0.0))
 
 
 def handoff_s(wall_s: float, per_rank: Sequence[Mapping[str, float]]) -> float:

@@ -207,7 +207,8 @@ def kill_group(proc: Any) -> None:
 def remove_stale_pool_dirs(root: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove the pool directories under ``root`` (default: the temporary directory) whose owner
     process is gone, and multiprocessing's directories such an owner marked
-    (``forkserver.mark_multiprocessing_dir``); returns them. A run killed by ``kill -9`` leaves its directories behind."""
+    (``forkserver.mark_multiprocessing_dir``); returns them. A run killed by ``kill -9`` leaves its
+    directories behind."""
     removed: list[Path] = []
     root = Path(root) if root is not None else Path(tempfile.gettempdir())
     try:

@@ -70,7 +70,8 @@ class Boot:
     model_modules: tuple[str, ...] = ()
     #: the environment the rank runs with (``harness.ranks.pool.rank_environment``), taken before anything else.
     environ: dict[str, str] | None = None
-    #: how the rank was started (``harness.ranks.forkserver.start_method``): a forked rank's parent is the forkserver.
+    #: how the rank was started (``harness.ranks.forkserver.start_method``): a forked rank's parent is the
+    #: forkserver.
     start_method: str = "spawn"
 
 

@@ -1,4 +1,4 @@
-"""Where a case's time goes (issue 39): the ranks' phase clock, the slowest rank per phase and the pool's
+"""Where a case's time goes (issue 39): the ranks' phase clock, the busiest rank's phases and the pool's
 hand-off (``harness.compare.phases``), a repeated case's phases added up (``harness.run.repeats``), and the
 run's breakdown over hand-made records and its table (``harness.collect.breakdown``)."""
 
@@ -11,7 +11,7 @@ import pytest
 from harness.cases.case import CaseConfig
 from harness.cases.records import CaseRecord
 from harness.collect.breakdown import ROWS, breakdown, breakdown_table
-from harness.compare.phases import PHASES, PhaseClock, before_job_s, handoff_s, slowest
+from harness.compare.phases import PHASES, PhaseClock, before_job_s, busiest, handoff_s
 from harness.run.repeats import merge_runs
 
 CASE = CaseConfig()
@@ -48,10 +48,10 @@ def test_a_phase_carved_out_of_another_keeps_the_job_tiled() -> None:
         clock.move(0.1, "warmup", "observe")
 
 
-def test_the_slowest_rank_per_phase_and_a_hand_off_never_below_zero() -> None:
+def test_the_busiest_ranks_phases_and_a_hand_off_never_below_zero() -> None:
     ranks = [_phases(reference=2.0, steps=1.0), _phases(reference=1.0, steps=2.5)]
-    assert slowest(ranks) == _phases(reference=2.0, steps=2.5)
-    assert slowest([{}]) == _phases()  # a rank that answered before its clock started (world size mismatch)
+    assert busiest(ranks) == ranks[1], "the rank whose job took longest, not each phase's slowest"
+    assert busiest([ranks[1], ranks[1]]) is not ranks[1] and busiest([{}]) == _phases()  # a rank that answered before its clock started (world size mismatch)
     assert handoff_s(4.0, ranks) == pytest.approx(0.5)  # against the busiest rank's 3.5 s
     # A round trip read a hair shorter than the phases (two clocks): no time, not negative time.
     assert handoff_s(3.4999, ranks) == 0.0 and handoff_s(0.0, []) == 0.0

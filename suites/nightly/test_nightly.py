@@ -111,13 +111,13 @@ def test_nightly_writes_every_product_and_a_regression_fails_it(tmp_path: Path) 
     assert "examples/s" in (out / "fuzz.txt").read_text()
     assert "nightly" in done.stdout and "regression" in done.stdout and "cases/s" in done.stdout
     assert state["cases"]["cases_per_s"] > 0 and state["cases"]["order"] == "generator"
-    # Where the cases' time went (issue 39): every phase of every case, none beyond the case's round trip but
-    # for the ranks' skew (each phase is its slowest rank's, so a skew between ranks counts in two phases).
+    # Where the cases' time went (issue 39): every phase of every case, the busiest rank's, within the case's
+    # round trip (the parent's clock and the ranks' read a hair apart).
     breakdown = state["cases"]["breakdown"]
     assert breakdown["cases"] == len(records) and list(breakdown["rows"]) == list(ROWS)
     for record in records:
         assert list(record.detail["phases_s"]) == list(PHASES) and record.detail["handoff_s"] >= 0
-        assert sum(record.detail["phases_s"].values()) <= record.wall_s * 1.05 + 0.05, (record.case_id, record.detail)
+        assert sum(record.detail["phases_s"].values()) <= record.wall_s + 1e-3, (record.case_id, record.detail)
         if record.verdict in ("pass", "fail"):  # trained: its reads of the engine are timed apart from its steps
             assert record.detail["phases_s"]["observe"] > 0 and record.detail["phases_s"]["steps"] > 0, record.detail
     assert state["cases"]["host"]["samples"] >= 1 and "handoff" in done.stdout and "host (" in done.stdout
