@@ -20,7 +20,8 @@ first step to its last with nothing counted twice:
 
 The record keeps the busiest rank's phases (``busiest``: the rank whose job took longest, which the round
 trip waited for; as ``harness perf`` keeps each step's slowest rank's), so they add up to no more than the
-case's round trip, and ``handoff_s``: what the round trip took beyond them. Plain data, no torch: the collect stage reads it.
+case's round trip, and ``handoff_s``: what the round trip took beyond them. Plain data, no torch: the collect
+stage reads it.
 """
 
 from __future__ import annotations
@@ -85,8 +86,7 @@ def handoff_s(wall_s: float, per_rank: Sequence[Mapping[str, float]]) -> float:
     Never negative: the round trip and the phases are read on different clocks (the parent's monotonic,
     each rank's perf_counter) with a few microseconds of rounding between them, and a case whose whole
     time is its phases has a hand-off of 0, not of minus that rounding."""
-    busiest = max((sum(float(v) for v in r.values()) for r in per_rank), default=0.0)
-    return max(wall_s - busiest, 0.0)
+    return max(wall_s - sum(busiest(per_rank).values()), 0.0)
 
 
 def add_phases(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:

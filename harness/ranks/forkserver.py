@@ -14,6 +14,7 @@ import glob
 import multiprocessing as mp
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from multiprocessing import forkserver as mp_forkserver
 from multiprocessing import util
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ def starts_early(command: str, argv: Sequence[str], environ: Mapping[str, str], 
     pools, whose pools will be CPU ones (``--device cpu``, no GPU visible: ``CUDA_VISIBLE_DEVICES`` empty, or no
     NVIDIA device node in ``gpu_nodes``), outside torchrun (whose ranks are its own processes). A wrong guess
     costs a server's imports or the overlap, never a result."""
-    if command not in EARLY_COMMANDS or "LOCAL_RANK" in environ or "forkserver" not in mp.get_all_start_methods():
+    if command not in EARLY_COMMANDS or "LOCAL_RANK" in environ or start_method(None) != "forkserver":
         return False
     cpu = "--device=cpu" in argv or any(a == "--device" and b == "cpu" for a, b in zip(argv, argv[1:]))
     return cpu or environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1") or not gpu_nodes
@@ -69,6 +70,4 @@ def start_early(command: str, argv: Sequence[str]) -> None:
     """Start this process's forkserver now where ``starts_early`` says its pools will use it."""
     if starts_early(command, argv, os.environ, glob.glob("/dev/nvidia[0-9]*")):
         context()
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+        mp_forkserver.ensure_running()

@@ -51,7 +51,8 @@ def test_a_phase_carved_out_of_another_keeps_the_job_tiled() -> None:
 def test_the_busiest_ranks_phases_and_a_hand_off_never_below_zero() -> None:
     ranks = [_phases(reference=2.0, steps=1.0), _phases(reference=1.0, steps=2.5)]
     assert busiest(ranks) == ranks[1], "the rank whose job took longest, not each phase's slowest"
-    assert busiest([ranks[1], ranks[1]]) is not ranks[1] and busiest([{}]) == _phases()  # a rank that answered before its clock started (world size mismatch)
+    # A copy, not the rank's own mapping; a rank that answered before its clock started (world size mismatch).
+    assert busiest([ranks[1], ranks[1]]) is not ranks[1] and busiest([{}]) == _phases()
     assert handoff_s(4.0, ranks) == pytest.approx(0.5)  # against the busiest rank's 3.5 s
     # A round trip read a hair shorter than the phases (two clocks): no time, not negative time.
     assert handoff_s(3.4999, ranks) == 0.0 and handoff_s(0.0, []) == 0.0
