@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from harness.engines.adapters import EngineAdapter, FSDP1Adapter
 from harness.engines.dtensors import distribute, full_tensor
@@ -244,6 +243,8 @@ def _sharded_options() -> Any:
 
 def _gathered(tree: Any) -> Any:
     """``tree`` with every ``DTensor`` replaced by its full tensor on the CPU (collective, in tree order)."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(tree, dict):
         return {k: _gathered(v) for k, v in tree.items()}
     if isinstance(tree, list):
@@ -256,6 +257,8 @@ def _gathered(tree: Any) -> Any:
 def _split_like(tree: Any, like: Any) -> Any:
     """A full-tensor ``tree`` laid out as ``like`` (the module's own sharded state): each tensor whose
     counterpart is a ``DTensor`` becomes this rank's piece of it, on that ``DTensor``'s device."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(tree, dict) and isinstance(like, dict):
         return {k: _split_like(v, like[k]) if k in like else v for k, v in tree.items()}
     if isinstance(tree, list) and isinstance(like, list) and len(tree) == len(like):

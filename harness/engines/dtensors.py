@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement
+
+# ``torch.distributed.tensor`` is imported where it is used: importing it costs most of a second (sympy,
+# the op registrations), which every process importing the engine registry (each command line, each pytest)
+# paid for nothing; the ranks' forkserver preloads it (``harness.ranks.forkserver.FORKSERVER_PRELOAD``).
 
 __all__ = ["chunk_rows", "comm_device", "device_types_of", "distribute", "full_tensor", "local_chunk", "staged"]
 
@@ -74,6 +81,8 @@ def chunk_rows(size: int, n: int, index: int) -> tuple[int, int]:
 
 
 def _shard_dim(placement: Placement) -> int | None:
+    from torch.distributed.tensor import Shard
+
     if placement.is_replicate():
         return None
     if isinstance(placement, Shard) and type(placement) is Shard:
@@ -98,6 +107,8 @@ def local_chunk(full: Tensor, mesh: DeviceMesh, placements: Sequence[Placement])
 def distribute(full: Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
     """``full`` (the same on every rank) as a ``DTensor`` under ``placements``; this rank keeps a copy of
     its piece only. No collective, unlike ``distribute_tensor``."""
+    from torch.distributed.tensor import DTensor
+
     full = full.contiguous()
     local = local_chunk(full, mesh, placements).clone()
     return DTensor.from_local(local, mesh, list(placements), run_check=False, shape=full.shape, stride=full.stride())
@@ -106,6 +117,8 @@ def distribute(full: Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
 def full_tensor(value: Tensor) -> Tensor:
     """The full tensor of a ``DTensor`` (a collective over its mesh: every rank calls it, in the same
     order); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
     if not isinstance(value, DTensor):
         return value
     mesh, placements = value.device_mesh, value.placements

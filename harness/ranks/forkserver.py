@@ -23,8 +23,10 @@ __all__ = ["FORKSERVER_PRELOAD", "OWNER_MARK", "EARLY_COMMANDS", "context", "mar
            "start_early", "start_method", "starts_early"]
 
 #: what the forkserver imports once. Imports that ask CUDA nothing: a device count or a context made in the
-#: server would be every forked rank's.
-FORKSERVER_PRELOAD: tuple[str, ...] = ("harness.ranks.rank_process", "harness.compare.parity")
+#: server would be every forked rank's. DTensors, which the harness's modules import only where they use them
+#: (a command needs none), are what most ranks use: their state dicts, torch FSDP2.
+FORKSERVER_PRELOAD: tuple[str, ...] = ("harness.ranks.rank_process", "harness.compare.parity",
+                                       "torch.distributed.tensor")
 #: the name's start of the file that marks multiprocessing's directory of a process with pools, its pid after it.
 OWNER_MARK = "harness-owner-"
 #: the ``python -m harness`` commands that run cases on pools of their own.

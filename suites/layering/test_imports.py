@@ -2,8 +2,9 @@
 in a module count), imports pointing down the layers only (engine < harness library < reports <
 front ends < suites), inside the harness library imports pointing back along the stages only (cases <
 ranks < engines < selection < compare < collect < run < perf, every library module in its stage), every
-engine module imports alone, from a clean start, and nothing in harness/ (but the conformance checks of
-the engine's own internals) or reports/ imports the engine.
+engine module imports alone, from a clean start, nothing in harness/ (but the conformance checks of
+the engine's own internals) or reports/ imports the engine, and the front ends' imports leave DTensors to the
+ranks.
 """
 
 from __future__ import annotations
@@ -242,3 +243,17 @@ def test_the_reference_side_never_imports_the_engine() -> None:
         f"{sorted(found - ENGINE_INTERNAL_CHECKS)}")
     assert not ENGINE_INTERNAL_CHECKS - found, (
         f"no longer import engine: drop them from ENGINE_INTERNAL_CHECKS: {sorted(ENGINE_INTERNAL_CHECKS - found)}")
+
+
+def test_the_front_ends_imports_leave_dtensors_to_the_ranks() -> None:
+    """``torch.distributed.tensor`` costs most of a second to import (sympy, the op registrations): every
+    command line and every pytest (a certificate's child, a worker) would pay it for nothing. The ranks'
+    forkserver preloads it instead."""
+    from harness.ranks.forkserver import FORKSERVER_PRELOAD
+
+    front_ends = ["harness.pytest_plugin", "harness.cli.run", "harness.cli.nightly", "harness.cli.certify",
+                  "harness.cli.bench", "harness.cli.perf", "reports.api"]
+    code = f"import sys\nfor name in {front_ends!r}: __import__(name)\nprint('torch.distributed.tensor' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["False"], result.stdout + result.stderr[-2000:]
+    assert "torch.distributed.tensor" in FORKSERVER_PRELOAD
