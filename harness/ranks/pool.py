@@ -49,7 +49,6 @@ import torch.distributed as dist
 
 from harness.cases.models import registering_modules
 from harness.ranks import forkserver, gpu_slots
-from harness.ranks.forkserver import OWNER_MARK, start_method
 from harness.ranks.placement import (Backend, BackendChoice, DeviceChoice, Lane, n_gpus, place, rank_visible_devices,
                                      xdist_worker)
 from harness.ranks.rank import RankContext
@@ -213,7 +212,8 @@ def remove_stale_pool_dirs(root: str | os.PathLike[str] | None = None) -> list[P
     root = Path(root) if root is not None else Path(tempfile.gettempdir())
     try:
         candidates = [(p, p.name[len(POOL_DIR_PREFIX):]) for p in root.glob(f"{POOL_DIR_PREFIX}*-*")]
-        candidates += [(m.parent, m.name[len(OWNER_MARK):]) for m in root.glob(f"pymp-*/{OWNER_MARK}*")]
+        mark = forkserver.OWNER_MARK
+        candidates += [(m.parent, m.name[len(mark):]) for m in root.glob(f"pymp-*/{mark}*")]
     except OSError:
         return removed
     for path, named in candidates:
@@ -287,7 +287,7 @@ class RankPool:
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         prefix = f"pool{self._id}/gen{self.starts}"
         self.starts += 1
-        method = cfg.start_method or start_method(cfg.devices)
+        method = cfg.start_method or forkserver.start_method(cfg.devices)
         context = forkserver.context() if method == "forkserver" else mp.get_context(method)
         environ = rank_environment(cfg.devices, os.environ)
         for rank in range(cfg.world_size):
