@@ -26,7 +26,9 @@ Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are 
 ``seeds``, ``flat-param`` and ``torch-common-fsdp`` run test modules shipped in the package (``pytest
 --pyargs harness.conformance.seeds.fsdp_core ...``, ``...engine_layout``, ``...torch_common_fsdp``), which
 the suites collect by import (see that package's docstring): every family runs from an installed package
-as from a checkout, and none reads the repository's ``suites/``.
+as from a checkout, and none reads the repository's ``suites/``. The selected families of test modules share
+one pytest child (``CertifyRun.tests``, one ``tests.xml``): each starts Python, torch and its ranks once a
+certificate, not once a family.
 """
 
 from __future__ import annotations
@@ -78,12 +80,49 @@ PORTED_MODULES = (
     "harness.conformance.wrap.wrap_oracle",
     "harness.conformance.wrap.wrap_policies",
 )
+
+
+@dataclass(frozen=True)
+class PytestSelection:
+    """Test modules a family runs in certify's pytest child, and, where it keeps only some of their tests,
+    which (``keyword``: a ``-k`` expression)."""
+
+    modules: tuple[str, ...]
+    keyword: str | None = None
+    #: the longest the family's tests may take (the child's limit is the sum over its families).
+    timeout_s: float = 900
+
+    def owns(self, classname: str) -> bool:
+        """Whether a JUnit test case of this class (``module`` or ``module.Class``) is one of these tests."""
+        return any(classname == m or classname.startswith(m + ".") for m in self.modules)
+
+    def narrowing(self) -> str | None:
+        """The ``-k`` term that keeps this selection's tests and leaves every other module's alone: ``-k``
+        matches a test by its module file's name too (``seed_parity.py``)."""
+        if not self.keyword:
+            return None
+        files = " or ".join(f"{m.rpartition('.')[2]}.py" for m in self.modules)
+        return f"(not ({files}) or ({self.keyword}))"
+
+
 #: what ``--quick`` keeps of the ported suites: the core parity checks (CI can afford them twice).
-QUICK_PORTED = ("--pyargs", "harness.conformance.seeds.seed_parity",
-               "-k", "check_parity_nested_wrapped_model or check_parity_transformer")
-FULL_PORTED = ("--pyargs", *PORTED_MODULES)
-FLAT_PARAM_TESTS = ("--pyargs", "harness.conformance.engine_layout")
-TORCH_COMMON_TESTS = ("--pyargs", "harness.conformance.torch_common_fsdp")
+QUICK_PORTED = PytestSelection(("harness.conformance.seeds.seed_parity",),
+                               keyword="check_parity_nested_wrapped_model or check_parity_transformer")
+FULL_PORTED = PytestSelection(PORTED_MODULES, timeout_s=5400)
+FLAT_PARAM_TESTS = PytestSelection(("harness.conformance.engine_layout",))
+TORCH_COMMON_TESTS = PytestSelection(("harness.conformance.torch_common_fsdp",), timeout_s=3600)
+QUICK_TORCH_COMMON_TESTS = PytestSelection(TORCH_COMMON_TESTS.modules)
+
+
+def pytest_selection(selections: Sequence[PytestSelection]) -> tuple[list[str], float]:
+    """The arguments that run every selection's tests in one pytest (``--pyargs`` modules, one ``-k``), and
+    its time limit."""
+    modules = list(dict.fromkeys(m for sel in selections for m in sel.modules))
+    narrowed = [term for sel in selections if (term := sel.narrowing())]
+    args = ["--pyargs", *modules, *(["-k", " and ".join(narrowed)] if narrowed else [])]
+    return args, sum(sel.timeout_s for sel in selections)
+
+
 #: the report of the certification's cases, beside the certificate: its case pages are linked from it.
 REPORT_DIR = "report"
 
@@ -105,7 +144,10 @@ class CertifyRun:
     out: Path
     case_timeout_s: float
     progress: bool
+    #: the families this run judges (``--families``): those of test modules share one pytest child.
+    families: Sequence[Family] = ()
     _records: list[CaseRecord] | None = field(default=None, repr=False)
+    _tests: tuple[list[tuple[str, str, str]], str] | None = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -142,17 +184,36 @@ class CertifyRun:
                                  + "; ".join(session.runner.lane_errors))
         return session.records
 
-    def pytest(self, label: str, args: Sequence[str], timeout_s: float) -> tuple[list[tuple[str, str, str]], str]:
+    def selection(self, family: str) -> PytestSelection | str:
+        """The tests family ``family`` runs here, or why it runs none (its note)."""
+        (found,) = [f for f in self.families if f.name == family]
+        assert found.tests is not None, f"{family} is not a family of test modules"
+        return found.tests(self)
+
+    def tests(self, family: str) -> tuple[list[tuple[str, str, str]], str]:
+        """Family ``family``'s ``(node, outcome, message)`` per test, and the output's tail, of the one pytest
+        child that runs the tests of every selected family (run on first use: one start-up, not one a family)."""
+        if self._tests is None:
+            selections = [sel for f in self.families
+                          if f.tests and isinstance(sel := self.selection(f.name), PytestSelection)]
+            self._tests = self.pytest(*pytest_selection(selections))
+        found, tail = self._tests
+        selection = self.selection(family)
+        assert isinstance(selection, PytestSelection), selection
+        return [t for t in found if selection.owns(t[0].split("::")[0])], tail
+
+    def pytest(self, args: Sequence[str], timeout_s: float) -> tuple[list[tuple[str, str, str]], str]:
         """Run pytest on ``args`` with ``--engine SPEC`` in a subprocess; ``(node, outcome, message)`` per
         test (outcome ``passed``, ``failed`` or ``skipped``) and the output's tail."""
-        xml = self.out / f"{label}.xml"
+        xml = self.out / "tests.xml"
         env = dict(os.environ)
         # The child resolves the spec again: it needs this process's import path (a plug-in's included).
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in sys.path if p]])
         # The plug-in brings ``--engine`` where no conftest of a checkout does (an installed package), the
         # profiles the Hypothesis tests run under in CI likewise (``ci`` unless FUZZ_PROFILE says otherwise).
+        # A module that fails to collect fails its own family, not every family of the child.
         cmd = [sys.executable, "-m", "pytest", *args, "-p", "harness.pytest_plugin", "-p", "harness.conformance.profiles",
-               "--engine", self.spec,
+               "--engine", self.spec, "--continue-on-collection-errors",
                "-p", "no:cacheprovider", "-q", f"--junitxml={xml}", "-o", "junit_family=xunit2"]
         # The suites place their pools by the same rule; the certificate's placement is passed down.
         cmd += ["--backend", self.lane.backend, "--device", self.lane.device]
@@ -198,6 +259,8 @@ class Family:
     name: str
     description: str
     judge: Callable[[CertifyRun, FamilyResult], None]
+    #: a family of test modules: its tests for a run, or why it runs none there (the family's note).
+    tests: Callable[[CertifyRun], PytestSelection | str] | None = None
 
 
 def _from_tests(result: FamilyResult, tests: list[tuple[str, str, str]], tail: str) -> None:
@@ -215,18 +278,36 @@ def _from_tests(result: FamilyResult, tests: list[tuple[str, str, str]], tail: s
         result.failures.append(Failure("pytest", " ".join(tail.split())[-300:]))
 
 
-def _needs_fsdp1(run: CertifyRun, result: FamilyResult) -> bool:
+def _fsdp1_missing(run: CertifyRun) -> str | None:
     from harness.engines.registry import resolve
 
     if resolve(run.spec).fsdp1_module is None:
-        result.note = f"{run.name} has no torch FSDP1 API (its adapter has no fsdp1_module): these checks speak it"
-        return False
-    return True
+        return f"{run.name} has no torch FSDP1 API (its adapter has no fsdp1_module): these checks speak it"
+    return None
 
 
-def judge_seeds(run: CertifyRun, result: FamilyResult) -> None:
-    if _needs_fsdp1(run, result):
-        _from_tests(result, *run.pytest("seeds", QUICK_PORTED if run.quick else FULL_PORTED, 900 if run.quick else 5400))
+def seeds_tests(run: CertifyRun) -> PytestSelection | str:
+    return _fsdp1_missing(run) or (QUICK_PORTED if run.quick else FULL_PORTED)
+
+
+def flat_param_tests(run: CertifyRun) -> PytestSelection | str:
+    return _fsdp1_missing(run) or FLAT_PARAM_TESTS
+
+
+def torch_common_tests(run: CertifyRun) -> PytestSelection | str:
+    if run.lane.device != "cuda":
+        return ("needs CUDA ranks: torch's FSDPTest builds its models on the current CUDA device "
+                "(ranks may share one GPU); this certification runs on the CPU")
+    return (_torch_testing_missing() or _fsdp1_missing(run)
+            or (QUICK_TORCH_COMMON_TESTS if run.quick else TORCH_COMMON_TESTS))
+
+
+def judge_tests(run: CertifyRun, result: FamilyResult) -> None:
+    selection = run.selection(result.name)
+    if isinstance(selection, str):
+        result.note = selection
+    else:
+        _from_tests(result, *run.tests(result.name))
 
 
 def judge_parity(reference: str) -> Callable[[CertifyRun, FamilyResult], None]:
@@ -295,23 +376,9 @@ def judge_checkpoints(run: CertifyRun, result: FamilyResult) -> None:
 
 
 def judge_flat_param(run: CertifyRun, result: FamilyResult) -> None:
-    if _needs_fsdp1(run, result):
-        _from_tests(result, *run.pytest("flat_param", FLAT_PARAM_TESTS, 900))
-        if result.unsupported and not (result.passed or result.failed):
-            result.note = result.note or "the engine exposes no FlatParamHandle"
-
-
-def judge_torch_common(run: CertifyRun, result: FamilyResult) -> None:
-    if run.lane.device != "cuda":
-        result.note = ("needs CUDA ranks: torch's FSDPTest builds its models on the current CUDA device "
-                       "(ranks may share one GPU); this certification runs on the CPU")
-        return
-    missing = _torch_testing_missing()
-    if missing:
-        result.note = missing
-        return
-    if _needs_fsdp1(run, result):
-        _from_tests(result, *run.pytest("torch_common_fsdp", TORCH_COMMON_TESTS, 900 if run.quick else 3600))
+    judge_tests(run, result)
+    if result.unsupported and not (result.passed or result.failed):
+        result.note = result.note or "the engine exposes no FlatParamHandle"
 
 
 def _torch_testing_missing() -> str | None:
@@ -324,13 +391,14 @@ def _torch_testing_missing() -> str | None:
 
 #: Every family, in certificate order.
 FAMILIES: tuple[Family, ...] = (
-    Family("seeds", "ported tests' behaviours: the ported suites (pytest --engine SPEC)", judge_seeds),
+    Family("seeds", "ported tests' behaviours: the ported suites (pytest --engine SPEC)", judge_tests, seeds_tests),
     Family("parity-ddp", "generated parity against DDP", judge_parity("ddp")),
     Family("parity-local", "generated parity against the unsharded local reference", judge_parity("local")),
     Family("knobs", "knob propagation: every setting shows its effect", judge_knobs),
     Family("checkpoints", "checkpoints: save, load and resume", judge_checkpoints),
-    Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param),
-    Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_torch_common),
+    Family("flat-param", "flat-parameter metadata against torch FSDP1's layout", judge_flat_param, flat_param_tests),
+    Family("torch-common-fsdp", "torch's own FSDP parity machinery (common_fsdp) over the engine", judge_tests,
+           torch_common_tests),
 )
 
 
@@ -400,6 +468,7 @@ def main(args: argparse.Namespace) -> int:
     run = CertifyRun(
         spec=spec, name=adapter.name, quick=args.quick, lane=lane, out=out,
         case_timeout_s=args.case_timeout_s, progress=not args.no_progress,
+        families=[f for f in FAMILIES if f.name in names],
     )
     results = []
     for family in FAMILIES:

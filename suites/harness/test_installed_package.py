@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.certify import REPO, PORTED_MODULES
+from harness.cli.certify import (FLAT_PARAM_TESTS, FULL_PORTED, PORTED_MODULES, QUICK_PORTED, REPO, PytestSelection,
+                                 pytest_selection)
 from harness.cli.fuzz import parse_fuzz_totals
 from harness.pytest_plugin.xdist_groups import one_worker
 
@@ -61,34 +62,15 @@ def _run(site: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=_env(site), capture_output=True, text=True, timeout=600)
 
 
-#: the certify runs of the installed package's pytest families: family -> the arguments after ``--families``.
-CERTIFY = {"seeds": ("seeds", "--quick"), "flat-param": ("flat-param",)}
-Certified = dict[str, tuple[subprocess.CompletedProcess[str], Path]]
-
-
 @pytest.fixture(scope="module")
 @one_worker
-def certified(site: Path, tmp_path_factory: pytest.TempPathFactory) -> Certified:
-    """Family -> (its ``certify --engine builtin --families ...`` run from the installed package, its out
-    directory). The runs are independent processes (each its own directory and ranks), so they run side by side."""
-    started = {}
-    for family, args in CERTIFY.items():
-        cwd = tmp_path_factory.mktemp(f"certify-{family}")
-        argv = [sys.executable, "-m", "harness", "certify", "--engine", "builtin", "--families", *args,
-                "--out", str(cwd / "c"), "--no-progress"]
-        started[family] = (argv, cwd, subprocess.Popen(argv, cwd=cwd, env=_env(site), stdout=subprocess.PIPE,
-                                                       stderr=subprocess.PIPE, text=True))
-    found = {}
-    try:
-        for family, (argv, cwd, proc) in started.items():
-            stdout, stderr = proc.communicate(timeout=600)
-            found[family] = (subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr), cwd / "c")
-    finally:
-        for _, _, proc in started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return found
+def certified(site: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``certify --engine builtin --families seeds,flat-param --quick`` run from the installed package, and
+    its out directory."""
+    cwd = tmp_path_factory.mktemp("certify")
+    proc = _run(site, cwd, "-m", "harness", "certify", "--engine", "builtin", "--families", "seeds,flat-param",
+                "--quick", "--out", str(cwd / "c"), "--no-progress")
+    return proc, cwd / "c"
 
 
 def test_the_fuzz_campaign_runs_from_the_installed_package(site: Path, tmp_path: Path) -> None:
@@ -101,24 +83,37 @@ def test_the_fuzz_campaign_runs_from_the_installed_package(site: Path, tmp_path:
     assert totals is not None and totals["examples"] >= 6 * 3, proc.stdout[-3000:]
 
 
-def test_certify_runs_the_shipped_seeds_family_from_the_installed_package(site: Path, tmp_path: Path, certified: Certified) -> None:
+def test_certify_runs_the_shipped_families_from_the_installed_package_in_one_pytest(
+        site: Path, tmp_path: Path, certified: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     # What certify's pytest child sees (this environment, its path first): the installed package, no suites.
     found = _run(site, tmp_path, "-c", "import importlib.util as u, harness; print(u.find_spec('suites'), harness.__file__)")
     assert found.stdout.split() == ["None", str(site / "harness" / "__init__.py")], found.stdout + found.stderr
-    proc, out = certified["seeds"]
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    seeds = {f["name"]: f for f in json.loads((out / "certificate.json").read_text())["families"]}["seeds"]
-    assert seeds["status"] == "pass" and seeds["passed"] >= 2 and seeds["failed"] == 0, seeds
-    modules = {case.get("classname") for case in ET.parse(out / "seeds.xml").getroot().iter("testcase")}
-    assert modules == {"harness.conformance.seeds.seed_parity"}, modules
-
-
-def test_certify_runs_the_shipped_flat_param_family_from_the_installed_package(site: Path, certified: Certified) -> None:
-    proc, out = certified["flat-param"]
+    proc, out = certified
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     families = {f["name"]: f for f in json.loads((out / "certificate.json").read_text())["families"]}
+    # --quick keeps the core parity checks of the seeds' modules, and leaves flat-param's test alone.
+    assert families["seeds"]["status"] == "pass" and families["seeds"]["passed"] == 4, families["seeds"]
     assert families["flat-param"]["status"] == "pass" and families["flat-param"]["passed"] == 1, families["flat-param"]
+    # One child ran both families' tests (one start-up a certificate, not one a family).
+    modules = {case.get("classname") for case in ET.parse(out / "tests.xml").getroot().iter("testcase")}
+    assert modules == {"harness.conformance.seeds.seed_parity", "harness.conformance.engine_layout"}, modules
+    assert sorted(p.name for p in out.glob("*.xml")) == ["tests.xml"]
     assert not list(site.rglob(".hypothesis")), "Hypothesis wrote its database into the installed package"
+
+
+def test_one_pytest_child_narrows_each_family_to_its_own_tests() -> None:
+    """The child's ``-k`` keeps a family's chosen tests of its own modules and every test of the others, and
+    each family counts only its modules' test cases."""
+    args, timeout_s = pytest_selection([QUICK_PORTED, FLAT_PARAM_TESTS, FULL_PORTED])
+    modules = args[1:args.index("-k")]
+    assert args[0] == "--pyargs" and len(modules) == len(set(modules)) == len(PORTED_MODULES) + 1
+    assert args[args.index("-k") + 1] == (
+        "(not (seed_parity.py) or (check_parity_nested_wrapped_model or check_parity_transformer))")
+    assert timeout_s == QUICK_PORTED.timeout_s + FLAT_PARAM_TESTS.timeout_s + FULL_PORTED.timeout_s
+    assert pytest_selection([FLAT_PARAM_TESTS]) == (["--pyargs", "harness.conformance.engine_layout"], 900)
+    two = PytestSelection(("a.b.one", "a.two"), keyword="x or y")
+    assert two.narrowing() == "(not (one.py or two.py) or (x or y))"
+    assert two.owns("a.b.one") and two.owns("a.two.TestClass") and not two.owns("a.b.one_more") and not two.owns("a.b")
 
 
 def _imported_from(path: Path) -> dict[str, set[str]]:
