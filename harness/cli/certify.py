@@ -8,7 +8,7 @@ one does, 2 when the engine spec is bad (one line naming it) or the ranks cannot
 The families (``FAMILIES``; adding one is one line there):
 
 - ``seeds``: the ported suites (``harness.conformance.seeds``, ``.mixed_precision``, ``.wrap``) through
-  pytest in a subprocess with ``--engine SPEC`` (engines with torch FSDP1's API), one count per test;
+  pytest in a child process with ``--engine SPEC`` (engines with torch FSDP1's API), one count per test;
 - ``parity-ddp`` / ``parity-local``: the generated cases (pairwise matrix; ``--quick``: the smoke cases of
   one small model) through ``harness.run.runner``, judged on their numbers against each reference;
 - ``knobs``: the same cases' knob checks (no setting silently ignored);
@@ -27,8 +27,8 @@ Where the families' tests live: ``parity-*``, ``knobs`` and ``checkpoints`` are 
 --pyargs harness.conformance.seeds.fsdp_core ...``, ``...engine_layout``, ``...torch_common_fsdp``), which
 the suites collect by import (see that package's docstring): every family runs from an installed package
 as from a checkout, and none reads the repository's ``suites/``. The selected families of test modules share
-one pytest child (``CertifyRun.tests``, one ``tests.xml``): each starts Python, torch and its ranks once a
-certificate, not once a family.
+one pytest child (``CertifyRun.tests``, one ``tests.xml``), so that Python, torch and the child's ranks start
+once a certificate, not once a family.
 """
 
 from __future__ import annotations
