@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli.certify import (FLAT_PARAM_TESTS, FULL_PORTED, PORTED_MODULES, QUICK_PORTED, REPO, PytestSelection,
-                                 pytest_selection)
+from harness.cli.certify import (FLAT_PARAM_TESTS, FULL_PORTED, PORTED_MODULES, QUICK_PORTED, QUICK_TORCH_COMMON_TESTS,
+                                 REPO, TORCH_COMMON_TESTS, PytestSelection, pytest_selection)
 from harness.cli.fuzz import parse_fuzz_totals
 from harness.pytest_plugin.xdist_groups import one_worker
 
@@ -104,13 +104,16 @@ def test_certify_runs_the_shipped_families_from_the_installed_package_in_one_pyt
 def test_one_pytest_child_narrows_each_family_to_its_own_tests() -> None:
     """The child's ``-k`` keeps a family's chosen tests of its own modules and every test of the others, and
     each family counts only its modules' test cases."""
-    args, timeout_s = pytest_selection([QUICK_PORTED, FLAT_PARAM_TESTS, FULL_PORTED])
-    modules = args[1:args.index("-k")]
-    assert args[0] == "--pyargs" and len(modules) == len(set(modules)) == len(PORTED_MODULES) + 1
-    assert args[args.index("-k") + 1] == (
-        "(not (seed_parity.py) or (check_parity_nested_wrapped_model or check_parity_transformer))")
-    assert timeout_s == QUICK_PORTED.timeout_s + FLAT_PARAM_TESTS.timeout_s + FULL_PORTED.timeout_s
-    assert pytest_selection([FLAT_PARAM_TESTS]) == (["--pyargs", "harness.conformance.engine_layout"], 900)
+    # A --quick certificate on CUDA ranks: the three families of test modules.
+    args, timeout_s = pytest_selection([QUICK_PORTED, FLAT_PARAM_TESTS, QUICK_TORCH_COMMON_TESTS])
+    assert args == ["--pyargs", "harness.conformance.seeds.seed_parity", "harness.conformance.engine_layout",
+                    "harness.conformance.torch_common_fsdp",
+                    "-k", "(not (seed_parity.py) or (check_parity_nested_wrapped_model or check_parity_transformer))"]
+    assert timeout_s == 3 * 900
+    # Without --quick the seeds' modules hold torch_common_fsdp too: it runs once, and both families count it.
+    args, _ = pytest_selection([FULL_PORTED, TORCH_COMMON_TESTS])
+    assert args == ["--pyargs", *PORTED_MODULES] and TORCH_COMMON_TESTS.modules[0] in PORTED_MODULES
+    assert FULL_PORTED.owns("harness.conformance.torch_common_fsdp.TestTorchParityMachinery")
     two = PytestSelection(("a.b.one", "a.two"), keyword="x or y")
     assert two.narrowing() == "(not (one.py or two.py) or (x or y))"
     assert two.owns("a.b.one") and two.owns("a.two.TestClass") and not two.owns("a.b.one_more") and not two.owns("a.b")
