@@ -147,6 +147,7 @@ class CertifyRun:
     #: the families this run judges (``--families``): those of test modules share one pytest child.
     families: Sequence[Family] = ()
     _records: list[CaseRecord] | None = field(default=None, repr=False)
+    _selections: dict[str, PytestSelection | str] | None = field(default=None, repr=False)
     _tests: tuple[list[tuple[str, str, str]], str] | None = field(default=None, repr=False)
 
     @property
@@ -184,21 +185,22 @@ class CertifyRun:
                                  + "; ".join(session.runner.lane_errors))
         return session.records
 
-    def selection(self, family: str) -> PytestSelection | str:
-        """The tests family ``family`` runs here, or why it runs none (its note)."""
-        (found,) = [f for f in self.families if f.name == family]
-        assert found.tests is not None, f"{family} is not a family of test modules"
-        return found.tests(self)
+    def selections(self) -> dict[str, PytestSelection | str]:
+        """Per selected family of test modules, the tests it runs here or why it runs none (its note),
+        decided once: the child's arguments and each family's share of its results read the same."""
+        if self._selections is None:
+            self._selections = {f.name: f.tests(self) for f in self.families if f.tests}
+        return self._selections
 
     def tests(self, family: str) -> tuple[list[tuple[str, str, str]], str]:
         """Family ``family``'s ``(node, outcome, message)`` per test, and the output's tail, of the one pytest
         child that runs the tests of every selected family (run on first use: one start-up, not one a family)."""
+        chosen = self.selections()
         if self._tests is None:
-            selections = [sel for f in self.families
-                          if f.tests and isinstance(sel := self.selection(f.name), PytestSelection)]
-            self._tests = self.pytest(*pytest_selection(selections))
+            run = [s for s in chosen.values() if isinstance(s, PytestSelection)]
+            self._tests = self.pytest(*pytest_selection(run))
         found, tail = self._tests
-        selection = self.selection(family)
+        selection = chosen[family]
         assert isinstance(selection, PytestSelection), selection
         return [t for t in found if selection.owns(t[0].split("::")[0])], tail
 
@@ -303,7 +305,7 @@ def torch_common_tests(run: CertifyRun) -> PytestSelection | str:
 
 
 def judge_tests(run: CertifyRun, result: FamilyResult) -> None:
-    selection = run.selection(result.name)
+    selection = run.selections()[result.name]
     if isinstance(selection, str):
         result.note = selection
     else:
