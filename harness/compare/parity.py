@@ -83,7 +83,6 @@ from harness.ranks.stacks import portable_paths
 __all__ = ["FAULTS", "RankResult", "knob_checks_off", "non_finite_line", "record_from_outcome", "run_case_on_rank",
            "smoke_refusal", "unsupported_here"]
 
-
 #: Fault injections a case can ask for with ``extras=(("fault", name),)``; they prove the pool's
 #: watchdog (a rank that skips a collective, hangs in its first forward while rank 0 waits for it,
 #: exits, segfaults or raises), the comparison (rank 1's engine gradient nudged after every backward),
@@ -440,8 +439,9 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     policy = _null_gradient_policy(TolerancePolicy.for_precision(spec, budgets, source), case, model, reference, ctx,
                                    adapter.sums_in_own_order)
     findings = compare_observations(engine, reference, policy)
-    checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
     clock.lap("compare")
+    checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
+    clock.lap("knobs")
 
     deterministic: bool | None = None
     nondeterminism = ""

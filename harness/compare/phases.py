@@ -14,8 +14,9 @@ first step to its last with nothing counted twice:
   over the ranks, and the final parameters (``harness.compare.training.observing``; on CUDA a read that waits
   for kernels the step queued counts that wait here: a synchronization to separate them would hide engines'
   stream races);
-- ``compare``: the tolerance policy, ``compare_observations`` and the knob checks (which rerun a short
-  prefetch baseline or an offload probe for the cases that set those knobs);
+- ``compare``: the tolerance policy and ``compare_observations``;
+- ``knobs``: the knob checks (which rerun a short prefetch baseline or an offload probe for the cases that set
+  those knobs);
 - ``determinism``: the second run of a ``check_determinism`` case.
 
 The record keeps the busiest rank's phases (``busiest``: the rank whose job took longest, which the round
@@ -40,7 +41,7 @@ BEFORE_JOB: tuple[str, ...] = ("pool_start_s", "slot_wait_s")
 TIMING_DETAIL: tuple[str, ...] = ("engine_s", "reference_s", "phases_s", "handoff_s", *BEFORE_JOB, "runs")
 
 #: the phases of one case on one rank, in the order they run.
-PHASES: tuple[str, ...] = ("setup", "reference", "build", "steps", "observe", "compare", "determinism")
+PHASES: tuple[str, ...] = ("setup", "reference", "build", "steps", "observe", "compare", "knobs", "determinism")
 
 
 class PhaseClock:
