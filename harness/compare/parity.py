@@ -60,7 +60,7 @@ from harness.compare.knobs import (
 )
 from harness.compare.offload_probe import probe_offload_placement
 from harness.compare.phases import BEFORE_JOB, PhaseClock, busiest, handoff_s
-from harness.compare.prefetch_baseline import baseline_events
+from harness.compare.prefetch_baseline import baseline_events, baseline_steps, keep_own_run
 from harness.compare.reference_cache import CachedReference, ReferenceCache, cacheable, consensus, reference_key
 from harness.compare.resume import run_resumed
 from harness.compare.stress import Stress
@@ -192,7 +192,7 @@ def knob_checks(
         # A fresh build's step, after the compared run ([Note: a throwaway step, not the compared run]).
         probe = probe_offload_placement(adapter, case, ctx)
         checks.append(check_offload_placement(probe.log, probe.compute_device, probe.not_observed))
-    probe_steps = min(2, case.steps)
+    probe_steps = baseline_steps(case)
     window = range(probe_steps)
     if case.backward_prefetch != "none":
         if adapter.supports_prefetch_baseline(case):
@@ -432,6 +432,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     clock.lap("reference")
     engine = _run_engine(adapter, case, ctx, case.steps, clock)
+    keep_own_run(case, ctx, engine.events)
     clock.lap("steps")
     clock.move(engine.observe_s, "steps", "observe")
     peak = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device_type == "cuda" else 0

@@ -93,9 +93,10 @@ def prefetch_baselines(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
     """``case``'s prefetch baseline through the cache, then its other reference's (read back) and a faulted
     twin's (run again): the runs each needed, and whether the traces agree."""
     from harness.compare.parity import _run_engine
-    from harness.compare.prefetch_baseline import baseline_events
+    from harness.compare.prefetch_baseline import BASELINES, baseline_events
     from harness.engines.registry import resolve
 
+    BASELINES._entries.clear()  # an earlier case's own run may have kept this configuration's
     runs: list[str] = []
 
     def counted(adapter: Any, c: CaseConfig, rank_ctx: RankContext, steps: int) -> Any:
@@ -108,6 +109,35 @@ def prefetch_baselines(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
     fresh = _run_engine(adapter, case, ctx, 2).events
     faulted = baseline_events(counted, adapter, case.replace(extras=(("fault", "ignore_option:none"),)), ctx, 2)
     return {"runs": runs, "same": first == other == fresh, "faulted_ran": len(faulted) > 0}
+
+
+def own_run_as_baseline(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
+    """``case``'s own run kept as a baseline (``keep_own_run``), against a fresh baseline run of it: whether one
+    was kept, whether the traces agree, and the fresh trace's length."""
+    from harness.compare.parity import _run_engine
+    from harness.compare.prefetch_baseline import BASELINES, baseline_key, baseline_steps, keep_own_run
+    from harness.engines.registry import resolve
+
+    BASELINES._entries.clear()
+    adapter = resolve(case.engine)
+    keep_own_run(case, ctx, _run_engine(adapter, case, ctx, case.steps).events)
+    steps = baseline_steps(case)
+    kept = BASELINES.get(baseline_key(case, steps, ctx))
+    fresh = _run_engine(adapter, case, ctx, steps).events
+    return {"kept": kept is not None, "same": kept == fresh, "events": len(fresh)}
+
+
+def clear_baselines(ctx: RankContext, payload: Any) -> int:
+    from harness.compare.prefetch_baseline import BASELINES
+
+    BASELINES._entries.clear()
+    return BASELINES.hits
+
+
+def baseline_hits(ctx: RankContext, payload: Any) -> int:
+    from harness.compare.prefetch_baseline import BASELINES
+
+    return BASELINES.hits
 
 
 def object_gathers_of_a_run(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:

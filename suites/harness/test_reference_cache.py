@@ -92,3 +92,48 @@ def test_a_prefetch_baseline_runs_once_per_configuration_and_matches_a_fresh_run
     for value in outcome.values:
         assert value["runs"] == ["ddp", "ddp"], value  # the local twin read it; the faulted one ran
         assert value["same"] and value["faulted_ran"], value
+
+
+OWN_RUNS = [BASE.replace(reference="ddp", steps=5), BASE.replace(engine="torch-fsdp", sharding_strategy="no_shard", steps=3),
+            BASE.replace(engine="torch-fsdp", use_orig_params=True, forward_prefetch=True, grad_accum="no_sync"),
+            BASE.replace(engine="torch-fsdp2", backward_prefetch="pre", activation_checkpointing="non_reentrant"),
+            BASE.replace(sharding_strategy="shard_grad_op", cpu_offload=True, init_mode="after", steps=1)]
+
+
+@pytest.mark.parametrize("case", OWN_RUNS, ids=lambda c: f"{c.engine}-{c.case_id}-steps{c.steps}")
+def test_a_case_s_own_run_is_the_trace_a_baseline_run_of_it_records(parity_pool: RankPool, case: CaseConfig) -> None:
+    import harness_jobs
+
+    outcome = parity_pool.run(harness_jobs.own_run_as_baseline, case)
+    assert outcome.status == "ok", outcome.reason
+    for value in outcome.values:
+        assert value["kept"] and value["same"] and value["events"] > 0, value
+
+
+@pytest.mark.parametrize("case", [BASE.replace(backward_prefetch="pre", forward_prefetch=True), BASE.replace(checkpoint="full"),
+                                  BASE.replace(compile="compiled"), BASE.replace(extras=(("fault", "ignore_option:none"),))],
+                         ids=["both_on", "checkpoint", "compiled", "faulted"])
+def test_no_run_is_kept_that_no_check_asks_for_or_that_a_baseline_run_would_not_repeat(case: CaseConfig) -> None:
+    from harness.compare.prefetch_baseline import BASELINES, keep_own_run
+
+    ctx = RankContext(0, 2, 0, 2, "gloo", CPU)
+    before = len(BASELINES)
+    keep_own_run(case, ctx, [])
+    assert len(BASELINES) == before
+
+
+@pytest.mark.parametrize("prefetch", [{"backward_prefetch": "post"}, {"forward_prefetch": True}], ids=["backward", "forward"])
+def test_a_baseline_kept_from_a_case_s_own_run_gives_bitwise_the_record_of_a_baseline_run(
+        parity_pool: RankPool, prefetch: dict[str, Any]) -> None:
+    import harness_jobs
+
+    plain = BASE.replace(engine="torch-fsdp", reference="ddp", steps=3)
+    case = plain.replace(reference="local", **prefetch)
+    before = parity_pool.run(harness_jobs.clear_baselines, None).values
+    _quantities(parity_pool, plain)
+    kept = _quantities(parity_pool, case)
+    assert [h - b for h, b in zip(parity_pool.run(harness_jobs.baseline_hits, None).values, before)] == [1, 1], "plain's run"
+    before = parity_pool.run(harness_jobs.clear_baselines, None).values
+    assert _quantities(parity_pool, case) == kept
+    assert parity_pool.run(harness_jobs.baseline_hits, None).values == before, "ran its own baseline"
+    assert [k["status"] for k in kept["detail"]["knobs"] if k["knob"] in prefetch] == ["ok"], kept["detail"]["knobs"]
