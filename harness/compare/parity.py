@@ -426,7 +426,6 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
     clock.lap("setup")
     known = _reference_with_budgets(case, spec, source, ctx)
     reference, budgets, resolvable, notes = known.reference, known.budgets, known.resolvable, list(known.notes)
-
     if ctx.device_type == "cuda":
         torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)

@@ -3,8 +3,10 @@ that records without ranks."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,14 @@ parity_pool = rank_pool_fixture(2, timeout_s=180.0, scope="session",
                                 doc="Two ranks for parity cases, started once for the whole harness suite.")
 gpu_pool = rank_pool_fixture(2, "cuda", timeout_s=300.0, doc=(
     "Two ranks on the GPUs, for the GPU-only tests: NCCL with one GPU each, or gloo with both on one GPU."))
+
+
+@pytest.fixture
+def run_tmp() -> Iterator[Path]:
+    """A temporary directory with a short path, for a child process's ``TMPDIR``: its forkserver binds a Unix
+    socket in it (107 bytes at most), which pytest's ``tmp_path`` (numbered runs, the test's name) can outgrow."""
+    with tempfile.TemporaryDirectory(prefix="run-") as path:
+        yield Path(path)
 
 
 @pytest.fixture(scope="module")

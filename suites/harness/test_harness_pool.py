@@ -226,11 +226,11 @@ _CHILD = textwrap.dedent(
 
 
 @pytest.mark.parametrize("how", ["sigint", "sigkill"])
-def test_ctrl_c_or_a_killed_parent_leaves_no_rank_behind(tmp_path: Path, how: str) -> None:
+def test_ctrl_c_or_a_killed_parent_leaves_no_rank_behind(tmp_path: Path, run_tmp: Path, how: str) -> None:
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(paths=[str(ROOT), str(Path(__file__).parent)]))
-    # A parent killed with SIGKILL cannot remove the pool's directory: keep it under tmp_path.
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    # A parent killed with SIGKILL cannot remove the pool's directory: keep it in a directory of the test's.
+    env = {**os.environ, "TMPDIR": str(run_tmp)}
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -283,14 +283,14 @@ _CHILD_SIGNALLED_ELSEWHERE = textwrap.dedent(
 )
 
 
-def test_ctrl_c_that_the_kernel_hands_to_another_thread_still_stops_the_wait(tmp_path: Path) -> None:
+def test_ctrl_c_that_the_kernel_hands_to_another_thread_still_stops_the_wait(tmp_path: Path, run_tmp: Path) -> None:
     # A process-wide SIGINT may be delivered to any thread that does not block it (the TCPStore's server
     # thread, a lane): Python's handler then only flags it, and a main thread asleep in a long wait on the
     # ranks would not see it until the case's timeout. Sent to a side thread on purpose here.
     script = tmp_path / "child.py"
     script.write_text(_CHILD_SIGNALLED_ELSEWHERE.format(paths=[str(ROOT), str(Path(__file__).parent)]))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
+                          env={**os.environ, "TMPDIR": str(run_tmp)})
     assert done.returncode == 0 and done.stdout.startswith("interrupted after "), done.stdout + done.stderr[-3000:]
     assert float(done.stdout.split()[2]) < 5.0, done.stdout
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,14 +15,6 @@ from harness.collect.collector import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--matrix", "smoke", "--models", "nested", "--steps", "1", "--no-progress"]
-
-
-@pytest.fixture
-def run_tmp() -> Iterator[Path]:
-    """A run's own temporary directory, with a short path: its forkserver binds a Unix socket in it (107 bytes
-    at most), and pytest's ``tmp_path`` (numbered runs, the test's name) can outgrow that."""
-    with tempfile.TemporaryDirectory(prefix="run-") as path:
-        yield Path(path)
 
 
 def _start_run(tmp: Path, out: Path, *also: str) -> tuple[subprocess.Popen[str], Path]:

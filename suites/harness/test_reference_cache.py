@@ -97,7 +97,7 @@ def test_a_prefetch_baseline_runs_once_per_configuration_and_matches_a_fresh_run
 OWN_RUNS = [BASE.replace(reference="ddp", steps=5), BASE.replace(engine="torch-fsdp", sharding_strategy="no_shard", steps=3),
             BASE.replace(engine="torch-fsdp", use_orig_params=True, forward_prefetch=True, grad_accum="no_sync"),
             BASE.replace(engine="torch-fsdp2", backward_prefetch="pre", activation_checkpointing="non_reentrant"),
-            BASE.replace(sharding_strategy="shard_grad_op", cpu_offload=True, init_mode="after", steps=1)]
+            BASE.replace(sharding_strategy="shard_grad_op", cpu_offload=True, steps=1)]
 
 
 @pytest.mark.parametrize("case", OWN_RUNS, ids=lambda c: f"{c.engine}-{c.case_id}-steps{c.steps}")
