@@ -166,11 +166,11 @@ def _sharded_units(model: ZooModel) -> int:
 
 
 def knob_checks(
-    adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, spec: PrecisionSpec, engine: Observation
+    adapter: EngineAdapter, case: CaseConfig, ctx: RankContext, spec: PrecisionSpec, engine: Observation, model: ZooModel
 ) -> list[KnobCheck]:
-    """Every knob of the case against what the engine did; prefetch settings rerun a short baseline,
-    CPU offload a one-step placement probe (``harness.compare.offload_probe``)."""
-    model = build_model(case.model, seed=case.seed, rank=ctx.rank, world_size=ctx.world_size)
+    """Every knob of the case against what the engine did (``model``: the case's model as built, untrained, whose
+    units the sharding check counts); prefetch settings rerun a short baseline, CPU offload a one-step
+    placement probe (``harness.compare.offload_probe``)."""
     events = engine.events
     facts = engine.facts if engine.facts is not None else EngineFacts(set(), None)
     hybrid = None
@@ -440,7 +440,7 @@ def run_case_on_rank(ctx: RankContext, case: CaseConfig) -> RankResult:
                                    adapter.sums_in_own_order)
     findings = compare_observations(engine, reference, policy)
     clock.lap("compare")
-    checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine)
+    checks = [] if knob_checks_off(case) else knob_checks(adapter, case, ctx, spec, engine, model)
     clock.lap("knobs")
 
     deterministic: bool | None = None
