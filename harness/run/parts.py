@@ -5,7 +5,11 @@ each must run a part of the selected cases such that the parts are disjoint, cov
 take about the same time. ``partition`` is a pure function of the selected cases in their order, N and
 a cost per case: every case goes to exactly one part (longest processing time first: the costliest
 case to the least loaded part, ties to the lower part, then the earlier case), and each part keeps the
-selection's order. A case's cost is its wall time in an earlier results file where one is given
+selection's order. Cases that share work on the ranks go together (``groups``: the session groups them by
+trained configuration, ``harness.compare.reference_cache.trained_fields``): a rank process keeps the references
+of a trained configuration and the prefetch baselines of the configurations in it, which its cases reuse only
+within one part; a group larger than half a part's fair share is cut into runs of consecutive cases, so that
+the parts stay balanced within one such run. A case's cost is its wall time in an earlier results file where one is given
 (``--part-costs``), else an estimate from its world size and steps (``estimate_s``), scaled to the
 measured ones where some are known so that both speak seconds.
 
@@ -22,7 +26,7 @@ import hashlib
 import json
 import os
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ __all__ = [
     "read_costs",
     "resolve_part",
     "part_from_env",
+    "units",
 ]
 
 #: the explicit variables of a CI matrix (and the count of a Kubernetes Indexed Job, which gives none).
@@ -187,12 +192,14 @@ class Partition:
     #: the cost of every selected case, seconds, rounded as hashed.
     costs: Mapping[str, float]
     parts: tuple[tuple[str, ...], ...]
+    #: the runs of cases that went to a part together (each a tuple of full ids), in the order they were placed.
+    units: tuple[tuple[str, ...], ...] = ()
 
     @property
     def id(self) -> str:
-        """A hash of N, the selection id and the costs: equal ids are the same partition."""
-        text = json.dumps({"count": self.count, "selection": self.selection_id, "costs": dict(sorted(self.costs.items()))},
-                          sort_keys=True)
+        """A hash of N, the selection id, the costs and the cases kept together: equal ids are the same partition."""
+        text = json.dumps({"count": self.count, "selection": self.selection_id, "costs": dict(sorted(self.costs.items())),
+                           "together": sorted(sorted(u) for u in self.units if len(u) > 1)}, sort_keys=True)
         return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
     def loads(self) -> list[float]:
@@ -200,25 +207,53 @@ class Partition:
         return [sum(self.costs[i] for i in part) for part in self.parts]
 
 
-def partition(case_ids: Sequence[str], count: int, costs: Mapping[str, float], selection_id: str) -> Partition:
+def partition(case_ids: Sequence[str], count: int, costs: Mapping[str, float], selection_id: str,
+              groups: Mapping[str, Hashable] | None = None) -> Partition:
     """Cut ``case_ids`` (the selection, in order) into ``count`` parts balanced by ``costs`` (seconds per
-    full id; every id must have one): longest processing time first, which keeps the largest part
-    within 4/3 of the optimum. Deterministic: ties go to the earlier case and the lower part. A part
-    may be empty when there are fewer cases than parts."""
+    full id; every id must have one): longest processing time first over ``units`` (each case alone without
+    ``groups``, a group key per full id), which keeps the largest part within 4/3 of the optimum. Deterministic:
+    ties go to the earlier unit and the lower part. A part may be empty when there are fewer units than parts."""
     if count < 1:
         raise PartError(f"--part: N={count} must be at least 1")
     if len(set(case_ids)) != len(case_ids):
         raise ValueError("partition: the selection lists a case twice")
     rounded = {i: round(float(costs[i]), 3) for i in case_ids}
-    order = sorted(range(len(case_ids)), key=lambda pos: (-rounded[case_ids[pos]], pos))
+    runs = units(case_ids, rounded, count, groups)
+    cost = [sum(rounded[i] for i in run) for run in runs]
+    order = sorted(range(len(runs)), key=lambda u: (-cost[u], u))
     loads = [0.0] * count
-    owner: dict[int, int] = {}
-    for pos in order:
+    owner: dict[str, int] = {}
+    for u in order:
         part = min(range(count), key=lambda k: (loads[k], k))
-        owner[pos] = part
-        loads[part] += rounded[case_ids[pos]]
-    parts = tuple(tuple(case_ids[pos] for pos in range(len(case_ids)) if owner[pos] == k) for k in range(count))
-    return Partition(count, selection_id, rounded, parts)
+        owner.update(dict.fromkeys(runs[u], part))
+        loads[part] += cost[u]
+    parts = tuple(tuple(i for i in case_ids if owner[i] == k) for k in range(count))
+    return Partition(count, selection_id, rounded, parts, tuple(runs[u] for u in order))
+
+
+def units(case_ids: Sequence[str], costs: Mapping[str, float], count: int,
+          groups: Mapping[str, Hashable] | None) -> list[tuple[str, ...]]:
+    """What ``partition`` places whole, in the selection's order of their first cases: each case alone without
+    ``groups``, else each group's cases, a group costing more than half a part's fair share (``costs``'s sum over
+    ``count``) cut into runs of consecutive cases of about that much."""
+    if groups is None:
+        return [(i,) for i in case_ids]
+    members: dict[Hashable, list[str]] = {}
+    for i in case_ids:
+        members.setdefault(groups[i], []).append(i)
+    limit = sum(costs.values()) / count / 2
+    out: list[tuple[str, ...]] = []
+    for ids in members.values():
+        run: list[str] = []
+        run_cost = 0.0
+        for i in ids:
+            if run and run_cost + costs[i] > limit:
+                out.append(tuple(run))
+                run, run_cost = [], 0.0
+            run.append(i)
+            run_cost += costs[i]
+        out.append(tuple(run))
+    return out
 
 
 def measured_costs(records: Iterable[Any]) -> dict[str, float]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.cases.case import CaseConfig
 from harness.cases.records import FAILING, CaseRecord
+from harness.compare.reference_cache import trained_fields
 from harness.ranks.mps import MpsDaemon, MpsState
 from harness.ranks.placement import Lane
 from harness.run.runner import CaseRunner, Progress, Selection, Tee, select_cases
@@ -131,7 +132,7 @@ def _cut(cases: Sequence[CaseConfig], selection_id: str, given: PartSpec | str |
     measured = read_costs(costs_path) if costs_path is not None else {}
     by_id = {c.full_id: c for c in cases}
     costs = case_costs({i: c.to_dict() for i, c in by_id.items()}, measured)
-    cut = partition(list(by_id), spec.count, costs, selection_id)
+    cut = partition(list(by_id), spec.count, costs, selection_id, {i: trained_fields(c) for i, c in by_id.items()})
     record = {"index": spec.index, "count": spec.count, "partition": cut.id, "case_ids": list(cut.parts[spec.index]),
               "costs_from": str(costs_path) if costs_path is not None else "estimate",
               "measured": sum(1 for i in by_id if i in measured)}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from harness.cases.records import CaseRecord, RunInfo
+from harness.compare.reference_cache import trained_fields
 from harness.cli import main
 from harness.collect.collector import ResultWriter, read_records, record_full_id
 from harness.run.runner import Selection, select_cases
@@ -28,6 +29,7 @@ from harness.run.parts import (
     partition,
     read_costs,
     part_from_env,
+    units,
 )
 from harness.run.stored_selection import read_selection
 
@@ -88,6 +90,33 @@ def test_the_partition_is_deterministic_and_its_id_names_n_selection_and_costs()
     assert partition(["x"], 3, {"x": 1.0}, "sel").parts == (("x",), (), ())
     with pytest.raises(ValueError, match="twice"):
         partition(["x", "x"], 2, {"x": 1.0}, "sel")
+
+
+def test_cases_of_one_group_go_to_one_part_and_a_large_group_is_cut_into_runs() -> None:
+    ids = [f"c{i}" for i in range(12)]
+    costs = dict.fromkeys(ids, 1.0)
+    groups = {i: int(i[1:]) % 4 for i in ids}  # four groups of three, interleaved in the selection
+    cut = partition(ids, 2, costs, "sel", groups)
+    assert {frozenset(groups[i] for i in part) for part in cut.parts} == {frozenset({0, 2}), frozenset({1, 3})}
+    assert cut.loads() == [6.0, 6.0] and cut.id != partition(ids, 2, costs, "sel").id, "the id names the grouping"
+    # A group over half a part's fair share (12 / 4 / 2 = 1.5) is cut into runs of consecutive cases.
+    assert units(ids, costs, 4, dict.fromkeys(ids, "one")) == [tuple(ids[k:k + 1]) for k in range(12)]
+    assert units(ids, costs, 2, dict.fromkeys(ids, "one")) == [tuple(ids[k:k + 3]) for k in range(0, 12, 3)]
+    assert units(ids, costs, 2, None) == [(i,) for i in ids]
+
+
+def test_a_part_keeps_every_trained_configuration_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its references and the prefetch baselines of its configurations are computed in one part's ranks only."""
+    cases = {c.full_id: c for c in select_cases(Selection(matrix="pairwise"), [2, 4])}
+    parts = [_listed(capsys, *PAIRWISE, "--part", f"{k}/3") for k in range(1, 4)]
+    owner = {trained_fields(cases[i]): k for k, part in enumerate(parts) for i in part}
+    assert all(owner[trained_fields(cases[i])] == k for k, part in enumerate(parts) for i in part)
+    assert len(set(owner.values())) == 3
+    # The default nightly's 29,120 cases in three parts: 56 configurations, none cut, the parts within 5 %.
+    full = select_cases(Selection(matrix="full"), [2, 4])
+    costs = {c.full_id: estimate_s(c.to_dict()) for c in full}
+    cut = partition(list(costs), 3, costs, "sel", {c.full_id: trained_fields(c) for c in full})
+    assert len(cut.units) == 56 and max(cut.loads()) / (sum(cut.loads()) / 3) < 1.05, cut.loads()
 
 
 def test_unmeasured_cases_are_estimated_in_the_measured_seconds() -> None:
