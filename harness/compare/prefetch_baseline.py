@@ -13,8 +13,10 @@ A case's own run is itself the baseline of the cases that differ from it in a pr
 since a step's collectives are issued within it (a later step's are marked with their own step) and what
 the harness reads after a step is outside the trace. The default nightly's cases ask for a baseline
 34,720 times over 10,640 configurations; 32,480 of the asks are for a configuration that is a case of the
-nightly itself, which the runner's lanes take in the generator's order (prefetch off first) by trained
-configuration (``harness.run.case_queue``), so most asks find the case's sibling's run kept.
+nightly itself. The runner's lanes take a trained configuration's cases together in the generator's order,
+prefetch off first (``harness.run.case_queue``), and a part holds the whole configuration
+(``harness.run.parts``), so there most asks find a sibling's run kept; a time budget's sampled order spreads the
+siblings over the run, where they rarely meet on one rank.
 
 Cases with an injected fault or stress delays never use it, and the ranks agree on a hit collectively
 (``harness.compare.reference_cache.consensus``), as for the references.

@@ -6,12 +6,12 @@ take about the same time. ``partition`` is a pure function of the selected cases
 a cost per case: every case goes to exactly one part (longest processing time first: the costliest
 case to the least loaded part, ties to the lower part, then the earlier case), and each part keeps the
 selection's order. Cases that share work on the ranks go together (``groups``: the session groups them by
-trained configuration, ``harness.compare.reference_cache.trained_fields``): a rank process keeps the references
-of a trained configuration and the prefetch baselines of the configurations in it, which its cases reuse only
-within one part; a group larger than half a part's fair share is cut into runs of consecutive cases, so that
-the parts stay balanced within one such run. A case's cost is its wall time in an earlier results file where one is given
-(``--part-costs``), else an estimate from its world size and steps (``estimate_s``), scaled to the
-measured ones where some are known so that both speak seconds.
+trained configuration, ``harness.compare.reference_cache.trained_fields``): a rank process keeps the
+references of a trained configuration and the prefetch baselines of the configurations in it, which its cases
+reuse only within one part; a group larger than half a part's fair share is cut into runs of consecutive
+cases, so that the parts stay balanced within one such run. A case's cost is its wall time in an earlier
+results file where one is given (``--part-costs``), else an estimate from its world size and steps
+(``estimate_s``), scaled to the measured ones where some are known so that both speak seconds.
 
 Every part records the partition's identity (``Partition.id``: a hash of N, the selection id and the
 costs used), so parts cut from different partitions are never merged as one night, and its own case
