@@ -100,7 +100,7 @@ OWN_RUNS = [BASE.replace(reference="ddp", steps=5), BASE.replace(engine="torch-f
             BASE.replace(sharding_strategy="shard_grad_op", cpu_offload=True, steps=1)]
 
 
-@pytest.mark.parametrize("case", OWN_RUNS, ids=lambda c: f"{c.engine}-{c.case_id}-steps{c.steps}")
+@pytest.mark.parametrize("case", OWN_RUNS, ids=lambda c: f"{c.engine}-{c.case_id}")
 def test_a_case_s_own_run_is_the_trace_a_baseline_run_of_it_records(parity_pool: RankPool, case: CaseConfig) -> None:
     import harness_jobs
 
