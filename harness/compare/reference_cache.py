@@ -100,5 +100,9 @@ class ReferenceCache(Generic[T]):
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def clear(self) -> None:
+        """Forget every entry (the hit count stays: it counts over the process's life)."""
+        self._entries.clear()
+
     def __len__(self) -> int:
         return len(self._entries)

@@ -96,7 +96,7 @@ def prefetch_baselines(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
     from harness.compare.prefetch_baseline import BASELINES, baseline_events
     from harness.engines.registry import resolve
 
-    BASELINES._entries.clear()  # an earlier case's own run may have kept this configuration's
+    BASELINES.clear()  # an earlier case's own run may have kept this configuration's
     runs: list[str] = []
 
     def counted(adapter: Any, c: CaseConfig, rank_ctx: RankContext, steps: int) -> Any:
@@ -118,7 +118,7 @@ def own_run_as_baseline(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
     from harness.compare.prefetch_baseline import BASELINES, baseline_key, baseline_steps, keep_own_run
     from harness.engines.registry import resolve
 
-    BASELINES._entries.clear()
+    BASELINES.clear()
     adapter = resolve(case.engine)
     keep_own_run(case, ctx, _run_engine(adapter, case, ctx, case.steps).events)
     steps = baseline_steps(case)
@@ -130,7 +130,7 @@ def own_run_as_baseline(ctx: RankContext, case: CaseConfig) -> dict[str, Any]:
 def clear_baselines(ctx: RankContext, payload: Any) -> int:
     from harness.compare.prefetch_baseline import BASELINES
 
-    BASELINES._entries.clear()
+    BASELINES.clear()
     return BASELINES.hits
 
 

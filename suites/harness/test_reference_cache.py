@@ -53,7 +53,7 @@ def test_the_least_recently_used_entry_goes_first() -> None:
 
 
 def clear_references(ctx: RankContext, payload: Any) -> int:
-    parity.REFERENCES._entries.clear()
+    parity.REFERENCES.clear()
     return parity.REFERENCES.hits
 
 
